@@ -1,0 +1,52 @@
+# Every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CI and `make install` take the CPU wheel; for CUDA: make install TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+# The main job: a local cluster training on Fashion-MNIST.
+RUN_ARGS ?= --workers 2 --policy delay-1 --model mlp --epochs 5
+
+.PHONY: install data proto lint typecheck test run clean
+
+install: $(VENV)/.installed data
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# Fashion-MNIST comes from Debian's package dataset-fashion-mnist.
+data:
+	@if dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+	else \
+		echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', or pass --data-dir with a folder of IDX files."; \
+	fi
+
+# Regenerates paramserver/_proto from protos/ (the generated code is committed).
+proto: $(VENV)/.installed
+	rm -rf $(VENV)/proto-out && mkdir -p $(VENV)/proto-out
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(VENV)/proto-out --pyi_out=$(VENV)/proto-out \
+		--grpc_python_out=$(VENV)/proto-out protos/paramserver/v1/paramserver.proto
+	sed -i 's/^from paramserver\.v1 import/from paramserver._proto import/' \
+		$(VENV)/proto-out/paramserver/v1/paramserver_pb2_grpc.py
+	cp $(VENV)/proto-out/paramserver/v1/paramserver_pb2*.py* paramserver/_proto/
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check paramserver tests
+	$(PY) -m ruff format --check paramserver tests
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy paramserver
+
+test: install
+	$(PY) -m pytest -q
+
+run: install
+	$(PY) -m paramserver launch $(RUN_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
