@@ -1,0 +1,241 @@
+"""The only code that turns tensors into bytes and back.
+
+A model's parameters travel as ONE flat little-endian buffer, described by a Manifest
+(name, shape, dtype, byte offset of each tensor) agreed at Join. On the wire a payload is a
+header message followed by data chunks of about ``chunk_bytes`` each; a receiver writes the
+chunks straight into a buffer allocated once for the whole payload.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.errors import ConfigError, InvalidRequest
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+# The only dtype the server-side optimizer keeps today; the manifest carries the name so
+# that the format can grow without a wire change.
+SUPPORTED_DTYPES = {"float32": np.float32}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor lives in the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The layout of the flat buffer: every tensor's name, shape, dtype and offset."""
+
+    tensors: tuple[TensorSpec, ...]
+    total_bytes: int
+
+    @classmethod
+    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
+        """Lay out the tensors one after another, in the order given.
+
+        Raises:
+            ConfigError: a tensor has a dtype the server cannot hold.
+        """
+        specs = []
+        offset = 0
+        for name, t in named:
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in SUPPORTED_DTYPES:
+                raise ConfigError(
+                    f"Parameter {name!r} has dtype {dtype}; paramserver holds float32 "
+                    "parameters only. Convert the model with model.float() first."
+                )
+            nbytes = t.numel() * t.element_size()
+            specs.append(TensorSpec(name, tuple(t.shape), dtype, offset, nbytes))
+            offset += nbytes
+        return cls(tuple(specs), offset)
+
+    @property
+    def numel(self) -> int:
+        """Elements in the flat buffer (all tensors are float32)."""
+        return self.total_bytes // 4
+
+    def to_proto(self) -> pb.Manifest:
+        return pb.Manifest(
+            tensors=[
+                pb.TensorSpec(
+                    name=s.name, shape=s.shape, dtype=s.dtype, offset=s.offset, nbytes=s.nbytes
+                )
+                for s in self.tensors
+            ],
+            total_bytes=self.total_bytes,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.Manifest) -> Manifest:
+        return cls(
+            tuple(
+                TensorSpec(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes) for t in msg.tensors
+            ),
+            msg.total_bytes,
+        )
+
+    def check_compatible(self, other: Manifest, what: str) -> None:
+        """Raise ConfigError, naming the first difference, unless the layouts are equal."""
+        if self == other:
+            return
+        mine = {s.name: s for s in self.tensors}
+        theirs = {s.name: s for s in other.tensors}
+        for name in [*mine, *(n for n in theirs if n not in mine)]:
+            a, b = mine.get(name), theirs.get(name)
+            if a is None or b is None:
+                side = "the server" if a is None else what
+                raise ConfigError(
+                    f"Parameter {name!r} is missing from {side}: {what} does not match the "
+                    "server's model."
+                )
+            if a != b:
+                raise ConfigError(
+                    f"Parameter {name!r} is {a.dtype}{list(a.shape)} on the server but "
+                    f"{b.dtype}{list(b.shape)} in {what}."
+                )
+        raise ConfigError(f"The parameter order of {what} differs from the server's model.")
+
+
+def flatten_into(manifest: Manifest, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``tensors`` (in manifest order) into the float32 buffer ``flat``."""
+    for spec, t in zip(manifest.tensors, tensors, strict=True):
+        start = spec.offset // 4
+        flat[start : start + spec.numel].copy_(t.detach().reshape(-1), non_blocking=True)
+
+
+def unflatten_into(manifest: Manifest, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy the float32 buffer ``flat`` into ``tensors`` (in manifest order), in place."""
+    with torch.no_grad():
+        for spec, t in zip(manifest.tensors, tensors, strict=True):
+            start = spec.offset // 4
+            t.copy_(flat[start : start + spec.numel].view(t.shape), non_blocking=True)
+
+
+def state_dict(manifest: Manifest, flat: np.ndarray) -> dict[str, torch.Tensor]:
+    """The flat buffer as a ``{name: tensor}`` dict that loads with ``model.load_state_dict``."""
+    return {
+        s.name: torch.from_numpy(flat[s.offset // 4 : s.offset // 4 + s.numel].copy()).view(s.shape)
+        for s in manifest.tensors
+    }
+
+
+def iter_chunks(payload: memoryview, chunk_bytes: int) -> Iterator[bytes]:
+    """Split a payload into chunks of at most ``chunk_bytes``."""
+    for start in range(0, len(payload), chunk_bytes):
+        yield bytes(payload[start : start + chunk_bytes])
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A zero-copy byte view of a contiguous array."""
+    return np.ascontiguousarray(array).view(np.uint8).data
+
+
+class Assembler:
+    """Writes incoming chunks into one preallocated float32 buffer of a known size."""
+
+    def __init__(self, total_bytes: int, out: np.ndarray | None = None):
+        if total_bytes % 4:
+            raise InvalidRequest(
+                f"A payload of {total_bytes} bytes is not a whole number of float32s."
+            )
+        self.total_bytes = total_bytes
+        self.array = np.empty(total_bytes // 4, np.float32) if out is None else out
+        if self.array.dtype != np.float32 or self.array.nbytes != total_bytes:
+            raise InvalidRequest(
+                f"The receive buffer holds {self.array.nbytes} bytes of {self.array.dtype}, not "
+                f"{total_bytes} bytes of float32."
+            )
+        self._bytes = self.array.view(np.uint8)
+        self.received = 0
+
+    def add(self, data: bytes) -> None:
+        end = self.received + len(data)
+        if end > self.total_bytes:
+            raise InvalidRequest(
+                f"The stream carried more than the {self.total_bytes} bytes its header announced."
+            )
+        self._bytes[self.received : end] = np.frombuffer(data, np.uint8)
+        self.received = end
+
+    def finish(self) -> np.ndarray:
+        if self.received != self.total_bytes:
+            raise InvalidRequest(
+                f"The stream ended after {self.received} of the {self.total_bytes} bytes its "
+                "header announced."
+            )
+        return self.array
+
+
+# --- framing of pushes and pulls -------------------------------------------------------
+
+
+def encode_push(
+    header: pb.PushHeader, payload: memoryview, chunk_bytes: int
+) -> Iterator[pb.PushChunk]:
+    """A push stream: the header, then the payload in chunks."""
+    header.total_bytes = len(payload)
+    yield pb.PushChunk(header=header)
+    for data in iter_chunks(payload, chunk_bytes):
+        yield pb.PushChunk(data=data)
+
+
+def decode_push_header(stream: Iterator[pb.PushChunk]) -> pb.PushHeader:
+    """The header of a push stream: its first message."""
+    first = next(stream, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise InvalidRequest("A push stream must start with a header message.")
+    return first.header
+
+
+def decode_payload(
+    stream: Iterable[pb.PushChunk | pb.PullChunk], assembler: Assembler
+) -> np.ndarray:
+    """Read the data chunks that follow a header into ``assembler``."""
+    for msg in stream:
+        if msg.WhichOneof("kind") != "data":
+            raise InvalidRequest("Only data chunks may follow the header of a stream.")
+        assembler.add(msg.data)
+    return assembler.finish()
+
+
+def encode_pull(
+    header: pb.PullHeader, payload: memoryview, chunk_bytes: int
+) -> Iterator[pb.PullChunk]:
+    """A pull stream: the header, then the weights in chunks."""
+    header.total_bytes = len(payload)
+    yield pb.PullChunk(header=header)
+    for data in iter_chunks(payload, chunk_bytes):
+        yield pb.PullChunk(data=data)
+
+
+def decode_pull(
+    stream: Iterator[pb.PullChunk], out: np.ndarray | None, total_bytes: int
+) -> tuple[pb.PullHeader, np.ndarray]:
+    """Read a pull stream into ``out`` (or a new buffer); returns its header and the weights."""
+    first = next(stream, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise InvalidRequest("A pull stream must start with a header message.")
+    if first.header.total_bytes != total_bytes:
+        raise InvalidRequest(
+            f"The server sent {first.header.total_bytes} bytes of weights; the manifest has "
+            f"{total_bytes}."
+        )
+    return first.header, decode_payload(stream, Assembler(total_bytes, out))

@@ -1,0 +1,165 @@
+"""Frozen, validated settings: click -> config -> build.
+
+Every field is checked in ``__post_init__``; a bad value raises ConfigError with a sentence
+that names the setting and the value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from paramserver.errors import ConfigError
+from paramserver.staleness import Policy
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+DATASETS = ("fashion-mnist", "synthetic")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be positive; got {value!r}.")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{name} must be zero or more; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The server-side optimizer."""
+
+    name: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9  # used by "momentum" only
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(
+                f"Unknown optimizer (--optimizer) {self.name!r}: choose one of {', '.join(OPTIMIZERS)}."
+            )
+        _positive("The learning rate (--lr)", self.lr)
+        _non_negative("--momentum", self.momentum)
+        _non_negative("--weight-decay", self.weight_decay)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server needs: the model, optimizer, policy and the training plan."""
+
+    model: str = "mlp"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    policy: str = "delay-1"
+    workers: int = 1
+    dataset: str = "fashion-mnist"
+    batch_size: int = 64
+    epochs: int = 1
+    seed: int = 0
+    host: str = "0.0.0.0"
+    port: int = 50051
+    lease_seconds: float = 10.0
+    chunk_bytes: int = 1 << 20
+    threads: int = 1
+    barrier_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        Policy.parse(self.policy)
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1; got {self.workers}.")
+        if self.dataset not in DATASETS:
+            raise ConfigError(
+                f"Unknown dataset (--dataset) {self.dataset!r}: choose one of {', '.join(DATASETS)}."
+            )
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}.")
+        if self.epochs < 1:
+            raise ConfigError(f"--epochs must be at least 1; got {self.epochs}.")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be between 0 and 65535; got {self.port}.")
+        _positive("--lease-timeout", self.lease_seconds)
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
+            raise ConfigError(
+                f"--chunk-bytes must be a multiple of 4 and at least 4096; got {self.chunk_bytes}."
+            )
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+        _positive("--barrier-timeout", self.barrier_timeout)
+
+    @property
+    def parsed_policy(self) -> Policy:
+        return Policy.parse(self.policy)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker daemon: where the server is and how to compute."""
+
+    server: str
+    device: str = "auto"
+    threads: int = 1
+    data_dir: str | None = None
+    rpc_timeout: float = 60.0
+    barrier_timeout: float = 900.0
+    max_steps: int | None = None
+    step_delay: float = 0.0
+    name: str | None = None
+    overlap: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^[^:\s]+:\d+$", self.server) and not self.server.startswith(
+            ("unix:", "[")
+        ):
+            raise ConfigError(
+                f"--server must look like HOST:PORT (e.g. 127.0.0.1:50051); got {self.server!r}."
+            )
+        port = self.server.rsplit(":", 1)[-1]
+        if not self.server.startswith("unix:") and not (port.isdigit() and 0 < int(port) <= 65535):
+            raise ConfigError(f"--server {self.server!r} has no valid port (1 to 65535).")
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}.")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+        _positive("--rpc-timeout", self.rpc_timeout)
+        _positive("--barrier-timeout", self.barrier_timeout)
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be at least 1; got {self.max_steps}.")
+        _non_negative("--step-delay", self.step_delay)
+        _check_overlap(self.overlap)
+
+    @property
+    def overlap_flag(self) -> bool | None:
+        """--overlap as the Worker argument: None for auto."""
+        return None if self.overlap == "auto" else self.overlap == "on"
+
+
+def _check_overlap(value: str) -> None:
+    if value not in ("auto", "on", "off"):
+        raise ConfigError(f"--overlap must be auto, on or off; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A local cluster: one server process and ``server.workers`` worker processes."""
+
+    server: ServerConfig
+    device: str = "auto"
+    threads: int = 1
+    data_dir: str | None = None
+    runs_root: str = "runs"
+    run_dir: str | None = None
+    step_delay: float = 0.0
+    startup_timeout: float = 120.0
+    progress: bool = True
+    overlap: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}.")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+        _non_negative("--step-delay", self.step_delay)
+        _positive("--startup-timeout", self.startup_timeout)
+        _check_overlap(self.overlap)

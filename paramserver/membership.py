@@ -1,0 +1,116 @@
+"""Leases, clocks, ranks: who is in the run. Pure bookkeeping with an injectable clock."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from paramserver.errors import ClusterFull, UnknownWorker
+
+
+@dataclass
+class Member:
+    """One live worker."""
+
+    worker_id: str
+    name: str
+    rank: int
+    clock: int
+    last_seen: float
+    samples: int = 0
+
+
+@dataclass
+class Membership:
+    """The live workers and their leases.
+
+    A worker holds a lease while it calls the server at least every ``lease_seconds``.
+    Ranks are slots 0..capacity-1: a new worker takes the lowest free one, so a worker
+    that replaces a dead one takes over its data shard.
+    """
+
+    capacity: int
+    lease_seconds: float
+    now: Callable[[], float] = time.monotonic
+    members: dict[str, Member] = field(default_factory=dict)
+    joined_total: int = 0
+    expired_total: int = 0
+    _floor: int = 0  # the slowest live clock last seen: where a newcomer starts
+
+    def join(self, name: str, start_clock: int | None = None) -> Member:
+        """Admit a worker; its clock starts at the slowest live clock (or ``start_clock``).
+
+        Raises:
+            ClusterFull: ``capacity`` workers are already live.
+        """
+        if len(self.members) >= self.capacity:
+            raise ClusterFull(
+                f"The server was started for {self.capacity} workers and "
+                f"{len(self.members)} are live; start it with a larger --workers to admit "
+                f"{name!r}."
+            )
+        taken = {m.rank for m in self.members.values()}
+        rank = next(r for r in range(self.capacity) if r not in taken)
+        clock = self.min_clock()
+        if clock is None:
+            clock = self._floor if start_clock is None else start_clock
+        member = Member(uuid.uuid4().hex[:16], name, rank, clock, self.now())
+        self.members[member.worker_id] = member
+        self.joined_total += 1
+        return member
+
+    def get(self, worker_id: str) -> Member:
+        """The live member with this id.
+
+        Raises:
+            UnknownWorker: no live worker has this id (never joined, left or expired).
+        """
+        member = self.members.get(worker_id)
+        if member is None:
+            raise UnknownWorker(
+                f"Worker {worker_id!r} is not a live member of this server: it never joined, "
+                "left, or its lease expired."
+            )
+        return member
+
+    def touch(self, worker_id: str) -> Member:
+        """Renew the lease of a live worker."""
+        member = self.get(worker_id)
+        member.last_seen = self.now()
+        return member
+
+    def advance(self, worker_id: str, samples: int) -> Member:
+        """Count one accepted push: the worker's clock moves on by one."""
+        member = self.touch(worker_id)
+        member.clock += 1
+        member.samples += samples
+        return member
+
+    def leave(self, worker_id: str) -> Member | None:
+        """Remove a worker at its own request; None if it was not live."""
+        self.min_clock()
+        return self.members.pop(worker_id, None)
+
+    def expire(self) -> list[Member]:
+        """Remove every worker whose lease has run out; returns them."""
+        self.min_clock()
+        deadline = self.now() - self.lease_seconds
+        dead = [m for m in self.members.values() if m.last_seen < deadline]
+        for m in dead:
+            del self.members[m.worker_id]
+        self.expired_total += len(dead)
+        return dead
+
+    def min_clock(self) -> int | None:
+        """The smallest clock among live workers, or None when none is live."""
+        if not self.members:
+            return None
+        low = min(m.clock for m in self.members.values())
+        self._floor = max(self._floor, low)
+        return low
+
+    def live_ids(self) -> list[str]:
+        """Ids of the live workers."""
+        return list(self.members)

@@ -1,0 +1,110 @@
+"""The staleness policies as pure decisions: no gRPC, no threads, no clocks of their own.
+
+One engine serves three named policies. Each worker w has a clock c_w (the iteration it
+computes next, i.e. the number of its pushes accepted plus its starting clock) and the
+server has a version v (optimizer steps applied).
+
+* ``sync``: one gradient per live worker for iteration t is averaged into one step; a pull
+  for iteration t is answered once step t - 1 is applied (v >= t, in the rounds counted
+  from the run's start).
+* ``ssp:K`` (``delay-1`` is ``ssp:1``): pushes are applied as they arrive; a pull for
+  iteration t is answered once every live worker's clock is >= t - K.
+* ``async``: K is infinite; pulls are answered at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from paramserver.errors import ConfigError
+
+_SSP = re.compile(r"^(?:ssp:|delay-)([0-9]+)$")
+
+
+class PushAction(enum.Enum):
+    """What the server does with a push for iteration t from a worker at clock c."""
+
+    APPLY = "apply"  # t == c: new work
+    DUPLICATE = "duplicate"  # t < c: already applied (a retry); acknowledge only
+    AHEAD = "ahead"  # t > c: the worker skipped iterations; reject
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A staleness policy: ``bound`` is K (0 for sync, None for async)."""
+
+    bound: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """Parse ``sync``, ``async``, ``delay-K`` or ``ssp:K`` (K >= 1).
+
+        Raises:
+            ConfigError: the text names no policy.
+        """
+        t = text.strip().lower()
+        if t == "sync":
+            return cls(0)
+        if t == "async":
+            return cls(None)
+        m = _SSP.match(t)
+        if m and int(m.group(1)) >= 1:
+            return cls(int(m.group(1)))
+        raise ConfigError(
+            f"Unknown staleness policy (--policy) {text!r}: use 'sync', 'async', 'delay-1' or 'ssp:K' "
+            "with K >= 1."
+        )
+
+    @property
+    def name(self) -> str:
+        """The canonical name: ``sync``, ``ssp:K`` or ``async``."""
+        if self.bound is None:
+            return "async"
+        return "sync" if self.bound == 0 else f"ssp:{self.bound}"
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether gradients are averaged in rounds instead of applied on arrival."""
+        return self.bound == 0
+
+    def pull_ready(self, iteration: int, min_clock: int | None, rounds_done: int) -> bool:
+        """Whether a pull for ``iteration`` may be answered now.
+
+        Args:
+            iteration: the iteration the puller is about to compute.
+            min_clock: the smallest clock among live workers (None when none is live).
+            rounds_done: sync rounds applied (sync only).
+        """
+        if self.bound is None:
+            return True
+        if self.bound == 0:
+            return rounds_done >= iteration
+        return min_clock is None or min_clock >= iteration - self.bound
+
+    def max_inflight_pushes(self) -> int:
+        """How many of its own pushes a worker may have in flight while it computes."""
+        if self.bound is None:
+            return 2
+        return max(1, min(self.bound, 2))
+
+
+def staleness(iteration: int, min_clock: int | None) -> int:
+    """t - min(live clocks), floored at 0: how many iterations of someone's work are missing."""
+    if min_clock is None:
+        return 0
+    return max(0, iteration - min_clock)
+
+
+def push_action(iteration: int, clock: int) -> PushAction:
+    """Decide what a push for ``iteration`` from a worker whose clock is ``clock`` does."""
+    if iteration == clock:
+        return PushAction.APPLY
+    return PushAction.DUPLICATE if iteration < clock else PushAction.AHEAD
+
+
+def round_complete(contributors: Collection[str], live: Collection[str]) -> bool:
+    """A sync round is complete when every live worker has contributed (and someone has)."""
+    return bool(contributors) and all(w in contributors for w in live)

@@ -1,0 +1,64 @@
+"""The global model: one flat float32 buffer, its version and the server-side optimizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paramserver.codec import Manifest
+from paramserver.config import OptimizerConfig
+
+
+def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The torch optimizer named by ``cfg`` over ``params``."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "momentum":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class ParameterStore:
+    """Flat parameters, updated in place by a torch optimizer.
+
+    The optimizer sees the whole model as one flat tensor; elementwise optimizers (SGD,
+    momentum, Adam, AdamW) give exactly the per-tensor result. Not thread-safe: the
+    coordinator serialises calls.
+    """
+
+    def __init__(self, manifest: Manifest, initial: np.ndarray, optimizer: OptimizerConfig):
+        if initial.dtype != np.float32 or initial.size != manifest.numel:
+            raise ValueError(
+                f"Initial weights must be {manifest.numel} float32 values; got "
+                f"{initial.size} {initial.dtype}."
+            )
+        self.manifest = manifest
+        self.param = torch.nn.Parameter(torch.from_numpy(initial.copy()))
+        self.optimizer = build_optimizer([self.param], optimizer)
+        self.version = 0
+        self._snapshot: np.ndarray | None = None
+
+    @property
+    def weights(self) -> np.ndarray:
+        """A live numpy view of the weights (changes with every step)."""
+        return self.param.detach().numpy()
+
+    def apply(self, grad: np.ndarray) -> None:
+        """One optimizer step with the flat gradient ``grad``."""
+        self.param.grad = torch.from_numpy(grad)
+        self.optimizer.step()
+        self.param.grad = None
+        self.version += 1
+        self._snapshot = None
+
+    def snapshot(self) -> np.ndarray:
+        """An immutable copy of the current weights, shared by every pull of this version."""
+        if self._snapshot is None:
+            snap = self.weights.copy()
+            snap.setflags(write=False)
+            self._snapshot = snap
+        return self._snapshot
