@@ -1,0 +1,145 @@
+"""Wiring of a server process: model -> store -> coordinator -> gRPC; start, ready, stop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+import numpy as np
+import torch
+from torch import nn
+
+from paramserver import models
+from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.codec import Manifest, flatten_into
+from paramserver.config import ServerConfig
+from paramserver.errors import ConfigError
+from paramserver.server.coordinator import Coordinator
+from paramserver.server.servicer import Servicer
+from paramserver.store import ParameterStore
+
+log = logging.getLogger(__name__)
+
+# Payloads are chunked, so no message is large; the limit only guards against garbage.
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
+    """The manifest of ``model`` and its parameters as one flat float32 array."""
+    named = models.parameters(model)
+    manifest = Manifest.from_tensors(named)
+    flat = torch.empty(manifest.numel, dtype=torch.float32)
+    flatten_into(manifest, [p for _, p in named], flat)
+    return manifest, flat.numpy()
+
+
+class ServerApp:
+    """One parameter-server process: start(), address, wait(), stop(grace).
+
+    Args:
+        config: the validated server settings.
+        model: a model instance whose weights start the run; by default the server builds
+            ``config.model`` with ``config.seed``.
+    """
+
+    def __init__(self, config: ServerConfig, model: nn.Module | None = None):
+        self.config = config
+        torch.set_num_threads(config.threads)
+        if model is None:
+            model = models.build(config.model, seed=config.seed)
+        manifest, flat = initial_weights(model)
+        self.coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer))
+        # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
+        # hold a thread each, so the pool is sized to never starve a push.
+        threads = 3 * config.workers + 8
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=threads,
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(Servicer(self.coordinator), self._grpc)
+        self.port = 0
+        self._stopped = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="ps-lease-reaper", daemon=True)
+
+    @property
+    def address(self) -> str:
+        """host:port that clients on this machine can dial."""
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def start(self) -> ServerApp:
+        """Bind and serve; returns once the server accepts calls.
+
+        Raises:
+            ConfigError: the port cannot be bound.
+        """
+        host = self.config.host
+        bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        try:
+            self.port = self._grpc.add_insecure_port(f"{bind}:{self.config.port}")
+        except RuntimeError as exc:
+            self.port = 0
+            raise ConfigError(f"Cannot listen on {host}:{self.config.port}: {exc}.") from exc
+        if self.port == 0:
+            raise ConfigError(
+                f"Cannot listen on {host}:{self.config.port}: the port is in use or the "
+                "address is not on this machine."
+            )
+        self._grpc.start()
+        self._reaper.start()
+        c = self.config
+        log.info(
+            "serving %s (%d parameters, %.1f MiB) on %s: policy %s, optimizer %s lr %g, "
+            "%d workers, lease %.1fs",
+            c.model,
+            self.coordinator.manifest.numel,
+            self.coordinator.manifest.total_bytes / 2**20,
+            self.address,
+            self.coordinator.policy.name,
+            c.optimizer.name,
+            c.optimizer.lr,
+            c.workers,
+            c.lease_seconds,
+        )
+        return self
+
+    def _reap(self) -> None:
+        interval = max(self.config.lease_seconds / 4, 0.05)
+        while not self._stopped.wait(interval):
+            self.coordinator.expire_leases()
+
+    def status(self) -> dict:
+        """The same figures as the Status RPC, as a dict."""
+        return self.coordinator.status()
+
+    def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Block until ``version`` optimizer steps have been applied; False on timeout."""
+        return self.coordinator.wait_for(lambda c: c.store.version >= version, timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops; True if it did within ``timeout``."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving; calls in flight get ``grace`` seconds to finish."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._grpc.stop(grace).wait()
+        self.coordinator.notify()
+        log.info("server on %s stopped at version %d", self.address, self.coordinator.store.version)
+
+    def __enter__(self) -> ServerApp:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

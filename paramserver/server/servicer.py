@@ -1,0 +1,123 @@
+"""gRPC servicer: decode -> coordinator -> encode. No decisions here."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from paramserver import codec
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.errors import ParamServerError, to_status
+from paramserver.server.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _rpc(func: F) -> F:
+    """Turn a ParamServerError into its gRPC status; log anything unexpected."""
+
+    @functools.wraps(func)
+    def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            result = func(self, request, context)
+            if isinstance(result, Iterator):
+                # Streams raise while they are consumed: materialise errors there too.
+                return _guard_stream(result, context)
+            return result
+        except ParamServerError as exc:
+            context.abort(*to_status(exc))
+        except Exception:
+            log.exception("%s failed", func.__name__)
+            context.abort(
+                grpc.StatusCode.INTERNAL, f"{func.__name__} failed on the server; see its log."
+            )
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _guard_stream(stream: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    try:
+        yield from stream
+    except ParamServerError as exc:
+        context.abort(*to_status(exc))
+
+
+class Servicer(pb_grpc.ParameterServerServicer):
+    """Maps the six RPCs of the wire contract onto a Coordinator."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.c = coordinator
+
+    @_rpc
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        member = self.c.join(request.name or context.peer())
+        cfg = self.c.config
+        return pb.JoinResponse(
+            worker_id=member.worker_id,
+            rank=member.rank,
+            clock=member.clock,
+            manifest=self.c.manifest.to_proto(),
+            plan=pb.TrainingPlan(
+                model=cfg.model,
+                dataset=cfg.dataset,
+                batch_size=cfg.batch_size,
+                epochs=cfg.epochs,
+                seed=cfg.seed,
+                world_size=cfg.workers,
+            ),
+            policy=self.c.policy.name,
+            lease_seconds=cfg.lease_seconds,
+            chunk_bytes=cfg.chunk_bytes,
+            incarnation=self.c.incarnation,
+        )
+
+    @_rpc
+    def Pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullChunk]:
+        context.add_callback(self.c.notify)
+        remaining = context.time_remaining()
+        timeout = self.c.config.barrier_timeout
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        result = self.c.pull(request.worker_id, request.iteration, timeout, context.is_active)
+        header = pb.PullHeader(version=result.version, staleness=result.staleness)
+        return codec.encode_pull(header, codec.as_bytes(result.weights), self.c.config.chunk_bytes)
+
+    @_rpc
+    def Push(
+        self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
+    ) -> pb.PushResponse:
+        header = codec.decode_push_header(request_iterator)
+        self.c.check_push(header.worker_id, header.iteration, header.total_bytes)
+        grad = codec.decode_payload(request_iterator, codec.Assembler(header.total_bytes))
+        result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)
+        return pb.PushResponse(
+            version=result.version, clock=result.clock, duplicate=result.duplicate
+        )
+
+    @_rpc
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(version=self.c.heartbeat(request.worker_id))
+
+    @_rpc
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
+        self.c.leave(request.worker_id)
+        return pb.LeaveResponse()
+
+    @_rpc
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        s = self.c.status()
+        return pb.StatusResponse(
+            workers=[pb.WorkerStatus(**w) for w in s.pop("workers")],
+            staleness_histogram=s.pop("staleness_histogram"),
+            **s,
+        )
