@@ -1,0 +1,134 @@
+"""The worker daemon's training loop: shard, forward, backward, step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paramserver import data
+from paramserver.config import WorkerConfig
+from paramserver.errors import ConfigError
+from paramserver.worker.client import Worker
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; an explicit CUDA device must exist.
+
+    Raises:
+        ConfigError: CUDA was asked for and is not there.
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {spec} asks for CUDA, but this torch build sees no GPU "
+                f"(torch {torch.__version__}); use --device cpu or auto."
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {spec} does not exist: this machine has "
+                f"{torch.cuda.device_count()} GPU(s)."
+            )
+    return device
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), batch):
+        out = model(x[i : i + batch].to(device))
+        target = y[i : i + batch].to(device)
+        loss += F.cross_entropy(out, target, reduction="sum").item()
+        correct += (out.argmax(1) == target).sum().item()
+    model.train(was_training)
+    return correct / len(x), loss / len(x)
+
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    rank: int
+    steps: int
+    samples: int
+    seconds: float
+
+
+def run(cfg: WorkerConfig) -> WorkerSummary:
+    """Join the server, train this worker's shard for the planned epochs, leave."""
+    torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    worker = Worker(
+        cfg.server,
+        device=device,
+        name=cfg.name,
+        rpc_timeout=cfg.rpc_timeout,
+        barrier_timeout=cfg.barrier_timeout,
+        connect_timeout=cfg.rpc_timeout,
+        overlap=cfg.overlap_flag,
+    )
+    started = time.perf_counter()
+    steps = samples = 0
+    try:
+        plan = worker.plan
+        dataset = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
+        n = len(dataset.train_x)
+        spe = data.steps_per_epoch(n, plan.world_size, plan.batch_size)
+        if spe < 1:
+            raise ConfigError(
+                f"{n} training samples split over {plan.world_size} workers do not make one "
+                f"batch of {plan.batch_size}; use fewer workers or a smaller --batch-size."
+            )
+        last = plan.epochs * spe
+        if cfg.max_steps is not None:
+            last = min(last, worker.clock + cfg.max_steps)
+        model = worker.model
+        model.train()
+        log.info(
+            "rank %d: %d steps per epoch, %d epochs, batch %d, on %s",
+            worker.rank,
+            spe,
+            plan.epochs,
+            plan.batch_size,
+            device,
+        )
+        shard_epoch, shard = -1, torch.empty(0, dtype=torch.long)
+        while worker.clock < last:
+            epoch, step = divmod(worker.clock, spe)
+            if epoch != shard_epoch:
+                shard = data.shard_indices(
+                    n, epoch, plan.seed, worker.rank, plan.world_size, plan.batch_size
+                )
+                shard_epoch = epoch
+            idx = shard[step * plan.batch_size : (step + 1) * plan.batch_size]
+            x = dataset.train_x[idx].to(device, non_blocking=True)
+            y = dataset.train_y[idx].to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if cfg.step_delay:
+                time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
+            worker.step(samples=len(idx), loss=loss.item(), pull=worker.clock + 1 < last)
+            steps += 1
+            samples += len(idx)
+        worker.close()
+    except BaseException:
+        worker.close_quietly()
+        raise
+    seconds = time.perf_counter() - started
+    log.info(
+        "rank %d finished: %d steps, %d samples in %.1fs", worker.rank, steps, samples, seconds
+    )
+    return WorkerSummary(worker.rank, steps, samples, seconds)
