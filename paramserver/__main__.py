@@ -1,0 +1,3 @@
+from paramserver.cli import main
+
+main()

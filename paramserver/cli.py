@@ -1,0 +1,343 @@
+"""Command line: ``paramserver server | worker | launch | status``.
+
+Every option can also be set through the ``PARAMSERVER_*`` variable shown in its help.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from paramserver.config import (
+    DATASETS,
+    OPTIMIZERS,
+    LaunchConfig,
+    OptimizerConfig,
+    ServerConfig,
+    WorkerConfig,
+)
+from paramserver.errors import ConfigError, DataUnavailable, ParamServerError
+
+log = logging.getLogger("paramserver")
+F = Callable[..., Any]
+
+
+def opt(*decls: str, env: str, **kwargs: Any) -> Callable[[F], F]:
+    """A click option bound to the environment variable PARAMSERVER_<env>."""
+    return click.option(
+        *decls, envvar=f"PARAMSERVER_{env}", show_envvar=True, show_default=True, **kwargs
+    )
+
+
+def apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    def decorate(func: F) -> F:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+SERVER_OPTIONS = [
+    opt("--model", env="MODEL", default="mlp", help="Model factory: mlp, cnn or module:function."),
+    opt("--optimizer", env="OPTIMIZER", type=click.Choice(OPTIMIZERS), default="adam", help="Server-side optimizer."),
+    opt("--lr", env="LR", type=float, default=1e-3, help="Learning rate."),
+    opt("--momentum", env="MOMENTUM", type=float, default=0.9, help="Momentum (optimizer 'momentum' only)."),
+    opt("--weight-decay", env="WEIGHT_DECAY", type=float, default=0.0, help="Weight decay."),
+    opt("--policy", env="POLICY", default="delay-1", help="Staleness policy: sync, delay-1, ssp:K or async."),
+    opt("--workers", env="WORKERS", type=int, default=2, help="Workers the run waits for (and the data is split over)."),
+    opt("--dataset", env="DATASET", type=click.Choice(DATASETS), default="fashion-mnist", help="Training data the workers use."),
+    opt("--batch-size", env="BATCH_SIZE", type=int, default=64, help="Batch size of each worker."),
+    opt("--epochs", env="EPOCHS", type=int, default=3, help="Passes over the training set."),
+    opt("--seed", env="SEED", type=int, default=0, help="Seeds the initial weights and the data order."),
+    opt("--lease-timeout", env="LEASE_TIMEOUT", type=float, default=10.0, help="Seconds without a call after which a worker is dropped from every barrier."),
+    opt("--chunk-bytes", env="CHUNK_BYTES", type=int, default=1 << 20, help="Size of the streamed payload chunks."),
+]  # fmt: skip
+
+
+def server_config(kw: dict[str, Any], host: str, port: int, threads: int) -> ServerConfig:
+    return ServerConfig(
+        model=kw["model"],
+        optimizer=OptimizerConfig(kw["optimizer"], kw["lr"], kw["momentum"], kw["weight_decay"]),
+        policy=kw["policy"],
+        workers=kw["workers"],
+        dataset=kw["dataset"],
+        batch_size=kw["batch_size"],
+        epochs=kw["epochs"],
+        seed=kw["seed"],
+        host=host,
+        port=port,
+        lease_seconds=kw["lease_timeout"],
+        chunk_bytes=kw["chunk_bytes"],
+        threads=threads,
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@opt(
+    "--log-level",
+    env="LOG_LEVEL",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    help="Log level.",
+)
+@click.version_option(package_name="paramserver")
+def cli(log_level: str) -> None:
+    """An asynchronous parameter server for data-parallel PyTorch training."""
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@cli.command()
+@apply(SERVER_OPTIONS)
+@opt("--host", env="HOST", default="0.0.0.0", help="Address to listen on.")
+@opt("--port", env="PORT", type=int, default=50051, help="Port to listen on (0: any free port).")
+@opt("--threads", env="SERVER_THREADS", type=int, default=1, help="Torch threads of the optimizer.")
+def server(host: str, port: int, threads: int, **kw: Any) -> None:
+    """Run a parameter server until SIGTERM or Ctrl-C."""
+    from paramserver.launch import READY_MARKER
+    from paramserver.server.app import ServerApp
+
+    cfg = server_config(kw, host, port, threads)
+    log.info("server configuration: %s", cfg)
+    app = ServerApp(cfg).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo(f"{READY_MARKER} {app.address}", nl=True)
+    sys.stdout.flush()
+    stop.wait()
+    app.stop(grace=2.0)
+
+
+WORKER_OPTIONS = [
+    opt("--device", env="DEVICE", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+    opt("--threads", env="THREADS", type=int, default=1, help="Torch threads per worker process."),
+    opt("--data-dir", env="DATA_DIR", default=None, help="Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist]."),
+    opt("--step-delay", env="STEP_DELAY", type=float, default=0.0, help="Extra seconds per step: simulates a straggler."),
+    opt("--overlap", env="OVERLAP", type=click.Choice(["auto", "on", "off"]), default="auto", help="Push in the background while the next step computes (ssp:K, async); auto: on for CUDA, off on CPU."),
+]  # fmt: skip
+
+
+@cli.command()
+@opt("--server", "server_address", env="SERVER", required=True, help="The server's HOST:PORT.")
+@apply(WORKER_OPTIONS)
+@opt(
+    "--procs",
+    env="PROCS",
+    type=int,
+    default=1,
+    help="Worker processes to start on this host (one per GPU when there are several).",
+)
+@opt(
+    "--name",
+    env="NAME",
+    default=None,
+    help="Name shown in the server's status [default: host:pid].",
+)
+@opt("--max-steps", env="MAX_STEPS", type=int, default=None, help="Stop after this many steps.")
+@opt(
+    "--rpc-timeout",
+    env="RPC_TIMEOUT",
+    type=float,
+    default=60.0,
+    help="Deadline of each call but pulls, in seconds.",
+)
+@opt(
+    "--barrier-timeout",
+    env="BARRIER_TIMEOUT",
+    type=float,
+    default=900.0,
+    help="Seconds a pull may wait for slower workers before the worker fails.",
+)
+def worker(server_address: str, procs: int, **kw: Any) -> None:
+    """Join a server and train on this worker's shard of the data."""
+    cfg = WorkerConfig(server=server_address, **kw)
+    if procs < 1:
+        raise ConfigError(f"--procs must be at least 1; got {procs}.")
+    if procs > 1:
+        sys.exit(_run_procs(cfg, procs, kw))
+    from paramserver.worker.trainer import run
+
+    log.info("worker configuration: %s", cfg)
+    summary = run(cfg)
+    click.echo(json.dumps(summary.__dict__))
+
+
+def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
+    """Start ``procs`` single-process workers here and wait for all of them."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from paramserver.procs import Child, stop_all
+
+    gpus = torch.cuda.device_count() if cfg.device in ("auto", "cuda") else 0
+    logdir = Path(tempfile.mkdtemp(prefix="paramserver-workers-"))
+    children = []
+    try:
+        for i in range(procs):
+            device = f"cuda:{i % gpus}" if gpus else cfg.device
+            args = ["worker", "--server", cfg.server, "--device", device, "--threads", str(cfg.threads),
+                    "--name", f"{cfg.name or os.uname().nodename}-{i}", "--step-delay", repr(cfg.step_delay),
+                    "--rpc-timeout", repr(cfg.rpc_timeout), "--barrier-timeout", repr(cfg.barrier_timeout),
+                    "--overlap", cfg.overlap]  # fmt: skip
+            for flag, key in (("--data-dir", "data_dir"), ("--max-steps", "max_steps")):
+                if kw.get(key) is not None:
+                    args += [flag, str(kw[key])]
+            children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log"))
+        log.info("started %d worker processes; logs in %s", procs, logdir)
+        worst = 0
+        for child in children:
+            code = child.proc.wait()
+            if code != 0:
+                log.error("%s exited with code %d: %s", child.name, code, child.tail())
+                worst = worst or 1
+        return worst
+    finally:
+        stop_all(children)
+
+
+@cli.command()
+@apply(SERVER_OPTIONS)
+@apply(WORKER_OPTIONS)
+@opt("--runs-dir", env="RUNS_DIR", default="runs", help="Where run folders are made.")
+@opt("--run-dir", env="RUN_DIR", default=None, help="Use exactly this run folder.")
+@opt(
+    "--server-threads",
+    env="SERVER_THREADS",
+    type=int,
+    default=1,
+    help="Torch threads of the server's optimizer.",
+)
+@opt(
+    "--json",
+    "as_json",
+    env="JSON",
+    is_flag=True,
+    help="Print one final JSON line (progress goes to stderr).",
+)
+@opt(
+    "--progress/--no-progress", env="PROGRESS", default=True, help="Show a progress bar on stderr."
+)
+def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: bool, progress: bool,
+           device: str, threads: int, data_dir: str | None, step_delay: float, overlap: str,
+           **kw: Any) -> None:  # fmt: skip
+    """Train on a local cluster: one server and --workers worker processes.
+
+    Evaluates the global model on the test set after every epoch and writes a run folder
+    (config.json, metrics.jsonl, curve.png, checkpoint.pt, summary.json, logs).
+    """
+    from paramserver.launch import launch as run_launch
+
+    cfg = LaunchConfig(
+        server=server_config(kw, "127.0.0.1", 0, server_threads),
+        device=device, threads=threads, data_dir=data_dir, runs_root=runs_dir,
+        run_dir=run_dir, step_delay=step_delay, progress=progress, overlap=overlap,
+    )  # fmt: skip
+    summary = run_launch(cfg)
+    line = json.dumps(summary)
+    if as_json:
+        click.echo(line)
+    else:
+        click.echo(
+            f"{summary['policy']}, {summary['workers']} workers, {summary['epochs']} epochs: "
+            f"test accuracy {100 * summary['test_accuracy']:.2f}%, "
+            f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
+            f"max staleness {summary['max_staleness']}; run folder {summary['run_dir']}"
+        )
+    if summary["failed_workers"]:
+        raise ParamServerError(
+            f"Workers failed: {', '.join(summary['failed_workers'])}; see their logs in {summary['run_dir']}."
+        )
+
+
+@cli.command()
+@opt(
+    "--server",
+    "server_address",
+    env="SERVER",
+    default="127.0.0.1:50051",
+    help="The server's HOST:PORT.",
+)
+@opt("--json", "as_json", env="JSON", is_flag=True, help="Print the status as one JSON line.")
+@opt("--timeout", env="TIMEOUT", type=float, default=5.0, help="Seconds to wait for the server.")
+def status(server_address: str, as_json: bool, timeout: float) -> None:
+    """Show a server's version, policy, counters and workers."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from paramserver._proto import paramserver_pb2 as pb
+    from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+    from paramserver.errors import from_rpc_error
+    from paramserver.worker.client import connect
+
+    channel = connect(server_address, timeout)
+    try:
+        st = pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, f"status of {server_address}") from None
+    finally:
+        channel.close()
+    if as_json:
+        click.echo(
+            json.dumps(
+                MessageToDict(
+                    st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                )
+            )
+        )
+        return
+    rate = st.samples / st.train_seconds if st.train_seconds > 0 else 0.0
+    click.echo(
+        f"server {server_address}  model {st.model}  policy {st.policy}  version {st.version}  "
+        f"pushes {st.pushes_applied}  samples {st.samples} ({rate:.0f}/s)  "
+        f"max staleness {st.max_staleness}  loss {st.train_loss:.4f}"
+    )
+    click.echo(
+        f"{'rank':>4}  {'worker':<18} {'name':<24} {'clock':>8} {'last seen':>10} {'samples':>10}"
+    )
+    for w in st.workers:
+        click.echo(
+            f"{w.rank:>4}  {w.worker_id:<18} {w.name[:24]:<24} {w.clock:>8} {w.last_seen_seconds:>9.1f}s {w.samples:>10}"
+        )
+    hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
+    click.echo(f"staleness histogram {{{hist}}}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: errors become one line on stderr and a non-zero exit."""
+    from paramserver.procs import die_with_parent_if_asked
+
+    die_with_parent_if_asked()
+    try:
+        cli.main(args=argv, prog_name="paramserver", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("paramserver: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"paramserver: error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except (ConfigError, DataUnavailable) as exc:
+        click.echo(f"paramserver: error: {exc}", err=True)
+        sys.exit(2)
+    except ParamServerError as exc:
+        click.echo(f"paramserver: error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("paramserver: interrupted", err=True)
+        sys.exit(130)

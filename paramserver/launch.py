@@ -1,0 +1,233 @@
+"""``paramserver launch``: a local cluster (one server, N workers) with evaluation and a run folder."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+from typing import Any
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from paramserver import checkpoint, codec, data, models
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.config import LaunchConfig, ServerConfig
+from paramserver.errors import ParamServerError, from_rpc_error
+from paramserver.procs import Child, stop_all
+from paramserver.rundir import RunDir
+from paramserver.worker.client import connect, observe
+from paramserver.worker.trainer import evaluate
+
+log = logging.getLogger(__name__)
+READY_MARKER = "paramserver server listening on"
+
+
+def server_args(cfg: ServerConfig) -> list[str]:
+    """Command-line arguments that start a server process with ``cfg``."""
+    o = cfg.optimizer
+    return [
+        "server",
+        "--host", cfg.host, "--port", str(cfg.port),
+        "--model", cfg.model, "--optimizer", o.name, "--lr", repr(o.lr),
+        "--momentum", repr(o.momentum), "--weight-decay", repr(o.weight_decay),
+        "--policy", cfg.policy, "--workers", str(cfg.workers),
+        "--dataset", cfg.dataset, "--batch-size", str(cfg.batch_size),
+        "--epochs", str(cfg.epochs), "--seed", str(cfg.seed),
+        "--lease-timeout", repr(cfg.lease_seconds), "--threads", str(cfg.threads),
+        "--chunk-bytes", str(cfg.chunk_bytes),
+    ]  # fmt: skip
+
+
+class _Cluster:
+    """The processes of one launch and the observer connection to its server."""
+
+    def __init__(self, cfg: LaunchConfig, run: RunDir):
+        self.cfg = cfg
+        self.run = run
+        self.children: list[Child] = []
+        self.channel: grpc.Channel | None = None
+
+    def start(self) -> str:
+        server = Child(
+            "server", server_args(self.cfg.server), self.run.file("server.log"), capture_stdout=True
+        )
+        self.children.append(server)
+        address = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout).rsplit(" ", 1)[-1]
+        self.channel = connect(address, self.cfg.startup_timeout)
+        for i in range(self.cfg.server.workers):
+            args = [
+                "worker", "--server", address, "--device", self.cfg.device,
+                "--threads", str(self.cfg.threads), "--name", f"worker-{i}",
+                "--step-delay", repr(self.cfg.step_delay), "--overlap", self.cfg.overlap,
+            ]  # fmt: skip
+            if self.cfg.data_dir:
+                args += ["--data-dir", self.cfg.data_dir]
+            self.children.append(Child(f"worker-{i}", args, self.run.file(f"worker-{i}.log")))
+        return address
+
+    @property
+    def server(self) -> Child:
+        return self.children[0]
+
+    @property
+    def workers(self) -> list[Child]:
+        return self.children[1:]
+
+    def status(self) -> pb.StatusResponse:
+        try:
+            return pb_grpc.ParameterServerStub(self.channel).Status(pb.StatusRequest(), timeout=30)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, "status of the launched server") from None
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        stop_all(self.children)
+
+
+def launch(cfg: LaunchConfig) -> dict[str, Any]:
+    """Train on a local cluster; returns the summary that ``launch --json`` prints."""
+    t0 = time.perf_counter()
+    scfg = cfg.server
+    dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
+    model = models.build(scfg.model)
+    manifest = codec.Manifest.from_tensors(models.parameters(model))
+    spe = data.steps_per_epoch(len(dataset.train_x), scfg.workers, scfg.batch_size)
+    if spe < 1:
+        raise ParamServerError(
+            f"{len(dataset.train_x)} samples over {scfg.workers} workers do not make one batch "
+            f"of {scfg.batch_size}."
+        )
+    run = RunDir(cfg.runs_root, scfg.parsed_policy.name.replace(":", ""), cfg.run_dir)
+    run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
+    log.info("run folder %s", run.path)
+    cluster = _Cluster(cfg, run)
+    failed: list[str] = []
+    try:
+        address = cluster.start()
+        log.info("server at %s; %d workers started", address, scfg.workers)
+        total = scfg.epochs * spe * scfg.workers * scfg.batch_size
+        bar = tqdm(
+            total=total,
+            unit="sample",
+            unit_scale=True,
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+        )
+        evaluated = 0
+        done = threading.Event()
+        while True:
+            finished = all(w.poll() is not None for w in cluster.workers)
+            for w in cluster.workers:
+                code = w.poll()
+                if code not in (None, 0) and w.name not in failed:
+                    failed.append(w.name)
+                    log.error(
+                        "%s exited with code %s: %s (log: %s)", w.name, code, w.tail(), w.log_path
+                    )
+            if cluster.server.poll() is not None:
+                raise ParamServerError(
+                    f"The server exited with code {cluster.server.poll()}: {cluster.server.tail()}"
+                )
+            st = cluster.status()
+            bar.update(st.samples - bar.n)
+            bar.set_postfix(
+                loss=f"{st.train_loss:.3f}", v=st.version, stale=st.max_staleness,
+                live=len(st.workers), refresh=False,
+            )  # fmt: skip
+            while (
+                evaluated < scfg.epochs - 1
+                and st.pushes_applied >= (evaluated + 1) * spe * scfg.workers
+            ):
+                evaluated += 1
+                _record_epoch(
+                    run,
+                    cluster,
+                    model,
+                    manifest,
+                    dataset,
+                    evaluated,
+                    t0,
+                    bar if cfg.progress else None,
+                )
+            if finished:
+                break
+            done.wait(0.5)  # progress refresh period
+        bar.close()
+        evaluated += 1
+        st, _ = _record_epoch(run, cluster, model, manifest, dataset, evaluated, t0, None)
+        header, flat = observe(cluster.channel, manifest.total_bytes)
+        checkpoint.save(
+            run.file("checkpoint.pt"), manifest, flat,
+            version=header.version, policy=st.policy, model=scfg.model,
+        )  # fmt: skip
+    finally:
+        cluster.stop()
+    run.plot(f"{scfg.model}, {st.policy}, {scfg.workers} workers")
+    last = run.read_metrics()[-1]
+    summary = {
+        "policy": st.policy,
+        "workers": scfg.workers,
+        "epochs": scfg.epochs,
+        "model": scfg.model,
+        "test_accuracy": last["test_accuracy"],
+        "test_loss": last["test_loss"],
+        "samples": st.samples,
+        "samples_per_s": st.samples / st.train_seconds if st.train_seconds > 0 else 0.0,
+        "train_s": st.train_seconds,
+        "wall_s": time.perf_counter() - t0,
+        "max_staleness": st.max_staleness,
+        "staleness_histogram": {str(k): v for k, v in sorted(st.staleness_histogram.items())},
+        "version": st.version,
+        "failed_workers": failed,
+        "run_dir": str(run.path),
+    }
+    run.write_json("summary.json", summary)
+    return summary
+
+
+def _record_epoch(
+    run: RunDir,
+    cluster: _Cluster,
+    model: torch.nn.Module,
+    manifest: codec.Manifest,
+    dataset: data.Dataset,
+    epoch: int,
+    t0: float,
+    bar: tqdm | None,
+) -> tuple[pb.StatusResponse, float]:
+    st = cluster.status()
+    header, flat = observe(cluster.channel, manifest.total_bytes)
+    codec.unflatten_into(manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)])
+    acc, loss = evaluate(model, dataset.test_x, dataset.test_y)
+    record = {
+        "epoch": epoch,
+        "test_accuracy": acc,
+        "test_loss": loss,
+        "train_loss": st.train_loss if math.isfinite(st.train_loss) else None,
+        "samples": st.samples,
+        "version": header.version,
+        "max_staleness": st.max_staleness,
+        "live_workers": len(st.workers),
+        "wall_s": time.perf_counter() - t0,
+    }
+    run.append_metrics(record)
+    message = f"epoch {epoch}: test accuracy {100 * acc:.2f}%, test loss {loss:.4f}, version {header.version}"
+    if bar is not None:
+        bar.write(message, file=sys.stderr)
+    else:
+        log.info("%s", message)
+    return st, acc
+
+
+def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:
+    from dataclasses import asdict
+
+    d = asdict(obj)
+    d.pop(skip, None)
+    return d

@@ -1,0 +1,124 @@
+"""Child processes of the launcher and of ``worker --procs``: start, watch, always reap."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from paramserver.errors import ParamServerError, Timeout
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+_PARENT_ENV = "PARAMSERVER_PARENT_PID"
+
+
+def die_with_parent_if_asked() -> None:
+    """In a child of Child: get SIGTERM when the parent dies, even by kill -9 (Linux).
+
+    Done by the child itself at start-up rather than in a preexec_fn, which is unsafe in
+    a parent that runs threads.
+    """
+    parent = os.environ.pop(_PARENT_ENV, None)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Child:
+    """One child process running ``python -m paramserver ...``, logging to a file."""
+
+    def __init__(
+        self, name: str, args: Sequence[str], log_path: Path, capture_stdout: bool = False
+    ):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in reap()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{_PARENT_ENV: str(os.getpid())})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "paramserver", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture_stdout else self._log,
+            stderr=self._log,
+            env=env,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        if capture_stdout:
+            threading.Thread(target=self._read_stdout, daemon=True, name=f"{name}-stdout").start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            self._log.write(raw)
+            self._log.flush()
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_for_line(self, marker: str, timeout: float) -> str:
+        """The first stdout line containing ``marker``.
+
+        Raises:
+            ParamServerError: the child exited first (its log tail is in the message).
+            Timeout: no such line within ``timeout`` seconds.
+        """
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                raise Timeout(
+                    f"{self.name} printed no '{marker}' line within {timeout:.0f}s; see {self.log_path}."
+                ) from None
+            if line is None:
+                self.proc.wait()
+                raise ParamServerError(
+                    f"{self.name} exited with code {self.proc.returncode} before it was ready: "
+                    f"{self.tail()}"
+                )
+            if marker in line:
+                return line.strip()
+
+    def tail(self, lines: int = 1) -> str:
+        """The last lines of the child's log, for error messages."""
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return " | ".join(text[-lines:]) if text else f"(empty log {self.log_path})"
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs of SIGTERM; killing it", self.name, grace)
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def stop_all(children: Sequence[Child], grace: float = 5.0) -> None:
+    """Stop every child that is still running."""
+    for child in children:
+        if child.poll() is None:
+            child.proc.terminate()
+    for child in children:
+        child.stop(grace)
