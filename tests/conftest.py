@@ -1,0 +1,83 @@
+"""Shared fixtures: in-process servers on port 0, small models, worker threads with deadlines."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import paramserver as ps
+
+DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    """A small MLP for 28x28 inputs, fast enough for many steps in a test."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ps.ServerApp]]:
+    """Start servers with ``ps.serve(...)`` on port 0; all are stopped after the test."""
+    servers: list[ps.ServerApp] = []
+
+    def start(model: Any = "mlp", **kwargs: Any) -> ps.ServerApp:
+        kwargs.setdefault("port", 0)
+        server = ps.serve(model, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace=0)
+
+
+class WorkerThread(threading.Thread):
+    """Runs ``body()`` in a thread and re-raises its exception in ``result()``."""
+
+    def __init__(self, body: Callable[[], Any], name: str = "worker"):
+        super().__init__(name=name, daemon=True)
+        self._body = body
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self._body()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in result()
+            self.error = exc
+
+    def result(self, timeout: float = DEADLINE) -> Any:
+        self.join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"{self.name} did not finish within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def replica(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen]]:
+    """Child processes started by a test; every one is killed afterwards."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def paramserver_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "paramserver", *args]

@@ -1,0 +1,114 @@
+"""The Python API: serve, Worker, step, close, status; and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import paramserver as ps
+from paramserver import data
+from paramserver.worker.trainer import evaluate
+from tests.conftest import replica, tiny_model
+
+
+def test_training_loop_through_the_api_learns(serve):
+    ds = data.synthetic(train=2048, test=512)
+    model = tiny_model()
+    server = serve(replica(model), optimizer="adam", lr=3e-3, policy="delay-1", workers=1)
+    before, _ = evaluate(model, ds.test_x, ds.test_y)
+    with ps.Worker(server.address, model) as worker:
+        for _epoch in range(3):
+            for i in range(0, 2048, 64):
+                x, y = ds.train_x[i : i + 64], ds.train_y[i : i + 64]
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                worker.step(samples=len(x), loss=loss.item())
+        assert worker.clock == 3 * 32
+    after, _ = evaluate(model, ds.test_x, ds.test_y)
+    status = server.status()
+    assert status["pushes_applied"] == 96
+    assert status["samples"] == 96 * 64
+    assert status["version"] == 96
+    assert status["max_staleness"] <= 1
+    assert after > before + 0.2, (before, after)
+
+
+def test_worker_builds_the_model_the_server_names(serve):
+    server = serve("mlp", seed=3)
+    with ps.Worker(server.address) as worker:
+        assert worker.plan.model == "mlp"
+        expected = ps.models.build("mlp", seed=3)
+        for a, b in zip(worker.model.parameters(), expected.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_model_that_does_not_match_is_refused_with_the_parameter_named(serve):
+    server = serve("mlp")
+    wrong = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 255),
+        nn.ReLU(),
+        nn.Linear(255, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+    with pytest.raises(ps.ConfigError, match=r"Parameter '1\.weight'"):
+        ps.Worker(server.address, wrong)
+    assert server.status()["workers"] == []  # it left again
+
+
+def test_more_workers_than_the_server_admits_are_refused(serve):
+    server = serve("mlp", workers=1)
+    with ps.Worker(server.address), pytest.raises(ps.ClusterFull, match="started for 1 workers"):
+        ps.Worker(server.address)
+
+
+def test_unreachable_server_fails_fast_with_a_clear_error():
+    with pytest.raises(ps.ServerUnavailable, match="No parameter server answered at 127.0.0.1:1"):
+        ps.Worker("127.0.0.1:1", tiny_model(), connect_timeout=0.5)
+
+
+def test_bad_policy_is_refused_before_anything_starts():
+    with pytest.raises(ps.ConfigError, match=r"Unknown staleness policy \(--policy\) 'ssp:0'"):
+        ps.serve("mlp", policy="ssp:0", port=0)
+
+
+def test_checkpoint_of_a_launch_loads_into_the_model(serve, tmp_path):
+    from paramserver import checkpoint, codec, models
+
+    server = serve("mlp", seed=5)
+    c = server.coordinator
+    path = checkpoint.save(tmp_path / "ck.pt", c.manifest, c.store.weights, version=c.store.version)
+    loaded = torch.load(path, weights_only=True)
+    model = models.build("mlp")
+    model.load_state_dict(loaded["model_state_dict"])
+    for a, b in zip(model.parameters(), models.build("mlp", seed=5).parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert loaded["format"] == checkpoint.FORMAT
+    assert codec.Manifest.from_tensors(models.parameters(model)) == c.manifest
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_decides_whether_a_worker_reads_its_own_last_push(serve, overlap):
+    model = tiny_model()
+    server = serve(replica(model), optimizer="sgd", lr=0.1, policy="async", workers=1)
+    with ps.Worker(server.address, model, overlap=overlap) as worker:
+        assert worker.overlap is overlap
+        for step in range(5):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            worker.step(samples=1)
+            if not overlap:
+                # The push was answered before the pull, so the weights hold it.
+                assert worker.version == step + 1
+        worker.flush()
+    assert server.status()["version"] == 5
+
+
+def test_overlap_defaults_to_off_on_cpu(serve):
+    server = serve("mlp")
+    with ps.Worker(server.address) as worker:
+        assert worker.device.type == "cpu"
+        assert worker.overlap is False

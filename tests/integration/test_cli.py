@@ -1,0 +1,133 @@
+"""The command line: help, bad arguments (one clear line, non-zero exit), status, launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import DEADLINE, paramserver_cmd
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = DEADLINE
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        paramserver_cmd(*args), capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_every_option_has_help_and_an_environment_variable():
+    for command in ("server", "worker", "launch", "status"):
+        out = run_cli(command, "--help")
+        assert out.returncode == 0, out.stderr
+        options = [
+            line
+            for line in out.stdout.splitlines()
+            if line.strip().startswith("--") and "--help" not in line
+        ]
+        assert options, out.stdout
+        text = out.stdout.replace("\n", " ")
+        assert text.count("PARAMSERVER_") >= len(options), f"{command}: an option lacks an env var"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["server", "--policy", "sometimes", "--port", "0"],
+            "Unknown staleness policy (--policy) 'sometimes'",
+        ),
+        (["server", "--workers", "0", "--port", "0"], "--workers must be at least 1; got 0"),
+        (["server", "--lr", "-1", "--port", "0"], "learning rate (--lr) must be positive"),
+        (["server", "--optimizer", "lbfgs"], "'lbfgs' is not one of"),
+        (["server", "--model", "nosuchmodel", "--port", "0"], "Unknown model 'nosuchmodel'"),
+        (["worker", "--server", "localhost"], "--server must look like HOST:PORT"),
+        (
+            ["worker", "--server", "127.0.0.1:1", "--rpc-timeout", "0.5"],
+            "No parameter server answered at 127.0.0.1:1",
+        ),
+        (
+            ["worker", "--server", "127.0.0.1:1", "--device", "tpu"],
+            "--device must be auto, cpu, cuda or cuda:N",
+        ),
+        (
+            ["launch", "--data-dir", "/nonexistent", "--workers", "1"],
+            "Fashion-MNIST not found in /nonexistent",
+        ),
+        (["status", "--server", "127.0.0.1:1", "--timeout", "0.5"], "No parameter server answered"),
+        (["launch", "--epochs", "x"], "'x' is not a valid integer"),
+    ],
+)
+def test_bad_arguments_give_one_clear_line_and_a_non_zero_exit(args, message):
+    out = run_cli(*args)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("paramserver: error: "), out.stderr
+    assert message in lines[-1], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_port_in_use_is_reported(serve):
+    server = serve("mlp", host="127.0.0.1")
+    out = run_cli("server", "--host", "127.0.0.1", "--port", str(server.port))
+    assert out.returncode == 2
+    assert f"Cannot listen on 127.0.0.1:{server.port}" in out.stderr.strip().splitlines()[-1]
+
+
+def test_environment_variables_set_options():
+    out = run_cli("server", "--port", "0", env={"PARAMSERVER_POLICY": "never"})
+    assert out.returncode == 2
+    assert "Unknown staleness policy (--policy) 'never'" in out.stderr
+
+
+def test_status_prints_a_table_and_json(serve):
+    server = serve("mlp", policy="ssp:2", workers=3)
+    table = run_cli("status", "--server", server.address)
+    assert table.returncode == 0, table.stderr
+    assert "policy ssp:2" in table.stdout
+    as_json = run_cli("status", "--server", server.address, "--json")
+    status = json.loads(as_json.stdout)
+    assert status["policy"] == "ssp:2"
+    assert status["world_size"] == 3
+    assert status["version"] == "0"  # int64 fields are strings in protobuf JSON
+
+
+def test_launch_json_on_synthetic_data(tmp_path):
+    out = run_cli(
+        "launch", "--dataset", "synthetic", "--workers", "2", "--epochs", "2", "--policy", "sync",
+        "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in (
+        "policy",
+        "workers",
+        "epochs",
+        "test_accuracy",
+        "samples_per_s",
+        "wall_s",
+        "max_staleness",
+        "run_dir",
+    ):
+        assert key in summary
+    assert summary["policy"] == "sync"
+    assert summary["max_staleness"] == 0
+    assert summary["samples"] == 2 * 2 * (4096 // 2 // 64) * 64
+    assert summary["test_accuracy"] > 0.5
+    run_dir = tmp_path / os.path.basename(summary["run_dir"])
+    for name in (
+        "config.json",
+        "metrics.jsonl",
+        "curve.png",
+        "checkpoint.pt",
+        "summary.json",
+        "server.log",
+        "worker-0.log",
+    ):
+        assert (run_dir / name).exists(), name
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == [1, 2]

@@ -1,0 +1,316 @@
+"""The flat-buffer codec: manifest, (un)flatten, chunks and stream framing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from paramserver import codec
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import Assembler, Manifest, TensorSpec
+from paramserver.errors import ConfigError, InvalidRequest
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def model_manifest(model: nn.Module) -> Manifest:
+    return Manifest.from_tensors(model.named_parameters())
+
+
+# --- manifest ----------------------------------------------------------------------
+
+
+def test_from_tensors_layout() -> None:
+    m = Manifest.from_tensors(
+        [("a", torch.zeros(2, 3)), ("b", torch.zeros(5)), ("c", torch.zeros(()))]
+    )
+    assert m.tensors == (
+        TensorSpec("a", (2, 3), "float32", 0, 24),
+        TensorSpec("b", (5,), "float32", 24, 20),
+        TensorSpec("c", (), "float32", 44, 4),
+    )
+    assert m.total_bytes == 48
+    assert m.numel == 12
+    assert [s.numel for s in m.tensors] == [6, 5, 1]
+
+
+def test_from_tensors_of_model() -> None:
+    model = tiny_model()
+    m = model_manifest(model)
+    assert [s.name for s in m.tensors] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert m.total_bytes == 4 * sum(p.numel() for p in model.parameters())
+    offsets = [s.offset for s in m.tensors]
+    ends = [s.offset + s.nbytes for s in m.tensors]
+    assert offsets == [0, *ends[:-1]]
+
+
+def test_empty_manifest() -> None:
+    m = Manifest.from_tensors([])
+    assert m.tensors == ()
+    assert m.total_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64, torch.bfloat16])
+def test_non_float32_rejected(dtype: torch.dtype) -> None:
+    with pytest.raises(ConfigError) as info:
+        Manifest.from_tensors([("ok", torch.zeros(2)), ("bad", torch.zeros(2, dtype=dtype))])
+    assert "'bad'" in str(info.value)
+    assert str(dtype).removeprefix("torch.") in str(info.value)
+
+
+def test_proto_round_trip() -> None:
+    m = model_manifest(tiny_model())
+    msg = m.to_proto()
+    assert isinstance(msg, pb.Manifest)
+    assert msg.total_bytes == m.total_bytes
+    wire = pb.Manifest.FromString(msg.SerializeToString())
+    back = Manifest.from_proto(wire)
+    assert back == m
+    assert all(isinstance(s.shape, tuple) for s in back.tensors)
+
+
+def test_proto_round_trip_scalar() -> None:
+    m = Manifest.from_tensors([("s", torch.zeros(()))])
+    assert Manifest.from_proto(m.to_proto()) == m
+
+
+def test_check_compatible_equal_passes() -> None:
+    a = model_manifest(tiny_model())
+    b = Manifest.from_proto(a.to_proto())
+    a.check_compatible(b, "the worker's model")  # no exception
+
+
+def test_check_compatible_shape_mismatch_names_parameter() -> None:
+    a = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
+    b = Manifest.from_tensors([("w", torch.zeros(3, 2)), ("b", torch.zeros(3))])
+    with pytest.raises(ConfigError) as info:
+        a.check_compatible(b, "the checkpoint")
+    msg = str(info.value)
+    assert "'w'" in msg
+    assert "[2, 3]" in msg and "[3, 2]" in msg
+    assert "the checkpoint" in msg
+
+
+def test_check_compatible_missing_parameter_names_it() -> None:
+    a = Manifest.from_tensors([("w", torch.zeros(2)), ("extra", torch.zeros(1))])
+    b = Manifest.from_tensors([("w", torch.zeros(2))])
+    with pytest.raises(ConfigError) as info:
+        a.check_compatible(b, "the worker's model")
+    assert "'extra'" in str(info.value)
+    assert "missing" in str(info.value)
+    # And the other way round: a parameter the server does not have.
+    with pytest.raises(ConfigError) as info:
+        b.check_compatible(a, "the worker's model")
+    assert "'extra'" in str(info.value)
+    assert "the server" in str(info.value)
+
+
+def test_check_compatible_order_mismatch() -> None:
+    a = Manifest.from_tensors([("x", torch.zeros(2)), ("y", torch.zeros(2))])
+    b = Manifest.from_tensors([("y", torch.zeros(2)), ("x", torch.zeros(2))])
+    with pytest.raises(ConfigError):
+        a.check_compatible(b, "the worker's model")
+
+
+# --- flatten / unflatten / state_dict ----------------------------------------------
+
+
+def test_flatten_unflatten_round_trip() -> None:
+    src = tiny_model()
+    m = model_manifest(src)
+    flat = torch.empty(m.numel, dtype=torch.float32)
+    flatten_from = list(src.parameters())
+    codec.flatten_into(m, flatten_from, flat)
+    # The flat buffer holds each tensor at its offset.
+    for spec, p in zip(m.tensors, flatten_from, strict=True):
+        start = spec.offset // 4
+        assert torch.equal(flat[start : start + spec.numel], p.detach().reshape(-1))
+
+    dst = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        for p in dst.parameters():
+            p.zero_()
+    codec.unflatten_into(m, flat, list(dst.parameters()))
+    for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_flatten_wrong_count_raises() -> None:
+    m = Manifest.from_tensors([("a", torch.zeros(2)), ("b", torch.zeros(2))])
+    flat = torch.empty(4)
+    with pytest.raises(ValueError):
+        codec.flatten_into(m, [torch.ones(2)], flat)
+
+
+def test_state_dict_loads_into_module() -> None:
+    src = tiny_model()
+    m = model_manifest(src)
+    flat = torch.empty(m.numel, dtype=torch.float32)
+    codec.flatten_into(m, list(src.parameters()), flat)
+    flat_np = flat.numpy().copy()
+    sd = codec.state_dict(m, flat_np)
+    assert list(sd) == [s.name for s in m.tensors]
+    dst = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    result = dst.load_state_dict(sd, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for a, b in zip(src.parameters(), dst.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # The dict holds copies: changing the buffer afterwards does not change it.
+    flat_np[:] = 0
+    assert not torch.equal(sd["0.weight"], torch.zeros(4, 3))
+
+
+# --- chunks and the assembler --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "chunk", "sizes"),
+    [(10, 4, [4, 4, 2]), (8, 4, [4, 4]), (3, 4, [3]), (0, 4, []), (12, 100, [12])],
+)
+def test_iter_chunks_sizes(size: int, chunk: int, sizes: list[int]) -> None:
+    payload = bytes(range(size))
+    chunks = list(codec.iter_chunks(memoryview(payload), chunk))
+    assert [len(c) for c in chunks] == sizes
+    assert b"".join(chunks) == payload
+
+
+def test_as_bytes_is_raw_little_endian_float32() -> None:
+    arr = np.array([1.0, -2.5], np.float32)
+    view = codec.as_bytes(arr)
+    assert len(view) == 8
+    assert bytes(view) == arr.astype("<f4").tobytes()
+
+
+def test_assembler_from_uneven_chunks() -> None:
+    arr = np.arange(10, dtype=np.float32) * 1.5 - 3.0
+    raw = arr.tobytes()
+    asm = Assembler(len(raw))
+    for piece in (raw[:3], raw[3:17], raw[17:18], raw[18:]):
+        asm.add(piece)
+    out = asm.finish()
+    assert out.dtype == np.float32
+    assert np.array_equal(out, arr)
+
+
+def test_assembler_writes_into_given_buffer() -> None:
+    arr = np.array([1, 2, 3], np.float32)
+    out = np.zeros(3, np.float32)
+    asm = Assembler(12, out)
+    asm.add(arr.tobytes())
+    assert asm.finish() is out
+    assert np.array_equal(out, arr)
+
+
+def test_assembler_wrong_buffer_size_raises() -> None:
+    with pytest.raises(InvalidRequest):
+        Assembler(12, np.zeros(4, np.float32))
+
+
+def test_assembler_overflow_raises() -> None:
+    asm = Assembler(8)
+    asm.add(b"\0" * 6)
+    with pytest.raises(InvalidRequest) as info:
+        asm.add(b"\0" * 3)
+    assert "8 bytes" in str(info.value)
+    assert asm.received == 6  # the overflowing chunk was not written
+
+
+def test_assembler_truncated_finish_raises() -> None:
+    asm = Assembler(8)
+    asm.add(b"\0" * 4)
+    with pytest.raises(InvalidRequest) as info:
+        asm.finish()
+    assert "4 of the 8 bytes" in str(info.value)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 10])
+def test_assembler_non_multiple_of_four_raises(size: int) -> None:
+    with pytest.raises(InvalidRequest):
+        Assembler(size)
+
+
+# --- push and pull framing -----------------------------------------------------------
+
+
+def test_push_round_trip() -> None:
+    grad = np.linspace(-1, 1, 11, dtype=np.float32)
+    header = pb.PushHeader(worker_id="w1", iteration=7, samples=64, loss=0.25)
+    msgs = list(codec.encode_push(header, codec.as_bytes(grad), chunk_bytes=8))
+    assert msgs[0].WhichOneof("kind") == "header"
+    assert [len(m.data) for m in msgs[1:]] == [8, 8, 8, 8, 8, 4]
+    # Through the wire format, as gRPC would carry it.
+    stream = iter([pb.PushChunk.FromString(m.SerializeToString()) for m in msgs])
+    got = codec.decode_push_header(stream)
+    assert got.worker_id == "w1"
+    assert got.iteration == 7
+    assert got.samples == 64
+    assert got.loss == 0.25
+    assert got.total_bytes == grad.nbytes
+    out = codec.decode_payload(stream, Assembler(got.total_bytes))
+    assert np.array_equal(out, grad)
+
+
+def test_push_stream_starting_with_data_raises() -> None:
+    stream = iter([pb.PushChunk(data=b"\0" * 4), pb.PushChunk(header=pb.PushHeader())])
+    with pytest.raises(InvalidRequest):
+        codec.decode_push_header(stream)
+
+
+def test_empty_push_stream_raises() -> None:
+    with pytest.raises(InvalidRequest):
+        codec.decode_push_header(iter([]))
+
+
+def test_second_header_in_payload_raises() -> None:
+    stream = [pb.PushChunk(data=b"\0" * 4), pb.PushChunk(header=pb.PushHeader())]
+    with pytest.raises(InvalidRequest):
+        codec.decode_payload(stream, Assembler(8))
+
+
+def test_short_push_payload_raises() -> None:
+    grad = np.ones(4, np.float32)
+    stream = codec.encode_push(pb.PushHeader(), codec.as_bytes(grad), chunk_bytes=8)
+    header = codec.decode_push_header(stream)
+    next(stream)  # lose one chunk
+    with pytest.raises(InvalidRequest):
+        codec.decode_payload(stream, Assembler(header.total_bytes))
+
+
+def test_pull_round_trip() -> None:
+    weights = np.arange(7, dtype=np.float32) / 3
+    header = pb.PullHeader(version=12, staleness=1)
+    msgs = list(codec.encode_pull(header, codec.as_bytes(weights), chunk_bytes=12))
+    assert [len(m.data) for m in msgs[1:]] == [12, 12, 4]
+    stream = iter([pb.PullChunk.FromString(m.SerializeToString()) for m in msgs])
+    out = np.empty(7, np.float32)
+    got_header, got = codec.decode_pull(stream, out, weights.nbytes)
+    assert got is out
+    assert (got_header.version, got_header.staleness) == (12, 1)
+    assert got_header.total_bytes == weights.nbytes
+    assert np.array_equal(got, weights)
+
+
+def test_pull_round_trip_new_buffer() -> None:
+    weights = np.array([3.0, 4.0], np.float32)
+    msgs = codec.encode_pull(pb.PullHeader(version=1), codec.as_bytes(weights), 4096)
+    _, got = codec.decode_pull(msgs, None, 8)
+    assert np.array_equal(got, weights)
+
+
+def test_pull_wrong_total_bytes_raises() -> None:
+    weights = np.zeros(4, np.float32)
+    msgs = codec.encode_pull(pb.PullHeader(), codec.as_bytes(weights), 4096)
+    with pytest.raises(InvalidRequest) as info:
+        codec.decode_pull(msgs, None, 20)
+    assert "16 bytes" in str(info.value)
+    assert "20" in str(info.value)
+
+
+def test_pull_stream_starting_with_data_raises() -> None:
+    with pytest.raises(InvalidRequest):
+        codec.decode_pull(iter([pb.PullChunk(data=b"\0" * 4)]), None, 4)

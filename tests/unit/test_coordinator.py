@@ -1,0 +1,402 @@
+"""The server's state machine, driven directly (no gRPC, no threads) with a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import Manifest
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker
+from paramserver.server.coordinator import Coordinator
+from paramserver.server.servicer import Servicer
+from paramserver.store import ParameterStore
+
+LEASE = 10.0
+N = 4  # parameters of the tiny model
+NBYTES = 4 * N
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def make(policy: str, workers: int, clock: FakeClock) -> Coordinator:
+    manifest = Manifest.from_tensors([("w", torch.zeros(N))])
+    store = ParameterStore(manifest, np.zeros(N, np.float32), OptimizerConfig("sgd", lr=1.0))
+    config = ServerConfig(
+        policy=policy,
+        workers=workers,
+        lease_seconds=LEASE,
+        optimizer=OptimizerConfig("sgd", lr=1.0),
+        dataset="synthetic",
+    )
+    return Coordinator(config, store, now=clock)
+
+
+def full(value: float) -> np.ndarray:
+    return np.full(N, value, np.float32)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+# --- (a) sync ------------------------------------------------------------------------
+
+
+def test_sync_waits_for_everyone_then_averages(clock: FakeClock) -> None:
+    c = make("sync", 2, clock)
+    a = c.join("a")
+    with pytest.raises(Timeout) as info:
+        c.pull(a.worker_id, 0, timeout=0.0)
+    assert "1 of 2 workers" in str(info.value)
+    b = c.join("b")
+    assert (a.rank, b.rank) == (0, 1)
+    assert (a.clock, b.clock) == (0, 0)
+
+    first = c.pull(a.worker_id, 0, timeout=0.0)
+    assert first.version == 0
+    assert first.staleness == 0
+    assert np.array_equal(first.weights, np.zeros(N, np.float32))
+    assert c.pull(b.worker_id, 0, timeout=0.0).version == 0
+
+    ga, gb = full(1.0), full(3.0)
+    ra = c.push(a.worker_id, 0, ga, samples=8, loss=1.0)
+    assert (ra.version, ra.clock, ra.duplicate) == (0, 1, False)
+    assert c.store.version == 0  # accumulated, not applied
+    with pytest.raises(Timeout):
+        c.pull(a.worker_id, 1, timeout=0.0)  # round 0 is not complete yet
+
+    rb = c.push(b.worker_id, 0, gb, samples=8, loss=1.0)
+    assert (rb.version, rb.clock, rb.duplicate) == (1, 1, False)
+    assert c.store.version == 1
+    assert np.array_equal(c.store.weights, full(-2.0))  # the mean, applied once
+    # The callers' gradient arrays are not modified by the accumulation.
+    assert np.array_equal(ga, full(1.0)) and np.array_equal(gb, full(3.0))
+
+    nxt = c.pull(a.worker_id, 1, timeout=0.0)
+    assert nxt.version == 1
+    assert np.array_equal(nxt.weights, full(-2.0))
+    # The first pull's snapshot still holds the old weights.
+    assert np.array_equal(first.weights, np.zeros(N, np.float32))
+    s = c.status()
+    assert s["pushes_applied"] == 2
+    assert s["samples"] == 16
+    assert s["max_staleness"] == 0
+
+
+def test_sync_pull_too_far_ahead_is_out_of_order(clock: FakeClock) -> None:
+    c = make("sync", 1, clock)
+    a = c.join("a")
+    with pytest.raises(OutOfOrder):
+        c.pull(a.worker_id, 2, timeout=0.0)
+
+
+def test_sync_two_rounds(clock: FakeClock) -> None:
+    c = make("sync", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    for it, (x, y) in enumerate([(1.0, 3.0), (2.0, 4.0)]):
+        c.push(a.worker_id, it, full(x), 1, math.nan)
+        c.push(b.worker_id, it, full(y), 1, math.nan)
+    assert c.store.version == 2
+    assert np.array_equal(c.store.weights, full(-5.0))  # -(2) - (3)
+
+
+# --- (b) sync with a dead worker ---------------------------------------------------------
+
+
+def test_sync_dead_worker_is_expired_and_round_completes(clock: FakeClock) -> None:
+    c = make("sync", 3, clock)
+    a, b, dead = c.join("a"), c.join("b"), c.join("c")
+    c.push(a.worker_id, 0, full(1.0), 4, 0.5)
+    c.push(b.worker_id, 0, full(2.0), 4, 0.5)
+    assert c.store.version == 0
+    with pytest.raises(Timeout):
+        c.pull(a.worker_id, 1, timeout=0.0)
+
+    assert c.expire_leases() == []  # nobody's lease has run out yet
+    clock.advance(LEASE + 1.0)
+    c.heartbeat(a.worker_id)
+    c.heartbeat(b.worker_id)
+    expired = c.expire_leases()
+    assert [m.worker_id for m in expired] == [dead.worker_id]
+    assert sorted(c.membership.live_ids()) == sorted([a.worker_id, b.worker_id])
+    assert c.store.version == 1
+    assert np.array_equal(c.store.weights, full(-1.5))
+    assert c.pull(a.worker_id, 1, timeout=0.0).version == 1
+    s = c.status()
+    assert s["workers_expired"] == 1
+    assert len(s["workers"]) == 2
+    with pytest.raises(UnknownWorker):
+        c.pull(dead.worker_id, 0, timeout=0.0)
+    with pytest.raises(UnknownWorker):
+        c.push(dead.worker_id, 0, full(1.0), 1, 0.0)
+
+
+def test_sync_leave_completes_round(clock: FakeClock) -> None:
+    c = make("sync", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    c.push(a.worker_id, 0, full(4.0), 1, 0.0)
+    c.leave(b.worker_id)
+    assert c.store.version == 1
+    assert np.array_equal(c.store.weights, full(-4.0))
+    c.leave(b.worker_id)  # leaving twice is harmless
+    assert c.store.version == 1
+
+
+def test_sync_replacement_starts_at_current_round(clock: FakeClock) -> None:
+    c = make("sync", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    c.push(a.worker_id, 0, full(1.0), 1, 0.0)
+    c.push(b.worker_id, 0, full(1.0), 1, 0.0)
+    c.leave(b.worker_id)
+    late = c.join("b2")
+    assert late.rank == b.rank
+    assert late.clock == 1
+    c.push(a.worker_id, 1, full(1.0), 1, 0.0)
+    assert c.store.version == 1  # waits for the newcomer
+    c.push(late.worker_id, 1, full(3.0), 1, 0.0)
+    assert c.store.version == 2
+
+
+# --- (c) exactly-once pushes and validation ------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["sync", "ssp:1", "async"])
+def test_duplicate_push_is_acknowledged_not_applied(policy: str, clock: FakeClock) -> None:
+    c = make(policy, 1, clock)
+    a = c.join("a")
+    r1 = c.push(a.worker_id, 0, full(1.0), 2, 0.0)
+    assert r1.duplicate is False
+    assert c.store.version == 1
+    r2 = c.push(a.worker_id, 0, full(1.0), 2, 0.0)
+    assert r2.duplicate is True
+    assert r2.version == 1
+    assert r2.clock == 1
+    assert c.store.version == 1
+    assert np.array_equal(c.store.weights, full(-1.0))
+    assert c.counters.duplicates == 1
+    assert c.status()["pushes_applied"] == 1
+    assert c.status()["samples"] == 2
+
+
+def test_push_ahead_of_clock_is_out_of_order(clock: FakeClock) -> None:
+    c = make("async", 1, clock)
+    a = c.join("a")
+    with pytest.raises(OutOfOrder) as info:
+        c.push(a.worker_id, 1, full(1.0), 1, 0.0)
+    assert "clock is 0" in str(info.value)
+    assert c.store.version == 0
+    assert c.membership.get(a.worker_id).clock == 0
+
+
+@pytest.mark.parametrize("policy", ["sync", "async"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_push_changes_nothing(policy: str, bad: float, clock: FakeClock) -> None:
+    c = make(policy, 1, clock)
+    a = c.join("a")
+    grad = full(1.0)
+    grad[2] = bad
+    before = c.status()
+    with pytest.raises(InvalidRequest):
+        c.push(a.worker_id, 0, grad, 1, 0.0)
+    after = c.status()
+    assert c.store.version == 0
+    assert np.array_equal(c.store.weights, np.zeros(N, np.float32))
+    assert c.membership.get(a.worker_id).clock == 0
+    for key in ("pushes_applied", "samples", "bytes_in", "version"):
+        assert after[key] == before[key]
+    # The worker may retry the same iteration with a good gradient.
+    assert c.push(a.worker_id, 0, full(1.0), 1, 0.0).duplicate is False
+    assert c.store.version == 1
+
+
+def test_push_from_unknown_worker(clock: FakeClock) -> None:
+    c = make("async", 1, clock)
+    c.join("a")
+    with pytest.raises(UnknownWorker):
+        c.push("nobody", 0, full(1.0), 1, 0.0)
+
+
+# --- (d) ssp ---------------------------------------------------------------------------
+
+
+def test_ssp1_bounds_the_lead(clock: FakeClock) -> None:
+    c = make("ssp:1", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    assert c.pull(a.worker_id, 0, timeout=0.0).staleness == 0
+    r = c.push(a.worker_id, 0, full(1.0), 1, 0.0)
+    assert r.version == 1  # applied on arrival
+    # A at clock 1, B at clock 0: iteration 1 is within the bound.
+    got = c.pull(a.worker_id, 1, timeout=0.0)
+    assert got.staleness == 1
+    assert got.version == 1
+    c.push(a.worker_id, 1, full(1.0), 1, 0.0)
+    with pytest.raises(Timeout) as info:
+        c.pull(a.worker_id, 2, timeout=0.0)
+    assert "ssp:1" in str(info.value)
+    c.push(b.worker_id, 0, full(1.0), 1, 0.0)
+    got = c.pull(a.worker_id, 2, timeout=0.0)
+    assert got.staleness == 1
+    assert got.version == 3
+    assert np.array_equal(got.weights, full(-3.0))
+    s = c.status()
+    assert s["max_staleness"] == 1
+    assert all(k <= 1 for k in s["staleness_histogram"])
+    assert s["staleness_histogram"] == {0: 1, 1: 2}
+
+
+def test_ssp1_pull_beyond_inflight_is_out_of_order(clock: FakeClock) -> None:
+    c = make("ssp:1", 2, clock)
+    a, _ = c.join("a"), c.join("b")
+    with pytest.raises(OutOfOrder):
+        c.pull(a.worker_id, 2, timeout=0.0)
+
+
+def test_pull_before_start_times_out_under_every_policy(clock: FakeClock) -> None:
+    for policy in ("sync", "ssp:1", "async"):
+        c = make(policy, 2, clock)
+        a = c.join("a")
+        with pytest.raises(Timeout):
+            c.pull(a.worker_id, 0, timeout=0.0)
+
+
+# --- (e) async ---------------------------------------------------------------------------
+
+
+def test_async_never_waits_and_records_staleness(clock: FakeClock) -> None:
+    c = make("async", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    for it in range(5):
+        got = c.pull(a.worker_id, it, timeout=0.0)
+        assert got.staleness == it  # B is still at clock 0
+        assert got.version == it
+        c.push(a.worker_id, it, full(1.0), 1, 0.0)
+    got = c.pull(a.worker_id, 5, timeout=0.0)
+    assert got.staleness == 5
+    c.push(b.worker_id, 0, full(1.0), 1, 0.0)
+    got = c.pull(b.worker_id, 1, timeout=0.0)
+    assert got.staleness == 0  # min clock is B's own, 1
+    assert got.version == 6
+    assert np.array_equal(got.weights, full(-6.0))
+    s = c.status()
+    assert s["max_staleness"] == 5
+    assert s["staleness_histogram"] == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
+
+
+def test_observer_pull_never_waits(clock: FakeClock) -> None:
+    c = make("sync", 2, clock)
+    got = c.pull("", 0, timeout=0.0)  # before anyone joined
+    assert got.version == 0
+    assert got.staleness == 0
+    assert c.status()["staleness_histogram"] == {}
+    assert c.status()["bytes_out"] == NBYTES
+
+
+# --- (f) check_push --------------------------------------------------------------------------
+
+
+def test_check_push(clock: FakeClock) -> None:
+    c = make("async", 1, clock)
+    a = c.join("a")
+    c.check_push(a.worker_id, 0, NBYTES)  # valid: no exception
+    for wrong in (0, NBYTES - 4, NBYTES + 4):
+        with pytest.raises(InvalidRequest) as info:
+            c.check_push(a.worker_id, 0, wrong)
+        assert str(NBYTES) in str(info.value)
+    with pytest.raises(InvalidRequest):
+        c.check_push(a.worker_id, -1, NBYTES)
+    with pytest.raises(UnknownWorker):
+        c.check_push("nobody", 0, NBYTES)
+
+
+def test_check_push_renews_lease(clock: FakeClock) -> None:
+    c = make("async", 1, clock)
+    a = c.join("a")
+    clock.advance(LEASE - 1)
+    c.check_push(a.worker_id, 0, NBYTES)
+    clock.advance(LEASE - 1)
+    assert c.expire_leases() == []
+    clock.advance(2)
+    assert [m.worker_id for m in c.expire_leases()] == [a.worker_id]
+
+
+# --- (g) status ----------------------------------------------------------------------
+
+
+def test_status_has_every_field_of_the_wire_message(clock: FakeClock) -> None:
+    c = make("ssp:1", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    c.pull(a.worker_id, 0, timeout=0.0)
+    clock.advance(2.0)
+    c.push(a.worker_id, 0, full(1.0), 16, 2.0)
+    clock.advance(3.0)
+    c.push(a.worker_id, 1, full(1.0), 16, 4.0)
+    clock.advance(1.0)
+
+    s = c.status()
+    expected = {f.name for f in pb.StatusResponse.DESCRIPTOR.fields}
+    assert set(s) == expected
+    worker_fields = {f.name for f in pb.WorkerStatus.DESCRIPTOR.fields}
+    assert [set(w) for w in s["workers"]] == [worker_fields, worker_fields]
+    assert [w["rank"] for w in s["workers"]] == [0, 1]
+    assert s["workers"][0]["worker_id"] == a.worker_id
+    assert s["workers"][0]["clock"] == 2
+    assert s["workers"][0]["samples"] == 32
+    assert s["workers"][0]["last_seen_seconds"] == pytest.approx(1.0)
+    assert s["workers"][1]["last_seen_seconds"] == pytest.approx(6.0)
+    assert s["version"] == 2
+    assert s["policy"] == "ssp:1"
+    assert s["pushes_applied"] == 2
+    assert s["samples"] == 32
+    assert s["bytes_in"] == 2 * NBYTES
+    assert s["bytes_out"] == NBYTES
+    assert s["train_loss"] == pytest.approx(0.98 * 2.0 + 0.02 * 4.0)
+    assert s["train_seconds"] == pytest.approx(3.0)
+    assert s["uptime_seconds"] == pytest.approx(6.0)
+    assert s["world_size"] == 2
+    assert s["workers_joined"] == 2
+    assert s["workers_expired"] == 0
+    assert s["model"] == "mlp"
+    assert s["incarnation"] == c.incarnation
+
+    # The servicer turns it into the wire message without a server or a socket.
+    msg = Servicer(c).Status(pb.StatusRequest(), None)
+    assert isinstance(msg, pb.StatusResponse)
+    assert msg.version == 2
+    assert [w.worker_id for w in msg.workers] == [a.worker_id, b.worker_id]
+    assert dict(msg.staleness_histogram) == {0: 1}
+
+
+def test_status_before_any_push(clock: FakeClock) -> None:
+    c = make("sync", 1, clock)
+    s = c.status()
+    assert s["train_seconds"] == 0.0
+    assert math.isnan(s["train_loss"])
+    assert s["workers"] == []
+    # NaN loss and an empty membership still make a valid wire message.
+    msg = Servicer(c).Status(pb.StatusRequest(), None)
+    assert math.isnan(msg.train_loss)
+    assert msg.world_size == 1
+
+
+def test_heartbeat_returns_version_and_unknown_raises(clock: FakeClock) -> None:
+    c = make("async", 1, clock)
+    a = c.join("a")
+    c.push(a.worker_id, 0, full(1.0), 1, 0.0)
+    assert c.heartbeat(a.worker_id) == 1
+    with pytest.raises(UnknownWorker):
+        c.heartbeat("nobody")

@@ -1,0 +1,130 @@
+"""The flat parameter store and its server-side optimizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paramserver.codec import Manifest
+from paramserver.config import OptimizerConfig
+from paramserver.store import ParameterStore
+
+MANIFEST = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])
+
+
+def initial() -> np.ndarray:
+    return np.linspace(-1.0, 1.0, MANIFEST.numel, dtype=np.float32)
+
+
+def grads(seed: int, steps: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(MANIFEST.numel).astype(np.float32) for _ in range(steps)]
+
+
+def test_sgd_lr1_subtracts_gradient_exactly() -> None:
+    w0 = initial()
+    store = ParameterStore(MANIFEST, w0, OptimizerConfig("sgd", lr=1.0))
+    assert store.version == 0
+    assert np.array_equal(store.weights, w0)
+    (g,) = grads(0, 1)
+    store.apply(g)
+    assert store.version == 1
+    assert np.array_equal(store.weights, w0 - g)
+    store.apply(g)
+    assert store.version == 2
+    assert np.array_equal(store.weights, (w0 - g) - g)
+
+
+def test_initial_array_is_copied() -> None:
+    w0 = initial()
+    store = ParameterStore(MANIFEST, w0, OptimizerConfig("sgd", lr=1.0))
+    w0[:] = 99.0
+    assert not np.array_equal(store.weights, w0)
+    store.apply(np.ones(MANIFEST.numel, np.float32))
+    assert np.all(w0 == 99.0)
+
+
+def test_gradient_is_not_kept() -> None:
+    store = ParameterStore(MANIFEST, initial(), OptimizerConfig("sgd", lr=1.0))
+    store.apply(np.ones(MANIFEST.numel, np.float32))
+    assert store.param.grad is None
+
+
+def test_snapshot_read_only_cached_and_refreshed() -> None:
+    store = ParameterStore(MANIFEST, initial(), OptimizerConfig("sgd", lr=1.0))
+    snap = store.snapshot()
+    assert not snap.flags.writeable
+    with pytest.raises(ValueError):
+        snap[0] = 1.0
+    assert store.snapshot() is snap  # cached for this version
+    before = snap.copy()
+    store.apply(np.full(MANIFEST.numel, 0.5, np.float32))
+    # The old snapshot is not changed by the step...
+    assert np.array_equal(snap, before)
+    new = store.snapshot()
+    # ...and the new version gets a new one.
+    assert new is not snap
+    assert np.array_equal(new, before - 0.5)
+    assert store.snapshot() is new
+
+
+def test_snapshot_is_not_a_view_of_live_weights() -> None:
+    store = ParameterStore(MANIFEST, initial(), OptimizerConfig("sgd", lr=1.0))
+    snap = store.snapshot()
+    assert not np.shares_memory(snap, store.weights)
+
+
+def _reference(
+    cls: type[torch.optim.Optimizer], steps: list[np.ndarray], **kw: float
+) -> np.ndarray:
+    p = torch.nn.Parameter(torch.from_numpy(initial()))
+    opt = cls([p], **kw)
+    for g in steps:
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+    return p.detach().numpy()
+
+
+def test_adam_matches_torch() -> None:
+    steps = grads(1, 3)
+    store = ParameterStore(MANIFEST, initial(), OptimizerConfig("adam", lr=0.01))
+    for g in steps:
+        store.apply(g)
+    expected = _reference(torch.optim.Adam, steps, lr=0.01)
+    assert store.version == 3
+    assert np.allclose(store.weights, expected, rtol=0, atol=1e-6)
+    assert not np.allclose(store.weights, initial(), atol=1e-3)  # it did move
+
+
+@pytest.mark.parametrize(
+    ("cfg", "cls", "kw"),
+    [
+        (OptimizerConfig("momentum", lr=0.1, momentum=0.9), torch.optim.SGD, {"momentum": 0.9}),
+        (OptimizerConfig("adamw", lr=0.01, weight_decay=0.1), torch.optim.AdamW, {}),
+        (OptimizerConfig("sgd", lr=0.1, weight_decay=0.5), torch.optim.SGD, {}),
+    ],
+)
+def test_other_optimizers_match_torch(
+    cfg: OptimizerConfig, cls: type[torch.optim.Optimizer], kw: dict[str, float]
+) -> None:
+    steps = grads(2, 3)
+    store = ParameterStore(MANIFEST, initial(), cfg)
+    for g in steps:
+        store.apply(g)
+    expected = _reference(cls, steps, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
+    assert np.allclose(store.weights, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros(MANIFEST.numel - 1, np.float32),
+        np.zeros(MANIFEST.numel + 1, np.float32),
+        np.zeros(MANIFEST.numel, np.float64),
+    ],
+)
+def test_wrong_initial_raises(bad: np.ndarray) -> None:
+    with pytest.raises(ValueError) as info:
+        ParameterStore(MANIFEST, bad, OptimizerConfig("sgd", lr=1.0))
+    assert str(MANIFEST.numel) in str(info.value)
