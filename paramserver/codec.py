@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -187,22 +188,42 @@ class Assembler:
 # --- framing of pushes and pulls -------------------------------------------------------
 
 
+def _encode(
+    chunk: type[pb.PushChunk] | type[pb.PullChunk],
+    header: pb.PushHeader | pb.PullHeader,
+    payload: memoryview,
+    chunk_bytes: int,
+) -> Iterator[Any]:
+    header.total_bytes = len(payload)
+    yield chunk(header=header)
+    for data in iter_chunks(payload, chunk_bytes):
+        yield chunk(data=data)
+
+
+def _first_header(stream: Iterator[Any], what: str) -> Any:
+    first = next(stream, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise InvalidRequest(f"A {what} stream must start with a header message.")
+    return first.header
+
+
 def encode_push(
     header: pb.PushHeader, payload: memoryview, chunk_bytes: int
 ) -> Iterator[pb.PushChunk]:
     """A push stream: the header, then the payload in chunks."""
-    header.total_bytes = len(payload)
-    yield pb.PushChunk(header=header)
-    for data in iter_chunks(payload, chunk_bytes):
-        yield pb.PushChunk(data=data)
+    return _encode(pb.PushChunk, header, payload, chunk_bytes)
+
+
+def encode_pull(
+    header: pb.PullHeader, payload: memoryview, chunk_bytes: int
+) -> Iterator[pb.PullChunk]:
+    """A pull stream: the header, then the weights in chunks."""
+    return _encode(pb.PullChunk, header, payload, chunk_bytes)
 
 
 def decode_push_header(stream: Iterator[pb.PushChunk]) -> pb.PushHeader:
     """The header of a push stream: its first message."""
-    first = next(stream, None)
-    if first is None or first.WhichOneof("kind") != "header":
-        raise InvalidRequest("A push stream must start with a header message.")
-    return first.header
+    return _first_header(stream, "push")
 
 
 def decode_payload(
@@ -216,26 +237,14 @@ def decode_payload(
     return assembler.finish()
 
 
-def encode_pull(
-    header: pb.PullHeader, payload: memoryview, chunk_bytes: int
-) -> Iterator[pb.PullChunk]:
-    """A pull stream: the header, then the weights in chunks."""
-    header.total_bytes = len(payload)
-    yield pb.PullChunk(header=header)
-    for data in iter_chunks(payload, chunk_bytes):
-        yield pb.PullChunk(data=data)
-
-
 def decode_pull(
     stream: Iterator[pb.PullChunk], out: np.ndarray | None, total_bytes: int
 ) -> tuple[pb.PullHeader, np.ndarray]:
     """Read a pull stream into ``out`` (or a new buffer); returns its header and the weights."""
-    first = next(stream, None)
-    if first is None or first.WhichOneof("kind") != "header":
-        raise InvalidRequest("A pull stream must start with a header message.")
-    if first.header.total_bytes != total_bytes:
+    header: pb.PullHeader = _first_header(stream, "pull")
+    if header.total_bytes != total_bytes:
         raise InvalidRequest(
-            f"The server sent {first.header.total_bytes} bytes of weights; the manifest has "
+            f"The server sent {header.total_bytes} bytes of weights; the manifest has "
             f"{total_bytes}."
         )
-    return first.header, decode_payload(stream, Assembler(total_bytes, out))
+    return header, decode_payload(stream, Assembler(total_bytes, out))

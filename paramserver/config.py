@@ -118,10 +118,7 @@ class WorkerConfig:
         port = self.server.rsplit(":", 1)[-1]
         if not self.server.startswith("unix:") and not (port.isdigit() and 0 < int(port) <= 65535):
             raise ConfigError(f"--server {self.server!r} has no valid port (1 to 65535).")
-        if not _DEVICE.match(self.device):
-            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}.")
-        if self.threads < 1:
-            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+        _check_compute(self.device, self.threads)
         _positive("--rpc-timeout", self.rpc_timeout)
         _positive("--barrier-timeout", self.barrier_timeout)
         if self.max_steps is not None and self.max_steps < 1:
@@ -133,6 +130,13 @@ class WorkerConfig:
     def overlap_flag(self) -> bool | None:
         """--overlap as the Worker argument: None for auto."""
         return None if self.overlap == "auto" else self.overlap == "on"
+
+
+def _check_compute(device: str, threads: int) -> None:
+    if not _DEVICE.match(device):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
+    if threads < 1:
+        raise ConfigError(f"--threads must be at least 1; got {threads}.")
 
 
 def _check_overlap(value: str) -> None:
@@ -156,10 +160,7 @@ class LaunchConfig:
     overlap: str = "auto"
 
     def __post_init__(self) -> None:
-        if not _DEVICE.match(self.device):
-            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}.")
-        if self.threads < 1:
-            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+        _check_compute(self.device, self.threads)
         _non_negative("--step-delay", self.step_delay)
         _positive("--startup-timeout", self.startup_timeout)
         _check_overlap(self.overlap)

@@ -107,7 +107,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
     log.info("run folder %s", run.path)
     cluster = _Cluster(cfg, run)
-    failed: list[str] = []
+    failed: list[Child] = []
     try:
         address = cluster.start()
         log.info("server at %s; %d workers started", address, scfg.workers)
@@ -125,8 +125,8 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
             finished = all(w.poll() is not None for w in cluster.workers)
             for w in cluster.workers:
                 code = w.poll()
-                if code not in (None, 0) and w.name not in failed:
-                    failed.append(w.name)
+                if code not in (None, 0) and w not in failed:
+                    failed.append(w)
                     log.error(
                         "%s exited with code %s: %s (log: %s)", w.name, code, w.tail(), w.log_path
                     )
@@ -135,6 +135,11 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                     f"The server exited with code {cluster.server.poll()}: {cluster.server.tail()}"
                 )
             st = cluster.status()
+            if failed and st.workers_joined < scfg.workers:
+                # The run waits for --workers joins: without this one it would never start.
+                raise ParamServerError(
+                    f"{failed[0].name} failed before the run started: {failed[0].tail()}"
+                )
             bar.update(st.samples - bar.n)
             bar.set_postfix(
                 loss=f"{st.train_loss:.3f}", v=st.version, stale=st.max_staleness,
@@ -184,7 +189,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         "max_staleness": st.max_staleness,
         "staleness_histogram": {str(k): v for k, v in sorted(st.staleness_histogram.items())},
         "version": st.version,
-        "failed_workers": failed,
+        "failed_workers": [w.name for w in failed],
         "run_dir": str(run.path),
     }
     run.write_json("summary.json", summary)

@@ -165,7 +165,11 @@ class Worker:
             self.policy.name,
             "on" if self.overlap else "off",
         )
-        self.pull()
+        try:
+            self.pull()
+        except BaseException:
+            self.close_quietly()
+            raise
 
     # --- calls ------------------------------------------------------------------------
 

@@ -131,3 +131,29 @@ def test_launch_json_on_synthetic_data(tmp_path):
         assert (run_dir / name).exists(), name
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [1, 2]
+
+
+def test_launch_fails_fast_when_a_worker_cannot_start(tmp_path):
+    # On a machine without CUDA the workers refuse --device cuda; the run could never
+    # start, so launch must say why at once instead of waiting out the barrier.
+    out = run_cli(
+        "launch", "--dataset", "synthetic", "--workers", "2", "--device", "cuda",
+        "--no-progress", "--runs-dir", str(tmp_path), timeout=90,
+    )  # fmt: skip
+    if out.returncode == 0:
+        pytest.skip("this machine has CUDA")
+    last = out.stderr.strip().splitlines()[-1]
+    assert "failed before the run started" in last, out.stderr[-2000:]
+    assert "asks for CUDA" in last
+
+
+def test_worker_procs_starts_several_processes(serve):
+    server = serve("mlp", workers=2, dataset="synthetic", batch_size=32, policy="delay-1")
+    out = run_cli(
+        "worker", "--server", server.address, "--procs", "2", "--max-steps", "3", "--device", "cpu"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    status = server.status()
+    assert status["workers_joined"] == 2
+    assert status["pushes_applied"] == 6
+    assert status["workers"] == []  # both left cleanly

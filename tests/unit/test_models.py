@@ -1,0 +1,43 @@
+"""Model factories by name and by module:function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paramserver import models
+from paramserver.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "name,params", [("mlp", 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10), ("cnn", None)]
+)
+def test_builtin_models_take_28x28_images(name, params):
+    model = models.build(name, seed=0)
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    if params is not None:
+        assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_seed_makes_weights_reproducible():
+    a, b = models.build("cnn", seed=4), models.build("cnn", seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_module_function_factory():
+    model = models.build("tests.integration.test_large_model:big_model")
+    assert model[0].in_features == 4096
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("resnet", "Unknown model 'resnet'"),
+        ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
+        ("paramserver.models:nothing", "has no function 'nothing'"),
+        ("paramserver.data:default_data_dir", "returned PosixPath, not a torch.nn.Module"),
+    ],
+)
+def test_bad_model_specs_are_clear(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        models.build(spec)
