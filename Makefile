@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CI and `make install` take the CPU wheel; for CUDA: make install TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 # The main job: a local cluster training on Fashion-MNIST.
-RUN_ARGS ?= --workers 2 --policy delay-1 --model mlp --epochs 5
+RUN_ARGS ?= --workers 2 --policy delay-1 --model mlp --epochs 8
 
 .PHONY: install data proto lint typecheck test run clean
 

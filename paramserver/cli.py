@@ -55,7 +55,7 @@ SERVER_OPTIONS = [
     opt("--workers", env="WORKERS", type=int, default=2, help="Workers the run waits for (and the data is split over)."),
     opt("--dataset", env="DATASET", type=click.Choice(DATASETS), default="fashion-mnist", help="Training data the workers use."),
     opt("--batch-size", env="BATCH_SIZE", type=int, default=64, help="Batch size of each worker."),
-    opt("--epochs", env="EPOCHS", type=int, default=3, help="Passes over the training set."),
+    opt("--epochs", env="EPOCHS", type=int, default=8, help="Passes over the training set."),
     opt("--seed", env="SEED", type=int, default=0, help="Seeds the initial weights and the data order."),
     opt("--lease-timeout", env="LEASE_TIMEOUT", type=float, default=10.0, help="Seconds without a call after which a worker is dropped from every barrier."),
     opt("--chunk-bytes", env="CHUNK_BYTES", type=int, default=1 << 20, help="Size of the streamed payload chunks."),
