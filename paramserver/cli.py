@@ -183,13 +183,14 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
     import torch
 
     from paramserver.procs import Child, stop_all
+    from paramserver.worker.trainer import process_devices
 
-    gpus = torch.cuda.device_count() if cfg.device in ("auto", "cuda") else 0
+    devices = process_devices(cfg.device, procs, torch.cuda.device_count())
     logdir = Path(tempfile.mkdtemp(prefix="paramserver-workers-"))
     children = []
     try:
         for i in range(procs):
-            device = f"cuda:{i % gpus}" if gpus else cfg.device
+            device = devices[i]
             args = ["worker", "--server", cfg.server, "--device", device, "--threads", str(cfg.threads),
                     "--name", f"{cfg.name or os.uname().nodename}-{i}", "--step-delay", repr(cfg.step_delay),
                     "--rpc-timeout", repr(cfg.rpc_timeout), "--barrier-timeout", repr(cfg.barrier_timeout),

@@ -41,6 +41,17 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def process_devices(spec: str, procs: int, gpus: int) -> list[str]:
+    """The --device of each of ``procs`` worker processes on a host with ``gpus`` GPUs.
+
+    ``auto`` and ``cuda`` spread the processes over the GPUs round-robin (one per GPU when
+    there are as many); ``auto`` without GPUs and any explicit device are used as given.
+    """
+    if spec in ("auto", "cuda") and gpus > 0:
+        return [f"cuda:{i % gpus}" for i in range(procs)]
+    return [spec] * procs
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000
