@@ -18,6 +18,19 @@ import paramserver as ps
 DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
 
 
+class FakeClock:
+    """An injectable monotonic clock that moves only when told to."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
 def tiny_model(seed: int = 0) -> nn.Module:
     """A small MLP for 28x28 inputs, fast enough for many steps in a test."""
     torch.manual_seed(seed)

@@ -15,21 +15,11 @@ from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorke
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
 from paramserver.store import ParameterStore
+from tests.conftest import FakeClock
 
 LEASE = 10.0
 N = 4  # parameters of the tiny model
 NBYTES = 4 * N
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 def make(policy: str, workers: int, clock: FakeClock) -> Coordinator:
@@ -51,7 +41,7 @@ def full(value: float) -> np.ndarray:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(1000.0)
 
 
 # --- (a) sync ------------------------------------------------------------------------

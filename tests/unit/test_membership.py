@@ -6,22 +6,12 @@ import pytest
 
 from paramserver.errors import ClusterFull, UnknownWorker
 from paramserver.membership import Membership
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
+from tests.conftest import FakeClock
 
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(100.0)
 
 
 def make(clock: FakeClock, capacity: int = 3, lease: float = 10.0) -> Membership:
