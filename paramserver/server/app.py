@@ -134,8 +134,9 @@ class ServerApp:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._grpc.stop(grace).wait()
-        self.coordinator.notify()
+        done = self._grpc.stop(grace)
+        self.coordinator.notify()  # wake pulls blocked on a barrier so they see the end
+        done.wait()
         log.info("server on %s stopped at version %d", self.address, self.coordinator.store.version)
 
     def __enter__(self) -> ServerApp:
