@@ -17,6 +17,8 @@ def serve(
     lr: float = 1e-3,
     momentum: float = 0.9,
     weight_decay: float = 0.0,
+    lr_schedule: str = "constant",
+    lr_total_steps: int | None = None,
     policy: str = "delay-1",
     workers: int = 1,
     host: str = "127.0.0.1",
@@ -31,6 +33,8 @@ def serve(
             weights start the run.
         optimizer: "sgd", "momentum", "adam" or "adamw", applied on the server.
         lr, momentum, weight_decay: the optimizer's settings.
+        lr_schedule, lr_total_steps: "constant", or "cosine" decay to 0 over
+            ``lr_total_steps`` optimizer steps.
         policy: "sync", "delay-1", "ssp:K" or "async".
         workers: how many workers the run waits for before the first pull is answered;
             also the most that may be live at once.
@@ -44,7 +48,9 @@ def serve(
     name = model if isinstance(model, str) else ""
     config = ServerConfig(
         model=name,
-        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay),
+        optimizer=OptimizerConfig(
+            optimizer, lr, momentum, weight_decay, lr_schedule, lr_total_steps
+        ),
         policy=policy,
         workers=workers,
         host=host,

@@ -17,6 +17,7 @@ import click
 
 from paramserver.config import (
     DATASETS,
+    LR_SCHEDULES,
     OPTIMIZERS,
     LaunchConfig,
     OptimizerConfig,
@@ -51,6 +52,7 @@ SERVER_OPTIONS = [
     opt("--lr", env="LR", type=float, default=1e-3, help="Learning rate."),
     opt("--momentum", env="MOMENTUM", type=float, default=0.9, help="Momentum (optimizer 'momentum' only)."),
     opt("--weight-decay", env="WEIGHT_DECAY", type=float, default=0.0, help="Weight decay."),
+    opt("--lr-total-steps", env="LR_TOTAL_STEPS", type=int, default=None, help="Optimizer steps the cosine schedule spans [launch: the whole run]."),
     opt("--policy", env="POLICY", default="delay-1", help="Staleness policy: sync, delay-1, ssp:K or async."),
     opt("--workers", env="WORKERS", type=int, default=2, help="Workers the run waits for (and the data is split over)."),
     opt("--dataset", env="DATASET", type=click.Choice(DATASETS), default="fashion-mnist", help="Training data the workers use."),
@@ -65,7 +67,14 @@ SERVER_OPTIONS = [
 def server_config(kw: dict[str, Any], host: str, port: int, threads: int) -> ServerConfig:
     return ServerConfig(
         model=kw["model"],
-        optimizer=OptimizerConfig(kw["optimizer"], kw["lr"], kw["momentum"], kw["weight_decay"]),
+        optimizer=OptimizerConfig(
+            kw["optimizer"],
+            kw["lr"],
+            kw["momentum"],
+            kw["weight_decay"],
+            kw["lr_schedule"],
+            kw["lr_total_steps"],
+        ),  # fmt: skip
         policy=kw["policy"],
         workers=kw["workers"],
         dataset=kw["dataset"],
@@ -98,8 +107,14 @@ def cli(log_level: str) -> None:
     )
 
 
+def lr_schedule_option(default: str) -> Callable[[F], F]:
+    return opt("--lr-schedule", env="LR_SCHEDULE", type=click.Choice(LR_SCHEDULES), default=default,
+               help="constant, or cosine decay to 0 over --lr-total-steps optimizer steps.")  # fmt: skip
+
+
 @cli.command()
 @apply(SERVER_OPTIONS)
+@lr_schedule_option("constant")
 @opt("--host", env="HOST", default="0.0.0.0", help="Address to listen on.")
 @opt("--port", env="PORT", type=int, default=50051, help="Port to listen on (0: any free port).")
 @opt("--threads", env="SERVER_THREADS", type=int, default=1, help="Torch threads of the optimizer.")
@@ -213,6 +228,7 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
 
 @cli.command()
 @apply(SERVER_OPTIONS)
+@lr_schedule_option("cosine")
 @apply(WORKER_OPTIONS)
 @opt("--runs-dir", env="RUNS_DIR", default="runs", help="Where run folders are made.")
 @opt("--run-dir", env="RUN_DIR", default=None, help="Use exactly this run folder.")
@@ -238,11 +254,21 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
            **kw: Any) -> None:  # fmt: skip
     """Train on a local cluster: one server and --workers worker processes.
 
+    The learning rate follows a cosine decay over the whole run unless --lr-schedule constant.
+
     Evaluates the global model on the test set after every epoch and writes a run folder
     (config.json, metrics.jsonl, curve.png, checkpoint.pt, summary.json, logs).
     """
+    from paramserver import data
     from paramserver.launch import launch as run_launch
+    from paramserver.launch import planned_optimizer_steps
 
+    if kw["lr_schedule"] == "cosine" and kw["lr_total_steps"] is None:
+        # The schedule spans the whole run, which launch can work out from the plan.
+        plan = server_config({**kw, "lr_schedule": "constant"}, "127.0.0.1", 0, server_threads)
+        kw["lr_total_steps"] = planned_optimizer_steps(
+            plan, data.train_size(kw["dataset"], data_dir)
+        )
     cfg = LaunchConfig(
         server=server_config(kw, "127.0.0.1", 0, server_threads),
         device=device, threads=threads, data_dir=data_dir, runs_root=runs_dir,
@@ -305,7 +331,7 @@ def status(server_address: str, as_json: bool, timeout: float) -> None:
     click.echo(
         f"server {server_address}  model {st.model}  policy {st.policy}  version {st.version}  "
         f"pushes {st.pushes_applied}  samples {st.samples} ({rate:.0f}/s)  "
-        f"max staleness {st.max_staleness}  loss {st.train_loss:.4f}"
+        f"max staleness {st.max_staleness}  loss {st.train_loss:.4f}  lr {st.learning_rate:.3g}"
     )
     click.echo(
         f"{'rank':>4}  {'worker':<18} {'name':<24} {'clock':>8} {'last seen':>10} {'samples':>10}"

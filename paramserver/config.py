@@ -6,6 +6,7 @@ that names the setting and the value.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ from paramserver.errors import ConfigError
 from paramserver.staleness import Policy
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
 DATASETS = ("fashion-mnist", "synthetic")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -35,6 +37,8 @@ class OptimizerConfig:
     lr: float = 1e-3
     momentum: float = 0.9  # used by "momentum" only
     weight_decay: float = 0.0
+    schedule: str = "constant"
+    total_steps: int | None = None  # optimizer steps the cosine schedule spans
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -44,6 +48,23 @@ class OptimizerConfig:
         _positive("The learning rate (--lr)", self.lr)
         _non_negative("--momentum", self.momentum)
         _non_negative("--weight-decay", self.weight_decay)
+        if self.schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                f"Unknown learning-rate schedule (--lr-schedule) {self.schedule!r}: choose one "
+                f"of {', '.join(LR_SCHEDULES)}."
+            )
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps < 1):
+            raise ConfigError(
+                "--lr-schedule cosine needs --lr-total-steps, the number of optimizer steps "
+                f"it decays over (at least 1); got {self.total_steps!r}."
+            )
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if self.schedule == "constant" or self.total_steps is None:
+            return self.lr
+        progress = min(step, self.total_steps) / self.total_steps
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,10 @@ def load_idx_folder(folder: str | Path | None = None) -> Dataset:
     )
 
 
-def synthetic(train: int = 4096, test: int = 1024, seed: int = 0) -> Dataset:
+SYNTHETIC_TRAIN = 4096
+
+
+def synthetic(train: int = SYNTHETIC_TRAIN, test: int = 1024, seed: int = 0) -> Dataset:
     """A seeded linear teacher: 16 latent factors projected to 28x28 images, label = argmax(W z).
 
     Low intrinsic dimension keeps it learnable in a few hundred steps, for fast tests.
@@ -102,6 +105,27 @@ def synthetic(train: int = 4096, test: int = 1024, seed: int = 0) -> Dataset:
     x = (z @ projection + 0.1 * torch.randn(train + test, 784, generator=g)).view(-1, 1, 28, 28)
     y = (z @ teacher).argmax(dim=1)
     return Dataset(x[:train], y[:train], x[train:], y[train:])
+
+
+def train_size(name: str, data_dir: str | Path | None = None) -> int:
+    """Samples in the training set, read from the label file's header only.
+
+    Raises:
+        DataUnavailable: the file is missing or not an IDX label file.
+    """
+    if name == "synthetic":
+        return SYNTHETIC_TRAIN
+    root = Path(data_dir) if data_dir else default_data_dir()
+    path = _find(root, _FILES["train_y"])
+    if path is None:
+        load_idx_folder(root)  # raises the full message naming what is missing
+        raise AssertionError("unreachable")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"\x00\x00\x08\x01":
+        raise DataUnavailable(f"{path} is not an IDX label file.")
+    return int.from_bytes(head[4:8], "big")
 
 
 def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Dataset:

@@ -35,12 +35,19 @@ def server_args(cfg: ServerConfig) -> list[str]:
         "--host", cfg.host, "--port", str(cfg.port),
         "--model", cfg.model, "--optimizer", o.name, "--lr", repr(o.lr),
         "--momentum", repr(o.momentum), "--weight-decay", repr(o.weight_decay),
+        "--lr-schedule", o.schedule, *(["--lr-total-steps", str(o.total_steps)] if o.total_steps else []),
         "--policy", cfg.policy, "--workers", str(cfg.workers),
         "--dataset", cfg.dataset, "--batch-size", str(cfg.batch_size),
         "--epochs", str(cfg.epochs), "--seed", str(cfg.seed),
         "--lease-timeout", repr(cfg.lease_seconds), "--threads", str(cfg.threads),
         "--chunk-bytes", str(cfg.chunk_bytes),
     ]  # fmt: skip
+
+
+def planned_optimizer_steps(cfg: ServerConfig, train_samples: int) -> int:
+    """Optimizer steps of a whole run: one per round under sync, one per push otherwise."""
+    steps = cfg.epochs * data.steps_per_epoch(train_samples, cfg.workers, cfg.batch_size)
+    return steps if cfg.parsed_policy.synchronous else steps * cfg.workers
 
 
 class _Cluster:

@@ -37,10 +37,16 @@ class ParameterStore:
                 f"{initial.size} {initial.dtype}."
             )
         self.manifest = manifest
+        self.config = optimizer
         self.param = torch.nn.Parameter(torch.from_numpy(initial.copy()))
         self.optimizer = build_optimizer([self.param], optimizer)
         self.version = 0
         self._snapshot: np.ndarray | None = None
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.config.lr_at(self.version)
 
     @property
     def weights(self) -> np.ndarray:
@@ -50,6 +56,8 @@ class ParameterStore:
     def apply(self, grad: np.ndarray) -> None:
         """One optimizer step with the flat gradient ``grad``."""
         self.param.grad = torch.from_numpy(grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr_at(self.version)
         self.optimizer.step()
         self.param.grad = None
         self.version += 1

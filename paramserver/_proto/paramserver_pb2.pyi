@@ -173,7 +173,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds")
+    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class StatusResponse(_message.Message):
     WORKERS_JOINED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -215,4 +216,5 @@ class StatusResponse(_message.Message):
     workers_joined: int
     workers_expired: int
     uptime_seconds: float
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    learning_rate: float
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ...) -> None: ...

@@ -315,4 +315,5 @@ class Coordinator:
                 "workers_joined": self.membership.joined_total,
                 "workers_expired": self.membership.expired_total,
                 "uptime_seconds": now - self.started_at,
+                "learning_rate": self.store.lr,
             }

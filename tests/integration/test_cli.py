@@ -44,6 +44,10 @@ def test_every_option_has_help_and_an_environment_variable():
         (["server", "--workers", "0", "--port", "0"], "--workers must be at least 1; got 0"),
         (["server", "--lr", "-1", "--port", "0"], "learning rate (--lr) must be positive"),
         (["server", "--optimizer", "lbfgs"], "'lbfgs' is not one of"),
+        (
+            ["server", "--lr-schedule", "cosine", "--port", "0"],
+            "--lr-schedule cosine needs --lr-total-steps",
+        ),
         (["server", "--model", "nosuchmodel", "--port", "0"], "Unknown model 'nosuchmodel'"),
         (["worker", "--server", "localhost"], "--server must look like HOST:PORT"),
         (
@@ -100,6 +104,7 @@ def test_launch_json_on_synthetic_data(tmp_path):
     out = run_cli(
         "launch", "--dataset", "synthetic", "--workers", "2", "--epochs", "2", "--policy", "sync",
         "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
+        "--lr-schedule", "cosine", "--lr", "0.003",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -129,6 +134,8 @@ def test_launch_json_on_synthetic_data(tmp_path):
         "worker-0.log",
     ):
         assert (run_dir / name).exists(), name
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["server"]["optimizer"]["total_steps"] == 2 * (4096 // 2 // 64)  # sync rounds
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [1, 2]
 

@@ -128,3 +128,28 @@ def test_wrong_initial_raises(bad: np.ndarray) -> None:
     with pytest.raises(ValueError) as info:
         ParameterStore(MANIFEST, bad, OptimizerConfig("sgd", lr=1.0))
     assert str(MANIFEST.numel) in str(info.value)
+
+
+def test_cosine_schedule_decays_to_zero_over_total_steps() -> None:
+    from paramserver.config import OptimizerConfig
+
+    cfg = OptimizerConfig("sgd", lr=1.0, schedule="cosine", total_steps=4)
+    assert [round(cfg.lr_at(s), 6) for s in range(6)] == [1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
+    store = ParameterStore(
+        Manifest.from_tensors([("w", torch.zeros(2))]), np.zeros(2, np.float32), cfg
+    )
+    for _ in range(3):
+        store.apply(np.ones(2, np.float32))
+    # sgd with lr 1, then 0.853553, then 0.5: the schedule is applied step by step
+    np.testing.assert_allclose(store.weights, -(1.0 + 0.85355339 + 0.5), rtol=1e-6)
+    assert store.lr == pytest.approx(0.14644661)
+
+
+def test_cosine_needs_total_steps() -> None:
+    from paramserver.config import OptimizerConfig
+    from paramserver.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--lr-schedule cosine needs --lr-total-steps"):
+        OptimizerConfig(schedule="cosine")
+    with pytest.raises(ConfigError, match="Unknown learning-rate schedule"):
+        OptimizerConfig(schedule="step")
