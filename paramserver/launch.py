@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
-import threading
 import time
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -66,6 +67,7 @@ class _Cluster:
         self.children.append(server)
         address = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout).rsplit(" ", 1)[-1]
         self.channel = connect(address, self.cfg.startup_timeout)
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
         for i in range(self.cfg.server.workers):
             args = [
                 "worker", "--server", address, "--device", self.cfg.device,
@@ -87,7 +89,7 @@ class _Cluster:
 
     def status(self) -> pb.StatusResponse:
         try:
-            return pb_grpc.ParameterServerStub(self.channel).Status(pb.StatusRequest(), timeout=30)
+            return self.stub.Status(pb.StatusRequest(), timeout=30)
         except grpc.RpcError as err:
             raise from_rpc_error(err, "status of the launched server") from None
 
@@ -127,7 +129,6 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
             dynamic_ncols=True,
         )
         evaluated = 0
-        done = threading.Event()
         while True:
             finished = all(w.poll() is not None for w in cluster.workers)
             for w in cluster.workers:
@@ -169,11 +170,13 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                 )
             if finished:
                 break
-            done.wait(0.5)  # progress refresh period
+            time.sleep(0.5)  # progress refresh period
         bar.close()
         evaluated += 1
-        st, _ = _record_epoch(run, cluster, model, manifest, dataset, evaluated, t0, None)
-        header, flat = observe(cluster.channel, manifest.total_bytes)
+        # The checkpoint holds exactly the weights the last evaluation saw.
+        st, header, flat = _record_epoch(
+            run, cluster, model, manifest, dataset, evaluated, t0, None
+        )
         checkpoint.save(
             run.file("checkpoint.pt"), manifest, flat,
             version=header.version, policy=st.policy, model=scfg.model,
@@ -212,7 +215,8 @@ def _record_epoch(
     epoch: int,
     t0: float,
     bar: tqdm | None,
-) -> tuple[pb.StatusResponse, float]:
+) -> tuple[pb.StatusResponse, pb.PullHeader, np.ndarray]:
+    """Evaluate the server's current weights, append a metrics line; returns what it read."""
     st = cluster.status()
     header, flat = observe(cluster.channel, manifest.total_bytes)
     codec.unflatten_into(manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)])
@@ -234,12 +238,10 @@ def _record_epoch(
         bar.write(message, file=sys.stderr)
     else:
         log.info("%s", message)
-    return st, acc
+    return st, header, flat
 
 
 def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:
-    from dataclasses import asdict
-
-    d = asdict(obj)
+    d = dataclasses.asdict(obj)
     d.pop(skip, None)
     return d
