@@ -1,16 +1,30 @@
 """Atomic checkpoints that load with plain ``torch.load``.
 
-Keys of a checkpoint file:
+Keys of every checkpoint file (``launch``'s run folder and a server's ``--checkpoint-dir``):
     format            "paramserver-checkpoint-v1"
     model_state_dict  {parameter name: tensor}: ``model.load_state_dict(ckpt["model_state_dict"])``
     version           optimizer steps applied
-    policy, model     the run's policy and model factory
+    policy            the run's staleness policy
+
+A server's checkpoint (``SERVER_FILE`` in ``--checkpoint-dir``) also holds what a resumed
+server needs to go on exactly where it stopped:
+    optimizer_state   the server optimizer's ``state_dict()`` (flat parameter 0)
+    rounds            sync rounds completed
+    incarnation       the server process that wrote it
+    members           [{worker_id, name, rank, clock, samples}]: the clocks say which pushes
+                      the weights hold, so a worker that rejoins redoes exactly the rest
+    membership        {floor, joined_total, expired_total}
+    queue             the batch queue (``paramserver.dataplan``), or None
+    sync_round        {sum, from, n}: the gradients of a sync round in progress
+    counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
+    saved_at          wall-clock time of writing (seconds since the epoch)
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +32,22 @@ import numpy as np
 import torch
 
 from paramserver import codec
+from paramserver.errors import ConfigError
 
 FORMAT = "paramserver-checkpoint-v1"
+SERVER_FILE = "server-checkpoint.pt"
 
 
 def save(path: str | Path, manifest: codec.Manifest, flat: np.ndarray, **meta: Any) -> Path:
     """Write a checkpoint atomically: temporary file, fsync, rename, fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "model_state_dict": codec.state_dict(manifest, flat), **meta}
+    payload = {
+        "format": FORMAT,
+        "model_state_dict": codec.state_dict(manifest, flat),
+        "saved_at": time.time(),
+        **meta,
+    }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -48,3 +69,35 @@ def save(path: str | Path, manifest: codec.Manifest, flat: np.ndarray, **meta: A
 def load(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint (tensors and plain values only: no code is unpickled)."""
     return torch.load(path, weights_only=True)
+
+
+def save_server(directory: str | Path, manifest: codec.Manifest, state: dict[str, Any]) -> Path:
+    """Write a server state (``Coordinator.checkpoint_state``) to ``directory``."""
+    state = dict(state)
+    weights = state.pop("weights")
+    return save(Path(directory) / SERVER_FILE, manifest, weights, **state)
+
+
+def load_server(
+    directory: str | Path, manifest: codec.Manifest
+) -> tuple[dict[str, Any], np.ndarray] | None:
+    """The server state in ``directory`` and its flat weights; None when there is none.
+
+    Raises:
+        ConfigError: the file is not a server checkpoint of this model.
+    """
+    path = Path(directory) / SERVER_FILE
+    if not path.exists():
+        return None
+    try:
+        state = load(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
+        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
+    if state.get("format") != FORMAT or "optimizer_state" not in state:
+        raise ConfigError(f"{path} is not a paramserver server checkpoint.")
+    weights = state["model_state_dict"]
+    saved = codec.Manifest.from_tensors(list(weights.items()))
+    manifest.check_compatible(saved, f"the checkpoint {path}")
+    flat = torch.empty(manifest.numel, dtype=torch.float32)
+    codec.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)
+    return state, flat.numpy()

@@ -21,6 +21,7 @@ from paramserver.config import (
     OPTIMIZERS,
     LaunchConfig,
     OptimizerConfig,
+    Security,
     ServerConfig,
     WorkerConfig,
 )
@@ -54,17 +55,36 @@ SERVER_OPTIONS = [
     opt("--weight-decay", env="WEIGHT_DECAY", type=float, default=0.0, help="Weight decay."),
     opt("--lr-total-steps", env="LR_TOTAL_STEPS", type=int, default=None, help="Optimizer steps the cosine schedule spans [launch: the whole run]."),
     opt("--policy", env="POLICY", default="delay-1", help="Staleness policy: sync, delay-1, ssp:K or async."),
-    opt("--workers", env="WORKERS", type=int, default=2, help="Workers the run waits for (and the data is split over)."),
+    opt("--workers", env="WORKERS", type=int, default=2, help="Most workers live at once; training starts when --min-workers have joined."),
+    opt("--min-workers", env="MIN_WORKERS", type=int, default=None, help="Workers that must join before training starts [default: --workers]; more may join later."),
     opt("--dataset", env="DATASET", type=click.Choice(DATASETS), default="fashion-mnist", help="Training data the workers use."),
     opt("--batch-size", env="BATCH_SIZE", type=int, default=64, help="Batch size of each worker."),
     opt("--epochs", env="EPOCHS", type=int, default=8, help="Passes over the training set."),
     opt("--seed", env="SEED", type=int, default=0, help="Seeds the initial weights and the data order."),
     opt("--lease-timeout", env="LEASE_TIMEOUT", type=float, default=10.0, help="Seconds without a call after which a worker is dropped from every barrier."),
     opt("--chunk-bytes", env="CHUNK_BYTES", type=int, default=1 << 20, help="Size of the streamed payload chunks."),
+    opt("--checkpoint-dir", env="CHECKPOINT_DIR", default=None, help="Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one."),
+    opt("--checkpoint-every", env="CHECKPOINT_EVERY", default="60s", help="With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m)."),
+    opt("--skip-nonfinite", env="SKIP_NONFINITE", is_flag=True, default=False, help="Skip and count gradients holding NaN or Inf instead of failing the push."),
+]  # fmt: skip
+
+SECURITY_OPTIONS = [
+    opt("--tls-cert", env="TLS_CERT", default=None, help="PEM certificate: the server's, or the worker's client certificate."),
+    opt("--tls-key", env="TLS_KEY", default=None, help="PEM private key of --tls-cert."),
+    opt("--tls-ca", env="TLS_CA", default=None, help="PEM CA bundle: on the server, clients must present a certificate it signed (mutual TLS); on clients, it verifies the server."),
+    opt("--token", env="TOKEN", default=None, help="Shared secret: the server refuses calls without it (UNAUTHENTICATED). Prefer the variable to the flag, which shows in ps."),
 ]  # fmt: skip
 
 
-def server_config(kw: dict[str, Any], host: str, port: int, threads: int) -> ServerConfig:
+def security_config(kw: dict[str, Any]) -> Security:
+    return Security(
+        cert=kw.pop("tls_cert"), key=kw.pop("tls_key"), ca=kw.pop("tls_ca"), token=kw.pop("token")
+    )
+
+
+def server_config(
+    kw: dict[str, Any], host: str, port: int, threads: int, sec: Security | None = None
+) -> ServerConfig:
     return ServerConfig(
         model=kw["model"],
         optimizer=OptimizerConfig(
@@ -86,6 +106,11 @@ def server_config(kw: dict[str, Any], host: str, port: int, threads: int) -> Ser
         lease_seconds=kw["lease_timeout"],
         chunk_bytes=kw["chunk_bytes"],
         threads=threads,
+        min_workers=kw["min_workers"],
+        checkpoint_dir=kw["checkpoint_dir"],
+        checkpoint_every=kw["checkpoint_every"],
+        skip_nonfinite=kw["skip_nonfinite"],
+        security=sec or Security(),
     )
 
 
@@ -118,20 +143,28 @@ def lr_schedule_option(default: str) -> Callable[[F], F]:
 @opt("--host", env="HOST", default="0.0.0.0", help="Address to listen on.")
 @opt("--port", env="PORT", type=int, default=50051, help="Port to listen on (0: any free port).")
 @opt("--threads", env="SERVER_THREADS", type=int, default=1, help="Torch threads of the optimizer.")
+@apply(SECURITY_OPTIONS)
 def server(host: str, port: int, threads: int, **kw: Any) -> None:
-    """Run a parameter server until SIGTERM or Ctrl-C."""
+    """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint)."""
     from paramserver.launch import READY_MARKER
     from paramserver.server.app import ServerApp
 
-    cfg = server_config(kw, host, port, threads)
+    cfg = server_config(kw, host, port, threads, security_config(kw))
     log.info("server configuration: %s", cfg)
     app = ServerApp(cfg).start()
     stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     click.echo(f"{READY_MARKER} {app.address}", nl=True)
     sys.stdout.flush()
     stop.wait()
+    log.info("%s received: stopping", signal.Signals(received[0]).name)
     app.stop(grace=2.0)
 
 
@@ -175,9 +208,19 @@ WORKER_OPTIONS = [
     default=900.0,
     help="Seconds a pull may wait for slower workers before the worker fails.",
 )
+@opt(
+    "--server-timeout",
+    env="SERVER_TIMEOUT",
+    type=float,
+    default=300.0,
+    help="Seconds to keep retrying (backoff with jitter) while the server is unreachable, "
+    "e.g. restarting, before the worker gives up.",
+)
+@apply(SECURITY_OPTIONS)
 def worker(server_address: str, procs: int, **kw: Any) -> None:
-    """Join a server and train on this worker's shard of the data."""
-    cfg = WorkerConfig(server=server_address, **kw)
+    """Join a server and train on the batches it hands out until the run is finished."""
+    sec = security_config(kw)
+    cfg = WorkerConfig(server=server_address, security=sec, **kw)
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1; got {procs}.")
     if procs > 1:
@@ -209,11 +252,21 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
             args = ["worker", "--server", cfg.server, "--device", device, "--threads", str(cfg.threads),
                     "--name", f"{cfg.name or os.uname().nodename}-{i}", "--step-delay", repr(cfg.step_delay),
                     "--rpc-timeout", repr(cfg.rpc_timeout), "--barrier-timeout", repr(cfg.barrier_timeout),
-                    "--overlap", cfg.overlap]  # fmt: skip
+                    "--overlap", cfg.overlap, "--server-timeout", repr(cfg.server_timeout)]  # fmt: skip
+            sec = cfg.security
+            for flag, value in (
+                ("--tls-cert", sec.cert),
+                ("--tls-key", sec.key),
+                ("--tls-ca", sec.ca),
+            ):
+                if value:
+                    args += [flag, value]
+            # The token goes by the environment, which children inherit, never by argv.
             for flag, key in (("--data-dir", "data_dir"), ("--max-steps", "max_steps")):
                 if kw.get(key) is not None:
                     args += [flag, str(kw[key])]
-            children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log"))
+            env = {"PARAMSERVER_TOKEN": sec.token} if sec.token else None
+            children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log", env=env))
         log.info("started %d worker processes; logs in %s", procs, logdir)
         worst = 0
         for child in children:
@@ -301,7 +354,8 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
 )
 @opt("--json", "as_json", env="JSON", is_flag=True, help="Print the status as one JSON line.")
 @opt("--timeout", env="TIMEOUT", type=float, default=5.0, help="Seconds to wait for the server.")
-def status(server_address: str, as_json: bool, timeout: float) -> None:
+@apply(SECURITY_OPTIONS)
+def status(server_address: str, as_json: bool, timeout: float, **kw: Any) -> None:
     """Show a server's version, policy, counters and workers."""
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -311,7 +365,7 @@ def status(server_address: str, as_json: bool, timeout: float) -> None:
     from paramserver.errors import from_rpc_error
     from paramserver.worker.client import connect
 
-    channel = connect(server_address, timeout)
+    channel = connect(server_address, timeout, security_config(kw))
     try:
         st = pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=timeout)
     except grpc.RpcError as err:

@@ -237,6 +237,12 @@ def decode_payload(
     return assembler.finish()
 
 
+def expect_end(stream: Iterable[pb.PushChunk]) -> None:
+    """An empty push is its header alone."""
+    for _ in stream:
+        raise InvalidRequest("An empty push carries no data chunks.")
+
+
 def decode_pull(
     stream: Iterator[pb.PullChunk], out: np.ndarray | None, total_bytes: int
 ) -> tuple[pb.PullHeader, np.ndarray]:

@@ -7,6 +7,7 @@ that names the setting and the value.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -68,6 +69,69 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class Security:
+    """TLS files and the shared token, the same options on servers and workers.
+
+    Server: ``cert``/``key`` serve TLS; with ``ca`` too, clients must present a
+    certificate signed by it (mutual TLS). Worker: ``ca`` verifies the server;
+    ``cert``/``key`` are the client certificate. ``token``: every call carries it and the
+    server refuses calls without it.
+    """
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("--tls-cert and --tls-key go together: give both or neither.")
+        for option, path in (
+            ("--tls-cert", self.cert),
+            ("--tls-key", self.key),
+            ("--tls-ca", self.ca),
+        ):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{option} {path!r} is not a readable file.")
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("--token (PARAMSERVER_TOKEN) is set but empty.")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert or self.ca)
+
+    def read(self, which: str) -> bytes | None:
+        path = getattr(self, which)
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    def __repr__(self) -> str:  # never print the token
+        token = "set" if self.token else None
+        return f"Security(cert={self.cert!r}, key={self.key!r}, ca={self.ca!r}, token={token})"
+
+
+def parse_every(text: str) -> tuple[int | None, float | None]:
+    """``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds (also ``Nm``).
+
+    Raises:
+        ConfigError: neither form.
+    """
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(s|m)?\s*$", text or "")
+    if m and m.group(2):
+        seconds = float(m.group(1)) * (60 if m.group(2) == "m" else 1)
+        if seconds > 0:
+            return None, seconds
+    elif m and "." not in m.group(1) and int(m.group(1)) > 0:
+        return int(m.group(1)), None
+    raise ConfigError(
+        f"--checkpoint-every must be a number of optimizer steps (500) or of seconds (30s, "
+        f"5m), above zero; got {text!r}."
+    )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything a server needs: the model, optimizer, policy and the training plan."""
 
@@ -85,11 +149,23 @@ class ServerConfig:
     chunk_bytes: int = 1 << 20
     threads: int = 1
     barrier_timeout: float = 600.0
+    min_workers: int | None = None  # joins training waits for; None: ``workers``
+    checkpoint_dir: str | None = None
+    checkpoint_every: str = "60s"
+    skip_nonfinite: bool = False
+    security: Security = field(default_factory=Security)
+    shard: int = 0  # which shard of the parameters this server holds (one shard today)
 
     def __post_init__(self) -> None:
         Policy.parse(self.policy)
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1; got {self.workers}.")
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
+            raise ConfigError(
+                f"--min-workers must be between 1 and --workers ({self.workers}); got "
+                f"{self.min_workers}."
+            )
+        parse_every(self.checkpoint_every)
         if self.dataset not in DATASETS:
             raise ConfigError(
                 f"Unknown dataset (--dataset) {self.dataset!r}: choose one of {', '.join(DATASETS)}."
@@ -113,6 +189,11 @@ class ServerConfig:
     def parsed_policy(self) -> Policy:
         return Policy.parse(self.policy)
 
+    @property
+    def start_workers(self) -> int:
+        """Joins the run waits for before the first pull is answered."""
+        return self.workers if self.min_workers is None else self.min_workers
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -128,6 +209,8 @@ class WorkerConfig:
     step_delay: float = 0.0
     name: str | None = None
     overlap: str = "auto"
+    server_timeout: float = 300.0
+    security: Security = field(default_factory=Security)
 
     def __post_init__(self) -> None:
         if not re.match(r"^[^:\s]+:\d+$", self.server) and not self.server.startswith(
@@ -146,6 +229,7 @@ class WorkerConfig:
             raise ConfigError(f"--max-steps must be at least 1; got {self.max_steps}.")
         _non_negative("--step-delay", self.step_delay)
         _check_overlap(self.overlap)
+        _positive("--server-timeout", self.server_timeout)
 
     @property
     def overlap_flag(self) -> bool | None:

@@ -135,20 +135,19 @@ def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Datase
     return load_idx_folder(data_dir)
 
 
-def steps_per_epoch(n_samples: int, world_size: int, batch_size: int) -> int:
-    """Batches each worker runs per epoch: the same for every worker; the remainder is dropped."""
-    return n_samples // world_size // batch_size
+def batches_per_epoch(n_samples: int, batch_size: int) -> int:
+    """Whole batches in one pass over ``n_samples``; the remainder is dropped."""
+    return n_samples // batch_size
 
 
-def shard_indices(
-    n_samples: int, epoch: int, seed: int, rank: int, world_size: int, batch_size: int
-) -> torch.Tensor:
-    """Sample indices for one worker's epoch, in order.
-
-    Every worker draws the same seeded permutation of the whole training set for the epoch
-    and takes the contiguous slice of its rank, cut to ``steps_per_epoch`` whole batches.
-    """
+def epoch_permutation(n_samples: int, epoch: int, seed: int) -> torch.Tensor:
+    """The seeded order of the training set in ``epoch``: the same on every worker."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(n_samples, generator=g)
-    per_worker = steps_per_epoch(n_samples, world_size, batch_size) * batch_size
-    return perm[rank * per_worker : (rank + 1) * per_worker]
+    return torch.randperm(n_samples, generator=g)
+
+
+def batch_indices(n_samples: int, seed: int, batch_size: int, batch: int) -> torch.Tensor:
+    """Sample indices of the run's global batch ``batch`` (see ``paramserver.dataplan``)."""
+    epoch, position = divmod(batch, batches_per_epoch(n_samples, batch_size))
+    perm = epoch_permutation(n_samples, epoch, seed)
+    return perm[position * batch_size : (position + 1) * batch_size]

@@ -53,6 +53,18 @@ class Timeout(ParamServerError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class WrongIncarnation(ParamServerError):
+    """The call names a server incarnation that is not this one: the server restarted."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class Unauthenticated(ParamServerError):
+    """The call carries no valid token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class DataUnavailable(ParamServerError):
     """A data set cannot be found or read."""
 
@@ -66,6 +78,8 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ClusterFull,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
+    grpc.StatusCode.ABORTED: WrongIncarnation,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from tqdm import tqdm
 from paramserver import checkpoint, codec, data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
-from paramserver.config import LaunchConfig, ServerConfig
+from paramserver.config import LaunchConfig, Security, ServerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.procs import Child, stop_all
 from paramserver.rundir import RunDir
@@ -42,13 +43,18 @@ def server_args(cfg: ServerConfig) -> list[str]:
         "--epochs", str(cfg.epochs), "--seed", str(cfg.seed),
         "--lease-timeout", repr(cfg.lease_seconds), "--threads", str(cfg.threads),
         "--chunk-bytes", str(cfg.chunk_bytes),
+        *(["--min-workers", str(cfg.min_workers)] if cfg.min_workers else []),
+        *(["--checkpoint-dir", cfg.checkpoint_dir, "--checkpoint-every", cfg.checkpoint_every]
+          if cfg.checkpoint_dir else []),
+        *(["--skip-nonfinite"] if cfg.skip_nonfinite else []),
     ]  # fmt: skip
 
 
 def planned_optimizer_steps(cfg: ServerConfig, train_samples: int) -> int:
-    """Optimizer steps of a whole run: one per round under sync, one per push otherwise."""
-    steps = cfg.epochs * data.steps_per_epoch(train_samples, cfg.workers, cfg.batch_size)
-    return steps if cfg.parsed_policy.synchronous else steps * cfg.workers
+    """Optimizer steps of a whole run: one per batch, or under sync one per round of
+    ``--workers`` batches."""
+    batches = cfg.epochs * data.batches_per_epoch(train_samples, cfg.batch_size)
+    return math.ceil(batches / cfg.workers) if cfg.parsed_policy.synchronous else batches
 
 
 class _Cluster:
@@ -66,7 +72,9 @@ class _Cluster:
         )
         self.children.append(server)
         address = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout).rsplit(" ", 1)[-1]
-        self.channel = connect(address, self.cfg.startup_timeout)
+        # Children inherit PARAMSERVER_TOKEN; the launcher's own calls carry it too.
+        token = os.environ.get("PARAMSERVER_TOKEN") or None
+        self.channel = connect(address, self.cfg.startup_timeout, Security(token=token))
         self.stub = pb_grpc.ParameterServerStub(self.channel)
         for i in range(self.cfg.server.workers):
             args = [
@@ -106,11 +114,10 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
     manifest = codec.Manifest.from_tensors(models.parameters(model))
-    spe = data.steps_per_epoch(len(dataset.train_x), scfg.workers, scfg.batch_size)
-    if spe < 1:
+    per_epoch = data.batches_per_epoch(len(dataset.train_x), scfg.batch_size)
+    if per_epoch < 1:
         raise ParamServerError(
-            f"{len(dataset.train_x)} samples over {scfg.workers} workers do not make one batch "
-            f"of {scfg.batch_size}."
+            f"{len(dataset.train_x)} samples do not make one batch of {scfg.batch_size}."
         )
     run = RunDir(cfg.runs_root, scfg.parsed_policy.name.replace(":", ""), cfg.run_dir)
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
@@ -120,7 +127,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     try:
         address = cluster.start()
         log.info("server at %s; %d workers started", address, scfg.workers)
-        total = scfg.epochs * spe * scfg.workers * scfg.batch_size
+        total = scfg.epochs * per_epoch * scfg.batch_size
         bar = tqdm(
             total=total,
             unit="sample",
@@ -143,7 +150,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                     f"The server exited with code {cluster.server.poll()}: {cluster.server.tail()}"
                 )
             st = cluster.status()
-            if failed and st.workers_joined < scfg.workers:
+            if failed and st.workers_joined < scfg.start_workers:
                 # The run waits for --workers joins: without this one it would never start.
                 raise ParamServerError(
                     f"{failed[0].name} failed before the run started: {failed[0].tail()}"
@@ -153,10 +160,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                 loss=f"{st.train_loss:.3f}", v=st.version, stale=st.max_staleness,
                 live=len(st.workers), refresh=False,
             )  # fmt: skip
-            while (
-                evaluated < scfg.epochs - 1
-                and st.pushes_applied >= (evaluated + 1) * spe * scfg.workers
-            ):
+            while evaluated < scfg.epochs - 1 and st.batches_done >= (evaluated + 1) * per_epoch:
                 evaluated += 1
                 _record_epoch(
                     run,

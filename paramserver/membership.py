@@ -111,6 +111,25 @@ class Membership:
         self._floor = max(self._floor, low)
         return low
 
+    @property
+    def floor(self) -> int:
+        return self._floor
+
+    def restore(
+        self, members: list[dict], floor: int, joined_total: int, expired_total: int
+    ) -> None:
+        """Take back the members of a checkpoint, each with a fresh lease."""
+        self.members = {
+            m["worker_id"]: Member(
+                m["worker_id"], m["name"], int(m["rank"]), int(m["clock"]), self.now(),
+                int(m["samples"]),
+            )
+            for m in members
+        }  # fmt: skip
+        self._floor = int(floor)
+        self.joined_total = int(joined_total)
+        self.expired_total = int(expired_total)
+
     def live_ids(self) -> list[str]:
         """Ids of the live workers."""
         return list(self.members)

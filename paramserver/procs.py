@@ -41,12 +41,19 @@ class Child:
     """One child process running ``python -m paramserver ...``, logging to a file."""
 
     def __init__(
-        self, name: str, args: Sequence[str], log_path: Path, capture_stdout: bool = False
+        self,
+        name: str,
+        args: Sequence[str],
+        log_path: Path,
+        capture_stdout: bool = False,
+        env: dict[str, str] | None = None,
     ):
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in reap()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{_PARENT_ENV: str(os.getpid())})
+        env = dict(
+            os.environ, **(env or {}), PYTHONUNBUFFERED="1", **{_PARENT_ENV: str(os.getpid())}
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "paramserver", *args],
             stdin=subprocess.DEVNULL,

@@ -28,7 +28,8 @@ class PushAction(enum.Enum):
     """What the server does with a push for iteration t from a worker at clock c."""
 
     APPLY = "apply"  # t == c: new work
-    DUPLICATE = "duplicate"  # t < c: already applied (a retry); acknowledge only
+    DUPLICATE = "duplicate"  # c - window <= t < c: already applied (a retry); acknowledge only
+    PAST = "past"  # t < c - window: older than any retry can be; reject
     AHEAD = "ahead"  # t > c: the worker skipped iterations; reject
 
 
@@ -98,11 +99,17 @@ def staleness(iteration: int, min_clock: int | None) -> int:
     return max(0, iteration - min_clock)
 
 
-def push_action(iteration: int, clock: int) -> PushAction:
-    """Decide what a push for ``iteration`` from a worker whose clock is ``clock`` does."""
+def push_action(iteration: int, clock: int, window: int = 1) -> PushAction:
+    """Decide what a push for ``iteration`` from a worker whose clock is ``clock`` does.
+
+    ``window``: how many of its own pushes a worker may have in flight, so how far back a
+    retried push can be.
+    """
     if iteration == clock:
         return PushAction.APPLY
-    return PushAction.DUPLICATE if iteration < clock else PushAction.AHEAD
+    if iteration > clock:
+        return PushAction.AHEAD
+    return PushAction.DUPLICATE if iteration >= clock - window else PushAction.PAST
 
 
 def round_complete(contributors: Collection[str], live: Collection[str]) -> bool:

@@ -63,6 +63,16 @@ class ParameterStore:
         self.version += 1
         self._snapshot = None
 
+    def restore(self, weights: np.ndarray, optimizer_state: dict, version: int) -> None:
+        """Take over the weights, optimizer state and version of a checkpoint."""
+        if weights.size != self.manifest.numel:
+            raise ValueError(f"{weights.size} weights for a model of {self.manifest.numel}.")
+        with torch.no_grad():
+            self.param.copy_(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)))
+        self.optimizer.load_state_dict(optimizer_state)
+        self.version = version
+        self._snapshot = None
+
     def snapshot(self) -> np.ndarray:
         """An immutable copy of the current weights, shared by every pull of this version."""
         if self._snapshot is None:

@@ -45,10 +45,14 @@ class TrainingPlan(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "worker_id", "train_samples")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    train_samples: int
+    def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation")
@@ -73,22 +77,28 @@ class JoinResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration")
+    __slots__ = ("worker_id", "iteration", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "staleness", "total_bytes")
+    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    batch: int
+    finished: bool
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -99,18 +109,26 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss")
+    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     total_bytes: int
     samples: int
     loss: float
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    empty: bool
+    dtype: str
+    shard: int
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -131,10 +149,12 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., clock: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("version",)
@@ -173,7 +193,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate")
+    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +219,14 @@ class StatusResponse(_message.Message):
     WORKERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -217,4 +245,12 @@ class StatusResponse(_message.Message):
     workers_expired: int
     uptime_seconds: float
     learning_rate: float
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    batches_done: int
+    batches_total: int
+    pushes_skipped: int
+    duplicates: int
+    checkpoint_version: int
+    checkpoint_age_seconds: float
+    min_workers: int
+    rounds: int
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...

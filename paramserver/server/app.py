@@ -11,11 +11,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from paramserver import models
+from paramserver import checkpoint, models, security
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import Manifest, flatten_into
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
+from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
 from paramserver.store import ParameterStore
@@ -51,6 +52,14 @@ class ServerApp:
             model = models.build(config.model, seed=config.seed)
         manifest, flat = initial_weights(model)
         self.coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer))
+        self.checkpointer: Checkpointer | None = None
+        if config.checkpoint_dir:
+            saved = checkpoint.load_server(config.checkpoint_dir, manifest)
+            if saved is not None:
+                self.coordinator.restore(*saved)
+            self.checkpointer = Checkpointer(
+                self.coordinator, config.checkpoint_dir, config.checkpoint_every
+            )
         # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
         # hold a thread each, so the pool is sized to never starve a push.
         threads = 3 * config.workers + 8
@@ -62,6 +71,7 @@ class ServerApp:
                 ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=threads,
+            interceptors=security.server_interceptors(config.security),
         )
         pb_grpc.add_ParameterServerServicer_to_server(Servicer(self.coordinator), self._grpc)
         self.port = 0
@@ -84,8 +94,12 @@ class ServerApp:
         """
         host = self.config.host
         bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        creds = security.server_credentials(self.config.security)
         try:
-            self.port = self._grpc.add_insecure_port(f"{bind}:{self.config.port}")
+            if creds is None:
+                self.port = self._grpc.add_insecure_port(f"{bind}:{self.config.port}")
+            else:
+                self.port = self._grpc.add_secure_port(f"{bind}:{self.config.port}", creds)
         except RuntimeError as exc:
             self.port = 0
             raise ConfigError(f"Cannot listen on {host}:{self.config.port}: {exc}.") from exc
@@ -96,19 +110,25 @@ class ServerApp:
             )
         self._grpc.start()
         self._reaper.start()
+        if self.checkpointer is not None:
+            self.checkpointer.start()
         c = self.config
         log.info(
-            "serving %s (%d parameters, %.1f MiB) on %s: policy %s, optimizer %s lr %g, "
-            "%d workers, lease %.1fs",
+            "serving %s (%d parameters, %.1f MiB) on %s%s: policy %s, optimizer %s lr %g, "
+            "%d workers (training starts with %d), lease %.1fs, incarnation %s, version %d",
             c.model,
             self.coordinator.manifest.numel,
             self.coordinator.manifest.total_bytes / 2**20,
             self.address,
+            " (TLS)" if c.security.tls else "",
             self.coordinator.policy.name,
             c.optimizer.name,
             c.optimizer.lr,
             c.workers,
+            c.start_workers,
             c.lease_seconds,
+            self.coordinator.incarnation,
+            self.coordinator.store.version,
         )
         return self
 
@@ -130,13 +150,15 @@ class ServerApp:
         return self._stopped.wait(timeout)
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving; calls in flight get ``grace`` seconds to finish."""
+        """Stop serving (calls in flight get ``grace`` seconds), then write a last checkpoint."""
         if self._stopped.is_set():
             return
         self._stopped.set()
         done = self._grpc.stop(grace)
         self.coordinator.notify()  # wake pulls blocked on a barrier so they see the end
         done.wait()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         log.info("server on %s stopped at version %d", self.address, self.coordinator.store.version)
 
     def __enter__(self) -> ServerApp:

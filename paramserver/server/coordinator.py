@@ -6,6 +6,7 @@ Waiting (for a barrier) happens on a condition variable that every state change 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -14,13 +15,16 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import torch
 
 from paramserver import staleness
 from paramserver.codec import Manifest
 from paramserver.config import ServerConfig
-from paramserver.errors import InvalidRequest, OutOfOrder, Timeout
+from paramserver.dataplan import BatchQueue
+from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
 from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
@@ -34,6 +38,7 @@ class Counters:
 
     pushes_applied: int = 0
     duplicates: int = 0
+    skipped: int = 0
     samples: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -56,6 +61,8 @@ class PullResult:
     version: int
     staleness: int
     weights: np.ndarray  # read-only snapshot
+    batch: int = -1  # the global batch to compute; -1: none
+    finished: bool = False  # every batch of the run is applied
 
 
 class Coordinator:
@@ -77,28 +84,75 @@ class Coordinator:
         self.started_at = now()
         self._now = now
         self._cond = threading.Condition()
-        self._started = False  # becomes True once --workers workers have joined
+        self._started = False  # becomes True once --min-workers workers are live
+        self.rounds = 0  # sync rounds completed
+        self.queue: BatchQueue | None = None  # set by the first join that brings data
         self._round_sum: np.ndarray | None = None
         self._round_from: set[str] = set()
+        self._round_n = 0  # non-empty gradients in the round sum
+        self.checkpoint_version = -1
+        self.checkpoint_time: float | None = None
+
+    def check_incarnation(self, incarnation: str) -> None:
+        """A call meant for an earlier incarnation of the server is refused (ABORTED)."""
+        if incarnation and incarnation != self.incarnation:
+            raise WrongIncarnation(
+                f"This server is incarnation {self.incarnation}, not {incarnation}: it restarted "
+                "since the worker joined. Join again."
+            )
 
     # --- membership -----------------------------------------------------------------
 
-    def join(self, name: str) -> Member:
+    def join(self, name: str, worker_id: str = "", train_samples: int = 0) -> Member:
+        """Admit a worker, or take back one that knows its id (a retry, or after a restart).
+
+        Raises:
+            ClusterFull: ``--workers`` workers are live.
+            InvalidRequest: its data set does not match the one the run's batches come from.
+        """
         with self._cond:
-            start = self.store.version if self.policy.synchronous else None
-            member = self.membership.join(name, start_clock=start)
-            if not self._started and self.membership.joined_total >= self.config.workers:
+            self._plan_batches(train_samples)
+            member = self.membership.members.get(worker_id) if worker_id else None
+            if member is not None:
+                self.membership.touch(worker_id)
+                what = "rejoined"
+            else:
+                start = self.rounds if self.policy.synchronous else None
+                member = self.membership.join(name, start_clock=start)
+                what = "joined"
+            if not self._started and len(self.membership.members) >= self.config.start_workers:
                 self._started = True
             log.info(
-                "worker %s (%s) joined as rank %d at clock %d; %d live",
+                "worker %s (%s) %s as rank %d at clock %d; %d live",
                 member.worker_id,
                 name,
+                what,
                 member.rank,
                 member.clock,
                 len(self.membership.members),
             )
             self._cond.notify_all()
             return member
+
+    def _plan_batches(self, train_samples: int) -> None:
+        if train_samples < 0:
+            raise InvalidRequest(f"train_samples {train_samples} is negative.")
+        if not train_samples:
+            return
+        per_epoch = train_samples // self.config.batch_size
+        if per_epoch < 1:
+            raise InvalidRequest(
+                f"{train_samples} training samples do not make one batch of "
+                f"{self.config.batch_size}."
+            )
+        if self.queue is None:
+            self.queue = BatchQueue(per_epoch, self.config.epochs)
+        elif self.queue.per_epoch != per_epoch:
+            raise InvalidRequest(
+                f"This worker's data set has {train_samples} training samples, "
+                f"{per_epoch} batches of {self.config.batch_size}; the run hands out "
+                f"{self.queue.per_epoch} batches per epoch. Give every worker the same data."
+            )
 
     def heartbeat(self, worker_id: str) -> int:
         with self._cond:
@@ -112,7 +166,7 @@ class Coordinator:
                 log.info(
                     "worker %s (rank %d) left at clock %d", worker_id, member.rank, member.clock
                 )
-                self._after_membership_change()
+                self._after_membership_change([member])
 
     def expire_leases(self) -> list[Member]:
         """Drop workers whose lease ran out, so that no barrier waits on them."""
@@ -129,47 +183,86 @@ class Coordinator:
                     m.clock,
                 )
             if dead:
-                self._after_membership_change()
+                self._after_membership_change(dead)
             return dead
 
-    def _after_membership_change(self) -> None:
+    def _after_membership_change(self, gone: list[Member]) -> None:
         # A departed worker's gradient already in the round sum stays: it is valid work.
+        # The batches it took and did not push go back to the queue for someone else.
+        if self.queue is not None:
+            for m in gone:
+                back = self.queue.release(m.worker_id)
+                if back:
+                    log.info("batches %s of worker %s go back to the queue", back, m.worker_id)
         self._maybe_finish_round()
         self._cond.notify_all()
 
     # --- push -------------------------------------------------------------------------
 
-    def check_push(self, worker_id: str, iteration: int, total_bytes: int) -> None:
+    def check_push(
+        self,
+        worker_id: str,
+        iteration: int,
+        total_bytes: int,
+        empty: bool = False,
+        dtype: str = "",
+        shard: int = 0,
+    ) -> None:
         """Validate a push header before its payload is read."""
+        if dtype not in ("", "float32"):
+            raise InvalidRequest(f"Unknown payload dtype {dtype!r}: this server takes float32.")
+        if shard != self.config.shard:
+            raise InvalidRequest(
+                f"A push for shard {shard} reached shard {self.config.shard} of the server."
+            )
         with self._cond:
-            self.membership.touch(worker_id)
-        if total_bytes != self.manifest.total_bytes:
+            self.membership.get(worker_id)
+        expected = 0 if empty else self.manifest.total_bytes
+        if total_bytes != expected:
             raise InvalidRequest(
                 f"A push of {total_bytes} bytes does not match the model's "
-                f"{self.manifest.total_bytes} bytes."
+                f"{self.manifest.total_bytes} bytes"
+                + (" (an empty push carries none)." if empty else ".")
             )
         if iteration < 0:
             raise InvalidRequest(f"Iteration {iteration} is negative.")
+        with self._cond:  # a valid header renews the lease: a large payload takes a while
+            self.membership.touch(worker_id)
 
     def push(
-        self, worker_id: str, iteration: int, grad: np.ndarray, samples: int, loss: float
+        self,
+        worker_id: str,
+        iteration: int,
+        grad: np.ndarray | None,
+        samples: int,
+        loss: float,
     ) -> PushResult:
-        """Apply (or, under sync, accumulate) one gradient; exactly once per (worker, iteration)."""
-        if grad.dtype != np.float32 or grad.size != self.manifest.numel:
-            raise InvalidRequest(
-                f"A gradient of {grad.size} {grad.dtype} values does not match the model's "
-                f"{self.manifest.numel} float32 values."
-            )
-        if not np.isfinite(grad).all():
+        """Apply (or, under sync, accumulate) one gradient; exactly once per (worker, iteration).
+
+        ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
+        for the round) and nothing is applied.
+        """
+        if grad is not None:
+            if grad.dtype != np.float32 or grad.size != self.manifest.numel:
+                raise InvalidRequest(
+                    f"A gradient of {grad.size} {grad.dtype} values does not match the model's "
+                    f"{self.manifest.numel} float32 values."
+                )
+            if samples < 0:
+                raise InvalidRequest(f"samples {samples} is negative.")
+        finite = grad is None or bool(np.isfinite(grad).all())
+        if not finite and not self.config.skip_nonfinite:
             raise InvalidRequest(
                 f"The gradient of worker {worker_id} for iteration {iteration} holds NaN or Inf; "
-                "it was not applied."
+                "it was not applied (start the server with --skip-nonfinite to skip and count "
+                "such pushes instead)."
             )
         with self._cond:
-            member = self.membership.touch(worker_id)
-            self.counters.bytes_in += grad.nbytes
-            action = staleness.push_action(iteration, member.clock)
+            member = self.membership.get(worker_id)
+            window = max(1, self.policy.max_inflight_pushes())
+            action = staleness.push_action(iteration, member.clock, window)
             if action is PushAction.DUPLICATE:
+                self.membership.touch(worker_id)
                 self.counters.duplicates += 1
                 return PushResult(self.store.version, member.clock, True)
             if action is PushAction.AHEAD:
@@ -177,16 +270,37 @@ class Coordinator:
                     f"Worker {worker_id} pushed iteration {iteration} but its clock is "
                     f"{member.clock}: iterations were skipped."
                 )
+            if action is PushAction.PAST:
+                raise OutOfOrder(
+                    f"Worker {worker_id} pushed iteration {iteration} but its clock is "
+                    f"{member.clock}: older than any retry can be."
+                )
+            self.membership.touch(worker_id)
+            if not finite:
+                self.counters.skipped += 1
+                log.warning(
+                    "skipped the non-finite gradient of worker %s for iteration %d",
+                    worker_id,
+                    iteration,
+                )
+                grad = None
+            if grad is not None:
+                self.counters.bytes_in += grad.nbytes
             if self.policy.synchronous:
-                if self._round_sum is None:
-                    self._round_sum = grad.copy()
-                else:
-                    self._round_sum += grad
+                if grad is not None:
+                    if self._round_sum is None:
+                        self._round_sum = grad.copy()
+                    else:
+                        self._round_sum += grad
+                    self._round_n += 1
                 self._round_from.add(worker_id)
-            else:
+            elif grad is not None:
                 self.store.apply(grad)
-            self.membership.advance(worker_id, samples)
-            self._count_push(samples, loss)
+            if self.queue is not None:
+                self.queue.complete(worker_id, iteration)
+            self.membership.advance(worker_id, samples if grad is not None else 0)
+            if grad is not None:
+                self._count_push(samples, loss)
             if self.policy.synchronous:
                 self._maybe_finish_round()
             self._cond.notify_all()
@@ -203,13 +317,16 @@ class Coordinator:
             c.train_loss = loss if math.isnan(c.train_loss) else 0.98 * c.train_loss + 0.02 * loss
 
     def _maybe_finish_round(self) -> None:
-        if not self.policy.synchronous or self._round_sum is None:
+        if not self.policy.synchronous:
             return
         if staleness.round_complete(self._round_from, self.membership.live_ids()):
-            self._round_sum /= len(self._round_from)
-            self.store.apply(self._round_sum)
+            if self._round_sum is not None:
+                self._round_sum /= self._round_n
+                self.store.apply(self._round_sum)
+            self.rounds += 1
             self._round_sum = None
             self._round_from = set()
+            self._round_n = 0
 
     # --- pull -------------------------------------------------------------------------
 
@@ -220,7 +337,11 @@ class Coordinator:
         timeout: float,
         is_active: Callable[[], bool] = lambda: True,
     ) -> PullResult:
-        """Weights for ``iteration`` once the policy allows; an empty id observes at once.
+        """Weights (and a batch) for ``iteration`` once the policy allows; an empty id observes.
+
+        Under ``ssp:K`` and ``async`` a worker that finds no batch left waits for one (a
+        batch given back by a dead worker) or for the end of the run; under ``sync`` it gets
+        batch -1 and pushes an empty gradient, so the round does not wait for it.
 
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
@@ -235,20 +356,32 @@ class Coordinator:
                     f"Worker {worker_id} asked for iteration {iteration} but its clock is "
                     f"{member.clock}."
                 )
-            while not self._pull_ready(iteration):
+            if iteration < member.clock - max(self.policy.max_inflight_pushes(), 1):
+                raise OutOfOrder(
+                    f"Worker {worker_id} asked for iteration {iteration} but its clock is "
+                    f"already {member.clock}."
+                )
+            while True:
+                if self.queue is not None and self.queue.finished:
+                    return self._answer(iteration, finished=True)
+                if self._pull_ready(iteration):
+                    if self.queue is None:
+                        return self._answer(iteration)
+                    batch = self.queue.take(worker_id, iteration)
+                    if batch is not None or self.policy.synchronous:
+                        return self._answer(iteration, -1 if batch is None else batch)
                 remaining = deadline - self._now()
                 if remaining <= 0 or not is_active():
                     raise Timeout(self._wait_message(worker_id, iteration, timeout))
                 self._cond.wait(min(remaining, self.config.lease_seconds))
                 self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
-            return self._answer(iteration)
 
     def _pull_ready(self, iteration: int) -> bool:
         if not self._started:
             return False
-        return self.policy.pull_ready(iteration, self.membership.min_clock(), self.store.version)
+        return self.policy.pull_ready(iteration, self.membership.min_clock(), self.rounds)
 
-    def _answer(self, iteration: int | None) -> PullResult:
+    def _answer(self, iteration: int | None, batch: int = -1, finished: bool = False) -> PullResult:
         weights = self.store.snapshot()
         self.counters.bytes_out += weights.nbytes
         lag = 0
@@ -256,13 +389,13 @@ class Coordinator:
             lag = staleness.staleness(iteration, self.membership.min_clock())
             self.counters.histogram[lag] += 1
             self.counters.max_staleness = max(self.counters.max_staleness, lag)
-        return PullResult(self.store.version, lag, weights)
+        return PullResult(self.store.version, lag, weights, batch, finished)
 
     def _wait_message(self, worker_id: str, iteration: int, timeout: float) -> str:
         if not self._started:
             return (
                 f"Worker {worker_id} waited {timeout:.0f}s for the run to start: "
-                f"{self.membership.joined_total} of {self.config.workers} workers have joined."
+                f"{len(self.membership.members)} of {self.config.start_workers} workers are live."
             )
         return (
             f"Worker {worker_id} waited {timeout:.0f}s to pull iteration {iteration} under "
@@ -278,6 +411,96 @@ class Coordinator:
         """Wake every waiting pull (a client went away)."""
         with self._cond:
             self._cond.notify_all()
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
+        with self._cond:
+            c = self.counters
+            m = self.membership
+            return {
+                "weights": self.store.weights.copy(),
+                "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
+                "version": self.store.version,
+                "rounds": self.rounds,
+                "policy": self.policy.name,
+                "incarnation": self.incarnation,
+                "members": [
+                    {
+                        "worker_id": w.worker_id,
+                        "name": w.name,
+                        "rank": w.rank,
+                        "clock": w.clock,
+                        "samples": w.samples,
+                    }
+                    for w in m.members.values()
+                ],
+                "membership": {
+                    "floor": m.floor,
+                    "joined_total": m.joined_total,
+                    "expired_total": m.expired_total,
+                },
+                "queue": self.queue.state() if self.queue is not None else None,
+                "sync_round": {
+                    "sum": None
+                    if self._round_sum is None
+                    else torch.from_numpy(self._round_sum.copy()),
+                    "from": sorted(self._round_from),
+                    "n": self._round_n,
+                },
+                "counters": {
+                    "pushes_applied": c.pushes_applied,
+                    "duplicates": c.duplicates,
+                    "skipped": c.skipped,
+                    "samples": c.samples,
+                    "bytes_in": c.bytes_in,
+                    "bytes_out": c.bytes_out,
+                    "max_staleness": c.max_staleness,
+                },
+            }
+
+    def restore(self, state: dict[str, Any], weights: np.ndarray) -> None:
+        """Take over the state of a checkpoint (``weights``: its flat parameters).
+
+        The checkpoint's workers come back as live members with a fresh lease: a worker
+        that rejoins with its id goes on from its checkpointed clock; one that does not
+        come back within the lease is dropped, and the batches it held go to the others.
+        """
+        with self._cond:
+            if state["policy"] != self.policy.name:
+                log.warning(
+                    "the checkpoint was written under %s; going on under %s",
+                    state["policy"],
+                    self.policy.name,
+                )
+            self.store.restore(weights, state["optimizer_state"], int(state["version"]))
+            self.rounds = int(state["rounds"])
+            self.membership.restore(state["members"], **state["membership"])
+            q = state["queue"]
+            self.queue = BatchQueue.from_state(q) if q is not None else None
+            r = state["sync_round"]
+            if self.policy.synchronous and r["from"]:
+                self._round_sum = None if r["sum"] is None else r["sum"].numpy().copy()
+                self._round_from = set(r["from"]) & set(self.membership.members)
+                self._round_n = int(r["n"])
+            for key, value in state["counters"].items():
+                setattr(self.counters, key, int(value))
+            self._started = bool(self.membership.members) or self.store.version > 0
+            self.checkpoint_version = self.store.version
+            log.info(
+                "resumed from incarnation %s at version %d with %d workers",
+                state["incarnation"],
+                self.store.version,
+                len(self.membership.members),
+            )
+            self._cond.notify_all()
+
+    def saved(self, version: int, at: float) -> None:
+        """Record that a checkpoint of ``version`` was written at wall time ``at``."""
+        with self._cond:
+            self.checkpoint_version = version
+            self.checkpoint_time = at
 
     # --- status -----------------------------------------------------------------------
 
@@ -316,4 +539,14 @@ class Coordinator:
                 "workers_expired": self.membership.expired_total,
                 "uptime_seconds": now - self.started_at,
                 "learning_rate": self.store.lr,
+                "batches_done": self.queue.done if self.queue else 0,
+                "batches_total": self.queue.total if self.queue else 0,
+                "pushes_skipped": c.skipped,
+                "duplicates": c.duplicates,
+                "checkpoint_version": self.checkpoint_version,
+                "checkpoint_age_seconds": -1.0
+                if self.checkpoint_time is None
+                else time.time() - self.checkpoint_time,
+                "min_workers": self.config.start_workers,
+                "rounds": self.rounds,
             }

@@ -56,7 +56,9 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
-        member = self.c.join(request.name or context.peer())
+        member = self.c.join(
+            request.name or context.peer(), request.worker_id, request.train_samples
+        )
         cfg = self.c.config
         return pb.JoinResponse(
             worker_id=member.worker_id,
@@ -86,8 +88,14 @@ class Servicer(pb_grpc.ParameterServerServicer):
         timeout = self.c.config.barrier_timeout
         if remaining is not None:
             timeout = min(timeout, remaining)
+        self.c.check_incarnation(request.incarnation)
         result = self.c.pull(request.worker_id, request.iteration, timeout, context.is_active)
-        header = pb.PullHeader(version=result.version, staleness=result.staleness)
+        header = pb.PullHeader(
+            version=result.version,
+            staleness=result.staleness,
+            batch=result.batch,
+            finished=result.finished,
+        )
         return codec.encode_pull(header, codec.as_bytes(result.weights), self.c.config.chunk_bytes)
 
     @_rpc
@@ -95,8 +103,20 @@ class Servicer(pb_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
     ) -> pb.PushResponse:
         header = codec.decode_push_header(request_iterator)
-        self.c.check_push(header.worker_id, header.iteration, header.total_bytes)
-        grad = codec.decode_payload(request_iterator, codec.Assembler(header.total_bytes))
+        self.c.check_incarnation(header.incarnation)
+        self.c.check_push(
+            header.worker_id,
+            header.iteration,
+            header.total_bytes,
+            header.empty,
+            header.dtype,
+            header.shard,
+        )
+        grad = None
+        if not header.empty:
+            grad = codec.decode_payload(request_iterator, codec.Assembler(header.total_bytes))
+        else:
+            codec.expect_end(request_iterator)
         result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
@@ -106,6 +126,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
+        self.c.check_incarnation(request.incarnation)
         return pb.HeartbeatResponse(version=self.c.heartbeat(request.worker_id))
 
     @_rpc

@@ -15,23 +15,40 @@ import logging
 import math
 import os
 import queue
+import random
 import socket
 import threading
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import torch
 from torch import nn
 
-from paramserver import codec, models
+from paramserver import codec, models, security
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
-from paramserver.errors import ConfigError, ParamServerError, ServerUnavailable, from_rpc_error
+from paramserver.config import Security
+from paramserver.errors import (
+    ConfigError,
+    ParamServerError,
+    ServerUnavailable,
+    UnknownWorker,
+    WrongIncarnation,
+    from_rpc_error,
+)
 from paramserver.staleness import Policy
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Retries of a call that found no server: capped exponential backoff with full jitter.
+BACKOFF_FIRST = 0.1
+BACKOFF_CAP = 2.0
+# Errors after which the worker joins again: the server restarted, or dropped its lease.
+REJOIN = (WrongIncarnation, UnknownWorker)
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -39,13 +56,13 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def connect(address: str, timeout: float) -> grpc.Channel:
-    """A channel to ``address`` that is known to be connected.
+def connect(address: str, timeout: float, sec: Security | None = None) -> grpc.Channel:
+    """A channel to ``address`` (with ``sec``'s TLS and token) that is known to be connected.
 
     Raises:
         ServerUnavailable: nothing answers at ``address`` within ``timeout`` seconds.
     """
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    channel = security.client_channel(address, sec or Security(), CHANNEL_OPTIONS)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
@@ -78,7 +95,14 @@ class Worker:
         name: shown in the server's status; defaults to host:pid.
         rpc_timeout: deadline of Join, Push, Heartbeat and Leave, in seconds.
         barrier_timeout: how long a pull may wait for slower workers before it fails.
-        connect_timeout: how long to wait for the server to answer at all.
+        connect_timeout: how long to wait for the server to answer at all when joining.
+        server_timeout: once joined, how long to keep retrying (capped exponential backoff
+            with jitter) while the server is unreachable, e.g. restarting; then fail.
+        security: TLS files and token (default: plain text, no token).
+        train_samples: the size of the data set the worker trains on, when the server hands
+            out its batches (``batch`` after each pull), or a function of the server's
+            plan that loads the data and returns its size; 0 (default): the caller brings
+            its own data and ignores batches.
         overlap: push in the background while the next step computes (as far as the policy
             allows), instead of waiting for the push before pulling. None: on for CUDA
             models, off on CPU, where compute and communication share the same cores and
@@ -97,26 +121,47 @@ class Worker:
         barrier_timeout: float = 900.0,
         connect_timeout: float = 30.0,
         overlap: bool | None = None,
+        server_timeout: float = 300.0,
+        security: Security | None = None,
+        train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
     ):
         self.address = address
         self.rpc_timeout = rpc_timeout
         self.barrier_timeout = barrier_timeout
-        self._channel = connect(address, connect_timeout)
+        self.server_timeout = server_timeout
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self._channel = connect(address, connect_timeout, security)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._closed = False
+        self._stop = threading.Event()
+        self._lost = threading.Event()  # the server restarted or dropped us: join again
+        self.rejoins = 0
+        self.worker_id = ""
+        self.train_samples = 0 if callable(train_samples) else train_samples
         reply = self._call(
             "join",
             self._stub.Join,
-            pb.JoinRequest(name=name or f"{socket.gethostname()}:{os.getpid()}"),
+            pb.JoinRequest(name=self.name, train_samples=self.train_samples),
         )
-        self.worker_id: str = reply.worker_id
-        self.rank: int = reply.rank
-        self.clock: int = reply.clock
+        self._adopt(reply)
+        if callable(train_samples):
+            try:
+                self.train_samples = train_samples(reply.plan)
+                reply = self._call(
+                    "join",
+                    self._stub.Join,
+                    pb.JoinRequest(
+                        name=self.name,
+                        worker_id=self.worker_id,
+                        train_samples=self.train_samples,
+                    ),
+                )
+            except BaseException:
+                self._leave_quietly()
+                raise
         self.plan: pb.TrainingPlan = reply.plan
         self.policy = Policy.parse(reply.policy)
-        self.lease_seconds: float = reply.lease_seconds
         self.chunk_bytes: int = reply.chunk_bytes
-        self.incarnation: str = reply.incarnation
         self.manifest = codec.Manifest.from_proto(reply.manifest)
         try:
             if model is None:
@@ -136,9 +181,10 @@ class Worker:
         self._params = [p for _, p in models.parameters(model)]
         self.device = self._params[0].device if self._params else torch.device("cpu")
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.version = 0
         self.last_staleness = 0
+        self.batch: int | None = None  # the batch to compute next, when the server hands them out
+        self.finished = False  # the server has applied every batch of the run
         pinned = self.device.type == "cuda"
         n = self.manifest.numel
         # Host buffers: one to receive weights, a small pool for gradients in flight.
@@ -148,7 +194,6 @@ class Worker:
             self._free.put(torch.empty(n, dtype=torch.float32, pin_memory=pinned))
         self._pushes: queue.Queue[tuple[int, torch.Tensor, int, float] | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._stop = threading.Event()
         self._pusher = threading.Thread(target=self._push_loop, name="ps-push", daemon=True)
         self._beater = threading.Thread(
             target=self._heartbeat_loop, name="ps-heartbeat", daemon=True
@@ -173,33 +218,117 @@ class Worker:
 
     # --- calls ------------------------------------------------------------------------
 
+    def _adopt(self, reply: pb.JoinResponse) -> None:
+        self.worker_id = reply.worker_id
+        self.rank = reply.rank
+        self.clock = reply.clock
+        self.incarnation = reply.incarnation
+        self.lease_seconds = reply.lease_seconds
+
     def _call(self, what: str, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
             return method(request, timeout=timeout or self.rpc_timeout)
         except grpc.RpcError as err:
             raise from_rpc_error(err, f"{what} to {self.address}") from None
 
-    def pull(self) -> None:
-        """Load the weights for iteration ``clock`` into the model, waiting as the policy says."""
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, retried while the server is unreachable, for up to ``server_timeout``.
+
+        Raises:
+            ServerUnavailable: the server did not come back in time.
+            ParamServerError: any other failure, at once.
+        """
+        attempt, since = 0, None
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as err:
+                exc = from_rpc_error(err, f"{what} to {self.address}")
+            if not isinstance(exc, ServerUnavailable) or self._stop.is_set():
+                raise exc
+            now = time.monotonic()
+            if since is None:
+                since = now
+                log.warning("%s; retrying for up to %.0fs", exc, self.server_timeout)
+            if now - since >= self.server_timeout:
+                raise ServerUnavailable(
+                    f"The server at {self.address} did not come back within {self.server_timeout:.0f}s "
+                    f"(--server-timeout); last error: {exc}"
+                ) from None
+            delay = random.uniform(0, min(BACKOFF_CAP, BACKOFF_FIRST * 2**attempt))
+            attempt += 1
+            if self._stop.wait(delay):
+                raise exc
+
+    def _rejoin(self) -> None:
+        """Join again after the server restarted (or dropped our lease), keeping our id.
+
+        Pushes not yet acknowledged are dropped: the server's clock for this worker says
+        which of its pushes it holds, and the worker goes on from there.
+        """
+        self._pushes.join()  # the pusher drops what is queued while the server is lost
         self._raise_background_error()
-        try:
-            stream: Iterator[pb.PullChunk] = self._stub.Pull(
-                pb.PullRequest(worker_id=self.worker_id, iteration=self.clock),
-                timeout=self.barrier_timeout,
-            )
-            header, _ = codec.decode_pull(stream, self._recv.numpy(), self.manifest.total_bytes)
-        except grpc.RpcError as err:
-            raise from_rpc_error(
-                err, f"pull of iteration {self.clock} from {self.address}"
-            ) from None
+        was = self.clock
+        request = pb.JoinRequest(
+            name=self.name, worker_id=self.worker_id, train_samples=self.train_samples
+        )
+        reply = self._retrying("rejoin", lambda: self._stub.Join(request, timeout=self.rpc_timeout))
+        codec.Manifest.from_proto(reply.manifest).check_compatible(
+            self.manifest, "the model this worker trains"
+        )
+        old_id, old_incarnation = self.worker_id, self.incarnation
+        self._adopt(reply)
+        self.rejoins += 1
+        self._lost.clear()
+        log.warning(
+            "rejoined %s (incarnation %s, was %s) as %s (was %s) at clock %d (was %d)",
+            self.address,
+            self.incarnation,
+            old_incarnation,
+            self.worker_id,
+            old_id,
+            self.clock,
+            was,
+        )
+
+    def _pull_once(self) -> pb.PullHeader:
+        stream: Iterator[pb.PullChunk] = self._stub.Pull(
+            pb.PullRequest(
+                worker_id=self.worker_id, iteration=self.clock, incarnation=self.incarnation
+            ),
+            timeout=self.barrier_timeout,
+        )
+        header, _ = codec.decode_pull(stream, self._recv.numpy(), self.manifest.total_bytes)
+        return header
+
+    def pull(self) -> None:
+        """Load the weights for iteration ``clock`` into the model, waiting as the policy says.
+
+        Sets ``batch`` (the batch to compute, when the server hands them out) and
+        ``finished``. If the server restarted, joins it again first.
+        """
+        self._raise_background_error()
+        while True:
+            if self._lost.is_set():
+                self._rejoin()
+            try:
+                header = self._retrying(f"pull of iteration {self.clock}", self._pull_once)
+                break
+            except REJOIN as exc:
+                log.warning("%s", exc)
+                self._lost.set()
         codec.unflatten_into(
             self.manifest, self._recv.to(self.device, non_blocking=True), self._params
         )
         _sync(self.device)
         self.version = header.version
         self.last_staleness = header.staleness
+        self.batch = header.batch if header.batch >= 0 else None
+        self.finished = header.finished
 
-    def step(self, samples: int = 0, loss: float = math.nan, pull: bool = True) -> None:
+    def step(
+        self, samples: int = 0, loss: float = math.nan, pull: bool = True, empty: bool = False
+    ) -> None:
         """Push the model's gradients for this iteration, then pull the next weights.
 
         Gradients are zeroed afterwards. Parameters without a gradient push zeros.
@@ -208,16 +337,18 @@ class Worker:
             samples: samples in this batch (for the server's throughput figures).
             loss: this batch's training loss (for monitoring).
             pull: False for a worker's last step: push only.
+            empty: push no gradient (a sync worker that got no batch this round).
 
         Raises:
             ParamServerError: this or an earlier background push failed.
         """
         self._raise_background_error()
         buf = self._free.get()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        codec.flatten_into(self.manifest, grads, buf)
-        _sync(self.device)
-        self._pushes.put((self.clock, buf, samples, float(loss)))
+        if not empty:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+            codec.flatten_into(self.manifest, grads, buf)
+            _sync(self.device)
+        self._pushes.put((self.clock, buf, samples, float(loss), empty))
         self.clock += 1
         for p in self._params:
             p.grad = None
@@ -231,16 +362,27 @@ class Worker:
             item = self._pushes.get()
             if item is None:
                 return
-            iteration, buf, samples, loss = item
+            iteration, buf, samples, loss, empty = item
             try:
-                if self._error is None:
+                if self._error is None and not self._lost.is_set():
                     header = pb.PushHeader(
-                        worker_id=self.worker_id, iteration=iteration, samples=samples, loss=loss
+                        worker_id=self.worker_id,
+                        iteration=iteration,
+                        samples=samples,
+                        loss=loss,
+                        incarnation=self.incarnation,
+                        empty=empty,
                     )
-                    chunks = codec.encode_push(
-                        header, codec.as_bytes(buf.numpy()), self.chunk_bytes
-                    )
-                    self._call(f"push of iteration {iteration}", self._stub.Push, chunks)
+                    payload = b"" if empty else codec.as_bytes(buf.numpy())
+
+                    def send(header: pb.PushHeader = header, payload: Any = payload) -> Any:
+                        chunks = codec.encode_push(header, payload, self.chunk_bytes)
+                        return self._stub.Push(chunks, timeout=self.rpc_timeout)
+
+                    self._retrying(f"push of iteration {iteration}", send)
+            except REJOIN as exc:
+                log.warning("%s; push of iteration %d dropped, joining again", exc, iteration)
+                self._lost.set()
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread
                 self._error = exc
             finally:
@@ -254,18 +396,25 @@ class Worker:
                 self._call(
                     "heartbeat",
                     self._stub.Heartbeat,
-                    pb.HeartbeatRequest(worker_id=self.worker_id),
+                    pb.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation),
                     timeout=interval * 2,
                 )
-            except ParamServerError as exc:
+            except REJOIN as exc:
                 log.warning("%s", exc)
+                self._lost.set()
+            except ParamServerError as exc:
+                log.info("%s", exc)
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
             raise self._error
 
     def flush(self) -> None:
-        """Wait until every push handed to the background has been answered."""
+        """Wait until every push handed to the background has been answered.
+
+        Pushes dropped because the server restarted are not answered: the next pull joins
+        the new server and goes on from the clock it holds.
+        """
         self._pushes.join()
         self._raise_background_error()
 

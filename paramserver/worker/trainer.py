@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver import data
+from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
 from paramserver.errors import ConfigError
 from paramserver.worker.client import Worker
@@ -76,12 +77,19 @@ class WorkerSummary:
     steps: int
     samples: int
     seconds: float
+    rejoins: int = 0
 
 
 def run(cfg: WorkerConfig) -> WorkerSummary:
-    """Join the server, train this worker's shard for the planned epochs, leave."""
+    """Join the server and train on the batches it hands out until the run is finished."""
     torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
+    loaded: dict[str, data.Dataset] = {}
+
+    def load(plan: pb.TrainingPlan) -> int:
+        loaded["data"] = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
+        return len(loaded["data"].train_x)
+
     worker = Worker(
         cfg.server,
         device=device,
@@ -90,48 +98,47 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         barrier_timeout=cfg.barrier_timeout,
         connect_timeout=cfg.rpc_timeout,
         overlap=cfg.overlap_flag,
+        server_timeout=cfg.server_timeout,
+        security=cfg.security,
+        train_samples=load,
     )
     started = time.perf_counter()
-    steps = samples = 0
+    steps = samples = empty = 0
     try:
-        plan = worker.plan
-        dataset = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
+        plan, dataset = worker.plan, loaded["data"]
         n = len(dataset.train_x)
-        spe = data.steps_per_epoch(n, plan.world_size, plan.batch_size)
-        if spe < 1:
-            raise ConfigError(
-                f"{n} training samples split over {plan.world_size} workers do not make one "
-                f"batch of {plan.batch_size}; use fewer workers or a smaller --batch-size."
-            )
-        last = plan.epochs * spe
-        if cfg.max_steps is not None:
-            last = min(last, worker.clock + cfg.max_steps)
+        per_epoch = data.batches_per_epoch(n, plan.batch_size)
         model = worker.model
         model.train()
         log.info(
-            "rank %d: %d steps per epoch, %d epochs, batch %d, on %s",
+            "rank %d: %d batches of %d per epoch, %d epochs, on %s",
             worker.rank,
-            spe,
-            plan.epochs,
+            per_epoch,
             plan.batch_size,
+            plan.epochs,
             device,
         )
-        shard_epoch, shard = -1, torch.empty(0, dtype=torch.long)
-        while worker.clock < last:
-            epoch, step = divmod(worker.clock, spe)
-            if epoch != shard_epoch:
-                shard = data.shard_indices(
-                    n, epoch, plan.seed, worker.rank, plan.world_size, plan.batch_size
-                )
-                shard_epoch = epoch
-            idx = shard[step * plan.batch_size : (step + 1) * plan.batch_size]
+        perm_epoch, perm = -1, torch.empty(0, dtype=torch.long)
+        while not worker.finished:
+            if cfg.max_steps is not None and steps >= cfg.max_steps:
+                log.info("rank %d: --max-steps %d reached; leaving", worker.rank, cfg.max_steps)
+                break
+            if worker.batch is None:
+                # sync, and every batch left is taken this round: count in it, empty-handed.
+                worker.step(empty=True)
+                empty += 1
+                continue
+            epoch, position = divmod(worker.batch, per_epoch)
+            if epoch != perm_epoch:
+                perm, perm_epoch = data.epoch_permutation(n, epoch, plan.seed), epoch
+            idx = perm[position * plan.batch_size : (position + 1) * plan.batch_size]
             x = dataset.train_x[idx].to(device, non_blocking=True)
             y = dataset.train_y[idx].to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
-            worker.step(samples=len(idx), loss=loss.item(), pull=worker.clock + 1 < last)
+            worker.step(samples=len(idx), loss=loss.item())
             steps += 1
             samples += len(idx)
         worker.close()
@@ -140,6 +147,12 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         raise
     seconds = time.perf_counter() - started
     log.info(
-        "rank %d finished: %d steps, %d samples in %.1fs", worker.rank, steps, samples, seconds
+        "rank %d finished: %d steps (%d empty), %d samples in %.1fs, %d rejoins",
+        worker.rank,
+        steps,
+        empty,
+        samples,
+        seconds,
+        worker.rejoins,
     )
-    return WorkerSummary(worker.rank, steps, samples, seconds)
+    return WorkerSummary(worker.rank, steps, samples, seconds, worker.rejoins)

@@ -13,10 +13,8 @@ from tests.conftest import WorkerThread, replica, tiny_model
 BATCH, STEPS, WORKERS = 16, 12, 2
 
 
-def _shard_batch(ds: data.Dataset, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = data.shard_indices(len(ds.train_x), 0, 0, rank, WORKERS, BATCH)[
-        step * BATCH : (step + 1) * BATCH
-    ]
+def _batch(ds: data.Dataset, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = data.batch_indices(len(ds.train_x), 0, BATCH, batch)
     return ds.train_x[idx], ds.train_y[idx]
 
 
@@ -24,13 +22,17 @@ def _shard_batch(ds: data.Dataset, rank: int, step: int) -> tuple[torch.Tensor, 
 def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
     ds = data.synthetic(train=1024, test=16)
     model = tiny_model()
-    server = serve(replica(model), optimizer=optimizer, lr=lr, policy="sync", workers=WORKERS)
+    server = serve(
+        replica(model), optimizer=optimizer, lr=lr, policy="sync", workers=WORKERS,
+        dataset="synthetic", batch_size=BATCH,
+    )  # fmt: skip
 
     def train() -> dict[str, torch.Tensor]:
         local = replica(model)
-        with ps.Worker(server.address, local) as w:
-            for step in range(STEPS):
-                x, y = _shard_batch(ds, w.rank, step)
+        with ps.Worker(server.address, local, train_samples=len(ds.train_x)) as w:
+            for _ in range(STEPS):
+                assert w.batch is not None
+                x, y = _batch(ds, w.batch)
                 F.cross_entropy(local(x), y).backward()
                 w.step(samples=len(x))
         return {k: v.clone() for k, v in local.state_dict().items()}
@@ -40,11 +42,12 @@ def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
         t.start()
     results = [t.result() for t in threads]
 
-    # The reference: one process, batch 2b made of both shards' batches, same optimizer.
+    # The reference: one process, batch 2b made of the round's two batches (the server hands
+    # out batches in order, so round t is batches 2t and 2t+1), same optimizer.
     ref = replica(model)
     opt = ps.store.build_optimizer(list(ref.parameters()), ps.OptimizerConfig(optimizer, lr))
     for step in range(STEPS):
-        xs, ys = zip(*(_shard_batch(ds, r, step) for r in range(WORKERS)), strict=True)
+        xs, ys = zip(*(_batch(ds, WORKERS * step + r) for r in range(WORKERS)), strict=True)
         opt.zero_grad()
         F.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()

@@ -119,6 +119,11 @@ def test_push_action(iteration: int, clock: int, action: PushAction) -> None:
     assert push_action(iteration, clock) is action
 
 
+def test_push_window_accepts_retries_of_every_push_in_flight() -> None:
+    assert push_action(1, 3, window=2) is PushAction.DUPLICATE
+    assert push_action(0, 3, window=2) is PushAction.PAST
+
+
 def test_round_complete() -> None:
     assert round_complete({"a", "b"}, ["a", "b"]) is True
     assert round_complete({"a"}, ["a", "b"]) is False

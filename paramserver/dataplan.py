@@ -1,0 +1,109 @@
+"""Which batch each worker computes: the server hands out the run's batches one at a time.
+
+Batch g of a run is batch ``g % per_epoch`` of epoch ``g // per_epoch``: a slice of that
+epoch's seeded permutation (``data.batch_indices``), which every worker can compute. The
+queue gives each batch to exactly one worker at a time; a batch taken by a worker that
+dies or leaves before pushing it goes back to the queue and is handed out again first. So
+whatever the membership does, every batch of every epoch is applied exactly once, and a
+worker that joins mid-run simply starts taking batches.
+
+Pure bookkeeping, no threads: the coordinator serialises calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class BatchQueue:
+    """The batches of a run, handed out to (worker, iteration) pairs.
+
+    Args:
+        per_epoch: batches per epoch (training samples // batch size).
+        epochs: passes over the training set.
+    """
+
+    per_epoch: int
+    epochs: int
+    next_batch: int = 0  # the first batch never handed out
+    done: int = 0
+    returned: list[int] = field(default_factory=list)  # a heap: handed out again first
+    taken: dict[str, dict[int, int]] = field(default_factory=dict)  # worker -> iteration -> batch
+
+    @property
+    def total(self) -> int:
+        return self.per_epoch * self.epochs
+
+    @property
+    def finished(self) -> bool:
+        """Every batch of the run has been applied."""
+        return self.done >= self.total
+
+    @property
+    def exhausted(self) -> bool:
+        """Nothing left to hand out now (batches may still be in flight)."""
+        return not self.returned and self.next_batch >= self.total
+
+    def take(self, worker_id: str, iteration: int) -> int | None:
+        """The batch ``worker_id`` computes at ``iteration``; None when none is left now.
+
+        Asking again for the same (worker, iteration) gives the same batch (a retried pull).
+        """
+        mine = self.taken.setdefault(worker_id, {})
+        if iteration in mine:
+            return mine[iteration]
+        if self.returned:
+            batch = heapq.heappop(self.returned)
+        elif self.next_batch < self.total:
+            batch = self.next_batch
+            self.next_batch += 1
+        else:
+            return None
+        mine[iteration] = batch
+        return batch
+
+    def complete(self, worker_id: str, iteration: int) -> int | None:
+        """The push of ``iteration`` was applied: its batch is done. Returns the batch."""
+        batch = self.taken.get(worker_id, {}).pop(iteration, None)
+        if batch is not None:
+            self.done += 1
+        return batch
+
+    def release(self, worker_id: str) -> list[int]:
+        """The worker is gone: the batches it took and did not push go back to the queue."""
+        back = list(self.taken.pop(worker_id, {}).values())
+        for batch in back:
+            heapq.heappush(self.returned, batch)
+        return back
+
+    def release_from(self, worker_id: str, iteration: int) -> list[int]:
+        """Give back the worker's batches of ``iteration`` and later (it rewound its clock)."""
+        mine = self.taken.get(worker_id, {})
+        back = [mine.pop(t) for t in sorted(mine) if t >= iteration]
+        for batch in back:
+            heapq.heappush(self.returned, batch)
+        return back
+
+    def state(self) -> dict[str, Any]:
+        """For a checkpoint: batches in flight count as returned (their pushes are not in it)."""
+        returned = list(self.returned) + [b for m in self.taken.values() for b in m.values()]
+        return {
+            "per_epoch": self.per_epoch,
+            "epochs": self.epochs,
+            "next_batch": self.next_batch,
+            "done": self.done,
+            "returned": sorted(returned),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> BatchQueue:
+        return cls(
+            per_epoch=int(state["per_epoch"]),
+            epochs=int(state["epochs"]),
+            next_batch=int(state["next_batch"]),
+            done=int(state["done"]),
+            returned=sorted(int(b) for b in state["returned"]),
+        )

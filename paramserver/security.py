@@ -1,0 +1,138 @@
+"""TLS credentials and the shared token, for servers and clients.
+
+The token travels as ``authorization: Bearer <token>`` metadata on every call; the server's
+interceptor refuses a call without it (UNAUTHENTICATED) before any servicer code runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from paramserver.config import Security
+
+METADATA_KEY = "authorization"
+
+
+def _bearer(token: str) -> str:
+    return f"Bearer {token}"
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call that does not carry the shared token."""
+
+    def __init__(self, token: str):
+        self._expected = _bearer(token).encode()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        got = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
+        got_bytes = got.encode() if isinstance(got, str) else bytes(got)
+        if handler is None or hmac.compare_digest(got_bytes, self._expected):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "This server requires a token: start the worker with --token or PARAMSERVER_TOKEN "
+            "set to the server's.",
+        )
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
+def server_interceptors(security: Security) -> list[grpc.ServerInterceptor]:
+    return [TokenInterceptor(security.token)] if security.token else []
+
+
+def server_credentials(security: Security) -> grpc.ServerCredentials | None:
+    """TLS credentials for the server's port; None for plain text."""
+    if not security.cert:
+        return None
+    ca = security.read("ca")
+    return grpc.ssl_server_credentials(
+        [(security.read("key"), security.read("cert"))],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+class _ClientToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the token to every call of a channel."""
+
+    def __init__(self, token: str):
+        self._entry = (METADATA_KEY, _bearer(token))
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), self._entry]
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), requests)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+def client_channel(
+    address: str, security: Security, options: list[tuple[str, Any]]
+) -> grpc.Channel:
+    """A channel to ``address`` with the TLS and token of ``security``."""
+    if security.tls:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=security.read("ca"),
+            private_key=security.read("key"),
+            certificate_chain=security.read("cert"),
+        )
+        channel = grpc.secure_channel(address, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    if security.token:
+        channel = grpc.intercept_channel(channel, _ClientToken(security.token))
+    return channel

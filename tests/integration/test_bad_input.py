@@ -1,0 +1,173 @@
+"""Malformed requests get a clear gRPC status and leave the server's state untouched.
+
+A property-based test sends over a thousand of them, each breaking one rule of the wire
+contract, to a real server; then the weights and version must be byte-identical and a
+correct push and pull must still work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paramserver import codec
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from tests.conftest import tiny_model
+
+CLEAR = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+}
+PUSH_FAULTS = [
+    "header_bytes", "short_stream", "long_stream", "odd_bytes", "dtype", "non_finite",
+    "unknown_worker", "ahead", "negative_iteration", "incarnation", "shard", "no_header",
+    "empty_stream", "two_headers", "empty_with_data",
+]  # fmt: skip
+OTHER_FAULTS = [
+    "pull_unknown_worker", "pull_incarnation", "pull_ahead", "heartbeat_unknown",
+    "heartbeat_incarnation", "join_negative_samples",
+]  # fmt: skip
+
+
+class Target:
+    """A real server with one joined worker whose valid requests the faults start from."""
+
+    def __init__(self, server):
+        self.server = server
+        self.channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        reply = self.stub.Join(pb.JoinRequest(name="prober"), timeout=10)
+        self.worker_id, self.incarnation = reply.worker_id, reply.incarnation
+        self.nbytes = reply.manifest.total_bytes
+
+    def state(self) -> tuple[bytes, int]:
+        store = self.server.coordinator.store
+        return store.snapshot().tobytes(), store.version
+
+
+def _payload(n: int, fill: float = 0.01) -> bytes:
+    return np.full(n // 4, fill, np.float32).tobytes() + b"\0" * (n % 4)
+
+
+def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
+    h = pb.PushHeader(
+        worker_id=t.worker_id, iteration=0, total_bytes=t.nbytes, samples=1,
+        incarnation=t.incarnation,
+    )  # fmt: skip
+    body = _payload(t.nbytes)
+    if fault == "header_bytes":
+        h.total_bytes = data.draw(st.integers(0, 1 << 40).filter(lambda n: n != t.nbytes))
+    elif fault == "short_stream":
+        body = body[: data.draw(st.integers(0, t.nbytes - 1))]
+    elif fault == "long_stream":
+        body += b"\0" * data.draw(st.integers(1, 9000))
+    elif fault == "odd_bytes":
+        h.total_bytes = t.nbytes + data.draw(st.integers(1, 3))
+        body = _payload(h.total_bytes)
+    elif fault == "dtype":
+        h.dtype = data.draw(st.text(min_size=1, max_size=12).filter(lambda s: s != "float32"))
+    elif fault == "non_finite":
+        values = np.frombuffer(body, np.float32).copy()
+        bad = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        values[data.draw(st.integers(0, len(values) - 1))] = bad
+        body = values.tobytes()
+    elif fault == "unknown_worker":
+        h.worker_id = data.draw(st.text(max_size=20).filter(lambda s: s != t.worker_id))
+    elif fault == "ahead":
+        h.iteration = data.draw(st.integers(1, 1 << 62))
+    elif fault == "negative_iteration":
+        h.iteration = data.draw(st.integers(-(1 << 62), -1))
+    elif fault == "incarnation":
+        h.incarnation = data.draw(
+            st.text(min_size=1, max_size=16).filter(lambda s: s != t.incarnation)
+        )
+    elif fault == "shard":
+        h.shard = data.draw(st.integers(1, 1 << 30))
+    elif fault == "empty_with_data":
+        h.empty, h.total_bytes = True, 0
+    chunk = data.draw(st.sampled_from([1024, 4096, 1 << 16, 1 << 20]))
+    chunks = [pb.PushChunk(data=body[i : i + chunk]) for i in range(0, len(body), chunk)]
+    if fault == "empty_with_data":
+        chunks = chunks[:1]
+    if fault == "no_header":
+        return chunks
+    if fault == "empty_stream":
+        return []
+    if fault == "two_headers":
+        return [pb.PushChunk(header=h), pb.PushChunk(header=h), *chunks]
+    return [pb.PushChunk(header=h), *chunks]
+
+
+def _other(t: Target, fault: str, data: st.DataObject) -> None:
+    wrong = data.draw(
+        st.text(min_size=1, max_size=16).filter(lambda s: s not in (t.worker_id, t.incarnation))
+    )
+    if fault == "pull_unknown_worker":
+        list(t.stub.Pull(pb.PullRequest(worker_id=wrong, iteration=0), timeout=10))
+    elif fault == "pull_incarnation":
+        list(t.stub.Pull(pb.PullRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10))
+    elif fault == "pull_ahead":
+        it = data.draw(st.integers(3, 1 << 62))
+        list(t.stub.Pull(pb.PullRequest(worker_id=t.worker_id, iteration=it), timeout=10))
+    elif fault == "heartbeat_unknown":
+        t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=wrong), timeout=10)
+    elif fault == "heartbeat_incarnation":
+        t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10)
+    elif fault == "join_negative_samples":
+        t.stub.Join(
+            pb.JoinRequest(name="x", train_samples=data.draw(st.integers(-(1 << 62), -1))),
+            timeout=10,
+        )
+
+
+def test_a_thousand_malformed_requests_change_nothing(serve):
+    server = serve(tiny_model(), optimizer="sgd", lr=0.1, policy="async", lease_seconds=600)
+    target = Target(server)
+    before = target.state()
+    seen: dict[str, int] = {}
+
+    @settings(max_examples=1200, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    @given(fault=st.sampled_from(PUSH_FAULTS + OTHER_FAULTS), data=st.data())
+    def probe(fault: str, data: st.DataObject) -> None:
+        try:
+            if fault in PUSH_FAULTS:
+                target.stub.Push(iter(_push(target, fault, data)), timeout=10)
+            else:
+                _other(target, fault, data)
+        except grpc.RpcError as err:
+            assert err.code() in CLEAR, (fault, err.code(), err.details())
+            assert err.details(), fault
+            seen[fault] = seen.get(fault, 0) + 1
+        else:
+            raise AssertionError(f"{fault} was accepted")
+
+    probe()
+    assert sum(seen.values()) >= 1000
+    assert set(seen) == set(PUSH_FAULTS + OTHER_FAULTS)
+    assert target.state() == before, "a malformed request changed the weights or version"
+
+    # The server still serves a correct push and pull.
+    h = pb.PushHeader(
+        worker_id=target.worker_id, iteration=0, samples=1, incarnation=target.incarnation
+    )
+    reply = target.stub.Push(
+        codec.encode_push(h, memoryview(_payload(target.nbytes)), 4096), timeout=10
+    )
+    assert (reply.version, reply.clock, reply.duplicate) == (1, 1, False)
+    stream = target.stub.Pull(
+        pb.PullRequest(worker_id=target.worker_id, iteration=1, incarnation=target.incarnation),
+        timeout=10,
+    )
+    header, weights = codec.decode_pull(stream, None, target.nbytes)
+    expected = np.frombuffer(before[0], np.float32) - np.float32(0.1) * np.float32(0.01)
+    assert header.version == 1
+    np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)
+    target.channel.close()
