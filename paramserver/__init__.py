@@ -12,7 +12,13 @@ Public API::
 
 from paramserver.api import serve
 from paramserver.checkpoint import load as load_checkpoint
-from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig, WorkerConfig
+from paramserver.config import (
+    LaunchConfig,
+    OptimizerConfig,
+    Security,
+    ServerConfig,
+    WorkerConfig,
+)
 from paramserver.errors import (
     ClusterFull,
     ConfigError,
@@ -22,7 +28,9 @@ from paramserver.errors import (
     ParamServerError,
     ServerUnavailable,
     Timeout,
+    Unauthenticated,
     UnknownWorker,
+    WrongIncarnation,
 )
 from paramserver.server.app import ServerApp
 from paramserver.staleness import Policy
@@ -40,13 +48,16 @@ __all__ = [
     "OutOfOrder",
     "ParamServerError",
     "Policy",
+    "Security",
     "ServerApp",
     "ServerConfig",
     "ServerUnavailable",
     "Timeout",
+    "Unauthenticated",
     "UnknownWorker",
     "Worker",
     "WorkerConfig",
+    "WrongIncarnation",
     "load_checkpoint",
     "serve",
 ]

@@ -67,9 +67,15 @@ def connect(address: str, timeout: float, sec: Security | None = None) -> grpc.C
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
         channel.close()
+        hint = (
+            " With TLS: is the server's certificate signed by --tls-ca, and does the server "
+            "accept this client's certificate?"
+            if sec is not None and sec.tls
+            else " If the server uses TLS, pass --tls-ca (and --tls-cert/--tls-key)."
+        )
         raise ServerUnavailable(
             f"No parameter server answered at {address} within {timeout:.0f}s: is it running, "
-            "and is the address right?"
+            f"and is the address right?{hint}"
         ) from None
     return channel
 
@@ -192,7 +198,7 @@ class Worker:
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(self.policy.max_inflight_pushes()):
             self._free.put(torch.empty(n, dtype=torch.float32, pin_memory=pinned))
-        self._pushes: queue.Queue[tuple[int, torch.Tensor, int, float] | None] = queue.Queue()
+        self._pushes: queue.Queue[tuple[int, torch.Tensor, int, float, bool] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pusher = threading.Thread(target=self._push_loop, name="ps-push", daemon=True)
         self._beater = threading.Thread(

@@ -166,3 +166,38 @@ def test_launch_bad_values(kwargs: dict[str, Any], needle: str) -> None:
 def test_config_error_is_value_error() -> None:
     with pytest.raises(ValueError):
         ServerConfig(workers=0)
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"), [("500", (500, None)), ("30s", (None, 30.0)), ("5m", (None, 300.0))]
+)
+def test_checkpoint_every_takes_steps_or_seconds(text: str, parsed: tuple) -> None:
+    from paramserver.config import parse_every
+
+    assert parse_every(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["0", "0s", "1.5", "-3", "soon", ""])
+def test_checkpoint_every_rejects_nonsense(text: str) -> None:
+    with pytest.raises(ConfigError, match="--checkpoint-every"):
+        ServerConfig(checkpoint_every=text)
+
+
+def test_min_workers_must_fit_in_workers() -> None:
+    assert ServerConfig(workers=4, min_workers=2).start_workers == 2
+    assert ServerConfig(workers=4).start_workers == 4
+    with pytest.raises(ConfigError, match="--min-workers"):
+        ServerConfig(workers=2, min_workers=3)
+
+
+def test_security_needs_readable_files_and_never_prints_the_token(tmp_path) -> None:
+    from paramserver.config import Security
+
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ConfigError, match="go together"):
+        Security(cert=str(cert))
+    with pytest.raises(ConfigError, match="not a readable file"):
+        Security(cert=str(cert), key=str(tmp_path / "missing.key"))
+    assert "hunter2" not in repr(Security(token="hunter2"))
+    assert "hunter2" not in repr(ServerConfig(security=Security(token="hunter2")))

@@ -11,7 +11,7 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker
+from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker, WrongIncarnation
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
 from paramserver.store import ParameterStore
@@ -390,3 +390,85 @@ def test_heartbeat_returns_version_and_unknown_raises(clock: FakeClock) -> None:
     assert c.heartbeat(a.worker_id) == 1
     with pytest.raises(UnknownWorker):
         c.heartbeat("nobody")
+
+
+def test_min_workers_starts_training_before_every_slot_is_taken(clock: FakeClock) -> None:
+    manifest = Manifest.from_tensors([("w", torch.zeros(N))])
+    store = ParameterStore(manifest, np.zeros(N, np.float32), OptimizerConfig("sgd", lr=1.0))
+    config = ServerConfig(policy="sync", workers=3, min_workers=2, lease_seconds=LEASE)
+    c = Coordinator(config, store, now=clock)
+    a = c.join("a")
+    with pytest.raises(Timeout, match="1 of 2 workers are live"):
+        c.pull(a.worker_id, 0, timeout=0)
+    b = c.join("b")
+    assert c.pull(a.worker_id, 0, timeout=0).version == 0
+    c.push(a.worker_id, 0, full(1.0), 1, math.nan)
+    c.push(b.worker_id, 0, full(3.0), 1, math.nan)
+    late = c.join("late")  # joins mid-run, at the current round
+    assert late.clock == 1 and late.rank == 2
+    np.testing.assert_array_equal(c.store.weights, full(-2.0))
+
+
+def test_batches_are_handed_out_and_an_empty_sync_push_counts_for_the_round(
+    clock: FakeClock,
+) -> None:
+    c = make("sync", 2, clock)
+    a = c.join("a", train_samples=64 * 3)  # 3 batches of 64, 1 epoch
+    b = c.join("b", train_samples=64 * 3)
+    assert [c.pull(w.worker_id, 0, 0).batch for w in (a, b)] == [0, 1]
+    c.push(a.worker_id, 0, full(1.0), 64, math.nan)
+    c.push(b.worker_id, 0, full(3.0), 64, math.nan)
+    assert c.pull(a.worker_id, 1, 0).batch == 2
+    assert c.pull(b.worker_id, 1, 0).batch == -1  # nothing left this round
+    c.push(a.worker_id, 1, full(1.0), 64, math.nan)
+    c.push(b.worker_id, 1, None, 0, math.nan)  # empty: counts, does not dilute
+    np.testing.assert_array_equal(c.store.weights, full(-3.0))
+    assert c.status()["batches_done"] == 3
+    assert c.pull(a.worker_id, 2, 0).finished
+
+
+def test_a_worker_with_other_data_is_refused(clock: FakeClock) -> None:
+    c = make("async", 2, clock)
+    c.join("a", train_samples=640)
+    with pytest.raises(InvalidRequest, match="same data"):
+        c.join("b", train_samples=6400)
+
+
+def test_skip_nonfinite_counts_and_moves_the_clock(clock: FakeClock) -> None:
+    manifest = Manifest.from_tensors([("w", torch.zeros(N))])
+    store = ParameterStore(manifest, np.zeros(N, np.float32), OptimizerConfig("sgd", lr=1.0))
+    config = ServerConfig(policy="async", workers=1, lease_seconds=LEASE, skip_nonfinite=True)
+    c = Coordinator(config, store, now=clock)
+    a = c.join("a")
+    result = c.push(a.worker_id, 0, full(math.nan), 1, math.nan)
+    assert (result.clock, result.version, c.status()["pushes_skipped"]) == (1, 0, 1)
+
+
+def test_checkpoint_state_restores_exactly_and_workers_rejoin_at_their_clock(
+    clock: FakeClock,
+) -> None:
+    c = make("sync", 2, clock)
+    a = c.join("a", train_samples=640)
+    b = c.join("b", train_samples=640)
+    for w, g in ((a, 1.0), (b, 3.0)):
+        c.pull(w.worker_id, 0, 0)
+        c.push(w.worker_id, 0, full(g), 64, math.nan)
+    c.pull(a.worker_id, 1, 0)
+    c.push(a.worker_id, 1, full(5.0), 64, math.nan)  # a round in progress
+    assert c.pull(b.worker_id, 1, 0).batch == 3  # in flight when the checkpoint is taken
+    state = c.checkpoint_state()
+
+    back = make("sync", 2, clock)
+    back.restore(state, state["weights"])
+    assert back.incarnation != c.incarnation
+    assert (back.store.version, back.rounds) == (1, 1)
+    np.testing.assert_array_equal(back.store.weights, c.store.weights)
+    with pytest.raises(WrongIncarnation):
+        back.check_incarnation(c.incarnation)
+    assert back.join("a", worker_id=a.worker_id).clock == 2
+    assert back.join("b", worker_id=b.worker_id).clock == 1
+    # b finishes the round that a's checkpointed gradient started
+    assert back.pull(b.worker_id, 1, 0).batch == 3  # its batch in flight came back
+    back.push(b.worker_id, 1, full(1.0), 64, math.nan)
+    np.testing.assert_array_equal(back.store.weights, full(-2.0 - 3.0))
+    assert back.status()["pushes_applied"] == 4
