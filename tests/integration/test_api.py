@@ -112,3 +112,16 @@ def test_overlap_defaults_to_off_on_cpu(serve):
     with ps.Worker(server.address) as worker:
         assert worker.device.type == "cpu"
         assert worker.overlap is False
+
+
+def test_a_worker_whose_server_does_not_come_back_fails_after_server_timeout(serve):
+    from paramserver.errors import ServerUnavailable
+
+    model = tiny_model()
+    server = serve(replica(model), policy="async")
+    worker = ps.Worker(server.address, model, server_timeout=1.0)
+    server.stop(grace=0)
+    model(torch.randn(2, 1, 28, 28)).sum().backward()
+    with pytest.raises(ServerUnavailable, match="did not come back within 1s"):
+        worker.step()
+    worker.close_quietly()

@@ -27,7 +27,7 @@ CLEAR = {
 }
 PUSH_FAULTS = [
     "header_bytes", "short_stream", "long_stream", "odd_bytes", "dtype", "non_finite",
-    "unknown_worker", "ahead", "negative_iteration", "incarnation", "shard", "no_header",
+    "unknown_worker", "ahead", "past", "negative_iteration", "incarnation", "shard", "no_header",
     "empty_stream", "two_headers", "empty_with_data",
 ]  # fmt: skip
 OTHER_FAULTS = [
@@ -39,6 +39,8 @@ OTHER_FAULTS = [
 class Target:
     """A real server with one joined worker whose valid requests the faults start from."""
 
+    CLOCK = 5  # the prober's clock once set up: pushes 0..2 are too old to be retries
+
     def __init__(self, server):
         self.server = server
         self.channel = grpc.insecure_channel(server.address)
@@ -46,6 +48,15 @@ class Target:
         reply = self.stub.Join(pb.JoinRequest(name="prober"), timeout=10)
         self.worker_id, self.incarnation = reply.worker_id, reply.incarnation
         self.nbytes = reply.manifest.total_bytes
+        for iteration in range(self.CLOCK):
+            self.push(iteration)
+
+    def push(self, iteration: int) -> pb.PushResponse:
+        h = pb.PushHeader(
+            worker_id=self.worker_id, iteration=iteration, samples=1, incarnation=self.incarnation
+        )
+        payload = memoryview(_payload(self.nbytes))
+        return self.stub.Push(codec.encode_push(h, payload, 4096), timeout=10)
 
     def state(self) -> tuple[bytes, int]:
         store = self.server.coordinator.store
@@ -58,7 +69,7 @@ def _payload(n: int, fill: float = 0.01) -> bytes:
 
 def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
     h = pb.PushHeader(
-        worker_id=t.worker_id, iteration=0, total_bytes=t.nbytes, samples=1,
+        worker_id=t.worker_id, iteration=t.CLOCK, total_bytes=t.nbytes, samples=1,
         incarnation=t.incarnation,
     )  # fmt: skip
     body = _payload(t.nbytes)
@@ -81,7 +92,9 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
     elif fault == "unknown_worker":
         h.worker_id = data.draw(st.text(max_size=20).filter(lambda s: s != t.worker_id))
     elif fault == "ahead":
-        h.iteration = data.draw(st.integers(1, 1 << 62))
+        h.iteration = data.draw(st.integers(t.CLOCK + 1, 1 << 62))
+    elif fault == "past":  # async lets 2 pushes be in flight: 3 and 4 are retries, 0..2 not
+        h.iteration = data.draw(st.integers(0, t.CLOCK - 3))
     elif fault == "negative_iteration":
         h.iteration = data.draw(st.integers(-(1 << 62), -1))
     elif fault == "incarnation":
@@ -114,7 +127,7 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
     elif fault == "pull_incarnation":
         list(t.stub.Pull(pb.PullRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10))
     elif fault == "pull_ahead":
-        it = data.draw(st.integers(3, 1 << 62))
+        it = data.draw(st.integers(t.CLOCK + 3, 1 << 62))
         list(t.stub.Pull(pb.PullRequest(worker_id=t.worker_id, iteration=it), timeout=10))
     elif fault == "heartbeat_unknown":
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=wrong), timeout=10)
@@ -155,19 +168,14 @@ def test_a_thousand_malformed_requests_change_nothing(serve):
     assert target.state() == before, "a malformed request changed the weights or version"
 
     # The server still serves a correct push and pull.
-    h = pb.PushHeader(
-        worker_id=target.worker_id, iteration=0, samples=1, incarnation=target.incarnation
+    clock = target.CLOCK
+    reply = target.push(clock)
+    assert (reply.version, reply.clock, reply.duplicate) == (clock + 1, clock + 1, False)
+    request = pb.PullRequest(
+        worker_id=target.worker_id, iteration=clock + 1, incarnation=target.incarnation
     )
-    reply = target.stub.Push(
-        codec.encode_push(h, memoryview(_payload(target.nbytes)), 4096), timeout=10
-    )
-    assert (reply.version, reply.clock, reply.duplicate) == (1, 1, False)
-    stream = target.stub.Pull(
-        pb.PullRequest(worker_id=target.worker_id, iteration=1, incarnation=target.incarnation),
-        timeout=10,
-    )
-    header, weights = codec.decode_pull(stream, None, target.nbytes)
+    header, weights = codec.decode_pull(target.stub.Pull(request, timeout=10), None, target.nbytes)
     expected = np.frombuffer(before[0], np.float32) - np.float32(0.1) * np.float32(0.01)
-    assert header.version == 1
+    assert header.version == clock + 1
     np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)
     target.channel.close()
