@@ -17,13 +17,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-# Fashion-MNIST comes from Debian's package dataset-fashion-mnist.
+# Debian packages: Fashion-MNIST (dataset-fashion-mnist) for the main job; docker-compose
+# to validate deploy/ (`docker-compose config`, no engine needed) and iproute2 for the
+# network-namespace cluster test. Installed when run as root; otherwise say what is missing.
+DEB_PACKAGES := dataset-fashion-mnist docker-compose iproute2
+
 data:
-	@if dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then :; \
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	else \
-		echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', or pass --data-dir with a folder of IDX files."; \
+		echo "Missing Debian packages:$$missing; run 'sudo apt-get install$$missing'. Without dataset-fashion-mnist, pass --data-dir with a folder of IDX files; the tests that need the others skip and say why."; \
 	fi
 
 # Regenerates paramserver/_proto from protos/ (the generated code is committed).

@@ -10,6 +10,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -143,13 +144,23 @@ def lr_schedule_option(default: str) -> Callable[[F], F]:
 @opt("--host", env="HOST", default="0.0.0.0", help="Address to listen on.")
 @opt("--port", env="PORT", type=int, default=50051, help="Port to listen on (0: any free port).")
 @opt("--threads", env="SERVER_THREADS", type=int, default=1, help="Torch threads of the optimizer.")
+@opt(
+    "--metrics-port",
+    env="METRICS_PORT",
+    type=int,
+    default=None,
+    help="Serve Prometheus metrics on http://HOST:PORT/metrics [default: off].",
+)
 @apply(SECURITY_OPTIONS)
-def server(host: str, port: int, threads: int, **kw: Any) -> None:
+def server(host: str, port: int, threads: int, metrics_port: int | None, **kw: Any) -> None:
     """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint)."""
+    import dataclasses
+
     from paramserver.launch import READY_MARKER
     from paramserver.server.app import ServerApp
 
     cfg = server_config(kw, host, port, threads, security_config(kw))
+    cfg = dataclasses.replace(cfg, metrics_port=metrics_port)
     log.info("server configuration: %s", cfg)
     app = ServerApp(cfg).start()
     stop = threading.Event()
@@ -344,6 +355,14 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
         )
 
 
+def _status_stub(server_address: str, timeout: float, kw: dict[str, Any]) -> Any:
+    from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+    from paramserver.worker.client import connect
+
+    channel = connect(server_address, timeout, security_config(kw))
+    return channel, pb_grpc.ParameterServerStub(channel)
+
+
 @cli.command()
 @opt(
     "--server",
@@ -353,49 +372,90 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
     help="The server's HOST:PORT.",
 )
 @opt("--json", "as_json", env="JSON", is_flag=True, help="Print the status as one JSON line.")
+@opt(
+    "--watch",
+    env="WATCH",
+    type=float,
+    default=None,
+    help="Redraw every this many seconds until Ctrl-C.",
+)
 @opt("--timeout", env="TIMEOUT", type=float, default=5.0, help="Seconds to wait for the server.")
 @apply(SECURITY_OPTIONS)
-def status(server_address: str, as_json: bool, timeout: float, **kw: Any) -> None:
-    """Show a server's version, policy, counters and workers."""
+def status(
+    server_address: str, as_json: bool, watch: float | None, timeout: float, **kw: Any
+) -> None:
+    """Show a server's version, policy, throughput and live workers (clock, lag, samples/s)."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from paramserver._proto import paramserver_pb2 as pb
-    from paramserver._proto import paramserver_pb2_grpc as pb_grpc
     from paramserver.errors import from_rpc_error
+    from paramserver.statusview import as_json as to_json
+    from paramserver.statusview import render
+
+    if watch is not None and watch <= 0:
+        raise ConfigError(f"--watch must be positive; got {watch}.")
+    channel, stub = _status_stub(server_address, timeout, kw)
+    try:
+        while True:
+            try:
+                st = stub.Status(pb.StatusRequest(), timeout=timeout)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, f"status of {server_address}") from None
+            if as_json:
+                click.echo(to_json(st))
+            else:
+                if watch is not None:
+                    click.clear()
+                click.echo(render(st, server_address))
+            if watch is None:
+                return
+            time.sleep(watch)  # the refresh period the operator asked for
+    finally:
+        channel.close()
+
+
+@cli.command()
+@opt(
+    "--server",
+    "server_address",
+    env="SERVER",
+    default="127.0.0.1:50051",
+    help="The server's HOST:PORT.",
+)
+@opt("--timeout", env="TIMEOUT", type=float, default=5.0, help="Seconds to wait for an answer.")
+@apply(SECURITY_OPTIONS)
+def health(server_address: str, timeout: float, **kw: Any) -> None:
+    """Exit 0 if the server's gRPC health service says SERVING (for container healthchecks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from paramserver.errors import ServerUnavailable, from_rpc_error
     from paramserver.worker.client import connect
 
     channel = connect(server_address, timeout, security_config(kw))
     try:
-        st = pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="paramserver.v1.ParameterServer"), timeout=timeout
+        )
     except grpc.RpcError as err:
-        raise from_rpc_error(err, f"status of {server_address}") from None
+        raise from_rpc_error(err, f"health check of {server_address}") from None
     finally:
         channel.close()
-    if as_json:
-        click.echo(
-            json.dumps(
-                MessageToDict(
-                    st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-                )
-            )
-        )
-        return
-    rate = st.samples / st.train_seconds if st.train_seconds > 0 else 0.0
-    click.echo(
-        f"server {server_address}  model {st.model}  policy {st.policy}  version {st.version}  "
-        f"pushes {st.pushes_applied}  samples {st.samples} ({rate:.0f}/s)  "
-        f"max staleness {st.max_staleness}  loss {st.train_loss:.4f}  lr {st.learning_rate:.3g}"
-    )
-    click.echo(
-        f"{'rank':>4}  {'worker':<18} {'name':<24} {'clock':>8} {'last seen':>10} {'samples':>10}"
-    )
-    for w in st.workers:
-        click.echo(
-            f"{w.rank:>4}  {w.worker_id:<18} {w.name[:24]:<24} {w.clock:>8} {w.last_seen_seconds:>9.1f}s {w.samples:>10}"
-        )
-    hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
-    click.echo(f"staleness histogram {{{hist}}}")
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise ServerUnavailable(f"{server_address} is {state}")
+    click.echo(f"{server_address} {state}")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@opt("--out", env="PLOT_OUT", default=None, help="PNG to write [default: RUN_DIR/curve.png].")
+def plot(run_dir: str, out: str | None) -> None:
+    """Draw a run folder's loss, accuracy and throughput curves to a PNG."""
+    from paramserver.rundir import RunDir
+
+    path = RunDir.open(run_dir).plot(out=out)
+    click.echo(str(path))
 
 
 def main(argv: list[str] | None = None) -> None:

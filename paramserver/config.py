@@ -155,6 +155,7 @@ class ServerConfig:
     skip_nonfinite: bool = False
     security: Security = field(default_factory=Security)
     shard: int = 0  # which shard of the parameters this server holds (one shard today)
+    metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None: off
 
     def __post_init__(self) -> None:
         Policy.parse(self.policy)
@@ -176,6 +177,10 @@ class ServerConfig:
             raise ConfigError(f"--epochs must be at least 1; got {self.epochs}.")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535; got {self.port}.")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."
+            )
         _positive("--lease-timeout", self.lease_seconds)
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
             raise ConfigError(

@@ -20,6 +20,8 @@ class Member:
     clock: int
     last_seen: float
     samples: int = 0
+    joined_at: float = 0.0  # when this server admitted it (its clock)
+    samples_at_join: int = 0  # samples it had then (non-zero after a resume)
 
 
 @dataclass
@@ -56,7 +58,8 @@ class Membership:
         clock = self.min_clock()
         if clock is None:
             clock = self._floor if start_clock is None else start_clock
-        member = Member(uuid.uuid4().hex[:16], name, rank, clock, self.now())
+        now = self.now()
+        member = Member(uuid.uuid4().hex[:16], name, rank, clock, now, joined_at=now)
         self.members[member.worker_id] = member
         self.joined_total += 1
         return member
@@ -74,6 +77,10 @@ class Membership:
                 "left, or its lease expired."
             )
         return member
+
+    def rate(self, member: Member) -> float:
+        """Samples per second the worker has pushed since this server admitted it."""
+        return (member.samples - member.samples_at_join) / max(self.now() - member.joined_at, 1e-9)
 
     def touch(self, worker_id: str) -> Member:
         """Renew the lease of a live worker."""
@@ -122,7 +129,7 @@ class Membership:
         self.members = {
             m["worker_id"]: Member(
                 m["worker_id"], m["name"], int(m["rank"]), int(m["clock"]), self.now(),
-                int(m["samples"]),
+                int(m["samples"]), joined_at=self.now(), samples_at_join=int(m["samples"]),
             )
             for m in members
         }  # fmt: skip

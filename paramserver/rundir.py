@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paramserver.errors import ConfigError
+
 
 class RunDir:
     """Files of one ``paramserver launch`` run."""
@@ -38,29 +40,67 @@ class RunDir:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def plot(self, title: str) -> Path:
-        """Draw test accuracy and training loss per epoch to curve.png."""
+    @classmethod
+    def open(cls, path: str | Path) -> RunDir:
+        """An existing run folder.
+
+        Raises:
+            ConfigError: it has no metrics.jsonl to draw.
+        """
+        run = cls("", "", path)
+        if not run.read_metrics():
+            raise ConfigError(f"{path} holds no metrics.jsonl with a line in it: not a run folder.")
+        return run
+
+    def plot(self, title: str | None = None, out: str | Path | None = None) -> Path:
+        """Draw test accuracy, losses and throughput per epoch to a PNG (curve.png)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         rows = self.read_metrics()
+        if title is None:
+            title = self._title()
         epochs = [r["epoch"] for r in rows]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
         ax1.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
         ax1.set_xlabel("epoch")
         ax1.set_ylabel("test accuracy (%)")
         ax1.grid(alpha=0.3)
         ax2.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
-        ax2.plot(epochs, [r["train_loss"] for r in rows], "s--", label="train (moving avg)")
+        train = [(r["epoch"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+        if train:
+            ax2.plot(*zip(*train, strict=True), "s--", label="train (moving avg)")
         ax2.set_xlabel("epoch")
         ax2.set_ylabel("cross-entropy")
         ax2.legend()
         ax2.grid(alpha=0.3)
+        ax3.plot(epochs, throughput(rows), "o-")
+        ax3.set_xlabel("epoch")
+        ax3.set_ylabel("samples/s (wall clock, with evaluation)")
+        ax3.set_ylim(bottom=0)
+        ax3.grid(alpha=0.3)
         fig.suptitle(title)
         fig.tight_layout()
-        out = self.file("curve.png")
-        fig.savefig(out, dpi=100)
+        path = Path(out) if out else self.file("curve.png")
+        fig.savefig(path, dpi=100)
         plt.close(fig)
-        return out
+        return path
+
+    def _title(self) -> str:
+        try:
+            cfg = json.loads(self.file("config.json").read_text())["server"]
+            return f"{cfg['model']}, {cfg['policy']}, {cfg['workers']} workers"
+        except (OSError, KeyError, ValueError):
+            return self.path.name
+
+
+def throughput(rows: list[dict[str, Any]]) -> list[float]:
+    """Samples per second within each epoch, from the cumulative samples and wall times."""
+    out, samples, wall = [], 0, 0.0
+    for r in rows:
+        dt = r["wall_s"] - wall
+        out.append((r["samples"] - samples) / dt if dt > 0 else 0.0)
+        samples, wall = r["samples"], r["wall_s"]
+    return out

@@ -15,6 +15,7 @@ import grpc
 from paramserver.config import Security
 
 METADATA_KEY = "authorization"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def _bearer(token: str) -> str:
@@ -33,6 +34,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
+        if details.method.startswith(HEALTH_PREFIX):
+            return handler  # health says only SERVING or not; probes carry no secrets
         got = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
         got_bytes = got.encode() if isinstance(got, str) else bytes(got)
         if handler is None or hmac.compare_digest(got_bytes, self._expected):

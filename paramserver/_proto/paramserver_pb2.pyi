@@ -177,23 +177,27 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "name", "rank", "clock", "last_seen_seconds", "samples")
+    __slots__ = ("worker_id", "name", "rank", "clock", "last_seen_seconds", "samples", "samples_per_second", "lag")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     rank: int
     clock: int
     last_seen_seconds: float
     samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    samples_per_second: float
+    lag: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., lag: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds")
+    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds", "pulls_answered", "barrier_wait_seconds")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +231,8 @@ class StatusResponse(_message.Message):
     CHECKPOINT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -253,4 +259,6 @@ class StatusResponse(_message.Message):
     checkpoint_age_seconds: float
     min_workers: int
     rounds: int
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
+    pulls_answered: int
+    barrier_wait_seconds: float
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ..., pulls_answered: _Optional[int] = ..., barrier_wait_seconds: _Optional[float] = ...) -> None: ...

@@ -8,6 +8,7 @@ from concurrent import futures
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
 from torch import nn
 
@@ -18,11 +19,14 @@ from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
+from paramserver.server.metrics import Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.store import ParameterStore
 
 log = logging.getLogger(__name__)
 
+# The health service reports on the whole server ("") and on the parameter-server service.
+HEALTH_SERVICES = ("", "paramserver.v1.ParameterServer")
 # Payloads are chunked, so no message is large; the limit only guards against garbage.
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -60,6 +64,7 @@ class ServerApp:
             self.checkpointer = Checkpointer(
                 self.coordinator, config.checkpoint_dir, config.checkpoint_every
             )
+        self.metrics = Metrics(self.coordinator.status)
         # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
         # hold a thread each, so the pool is sized to never starve a push.
         threads = 3 * config.workers + 8
@@ -71,9 +76,17 @@ class ServerApp:
                 ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=threads,
-            interceptors=security.server_interceptors(config.security),
+            interceptors=[
+                *security.server_interceptors(config.security),
+                self.metrics.interceptor,
+            ],
         )
         pb_grpc.add_ParameterServerServicer_to_server(Servicer(self.coordinator), self._grpc)
+        # gRPC health checking: SERVING from start() (the model is built by then) to stop().
+        self.health = health.HealthServicer()
+        for service in HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.port = 0
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="ps-lease-reaper", daemon=True)
@@ -109,6 +122,18 @@ class ServerApp:
                 "address is not on this machine."
             )
         self._grpc.start()
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics.serve(self.config.host, self.config.metrics_port)
+            except OSError as exc:
+                self._grpc.stop(0)
+                raise ConfigError(
+                    f"Cannot serve metrics on {self.config.host}:{self.config.metrics_port}: "
+                    f"{exc.strerror or exc}."
+                ) from exc
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics.port)
+        for service in HEALTH_SERVICES:
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper.start()
         if self.checkpointer is not None:
             self.checkpointer.start()
@@ -154,11 +179,13 @@ class ServerApp:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.health.enter_graceful_shutdown()
         done = self._grpc.stop(grace)
         self.coordinator.notify()  # wake pulls blocked on a barrier so they see the end
         done.wait()
         if self.checkpointer is not None:
             self.checkpointer.stop()
+        self.metrics.stop()
         log.info("server on %s stopped at version %d", self.address, self.coordinator.store.version)
 
     def __enter__(self) -> ServerApp:

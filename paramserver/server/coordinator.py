@@ -39,6 +39,8 @@ class Counters:
     pushes_applied: int = 0
     duplicates: int = 0
     skipped: int = 0
+    pulls: int = 0
+    barrier_wait_seconds: float = 0.0
     samples: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -361,20 +363,24 @@ class Coordinator:
                     f"Worker {worker_id} asked for iteration {iteration} but its clock is "
                     f"already {member.clock}."
                 )
-            while True:
-                if self.queue is not None and self.queue.finished:
-                    return self._answer(iteration, finished=True)
-                if self._pull_ready(iteration):
-                    if self.queue is None:
-                        return self._answer(iteration)
-                    batch = self.queue.take(worker_id, iteration)
-                    if batch is not None or self.policy.synchronous:
-                        return self._answer(iteration, -1 if batch is None else batch)
-                remaining = deadline - self._now()
-                if remaining <= 0 or not is_active():
-                    raise Timeout(self._wait_message(worker_id, iteration, timeout))
-                self._cond.wait(min(remaining, self.config.lease_seconds))
-                self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
+            waited_from = time.perf_counter()
+            try:
+                while True:
+                    if self.queue is not None and self.queue.finished:
+                        return self._answer(iteration, finished=True)
+                    if self._pull_ready(iteration):
+                        if self.queue is None:
+                            return self._answer(iteration)
+                        batch = self.queue.take(worker_id, iteration)
+                        if batch is not None or self.policy.synchronous:
+                            return self._answer(iteration, -1 if batch is None else batch)
+                    remaining = deadline - self._now()
+                    if remaining <= 0 or not is_active():
+                        raise Timeout(self._wait_message(worker_id, iteration, timeout))
+                    self._cond.wait(min(remaining, self.config.lease_seconds))
+                    self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
+            finally:
+                self.counters.barrier_wait_seconds += time.perf_counter() - waited_from
 
     def _pull_ready(self, iteration: int) -> bool:
         if not self._started:
@@ -386,6 +392,7 @@ class Coordinator:
         self.counters.bytes_out += weights.nbytes
         lag = 0
         if iteration is not None:
+            self.counters.pulls += 1
             lag = staleness.staleness(iteration, self.membership.min_clock())
             self.counters.histogram[lag] += 1
             self.counters.max_staleness = max(self.counters.max_staleness, lag)
@@ -508,6 +515,8 @@ class Coordinator:
         with self._cond:
             now = self._now()
             c = self.counters
+            members = sorted(self.membership.members.values(), key=lambda m: m.rank)
+            fastest = max((m.clock for m in members), default=0)
             return {
                 "version": self.store.version,
                 "policy": self.policy.name,
@@ -519,8 +528,10 @@ class Coordinator:
                         "clock": m.clock,
                         "last_seen_seconds": now - m.last_seen,
                         "samples": m.samples,
+                        "samples_per_second": self.membership.rate(m),
+                        "lag": fastest - m.clock,
                     }
-                    for m in sorted(self.membership.members.values(), key=lambda m: m.rank)
+                    for m in members
                 ],
                 "pushes_applied": c.pushes_applied,
                 "bytes_in": c.bytes_in,
@@ -549,4 +560,6 @@ class Coordinator:
                 else time.time() - self.checkpoint_time,
                 "min_workers": self.config.start_workers,
                 "rounds": self.rounds,
+                "pulls_answered": c.pulls,
+                "barrier_wait_seconds": c.barrier_wait_seconds,
             }

@@ -74,7 +74,7 @@ def connect(address: str, timeout: float, sec: Security | None = None) -> grpc.C
             else " If the server uses TLS, pass --tls-ca (and --tls-cert/--tls-key)."
         )
         raise ServerUnavailable(
-            f"No parameter server answered at {address} within {timeout:.0f}s: is it running, "
+            f"No parameter server answered at {address} within {timeout:g}s: is it running, "
             f"and is the address right?{hint}"
         ) from None
     return channel

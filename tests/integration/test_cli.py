@@ -21,7 +21,7 @@ def run_cli(
 
 
 def test_every_option_has_help_and_an_environment_variable():
-    for command in ("server", "worker", "launch", "status"):
+    for command in ("server", "worker", "launch", "status", "health", "plot"):
         out = run_cli(command, "--help")
         assert out.returncode == 0, out.stderr
         options = [
@@ -64,6 +64,17 @@ def test_every_option_has_help_and_an_environment_variable():
         ),
         (["status", "--server", "127.0.0.1:1", "--timeout", "0.5"], "No parameter server answered"),
         (["launch", "--epochs", "x"], "'x' is not a valid integer"),
+        (["server", "--checkpoint-every", "often", "--port", "0"], "--checkpoint-every must be"),
+        (
+            ["server", "--min-workers", "3", "--workers", "2", "--port", "0"],
+            "--min-workers must be",
+        ),
+        (
+            ["server", "--tls-cert", "/nonexistent.pem", "--tls-key", "/x", "--port", "0"],
+            "--tls-cert '/nonexistent.pem' is not a readable file",
+        ),
+        (["health", "--server", "127.0.0.1:1", "--timeout", "0.5"], "No parameter server answered"),
+        (["plot", "/"], "holds no metrics.jsonl"),
     ],
 )
 def test_bad_arguments_give_one_clear_line_and_a_non_zero_exit(args, message):
@@ -97,7 +108,40 @@ def test_status_prints_a_table_and_json(serve):
     status = json.loads(as_json.stdout)
     assert status["policy"] == "ssp:2"
     assert status["world_size"] == 3
-    assert status["version"] == "0"  # int64 fields are strings in protobuf JSON
+    assert status["version"] == 0  # int64 fields as numbers, not protobuf JSON's strings
+
+
+def test_health_says_serving_and_status_watch_redraws(serve):
+    server = serve("mlp")
+    out = run_cli("health", "--server", server.address)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{server.address} SERVING"
+    proc = subprocess.Popen(
+        paramserver_cmd("status", "--server", server.address, "--watch", "0.2"),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        seen = [proc.stdout.readline() for _ in range(40)]
+        assert sum("policy ssp:1" in line for line in seen) >= 2, seen
+    finally:
+        proc.kill()
+        proc.wait(DEADLINE)
+
+
+def test_a_worker_without_its_data_fails_with_one_line(serve):
+    server = serve("mlp", dataset="fashion-mnist")
+    out = run_cli("worker", "--server", server.address, "--data-dir", "/nonexistent")
+    assert out.returncode == 2
+    assert "Fashion-MNIST not found in /nonexistent" in out.stderr.strip().splitlines()[-1]
+    assert server.status()["workers"] == []  # it left the run on the way out
+
+
+def test_a_metrics_port_in_use_is_reported(serve):
+    server = serve("mlp", host="127.0.0.1", metrics_port=0)
+    out = run_cli("server", "--host", "127.0.0.1", "--port", "0",
+                  "--metrics-port", str(server.metrics.port))  # fmt: skip
+    assert out.returncode == 2
+    assert f"Cannot serve metrics on 127.0.0.1:{server.metrics.port}" in out.stderr
 
 
 def test_launch_json_on_synthetic_data(tmp_path):

@@ -1,0 +1,170 @@
+"""Prometheus metrics of a server: RPC latencies timed by an interceptor, and the
+coordinator's state read at scrape time. Served over HTTP on ``--metrics-port``.
+
+Each server has its own registry, so several servers in one process (tests) do not clash.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128)
+
+
+class StatusCollector(Collector):
+    """Turns ``status()`` (the same figures as the Status RPC) into metrics at scrape time."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]):
+        self._status = status
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._status()
+        yield _gauge("version", "Optimizer steps applied.", s["version"])
+        yield _gauge("live_workers", "Workers holding a lease.", len(s["workers"]))
+        yield _counter("pushes_applied", "Gradients accepted.", s["pushes_applied"])
+        yield _counter("pulls", "Worker pulls answered.", s["pulls_answered"])
+        yield _counter(
+            "duplicate_pushes", "Retried pushes acknowledged, not applied.", s["duplicates"]
+        )
+        yield _counter("skipped_pushes", "Non-finite gradients skipped.", s["pushes_skipped"])
+        yield _counter("received_bytes", "Gradient bytes received.", s["bytes_in"])
+        yield _counter("sent_bytes", "Weight bytes sent.", s["bytes_out"])
+        yield _counter("samples", "Training samples behind the accepted gradients.", s["samples"])
+        yield _counter("barrier_wait_seconds", "Time pulls waited for the staleness policy.",
+                       s["barrier_wait_seconds"])  # fmt: skip
+        yield _gauge("batches_done", "Batches of the run applied.", s["batches_done"])
+        yield _gauge("batches_total", "Batches in the whole run.", s["batches_total"])
+        yield _gauge(
+            "learning_rate", "Learning rate of the next optimizer step.", s["learning_rate"]
+        )
+        yield _gauge("train_loss", "Moving average of pushed batch losses.", s["train_loss"])
+        if s["checkpoint_age_seconds"] >= 0:
+            yield _gauge("checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
+                         s["checkpoint_age_seconds"])  # fmt: skip
+        lag = GaugeMetricFamily(
+            "paramserver_worker_clock_lag",
+            "Iterations a worker is behind the fastest live worker.",
+            labels=["worker_id", "name", "rank"],
+        )
+        for w in s["workers"]:
+            lag.add_metric([w["worker_id"], w["name"], str(w["rank"])], w["lag"])
+        yield lag
+        yield _histogram(s["staleness_histogram"])
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"paramserver_{name}", doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"paramserver_{name}", doc, value=value)
+
+
+def _histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+    """The staleness of every answered pull as a cumulative histogram."""
+    buckets, total, weighted = [], 0, 0
+    for bound in STALENESS_BUCKETS:
+        buckets.append((str(float(bound)), sum(n for k, n in counts.items() if k <= bound)))
+    for k, n in counts.items():
+        total += n
+        weighted += k * n
+    buckets.append(("+Inf", total))
+    return HistogramMetricFamily(
+        "paramserver_staleness",
+        "Staleness (iteration minus the slowest live clock) of each answered pull.",
+        buckets=buckets,
+        sum_value=weighted,
+    )
+
+
+class LatencyInterceptor(grpc.ServerInterceptor):
+    """Times every RPC (a pull until its last chunk is sent) into one histogram."""
+
+    def __init__(self, histogram: Histogram):
+        self._histogram = histogram
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        observe = self._histogram.labels(details.method.rsplit("/", 1)[-1]).observe
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.response_streaming:
+            inner = handler.stream_stream or handler.unary_stream
+
+            def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                started = time.perf_counter()
+                try:
+                    yield from inner(request, context)
+                finally:
+                    observe(time.perf_counter() - started)
+
+            if handler.request_streaming:
+                return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+            return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+
+        inner_unary = handler.stream_unary or handler.unary_unary
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner_unary(request, context)
+            finally:
+                observe(time.perf_counter() - started)
+
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+
+
+class Metrics:
+    """The registry of one server, its latency interceptor and its HTTP endpoint."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        self.latency = Histogram(
+            "paramserver_rpc_seconds",
+            "Time to serve an RPC, by method (Push: receive and apply; Pull: wait and send).",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(StatusCollector(status))
+        self.interceptor = LatencyInterceptor(self.latency)
+        self._http: Any = None
+        self.port = 0
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on ``host:port`` (0: any free port); returns the port."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._http.server_port
+        return self.port
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,64 @@
+"""``paramserver status``: a server's Status as a table (or one JSON line)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from paramserver._proto import paramserver_pb2 as pb
+
+
+def as_json(st: pb.StatusResponse) -> str:
+    """One JSON line with every field (int64 values as numbers)."""
+    d: dict[str, Any] = MessageToDict(
+        st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    for key in ("version", "pushes_applied", "bytes_in", "bytes_out", "max_staleness",
+                "samples", "workers_joined", "workers_expired", "batches_done",
+                "batches_total", "pushes_skipped", "duplicates", "checkpoint_version",
+                "rounds", "pulls_answered"):  # fmt: skip
+        d[key] = int(d[key])
+    for w in d["workers"]:
+        for key in ("clock", "samples", "lag"):
+            w[key] = int(w[key])
+    d["staleness_histogram"] = {int(k): int(v) for k, v in d["staleness_histogram"].items()}
+    return json.dumps(d, sort_keys=True)
+
+
+def render(st: pb.StatusResponse, address: str) -> str:
+    """The status as a header and one row per live worker."""
+    rate = st.samples / st.train_seconds if st.train_seconds > 0 else 0.0
+    progress = (
+        f"  batches {st.batches_done}/{st.batches_total} "
+        f"({100 * st.batches_done / st.batches_total:.1f}%)"
+        if st.batches_total
+        else ""
+    )
+    checkpoint = (
+        f"  checkpoint v{st.checkpoint_version} {st.checkpoint_age_seconds:.0f}s ago"
+        if st.checkpoint_age_seconds >= 0
+        else ""
+    )
+    lines = [
+        f"server {address}  incarnation {st.incarnation}  up {st.uptime_seconds:.0f}s",
+        f"model {st.model}  policy {st.policy}  version {st.version}  "
+        f"workers {len(st.workers)} live (min {st.min_workers}, max {st.world_size}){progress}",
+        f"throughput {rate:.0f} samples/s  pushes {st.pushes_applied}  duplicates "
+        f"{st.duplicates}  skipped {st.pushes_skipped}  loss {st.train_loss:.4f}  "
+        f"lr {st.learning_rate:.3g}  max staleness {st.max_staleness}{checkpoint}",
+        "",
+        f"{'rank':>4}  {'worker':<16}  {'name':<24} {'clock':>8} {'lag':>5} "
+        f"{'last seen':>10} {'samples':>10} {'samples/s':>10}",
+    ]
+    for w in st.workers:
+        lines.append(
+            f"{w.rank:>4}  {w.worker_id:<16}  {w.name[:24]:<24} {w.clock:>8} {w.lag:>5} "
+            f"{w.last_seen_seconds:>9.1f}s {w.samples:>10} {w.samples_per_second:>10.0f}"
+        )
+    if not st.workers:
+        lines.append("  (no live workers)")
+    hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
+    lines.append(f"staleness histogram {{{hist}}}")
+    return "\n".join(lines)
