@@ -8,8 +8,8 @@ from concurrent import futures
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import nn
 
 from paramserver import checkpoint, models, security
