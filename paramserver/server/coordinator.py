@@ -367,7 +367,8 @@ class Coordinator:
             try:
                 while True:
                     if self.queue is not None and self.queue.finished:
-                        return self._answer(iteration, finished=True)
+                        # nothing left to compute: no staleness to speak of
+                        return self._answer(None, finished=True)
                     if self._pull_ready(iteration):
                         if self.queue is None:
                             return self._answer(iteration)

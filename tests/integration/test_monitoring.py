@@ -67,7 +67,7 @@ def test_metrics_follow_a_training_run(serve, tmp_path):
     status = server.status()
     assert one(after, "paramserver_version") == status["version"] == 64
     assert one(after, "paramserver_pushes_applied_total") == 64
-    assert one(after, "paramserver_pulls_total") == status["pulls_answered"] > 64
+    assert one(after, "paramserver_pulls_total") == status["pulls_answered"] >= 64
     assert one(after, "paramserver_received_bytes_total") == status["bytes_in"] > 0
     assert one(after, "paramserver_batches_done") == one(after, "paramserver_batches_total") == 64
     assert one(after, "paramserver_barrier_wait_seconds_total") >= 0
