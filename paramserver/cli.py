@@ -356,11 +356,11 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
 
 
 def _status_stub(server_address: str, timeout: float, kw: dict[str, Any]) -> Any:
-    from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+    from paramserver.stub import Stub
     from paramserver.worker.client import connect
 
     channel = connect(server_address, timeout, security_config(kw))
-    return channel, pb_grpc.ParameterServerStub(channel)
+    return channel, Stub(channel)
 
 
 @cli.command()

@@ -138,10 +138,72 @@ def state_dict(manifest: Manifest, flat: np.ndarray) -> dict[str, torch.Tensor]:
     }
 
 
-def iter_chunks(payload: memoryview, chunk_bytes: int) -> Iterator[bytes]:
-    """Split a payload into chunks of at most ``chunk_bytes``."""
+def iter_chunks(payload: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    """Split a payload into zero-copy views of at most ``chunk_bytes``."""
     for start in range(0, len(payload), chunk_bytes):
-        yield bytes(payload[start : start + chunk_bytes])
+        yield payload[start : start + chunk_bytes]
+
+
+# --- the data chunks' fast path ---------------------------------------------------------
+#
+# A data chunk of PushChunk or PullChunk is field 2 (bytes) of its oneof: on the wire the tag
+# byte 0x12, the length as a varint, then the bytes. Building and parsing protobuf objects for
+# megabytes of payload costs several copies (measured: 108 ms to encode and 69 ms to decode
+# 64 MiB in 1 MiB chunks); writing and reading that framing directly costs one copy each way.
+# The bytes on the wire are exactly the protobuf encoding, so any protobuf peer interoperates.
+
+_DATA_TAG = 0x12
+
+
+class DataChunk:
+    """A data chunk that refers to its bytes instead of copying them (duck-types PushChunk)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: memoryview):
+        self.data = data
+
+    @staticmethod
+    def WhichOneof(_group: str) -> str:  # noqa: N802 - the protobuf message API
+        return "data"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def serialize_chunk(msg: Any) -> bytes:
+    """Wire bytes of a PushChunk, PullChunk or DataChunk (a DataChunk in one copy)."""
+    if isinstance(msg, DataChunk):
+        return b"".join((bytes((_DATA_TAG,)), _varint(len(msg.data)), msg.data))
+    return msg.SerializeToString()
+
+
+def _parser(message: type[pb.PushChunk] | type[pb.PullChunk]) -> Any:
+    def parse(wire: bytes) -> Any:
+        if wire[:1] == b"\x12":
+            length, shift, i = 0, 0, 1
+            while i < len(wire) and i <= 10:
+                byte = wire[i]
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                i += 1
+                if not byte & 0x80:
+                    if i + length == len(wire):
+                        return DataChunk(memoryview(wire)[i:])
+                    break
+        return message.FromString(wire)  # anything else: the general decoder
+
+    return parse
+
+
+parse_push_chunk = _parser(pb.PushChunk)
+parse_pull_chunk = _parser(pb.PullChunk)
 
 
 def as_bytes(array: np.ndarray) -> memoryview:
@@ -167,7 +229,7 @@ class Assembler:
         self._bytes = self.array.view(np.uint8)
         self.received = 0
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes | memoryview) -> None:
         end = self.received + len(data)
         if end > self.total_bytes:
             raise InvalidRequest(
@@ -197,7 +259,7 @@ def _encode(
     header.total_bytes = len(payload)
     yield chunk(header=header)
     for data in iter_chunks(payload, chunk_bytes):
-        yield chunk(data=data)
+        yield DataChunk(data)
 
 
 def _first_header(stream: Iterator[Any], what: str) -> Any:

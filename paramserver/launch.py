@@ -17,11 +17,11 @@ from tqdm import tqdm
 
 from paramserver import checkpoint, codec, data, models
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.config import LaunchConfig, Security, ServerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.procs import Child, stop_all
 from paramserver.rundir import RunDir
+from paramserver.stub import Stub
 from paramserver.worker.client import connect, observe
 from paramserver.worker.trainer import evaluate
 
@@ -75,7 +75,7 @@ class _Cluster:
         # Children inherit PARAMSERVER_TOKEN; the launcher's own calls carry it too.
         token = os.environ.get("PARAMSERVER_TOKEN") or None
         self.channel = connect(address, self.cfg.startup_timeout, Security(token=token))
-        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        self.stub = Stub(self.channel)
         for i in range(self.cfg.server.workers):
             args = [
                 "worker", "--server", address, "--device", self.cfg.device,

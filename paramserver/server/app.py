@@ -12,8 +12,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import nn
 
-from paramserver import checkpoint, models, security
-from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver import checkpoint, models, security, stub
 from paramserver.codec import Manifest, flatten_into
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
@@ -81,7 +80,7 @@ class ServerApp:
                 self.metrics.interceptor,
             ],
         )
-        pb_grpc.add_ParameterServerServicer_to_server(Servicer(self.coordinator), self._grpc)
+        stub.register(Servicer(self.coordinator), self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = health.HealthServicer()
         for service in HEALTH_SERVICES:

@@ -29,7 +29,6 @@ from torch import nn
 
 from paramserver import codec, models, security
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.config import Security
 from paramserver.errors import (
     ConfigError,
@@ -40,6 +39,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.staleness import Policy
+from paramserver.stub import Stub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,7 +137,7 @@ class Worker:
         self.server_timeout = server_timeout
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._channel = connect(address, connect_timeout, security)
-        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._stub = Stub(self._channel)
         self._closed = False
         self._stop = threading.Event()
         self._lost = threading.Event()  # the server restarted or dropped us: join again
@@ -473,7 +473,7 @@ def observe(
     channel: grpc.Channel, total_bytes: int, timeout: float = 60.0
 ) -> tuple[pb.PullHeader, np.ndarray]:
     """The server's current weights without joining the run (for evaluation and checkpoints)."""
-    stub = pb_grpc.ParameterServerStub(channel)
+    stub = Stub(channel)
     try:
         return codec.decode_pull(stub.Pull(pb.PullRequest(), timeout=timeout), None, total_bytes)
     except grpc.RpcError as err:

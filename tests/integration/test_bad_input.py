@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from paramserver import codec
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.stub import Stub
 from tests.conftest import tiny_model
 
 CLEAR = {
@@ -44,7 +44,7 @@ class Target:
     def __init__(self, server):
         self.server = server
         self.channel = grpc.insecure_channel(server.address)
-        self.stub = pb_grpc.ParameterServerStub(self.channel)
+        self.stub = Stub(self.channel)
         reply = self.stub.Join(pb.JoinRequest(name="prober"), timeout=10)
         self.worker_id, self.incarnation = reply.worker_id, reply.incarnation
         self.nbytes = reply.manifest.total_bytes

@@ -244,7 +244,7 @@ def test_push_round_trip() -> None:
     assert msgs[0].WhichOneof("kind") == "header"
     assert [len(m.data) for m in msgs[1:]] == [8, 8, 8, 8, 8, 4]
     # Through the wire format, as gRPC would carry it.
-    stream = iter([pb.PushChunk.FromString(m.SerializeToString()) for m in msgs])
+    stream = iter([codec.parse_push_chunk(codec.serialize_chunk(m)) for m in msgs])
     got = codec.decode_push_header(stream)
     assert got.worker_id == "w1"
     assert got.iteration == 7
@@ -286,7 +286,7 @@ def test_pull_round_trip() -> None:
     header = pb.PullHeader(version=12, staleness=1)
     msgs = list(codec.encode_pull(header, codec.as_bytes(weights), chunk_bytes=12))
     assert [len(m.data) for m in msgs[1:]] == [12, 12, 4]
-    stream = iter([pb.PullChunk.FromString(m.SerializeToString()) for m in msgs])
+    stream = iter([codec.parse_pull_chunk(codec.serialize_chunk(m)) for m in msgs])
     out = np.empty(7, np.float32)
     got_header, got = codec.decode_pull(stream, out, weights.nbytes)
     assert got is out
@@ -314,3 +314,24 @@ def test_pull_wrong_total_bytes_raises() -> None:
 def test_pull_stream_starting_with_data_raises() -> None:
     with pytest.raises(InvalidRequest):
         codec.decode_pull(iter([pb.PullChunk(data=b"\0" * 4)]), None, 4)
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20, (1 << 20) + 3])
+def test_data_chunk_framing_is_the_protobuf_encoding(size: int) -> None:
+    data = bytes(i % 251 for i in range(size))
+    wire = codec.serialize_chunk(codec.DataChunk(memoryview(data)))
+    assert wire == pb.PushChunk(data=data).SerializeToString()
+    assert pb.PullChunk.FromString(wire).data == data
+    parsed = codec.parse_push_chunk(wire)
+    assert isinstance(parsed, codec.DataChunk) and bytes(parsed.data) == data
+
+
+def test_parse_leaves_anything_but_a_bare_data_chunk_to_protobuf() -> None:
+    header = pb.PushChunk(header=pb.PushHeader(worker_id="w", iteration=3))
+    parsed = codec.parse_push_chunk(header.SerializeToString())
+    assert parsed.WhichOneof("kind") == "header" and parsed.header.iteration == 3
+    # a data chunk followed by another field is still read by protobuf, correctly
+    wire = (
+        pb.PushChunk(data=b"ab").SerializeToString() + pb.PushChunk(data=b"cd").SerializeToString()
+    )
+    assert codec.parse_push_chunk(wire).data == b"cd"

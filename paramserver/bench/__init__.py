@@ -1,0 +1,1 @@
+"""``paramserver bench NAME``: measurements that print ratios taken side by side in one run."""
