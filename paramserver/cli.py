@@ -458,6 +458,33 @@ def plot(run_dir: str, out: str | None) -> None:
     click.echo(str(path))
 
 
+BENCHMARKS = ("transport", "step", "straggler", "scaling")
+
+
+@cli.command()
+@click.argument("name", type=click.Choice(BENCHMARKS))
+@opt(
+    "--json", "as_json", env="JSON", is_flag=True, help="Print one JSON line of figures and ratios."
+)
+@opt("--quick", env="BENCH_QUICK", is_flag=True, help="A few seconds' version (CI runs it).")
+def bench(name: str, as_json: bool, quick: bool) -> None:
+    """Measure NAME against its baseline, side by side in one run; see docs/BENCHMARKS.md.
+
+    transport: push and pull of a 64 MiB model against raw TCP and memcpy.
+    step: one worker's step against a local training step (batch 64 and 256).
+    straggler: 2 workers, one 3x slower, under async and delay-1, against PyTorch DDP.
+    scaling: samples/s of 1, 2 and 4 workers under each policy, against one local process.
+    """
+    import importlib
+
+    from paramserver.bench.common import report
+
+    module = importlib.import_module(f"paramserver.bench.{name}")
+    rows, figures = module.run(quick)
+    figures["quick"] = quick
+    report(name, rows, figures, as_json)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: errors become one line on stderr and a non-zero exit."""
     from paramserver.procs import die_with_parent_if_asked

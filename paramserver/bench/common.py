@@ -13,7 +13,10 @@ from typing import Any
 
 import click
 
-from paramserver.procs import Child
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.procs import Child, stop_all
+from paramserver.stub import Stub
+from paramserver.worker.client import connect
 
 READY_MARKER = "paramserver server listening on"
 
@@ -45,6 +48,44 @@ def server_process(*args: str, timeout: float = 120.0) -> Iterator[str]:
             yield line.rsplit(" ", 1)[-1]
         finally:
             child.stop()
+
+
+def cluster_rate(
+    policy: str, delays: list[float], batch: int, warmup: float, window: float, logs: Path
+) -> tuple[float, list[float]]:
+    """Samples/s of a server and one worker process per entry of ``delays`` (its injected
+    per-step sleep), measured from the server's counters over ``window`` seconds once all
+    have started: the total, and each worker's."""
+    args = ("--model", "mlp", "--optimizer", "adam", "--policy", policy,
+            "--workers", str(len(delays)), "--dataset", "synthetic", "--batch-size", str(batch),
+            "--epochs", "100000", "--lease-timeout", "30")  # fmt: skip
+    with server_process(*args) as address:
+        children = [
+            Child(f"worker-{i}",
+                  ["worker", "--server", address, "--device", "cpu", "--threads", "1",
+                   "--name", f"w{i}", "--step-delay", repr(delay)],
+                  logs / f"{policy}-{len(delays)}-worker-{i}.log")
+            for i, delay in enumerate(delays)
+        ]  # fmt: skip
+        channel = connect(address, 60)
+        stub = Stub(channel)
+        try:
+            deadline = time.monotonic() + 120
+            while stub.Status(pb.StatusRequest(), timeout=30).samples == 0:
+                if time.monotonic() > deadline or any(c.poll() is not None for c in children):
+                    raise RuntimeError(f"the {policy} run did not start: {children[0].tail()}")
+                time.sleep(0.1)
+            time.sleep(warmup)
+            t1, s1 = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
+            time.sleep(window)
+            t2, s2 = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
+        finally:
+            channel.close()
+            stop_all(children)
+    before = {w.name: w.samples for w in s1.workers}
+    after = sorted(s2.workers, key=lambda w: w.name)
+    per_worker = [(w.samples - before.get(w.name, 0)) / (t2 - t1) for w in after]
+    return (s2.samples - s1.samples) / (t2 - t1), per_worker
 
 
 def report(name: str, rows: list[tuple[str, str]], figures: dict[str, Any], as_json: bool) -> None:

@@ -1,0 +1,71 @@
+"""Plots of the benchmark JSON lines: ``python -m paramserver.bench.figures docs/bench``.
+
+Reads scaling.json and straggler.json (each the ``--json`` line of its benchmark) from the
+folder and writes scaling.png and straggler.png next to them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def scaling(figures: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    counts = figures["workers"]
+    for policy in ("sync", "delay1", "async"):
+        ax.plot(counts, figures[f"{policy}_samples_per_s"], "o-", label=policy.replace("1", "-1"))
+    ax.axhline(
+        figures["local_samples_per_s"], color="grey", linestyle="--", label="one local process"
+    )
+    ax.set_xticks(counts)
+    ax.set_xlabel("worker processes")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("paramserver bench scaling (mlp, batch 64, 2-core CPU)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def straggler(figures: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = ["DDP (gloo)", "paramserver async", "paramserver delay-1"]
+    fast = [
+        figures["ddp_samples_per_s"] / 2,
+        *(figures[f"{k}_per_worker"][0] for k in ("async", "delay1")),
+    ]
+    slow = [
+        figures["ddp_samples_per_s"] / 2,
+        *(figures[f"{k}_per_worker"][-1] for k in ("async", "delay1")),
+    ]
+    ax.bar(names, fast, label="fast worker")
+    ax.bar(names, slow, bottom=fast, label="slow worker (3x)")
+    ax.set_ylabel("samples/s")
+    ax.set_title("paramserver bench straggler (2 workers, one 3x slower)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(folder: str) -> None:
+    root = Path(folder)
+    for name, draw in (("scaling", scaling), ("straggler", straggler)):
+        src = root / f"{name}.json"
+        if src.exists():
+            draw(json.loads(src.read_text().strip().splitlines()[-1]), root / f"{name}.png")
+            print(root / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/bench")

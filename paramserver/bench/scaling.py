@@ -1,0 +1,36 @@
+"""Samples/s of 1, 2 and 4 workers under each policy, against one local process."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver.bench.common import cluster_rate
+from paramserver.bench.step import local_step_seconds
+
+BATCH = 64
+POLICIES = ("sync", "delay-1", "async")
+
+
+def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    torch.set_num_threads(1)
+    local = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
+    counts = (1, 2) if quick else (1, 2, 4)
+    warmup, window = (0.5, 1.0) if quick else (2.0, 8.0)
+    figures: dict[str, Any] = {"batch": BATCH, "local_samples_per_s": local, "workers": list(counts),
+                               "window_s": window}  # fmt: skip
+    rows = [("one local process", f"{local:.0f} samples/s (mlp, batch {BATCH}, Adam, 1 thread)")]
+    with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
+        for policy in POLICIES:
+            rates = [
+                cluster_rate(policy, [0.0] * n, BATCH, warmup, window, Path(tmp))[0] for n in counts
+            ]
+            key = policy.replace("-", "")
+            figures[f"{key}_samples_per_s"] = rates
+            figures[f"{key}_vs_local"] = [r / local for r in rates]
+            rows.append((policy, "  ".join(f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
+                                           for n, r in zip(counts, rates, strict=True))))  # fmt: skip
+    return rows, figures

@@ -1,0 +1,42 @@
+"""Every benchmark runs in --quick mode and reports its figures, so none can rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import paramserver_cmd
+
+KEYS = {
+    "transport": ["push_gbps", "pull_gbps", "tcp_gbps", "memcpy_gbps", "push_vs_tcp"],
+    "step": ["step_vs_local", "local_ms_64", "worker_ms_256"],
+    "straggler": ["ps_vs_ddp", "ddp_samples_per_s", "async_samples_per_s", "delay1_samples_per_s"],
+    "scaling": ["local_samples_per_s", "sync_samples_per_s", "async_vs_local"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_bench_quick_json(name):
+    out = subprocess.run(
+        paramserver_cmd("bench", name, "--quick", "--json"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == name and figures["quick"] is True
+    for key in KEYS[name]:
+        value = figures[key]
+        values = (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if isinstance(value, list)
+            else [value]
+        )
+        assert all(v > 0 for v in values), (key, value)
+    if name == "step":
+        assert set(figures["step_vs_local"]) == {"64", "256"}
+    if name == "straggler":
+        assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
