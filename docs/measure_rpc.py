@@ -3,45 +3,38 @@
 Run: .venv/bin/python docs/measure_rpc.py adam   (or sgd)
 """
 
-import time, torch, numpy as np
-
-torch.set_num_threads(1)
-from paramserver import models, codec
-from paramserver._proto import paramserver_pb2 as pb
-from paramserver.bench.common import server_process, median_seconds
-from paramserver.worker.client import Worker
 import sys
 
-with server_process(
-    "--model",
-    "mlp",
-    "--optimizer",
-    sys.argv[1],
-    "--policy",
-    "async",
-    "--workers",
-    "1",
-    "--lease-timeout",
-    "600",
-) as addr:
-    model = models.build("mlp", seed=0)
-    with Worker(addr, model) as w:
-        g = codec.as_bytes(np.full(w.manifest.numel, 1e-3, np.float32))
+import numpy as np
+import torch
 
-        def push():
+from paramserver import codec, models
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.bench.common import median_seconds, server_process
+from paramserver.worker.client import Worker
+
+
+def main(optimizer: str) -> None:
+    torch.set_num_threads(1)
+    args = ("--model", "mlp", "--optimizer", optimizer, "--policy", "async", "--workers", "1",
+            "--lease-timeout", "600")  # fmt: skip
+    with server_process(*args) as addr, Worker(addr, models.build("mlp", seed=0)) as w:
+        grad = codec.as_bytes(np.full(w.manifest.numel, 1e-3, np.float32))
+
+        def push() -> None:
             h = pb.PushHeader(
                 worker_id=w.worker_id, iteration=w.clock, samples=1, incarnation=w.incarnation
             )
-            w._stub.Push(codec.encode_push(h, g, w.chunk_bytes), timeout=60)
+            w._stub.Push(codec.encode_push(h, grad, w.chunk_bytes), timeout=60)
             w.clock += 1
 
-        print(sys.argv[1], "raw push", 1000 * median_seconds(push, 200))
-        print("raw status", 1000 * median_seconds(lambda: w._stub.Status(pb.StatusRequest()), 200))
-        print(
-            "raw heartbeat",
-            1000
-            * median_seconds(
-                lambda: w._stub.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id)), 200
-            ),
-        )
-        print("pull", 1000 * median_seconds(w.pull, 200))
+        def heartbeat() -> None:
+            w._stub.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id))
+
+        for name, call in (("push of the gradient", push), ("unary RPC (Heartbeat)", heartbeat),
+                           ("pull (Worker.pull)", w.pull)):  # fmt: skip
+            print(f"{optimizer}: {name}: {1000 * median_seconds(call, 200):.2f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "adam")
