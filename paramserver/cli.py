@@ -355,6 +355,13 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
         )
 
 
+# The server that `status` and `health` ask.
+QUERY_SERVER_OPTION = opt(
+    "--server", "server_address", env="SERVER", default="127.0.0.1:50051",
+    help="The server's HOST:PORT.",
+)  # fmt: skip
+
+
 def _status_stub(server_address: str, timeout: float, kw: dict[str, Any]) -> Any:
     from paramserver.stub import Stub
     from paramserver.worker.client import connect
@@ -364,13 +371,7 @@ def _status_stub(server_address: str, timeout: float, kw: dict[str, Any]) -> Any
 
 
 @cli.command()
-@opt(
-    "--server",
-    "server_address",
-    env="SERVER",
-    default="127.0.0.1:50051",
-    help="The server's HOST:PORT.",
-)
+@QUERY_SERVER_OPTION
 @opt("--json", "as_json", env="JSON", is_flag=True, help="Print the status as one JSON line.")
 @opt(
     "--watch",
@@ -415,13 +416,7 @@ def status(
 
 
 @cli.command()
-@opt(
-    "--server",
-    "server_address",
-    env="SERVER",
-    default="127.0.0.1:50051",
-    help="The server's HOST:PORT.",
-)
+@QUERY_SERVER_OPTION
 @opt("--timeout", env="TIMEOUT", type=float, default=5.0, help="Seconds to wait for an answer.")
 @apply(SECURITY_OPTIONS)
 def health(server_address: str, timeout: float, **kw: Any) -> None:
