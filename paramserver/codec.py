@@ -299,10 +299,10 @@ def decode_payload(
     return assembler.finish()
 
 
-def expect_end(stream: Iterable[pb.PushChunk]) -> None:
-    """An empty push is its header alone."""
+def expect_end(stream: Iterable[Any], what: str = "An empty push") -> None:
+    """A stream that is its header alone (an empty push; a payload in shared memory)."""
     for _ in stream:
-        raise InvalidRequest("An empty push carries no data chunks.")
+        raise InvalidRequest(f"{what} carries no data chunks.")
 
 
 def decode_pull(
@@ -310,6 +310,11 @@ def decode_pull(
 ) -> tuple[pb.PullHeader, np.ndarray]:
     """Read a pull stream into ``out`` (or a new buffer); returns its header and the weights."""
     header: pb.PullHeader = _first_header(stream, "pull")
+    if header.shm:  # the weights are already in the worker's shared segment (``out``)
+        expect_end(stream, "A pull answered through shared memory")
+        if out is None:
+            raise InvalidRequest("The server answered through shared memory to an observer.")
+        return header, out
     if header.total_bytes != total_bytes:
         raise InvalidRequest(
             f"The server sent {header.total_bytes} bytes of weights; the manifest has "

@@ -214,6 +214,7 @@ class WorkerConfig:
     step_delay: float = 0.0
     name: str | None = None
     overlap: str = "auto"
+    shm: str = "on"
     server_timeout: float = 300.0
     security: Security = field(default_factory=Security)
 
@@ -234,6 +235,7 @@ class WorkerConfig:
             raise ConfigError(f"--max-steps must be at least 1; got {self.max_steps}.")
         _non_negative("--step-delay", self.step_delay)
         _check_overlap(self.overlap)
+        _check_shm(self.shm)
         _positive("--server-timeout", self.server_timeout)
 
     @property
@@ -247,6 +249,11 @@ def _check_compute(device: str, threads: int) -> None:
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
     if threads < 1:
         raise ConfigError(f"--threads must be at least 1; got {threads}.")
+
+
+def _check_shm(value: str) -> None:
+    if value not in ("on", "off"):
+        raise ConfigError(f"--shm must be on or off; got {value!r}.")
 
 
 def _check_overlap(value: str) -> None:
@@ -268,9 +275,11 @@ class LaunchConfig:
     startup_timeout: float = 120.0
     progress: bool = True
     overlap: str = "auto"
+    shm: str = "on"
 
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
         _non_negative("--step-delay", self.step_delay)
         _positive("--startup-timeout", self.startup_timeout)
         _check_overlap(self.overlap)
+        _check_shm(self.shm)

@@ -81,6 +81,7 @@ class _Cluster:
                 "worker", "--server", address, "--device", self.cfg.device,
                 "--threads", str(self.cfg.threads), "--name", f"worker-{i}",
                 "--step-delay", repr(self.cfg.step_delay), "--overlap", self.cfg.overlap,
+                "--shm", self.cfg.shm,
             ]  # fmt: skip
             if self.cfg.data_dir:
                 args += ["--data-dir", self.cfg.data_dir]
@@ -235,6 +236,7 @@ def _record_epoch(
         "max_staleness": st.max_staleness,
         "live_workers": len(st.workers),
         "wall_s": time.perf_counter() - t0,
+        "train_s": st.train_seconds,  # first applied push to the last one before this line
     }
     run.append_metrics(record)
     message = f"epoch {epoch}: test accuracy {100 * acc:.2f}%, test loss {loss:.4f}, version {header.version}"

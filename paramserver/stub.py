@@ -48,6 +48,11 @@ def register(servicer: pb_grpc.ParameterServerServicer, server: grpc.Server) -> 
             request_deserializer=codec.parse_push_chunk,
             response_serializer=pb.PushResponse.SerializeToString,
         ),
+        "PushPull": grpc.unary_unary_rpc_method_handler(
+            servicer.PushPull,
+            request_deserializer=pb.PushPullRequest.FromString,
+            response_serializer=pb.PushPullResponse.SerializeToString,
+        ),
         "Heartbeat": grpc.unary_unary_rpc_method_handler(
             servicer.Heartbeat,
             request_deserializer=pb.HeartbeatRequest.FromString,

@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_paramserver__pb2.PushChunk.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/PushPull',
+                request_serializer=paramserver_dot_v1_dot_paramserver__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/paramserver.v1.ParameterServer/Heartbeat',
                 request_serializer=paramserver_dot_v1_dot_paramserver__pb2.HeartbeatRequest.SerializeToString,
@@ -86,6 +91,15 @@ class ParameterServerServicer:
 
     def Push(self, request_iterator, context):
         """Gradients of one iteration: one PushHeader message, then the flat buffer in data chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request, context):
+        """Push, then Pull if asked, in one round trip, for a worker whose shared-memory segment
+        the server mapped (JoinResponse.shm): the payloads stay in the segment, so no stream
+        is needed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +143,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.PushChunk.FromString,
                     response_serializer=paramserver_dot_v1_dot_paramserver__pb2.PushResponse.SerializeToString,
+            ),
+            'PushPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.PushPullRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_paramserver__pb2.PushPullResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -227,6 +246,33 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Push',
             paramserver_dot_v1_dot_paramserver__pb2.PushChunk.SerializeToString,
             paramserver_dot_v1_dot_paramserver__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/PushPull',
+            paramserver_dot_v1_dot_paramserver__pb2.PushPullRequest.SerializeToString,
+            paramserver_dot_v1_dot_paramserver__pb2.PushPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

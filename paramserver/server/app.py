@@ -20,6 +20,7 @@ from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.metrics import Metrics
 from paramserver.server.servicer import Servicer
+from paramserver.shm import Attachments
 from paramserver.store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class ServerApp:
                 self.metrics.interceptor,
             ],
         )
-        stub.register(Servicer(self.coordinator), self._grpc)
+        self.shared = Attachments(manifest.total_bytes)
+        stub.register(Servicer(self.coordinator, self.shared), self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = health.HealthServicer()
         for service in HEALTH_SERVICES:
@@ -159,7 +161,8 @@ class ServerApp:
     def _reap(self) -> None:
         interval = max(self.config.lease_seconds / 4, 0.05)
         while not self._stopped.wait(interval):
-            self.coordinator.expire_leases()
+            for member in self.coordinator.expire_leases():
+                self.shared.detach(member.worker_id)
 
     def status(self) -> dict:
         """The same figures as the Status RPC, as a dict."""
@@ -184,6 +187,7 @@ class ServerApp:
         done.wait()
         if self.checkpointer is not None:
             self.checkpointer.stop()
+        self.shared.close()
         self.metrics.stop()
         log.info("server on %s stopped at version %d", self.address, self.coordinator.store.version)
 

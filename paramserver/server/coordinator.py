@@ -209,8 +209,10 @@ class Coordinator:
         empty: bool = False,
         dtype: str = "",
         shard: int = 0,
+        shm: bool = False,
     ) -> None:
-        """Validate a push header before its payload is read."""
+        """Validate a push header before its payload is read (``shm``: the payload is in the
+        worker's shared segment, so no bytes follow the header)."""
         if dtype not in ("", "float32"):
             raise InvalidRequest(f"Unknown payload dtype {dtype!r}: this server takes float32.")
         if shard != self.config.shard:
@@ -219,12 +221,18 @@ class Coordinator:
             )
         with self._cond:
             self.membership.get(worker_id)
-        expected = 0 if empty else self.manifest.total_bytes
+        expected = 0 if empty or shm else self.manifest.total_bytes
         if total_bytes != expected:
             raise InvalidRequest(
                 f"A push of {total_bytes} bytes does not match the model's "
                 f"{self.manifest.total_bytes} bytes"
-                + (" (an empty push carries none)." if empty else ".")
+                + (
+                    " (an empty push carries none)."
+                    if empty
+                    else " (a push through shared memory streams none)."
+                    if shm
+                    else "."
+                )
             )
         if iteration < 0:
             raise InvalidRequest(f"Iteration {iteration} is negative.")

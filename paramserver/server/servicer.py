@@ -12,8 +12,9 @@ import grpc
 from paramserver import codec
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
-from paramserver.errors import ParamServerError, to_status
+from paramserver.errors import InvalidRequest, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
+from paramserver.shm import Attachments
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,15 +50,20 @@ def _guard_stream(stream: Iterator[Any], context: grpc.ServicerContext) -> Itera
 
 
 class Servicer(pb_grpc.ParameterServerServicer):
-    """Maps the six RPCs of the wire contract onto a Coordinator."""
+    """Maps the six RPCs of the wire contract onto a Coordinator (payloads of workers on
+    this host through their shared-memory segments, the others' through the codec)."""
 
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, shared: Attachments):
         self.c = coordinator
+        self.shared = shared
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         member = self.c.join(
             request.name or context.peer(), request.worker_id, request.train_samples
+        )
+        shm = self.shared.attach(
+            member.worker_id, request.shm_name, request.shm_nonce, request.shm_slots
         )
         cfg = self.c.config
         return pb.JoinResponse(
@@ -77,12 +83,12 @@ class Servicer(pb_grpc.ParameterServerServicer):
             lease_seconds=cfg.lease_seconds,
             chunk_bytes=cfg.chunk_bytes,
             incarnation=self.c.incarnation,
+            shm=shm,
         )
 
-    @_rpc
-    def Pull(
+    def _pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.PullChunk]:
+    ) -> tuple[pb.PullHeader, memoryview]:
         context.add_callback(self.c.notify)
         remaining = context.time_remaining()
         timeout = self.c.config.barrier_timeout
@@ -96,13 +102,13 @@ class Servicer(pb_grpc.ParameterServerServicer):
             batch=result.batch,
             finished=result.finished,
         )
-        return codec.encode_pull(header, codec.as_bytes(result.weights), self.c.config.chunk_bytes)
+        if request.shm:
+            self.shared.write_weights(request.worker_id, result.weights)
+            header.shm = True
+            return header, memoryview(b"")
+        return header, codec.as_bytes(result.weights)
 
-    @_rpc
-    def Push(
-        self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
-    ) -> pb.PushResponse:
-        header = codec.decode_push_header(request_iterator)
+    def _push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
         self.c.check_incarnation(header.incarnation)
         self.c.check_push(
             header.worker_id,
@@ -111,16 +117,47 @@ class Servicer(pb_grpc.ParameterServerServicer):
             header.empty,
             header.dtype,
             header.shard,
+            header.shm,
         )
         grad = None
-        if not header.empty:
-            grad = codec.decode_payload(request_iterator, codec.Assembler(header.total_bytes))
+        if header.shm:
+            codec.expect_end(rest, "A push through shared memory")
+            if not header.empty:
+                grad = self.shared.gradient(header.worker_id, header.shm_slot)
+        elif not header.empty:
+            grad = codec.decode_payload(rest, codec.Assembler(header.total_bytes))
         else:
-            codec.expect_end(request_iterator)
+            codec.expect_end(rest)
         result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
         )
+
+    @_rpc
+    def Pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullChunk]:
+        header, payload = self._pull(request, context)
+        return codec.encode_pull(header, payload, self.c.config.chunk_bytes)
+
+    @_rpc
+    def Push(
+        self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
+    ) -> pb.PushResponse:
+        return self._push(codec.decode_push_header(request_iterator), request_iterator)
+
+    @_rpc
+    def PushPull(
+        self, request: pb.PushPullRequest, context: grpc.ServicerContext
+    ) -> pb.PushPullResponse:
+        asks_pull = request.HasField("pull")
+        if not request.push.shm or (asks_pull and not request.pull.shm):
+            raise InvalidRequest("PushPull carries its payloads in shared memory only.")
+        push = self._push(request.push, iter(()))
+        if not asks_pull:
+            return pb.PushPullResponse(push=push)
+        pull, _ = self._pull(request.pull, context)
+        return pb.PushPullResponse(push=push, pull=pull)
 
     @_rpc
     def Heartbeat(
@@ -132,6 +169,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         self.c.leave(request.worker_id)
+        self.shared.detach(request.worker_id)
         return pb.LeaveResponse()
 
     @_rpc

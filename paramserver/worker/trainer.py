@@ -98,6 +98,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         barrier_timeout=cfg.barrier_timeout,
         connect_timeout=cfg.rpc_timeout,
         overlap=cfg.overlap_flag,
+        shm=cfg.shm == "on",
         server_timeout=cfg.server_timeout,
         security=cfg.security,
         train_samples=load,

@@ -14,6 +14,7 @@ from torch import nn
 
 import paramserver as ps
 from paramserver import data
+from paramserver import shm as shm_module
 from paramserver.worker import client
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 
@@ -28,16 +29,16 @@ class _Lost(grpc.RpcError):
         return "reply dropped by the test"
 
 
-class DropPushReplies(grpc.StreamUnaryClientInterceptor):
-    """Lets every ``every``-th push reach the server and be answered, then loses the reply."""
+class DropPushReplies(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientInterceptor):
+    """Lets every ``every``-th push (a streamed Push, or a PushPull when the payloads are in
+    shared memory) reach the server and be answered, then loses the reply."""
 
     def __init__(self, every: int):
         self.every = every
         self.pushes = 0
         self.dropped = 0
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
-        outcome = continuation(details, request_iterator)
+    def _maybe_drop(self, outcome):  # type: ignore[no-untyped-def]
         self.pushes += 1
         if self.pushes % self.every == 1:
             outcome.result()  # the server has applied it ...
@@ -45,10 +46,20 @@ class DropPushReplies(grpc.StreamUnaryClientInterceptor):
             raise _Lost()  # ... but the worker never hears back
         return outcome
 
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return self._maybe_drop(continuation(details, request_iterator))
 
-def _train(address: str, model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        outcome = continuation(details, request)
+        if not details.method.endswith("/PushPull"):
+            return outcome
+        return self._maybe_drop(outcome)
+
+
+def _train(address: str, model: nn.Module, steps: int, shm: bool) -> dict[str, torch.Tensor]:
     ds = data.synthetic(train=256, test=16)
-    with ps.Worker(address, model) as w:
+    with ps.Worker(address, model, shm=shm) as w:
+        assert w.shm_active is (shm and shm_module.available())
         for step in range(steps):
             idx = data.batch_indices(len(ds.train_x), 0, 16, step)
             F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
@@ -56,12 +67,13 @@ def _train(address: str, model: nn.Module, steps: int) -> dict[str, torch.Tensor
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["streamed", "shared-memory"])
 @pytest.mark.parametrize("policy", ["sync", "delay-1"])
-def test_a_push_whose_reply_is_lost_is_applied_once(serve, monkeypatch, policy):
+def test_a_push_whose_reply_is_lost_is_applied_once(serve, monkeypatch, policy, shm):
     steps = 20
     start = tiny_model()
     clean = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
-    expected = _train(clean.address, replica(start), steps)
+    expected = _train(clean.address, replica(start), steps, shm)
 
     dropper = DropPushReplies(every=3)
     real_connect = client.connect
@@ -69,7 +81,7 @@ def test_a_push_whose_reply_is_lost_is_applied_once(serve, monkeypatch, policy):
         client, "connect", lambda *a: grpc.intercept_channel(real_connect(*a), dropper)
     )
     lossy = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
-    got = _train(lossy.address, replica(start), steps)
+    got = _train(lossy.address, replica(start), steps, shm)
 
     status = lossy.status()
     # sends 1, 4, 7, ... are dropped: iterations 0, 2, 4, ... each go twice

@@ -14,6 +14,7 @@ from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker, WrongIncarnation
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
+from paramserver.shm import Attachments
 from paramserver.store import ParameterStore
 from tests.conftest import FakeClock
 
@@ -364,7 +365,7 @@ def test_status_has_every_field_of_the_wire_message(clock: FakeClock) -> None:
     assert s["incarnation"] == c.incarnation
 
     # The servicer turns it into the wire message without a server or a socket.
-    msg = Servicer(c).Status(pb.StatusRequest(), None)
+    msg = Servicer(c, Attachments(c.manifest.total_bytes)).Status(pb.StatusRequest(), None)
     assert isinstance(msg, pb.StatusResponse)
     assert msg.version == 2
     assert [w.worker_id for w in msg.workers] == [a.worker_id, b.worker_id]
@@ -378,7 +379,7 @@ def test_status_before_any_push(clock: FakeClock) -> None:
     assert math.isnan(s["train_loss"])
     assert s["workers"] == []
     # NaN loss and an empty membership still make a valid wire message.
-    msg = Servicer(c).Status(pb.StatusRequest(), None)
+    msg = Servicer(c, Attachments(c.manifest.total_bytes)).Status(pb.StatusRequest(), None)
     assert math.isnan(msg.train_loss)
     assert msg.world_size == 1
 

@@ -1,0 +1,138 @@
+"""The same-host shared-memory path: when it is taken, that it computes exactly what the gRPC
+streams compute, what the server refuses, and that prefetching keeps the staleness bound."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver import data, shm
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.stub import Stub
+from paramserver.worker.client import connect
+from tests.conftest import replica, tiny_model
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm here")
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("paramserver-")}
+
+
+def _train(server: ps.ServerApp, model: torch.nn.Module, steps: int, **worker_kw) -> ps.Worker:
+    ds = data.synthetic(train=steps * 32, test=32)
+    worker = ps.Worker(server.address, model, **worker_kw)
+    for i in range(steps):
+        x, y = ds.train_x[i * 32 : (i + 1) * 32], ds.train_y[i * 32 : (i + 1) * 32]
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        worker.step(samples=len(x), loss=loss.item())
+    return worker
+
+
+@pytest.mark.parametrize("policy", ["sync", "delay-1", "async"])
+def test_shared_memory_gives_the_same_weights_as_streaming(serve, policy):
+    results = {}
+    for use_shm in (True, False):
+        model = tiny_model()
+        server = serve(replica(model), optimizer="adam", policy=policy, workers=1)
+        before = _segments()
+        worker = _train(server, model, 12, shm=use_shm)
+        try:
+            assert worker.shm_active is use_shm
+            assert _segments() == before  # the name is gone once the server mapped it
+            assert server.status()["version"] == 12
+            results[use_shm] = server.coordinator.store.weights.copy()
+        finally:
+            worker.close()
+    np.testing.assert_array_equal(results[True], results[False])
+
+
+def test_prefetching_trains_within_the_bound_and_applies_every_push(serve):
+    model = tiny_model()
+    server = serve(replica(model), optimizer="adam", lr=3e-3, policy="delay-1", workers=1)
+    worker = _train(server, model, 40, overlap=True)
+    try:
+        assert worker.prefetching
+        worker.flush()
+        status = server.status()
+        assert status["pushes_applied"] == 40 == worker.clock
+        assert status["max_staleness"] <= 1
+        # prefetching means computing on weights without the own last push: staleness 1 seen
+        assert status["staleness_histogram"].get(1, 0) > 0
+    finally:
+        worker.close()
+    assert server.status()["workers"] == []
+
+
+def test_a_worker_streams_when_the_server_cannot_open_its_segment(serve, monkeypatch):
+    server = serve("mlp", workers=1)
+    # The server looks for the segment under another folder: as if on another host.
+    monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent-shm")
+    monkeypatch.setattr(shm, "available", lambda: True)
+    monkeypatch.setattr(shm.Segment, "path", property(lambda s: os.path.join("/dev/shm", s.name)))
+    before = _segments()
+    with ps.Worker(server.address) as worker:
+        assert not worker.shm_active
+        assert _segments() == before  # the declined segment is gone too
+        for p in worker.model.parameters():
+            p.grad = torch.ones_like(p)
+        worker.step(samples=1)
+        assert server.status()["version"] == 1
+
+
+def test_the_server_refuses_a_segment_that_is_not_the_workers(tmp_path):
+    seg = shm.Segment(1024, 2)
+    try:
+        att = shm.Attachments(1024)
+        assert not att.attach("w1", seg.name, b"x" * shm.NONCE_BYTES, 2)  # another nonce
+        assert not att.attach("w1", seg.name, seg.nonce, 1)  # another size
+        assert not att.attach("w1", "../etc/passwd", seg.nonce, 2)  # not a segment name
+        assert not att.attach("w1", "paramserver-missing", seg.nonce, 2)
+        assert not att.has("w1")
+        assert att.attach("w1", seg.name, seg.nonce, 2)
+        seg.slots[1][:] = 7.0
+        assert float(att.gradient("w1", 1)[0]) == 7.0
+        att.write_weights("w1", np.full(256, 3.0, np.float32))
+        assert float(seg.weights[255]) == 3.0
+        with pytest.raises(ps.ParamServerError, match="slot 2"):
+            att.gradient("w1", 2)
+        att.detach("w1")
+        with pytest.raises(ps.ParamServerError, match="no segment"):
+            att.gradient("w1", 0)
+        att.close()
+    finally:
+        seg.close()
+    assert not os.path.exists(seg.path)
+
+
+def test_shared_memory_requests_without_a_segment_are_refused(serve):
+    server = serve("mlp", workers=2, min_workers=1)
+    with ps.Worker(server.address, shm=False) as worker:
+        channel = connect(server.address, 10)
+        stub = Stub(channel)
+        try:
+            header = pb.PushHeader(
+                worker_id=worker.worker_id, iteration=worker.clock, shm=True, shm_slot=0,
+                incarnation=worker.incarnation,
+            )  # fmt: skip
+            for request in (
+                pb.PushPullRequest(push=header),
+                pb.PushPullRequest(push=pb.PushHeader(worker_id=worker.worker_id)),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.PushPull(request, timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            pull = pb.PullRequest(worker_id=worker.worker_id, iteration=worker.clock, shm=True)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Pull(pull, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert server.status()["version"] == 0
+        finally:
+            channel.close()
