@@ -1,7 +1,7 @@
 """Plots of the benchmark JSON lines: ``python -m paramserver.bench.figures docs/bench``.
 
-Reads scaling.json and straggler.json (each the ``--json`` line of its benchmark) from the
-folder and writes scaling.png and straggler.png next to them.
+Reads scaling.json, straggler.json and accuracy.json (each the ``--json`` line of its
+benchmark) from the folder and writes a PNG of the same name next to each.
 """
 
 from __future__ import annotations
@@ -58,9 +58,28 @@ def straggler(figures: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def accuracy(figures: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = {"local": "one local process", "ddp": "DDP, 2 processes", "sync": "paramserver sync",
+             "delay-1": "paramserver delay-1", "async": "paramserver async"}  # fmt: skip
+    for key, label in names.items():
+        curve = figures["curves"].get(key)
+        if curve:
+            ax.plot([s for s, _ in curve], [100 * a for _, a in curve], "o-", label=label)
+    ax.axhline(100 * figures["target_accuracy"], color="grey", linestyle="--", label="target")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"paramserver bench accuracy ({figures['dataset']}, mlp, 2-core CPU)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main(folder: str) -> None:
     root = Path(folder)
-    for name, draw in (("scaling", scaling), ("straggler", straggler)):
+    for name, draw in (("scaling", scaling), ("straggler", straggler), ("accuracy", accuracy)):
         src = root / f"{name}.json"
         if src.exists():
             draw(json.loads(src.read_text().strip().splitlines()[-1]), root / f"{name}.png")

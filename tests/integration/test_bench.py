@@ -10,10 +10,19 @@ import pytest
 from tests.conftest import paramserver_cmd
 
 KEYS = {
-    "transport": ["push_gbps", "pull_gbps", "tcp_gbps", "memcpy_gbps", "push_vs_tcp"],
-    "step": ["step_vs_local", "local_ms_64", "worker_ms_256"],
+    "transport": [
+        "push_gbps",
+        "pull_gbps",
+        "tcp_gbps",
+        "memcpy_gbps",
+        "push_vs_tcp",
+        "push_grpc_gbps",
+        "pull_grpc_gbps",
+    ],  # fmt: skip
+    "step": ["step_vs_local", "local_ms_64", "worker_ms_256", "worker_overlap_ms_256"],
     "straggler": ["ps_vs_ddp", "ddp_samples_per_s", "async_samples_per_s", "delay1_samples_per_s"],
     "scaling": ["local_samples_per_s", "sync_samples_per_s", "async_vs_local"],
+    "accuracy": ["time_to_target_s"],
 }
 
 
@@ -40,3 +49,8 @@ def test_bench_quick_json(name):
         assert set(figures["step_vs_local"]) == {"64", "256"}
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
+    if name == "accuracy":
+        # every contender reached the quick target (60% on the synthetic set) in 2 epochs
+        assert set(figures["time_to_target_s"]) == {"local", "ddp", "sync", "delay-1", "async"}
+        for curve in figures["curves"].values():
+            assert len(curve) == 2 and all(0 < acc <= 1 for _, acc in curve)

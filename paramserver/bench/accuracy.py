@@ -1,0 +1,157 @@
+"""Wall time to a test accuracy (88% on Fashion-MNIST) per policy, 2 workers, against one
+local process and against 2 DDP processes, all with the MLP, batch 64 per process, Adam 1e-3
+(constant) and one torch thread per process, evaluated after every epoch.
+
+The DDP side runs as ``python -m paramserver.bench.accuracy RANK WORLD PORT EPOCHS DATASET
+OUT``: each rank trains on every other batch of the same seeded epoch permutation, and rank 0
+evaluates after each epoch (outside the timed part) and writes the curve to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from paramserver import data, models
+from paramserver.config import OptimizerConfig
+from paramserver.store import build_optimizer
+from paramserver.worker.trainer import evaluate
+
+BATCH = 64
+POLICIES = ("sync", "delay-1", "async")
+
+
+def _epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, ds: data.Dataset, epoch: int,
+           rank: int = 0, world: int = 1) -> None:  # fmt: skip
+    order = data.epoch_permutation(len(ds.train_x), epoch, seed=0)
+    for b in range(rank, data.batches_per_epoch(len(order), BATCH), world):
+        idx = order[b * BATCH : (b + 1) * BATCH]
+        opt.zero_grad()
+        F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
+        opt.step()
+
+
+def local_curve(dataset: str, epochs: int) -> list[tuple[float, float]]:
+    """(training seconds, test accuracy) after each epoch of one local process."""
+    torch.set_num_threads(1)
+    ds = data.load(dataset)
+    model = models.build("mlp", seed=0)
+    opt = build_optimizer(list(model.parameters()), OptimizerConfig("adam"))
+    curve, seconds = [], 0.0
+    for epoch in range(epochs):
+        started = time.perf_counter()
+        _epoch(model, opt, ds, epoch)
+        seconds += time.perf_counter() - started
+        curve.append((seconds, evaluate(model, ds.test_x, ds.test_y)[0]))
+    return curve
+
+
+def ddp_main(argv: list[str]) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world, port, epochs = (int(a) for a in argv[:4])
+    dataset, out = argv[4], argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    ds = data.load(dataset)
+    model = DistributedDataParallel(models.build("mlp", seed=0))
+    opt = build_optimizer(list(model.parameters()), OptimizerConfig("adam"))
+    curve, seconds = [], 0.0
+    for epoch in range(epochs):
+        dist.barrier()
+        started = time.perf_counter()
+        _epoch(model, opt, ds, epoch, rank, world)
+        dist.barrier()
+        seconds += time.perf_counter() - started
+        if rank == 0:
+            curve.append((seconds, evaluate(model.module, ds.test_x, ds.test_y)[0]))
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(curve))
+
+
+def ddp_curve(dataset: str, epochs: int, logs: Path) -> list[tuple[float, float]]:
+    from paramserver.bench.straggler import _free_port
+
+    port, out = _free_port(), logs / "ddp-curve.json"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "paramserver.bench.accuracy", str(rank), "2", str(port),
+             str(epochs), dataset, str(out)],
+            stdout=subprocess.DEVNULL, stderr=open(logs / f"ddp-acc-{rank}.log", "wb"),  # noqa: SIM115
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        for rank, p in enumerate(procs):
+            if p.wait(1800) != 0:
+                log = (logs / f"ddp-acc-{rank}.log").read_text()[-800:]
+                raise RuntimeError(f"DDP rank {rank} failed: {log}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [tuple(point) for point in json.loads(out.read_text())]
+
+
+def ps_curve(policy: str, dataset: str, epochs: int, logs: Path) -> list[tuple[float, float]]:
+    """(seconds, test accuracy) after each epoch of ``paramserver launch`` with 2 workers.
+
+    Seconds are the server's training time (first applied push to the last before the
+    evaluation), like the local and DDP figures: starting the processes is not counted.
+    """
+    run_dir = logs / f"run-{policy}"
+    cmd = [sys.executable, "-m", "paramserver", "launch", "--workers", "2", "--policy", policy,
+           "--model", "mlp", "--dataset", dataset, "--epochs", str(epochs), "--batch-size",
+           str(BATCH), "--optimizer", "adam", "--lr", "1e-3", "--lr-schedule", "constant",
+           "--no-progress", "--json", "--run-dir", str(run_dir)]  # fmt: skip
+    with open(logs / f"launch-{policy}.log", "wb") as err:
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, timeout=1800)
+    if done.returncode != 0:
+        tail = (logs / f"launch-{policy}.log").read_text()[-800:]
+        raise RuntimeError(f"launch under {policy} failed: {tail}")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["train_s"], r["test_accuracy"]) for r in map(json.loads, lines)]
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Seconds at the first evaluation at or above ``target``; None if never."""
+    return next((s for s, acc in curve if acc >= target), None)
+
+
+def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    dataset, target, epochs = ("synthetic", 0.6, 2) if quick else ("fashion-mnist", 0.88, 6)
+    figures: dict[str, Any] = {"dataset": dataset, "target_accuracy": target, "epochs": epochs,
+                               "batch": BATCH, "curves": {}, "time_to_target_s": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
+        logs = Path(tmp)
+        curves = {"local": local_curve(dataset, epochs), "ddp": ddp_curve(dataset, epochs, logs)}
+        for policy in POLICIES:
+            curves[policy] = ps_curve(policy, dataset, epochs, logs)
+    rows = [("setup", f"mlp, batch {BATCH} per process, Adam 1e-3, {dataset}, target "
+                      f"{100 * target:.0f}% test accuracy, evaluated after each of {epochs} epochs")]  # fmt: skip
+    for name, curve in curves.items():
+        figures["curves"][name] = curve
+        seconds = figures["time_to_target_s"][name] = time_to(curve, target)
+        label = {"local": "one local process", "ddp": "DDP, 2 processes (gloo)"}.get(
+            name, f"paramserver {name}, 2 workers"
+        )
+        best = max(acc for _, acc in curve)
+        rows.append((label, (f"{seconds:.1f} s" if seconds is not None else "not reached")
+                            + f"  (best {100 * best:.2f}% in {curve[-1][0]:.1f} s)"))  # fmt: skip
+    rows.append(("note", "training time only: process start-up and evaluation are not counted"))
+    return rows, figures
+
+
+if __name__ == "__main__":
+    ddp_main(sys.argv[1:])
