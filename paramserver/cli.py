@@ -185,6 +185,7 @@ WORKER_OPTIONS = [
     opt("--data-dir", env="DATA_DIR", default=None, help="Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist]."),
     opt("--step-delay", env="STEP_DELAY", type=float, default=0.0, help="Extra seconds per step: simulates a straggler."),
     opt("--overlap", env="OVERLAP", type=click.Choice(["auto", "on", "off"]), default="auto", help="Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU."),
+    opt("--compress", env="COMPRESS", type=click.Choice(["none", "fp16", "bf16"]), default="none", help="Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory."),
     opt("--shm", env="SHM", type=click.Choice(["on", "off"]), default="on", help="Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams)."),
 ]  # fmt: skip
 
@@ -264,7 +265,7 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
             args = ["worker", "--server", cfg.server, "--device", device, "--threads", str(cfg.threads),
                     "--name", f"{cfg.name or os.uname().nodename}-{i}", "--step-delay", repr(cfg.step_delay),
                     "--rpc-timeout", repr(cfg.rpc_timeout), "--barrier-timeout", repr(cfg.barrier_timeout),
-                    "--overlap", cfg.overlap, "--shm", cfg.shm, "--server-timeout", repr(cfg.server_timeout)]  # fmt: skip
+                    "--overlap", cfg.overlap, "--shm", cfg.shm, "--compress", cfg.compress, "--server-timeout", repr(cfg.server_timeout)]  # fmt: skip
             sec = cfg.security
             for flag, value in (
                 ("--tls-cert", sec.cert),
@@ -316,7 +317,7 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
 )
 def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: bool, progress: bool,
            device: str, threads: int, data_dir: str | None, step_delay: float, overlap: str,
-           shm: str, **kw: Any) -> None:  # fmt: skip
+           shm: str, compress: str, **kw: Any) -> None:  # fmt: skip
     """Train on a local cluster: one server and --workers worker processes.
 
     The learning rate follows a cosine decay over the whole run unless --lr-schedule constant.
@@ -338,6 +339,7 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
         server=server_config(kw, "127.0.0.1", 0, server_threads),
         device=device, threads=threads, data_dir=data_dir, runs_root=runs_dir,
         run_dir=run_dir, step_delay=step_delay, progress=progress, overlap=overlap, shm=shm,
+        compress=compress,
     )  # fmt: skip
     summary = run_launch(cfg)
     line = json.dumps(summary)

@@ -23,6 +23,11 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # The only dtype the server-side optimizer keeps today; the manifest carries the name so
 # that the format can grow without a wire change.
 SUPPORTED_DTYPES = {"float32": np.float32}
+# What a streamed push may carry: float32, or a compressed gradient the server widens.
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# ``--compress`` names for them.
+COMPRESSION = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
+FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -211,20 +216,73 @@ def as_bytes(array: np.ndarray) -> memoryview:
     return np.ascontiguousarray(array).view(np.uint8).data
 
 
-class Assembler:
-    """Writes incoming chunks into one preallocated float32 buffer of a known size."""
+def wire_dtype(name: str) -> str:
+    """The element type a push header names ("" is float32).
 
-    def __init__(self, total_bytes: int, out: np.ndarray | None = None):
-        if total_bytes % 4:
+    Raises:
+        InvalidRequest: not one of ``WIRE_DTYPES``.
+    """
+    name = name or "float32"
+    if name not in WIRE_DTYPES:
+        raise InvalidRequest(
+            f"Unknown payload dtype {name!r}: this server takes {', '.join(WIRE_DTYPES)}."
+        )
+    return name
+
+
+def wire_itemsize(name: str) -> int:
+    """Bytes per element of the wire dtype ``name``."""
+    return WIRE_DTYPES[wire_dtype(name)].itemsize
+
+
+class Compressor:
+    """Casts float32 gradients to a smaller wire dtype, in a buffer reused from push to push.
+
+    fp16 saturates values beyond its range (+-65504) instead of letting them become Inf,
+    which the server would refuse; a gradient that holds NaN or Inf keeps them.
+    """
+
+    def __init__(self, dtype: str, numel: int):
+        self.dtype = wire_dtype(dtype)
+        self._buf = (
+            None if self.dtype == "float32" else torch.empty(numel, dtype=WIRE_DTYPES[self.dtype])
+        )
+
+    def encode(self, flat: torch.Tensor) -> memoryview:
+        """The wire bytes of the float32 CPU tensor ``flat`` (valid until the next call)."""
+        if self._buf is None:
+            return as_bytes(flat.numpy())
+        self._buf.copy_(flat)
+        if self.dtype == "float16" and bool(torch.isinf(self._buf).any()):
+            saturated = flat.clamp(-FP16_MAX, FP16_MAX)
+            self._buf.copy_(torch.where(torch.isfinite(flat), saturated, flat))
+        return as_bytes(self._buf.view(torch.int16).numpy())
+
+
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """A received payload (raw bytes of ``dtype`` elements) as float32."""
+    dtype = wire_dtype(dtype)
+    if dtype == "float32":
+        return raw.view(np.float32)
+    return torch.from_numpy(raw.view(np.int16)).view(WIRE_DTYPES[dtype]).float().numpy()
+
+
+class Assembler:
+    """Writes incoming chunks into one preallocated buffer of a known size (float32, or
+    ``itemsize``-byte elements kept as raw 16-bit words for a compressed payload)."""
+
+    def __init__(self, total_bytes: int, out: np.ndarray | None = None, itemsize: int = 4):
+        if total_bytes % itemsize:
             raise InvalidRequest(
-                f"A payload of {total_bytes} bytes is not a whole number of float32s."
+                f"A payload of {total_bytes} bytes is not a whole number of {itemsize}-byte values."
             )
+        kind = np.float32 if itemsize == 4 else np.uint16
         self.total_bytes = total_bytes
-        self.array = np.empty(total_bytes // 4, np.float32) if out is None else out
-        if self.array.dtype != np.float32 or self.array.nbytes != total_bytes:
+        self.array = np.empty(total_bytes // itemsize, kind) if out is None else out
+        if self.array.dtype != kind or self.array.nbytes != total_bytes:
             raise InvalidRequest(
                 f"The receive buffer holds {self.array.nbytes} bytes of {self.array.dtype}, not "
-                f"{total_bytes} bytes of float32."
+                f"{total_bytes} bytes of {np.dtype(kind).name}."
             )
         self._bytes = self.array.view(np.uint8)
         self.received = 0
@@ -297,6 +355,12 @@ def decode_payload(
             raise InvalidRequest("Only data chunks may follow the header of a stream.")
         assembler.add(msg.data)
     return assembler.finish()
+
+
+def decode_gradient(stream: Iterable[pb.PushChunk], total_bytes: int, dtype: str) -> np.ndarray:
+    """Read a push's data chunks (``dtype`` elements) into a new float32 gradient."""
+    assembler = Assembler(total_bytes, itemsize=wire_itemsize(dtype))
+    return to_float32(decode_payload(stream, assembler), dtype)
 
 
 def expect_end(stream: Iterable[Any], what: str = "An empty push") -> None:

@@ -215,6 +215,7 @@ class WorkerConfig:
     name: str | None = None
     overlap: str = "auto"
     shm: str = "on"
+    compress: str = "none"
     server_timeout: float = 300.0
     security: Security = field(default_factory=Security)
 
@@ -236,6 +237,7 @@ class WorkerConfig:
         _non_negative("--step-delay", self.step_delay)
         _check_overlap(self.overlap)
         _check_shm(self.shm)
+        _check_compress(self.compress)
         _positive("--server-timeout", self.server_timeout)
 
     @property
@@ -249,6 +251,11 @@ def _check_compute(device: str, threads: int) -> None:
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
     if threads < 1:
         raise ConfigError(f"--threads must be at least 1; got {threads}.")
+
+
+def _check_compress(value: str) -> None:
+    if value not in ("none", "fp16", "bf16"):
+        raise ConfigError(f"--compress must be none, fp16 or bf16; got {value!r}.")
 
 
 def _check_shm(value: str) -> None:
@@ -276,6 +283,7 @@ class LaunchConfig:
     progress: bool = True
     overlap: str = "auto"
     shm: str = "on"
+    compress: str = "none"
 
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
@@ -283,3 +291,4 @@ class LaunchConfig:
         _positive("--startup-timeout", self.startup_timeout)
         _check_overlap(self.overlap)
         _check_shm(self.shm)
+        _check_compress(self.compress)

@@ -81,7 +81,7 @@ class _Cluster:
                 "worker", "--server", address, "--device", self.cfg.device,
                 "--threads", str(self.cfg.threads), "--name", f"worker-{i}",
                 "--step-delay", repr(self.cfg.step_delay), "--overlap", self.cfg.overlap,
-                "--shm", self.cfg.shm,
+                "--shm", self.cfg.shm, "--compress", self.cfg.compress,
             ]  # fmt: skip
             if self.cfg.data_dir:
                 args += ["--data-dir", self.cfg.data_dir]

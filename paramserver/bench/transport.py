@@ -67,12 +67,15 @@ def tcp_gbps(nbytes: int, reps: int) -> float:
     return nbytes / median_seconds(once, reps) / 1e9
 
 
-def worker_gbps(address: str, nbytes: int, reps: int, shm: bool) -> tuple[float, float]:
+def worker_gbps(
+    address: str, nbytes: int, reps: int, shm: bool, compress: str = "none"
+) -> tuple[float, float]:
     """Push and pull GB/s of one Worker: the whole path, from the model's ``.grad`` to the
-    server's optimizer step and from the server's weights into the model."""
+    server's optimizer step and from the server's weights into the model. GB/s of the
+    float32 model, whatever the wire carries."""
     model = Blob(nbytes)
     grad = torch.full_like(model.w, 1e-3)
-    worker = Worker(address, model, shm=shm, overlap=False)
+    worker = Worker(address, model, shm=shm, overlap=False, compress=compress)
     try:
         if worker.shm_active != shm:
             raise RuntimeError(f"the worker {'could not' if shm else 'did'} use shared memory")
@@ -105,8 +108,10 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         figures["push_grpc_gbps"], figures["pull_grpc_gbps"] = worker_gbps(
             address, nbytes, reps, False
         )
+        for kind in ("fp16", "bf16"):
+            figures[f"push_grpc_{kind}_gbps"], _ = worker_gbps(address, nbytes, reps, False, kind)
     tcp = figures["tcp_gbps"]
-    for key in ("push", "pull", "push_grpc", "pull_grpc"):
+    for key in ("push", "pull", "push_grpc", "pull_grpc", "push_grpc_fp16", "push_grpc_bf16"):
         figures[f"{key}_vs_tcp"] = figures[f"{key}_gbps"] / tcp
     figures["target_push_vs_tcp"] = 0.6
     figures["target_met"] = figures["push_vs_tcp"] >= 0.6
@@ -123,5 +128,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         ("pull, same host (shared memory)", rate("pull")),
         ("push, gRPC stream (other hosts)", rate("push_grpc")),
         ("pull, gRPC stream (other hosts)", rate("pull_grpc")),
+        ("push, gRPC stream, --compress fp16", rate("push_grpc_fp16")),
+        ("push, gRPC stream, --compress bf16", rate("push_grpc_bf16")),
     ]  # fmt: skip
     return rows, figures

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paramserver import staleness
+from paramserver import codec, staleness
 from paramserver.codec import Manifest
 from paramserver.config import ServerConfig
 from paramserver.dataplan import BatchQueue
@@ -213,19 +213,18 @@ class Coordinator:
     ) -> None:
         """Validate a push header before its payload is read (``shm``: the payload is in the
         worker's shared segment, so no bytes follow the header)."""
-        if dtype not in ("", "float32"):
-            raise InvalidRequest(f"Unknown payload dtype {dtype!r}: this server takes float32.")
+        itemsize = codec.wire_itemsize(dtype)
         if shard != self.config.shard:
             raise InvalidRequest(
                 f"A push for shard {shard} reached shard {self.config.shard} of the server."
             )
         with self._cond:
             self.membership.get(worker_id)
-        expected = 0 if empty or shm else self.manifest.total_bytes
+        expected = 0 if empty or shm else self.manifest.numel * itemsize
         if total_bytes != expected:
             raise InvalidRequest(
                 f"A push of {total_bytes} bytes does not match the model's "
-                f"{self.manifest.total_bytes} bytes"
+                f"{self.manifest.numel * itemsize} bytes of {codec.wire_dtype(dtype)}"
                 + (
                     " (an empty push carries none)."
                     if empty

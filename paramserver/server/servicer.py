@@ -125,7 +125,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             if not header.empty:
                 grad = self.shared.gradient(header.worker_id, header.shm_slot)
         elif not header.empty:
-            grad = codec.decode_payload(rest, codec.Assembler(header.total_bytes))
+            grad = codec.decode_gradient(rest, header.total_bytes, header.dtype)
         else:
             codec.expect_end(rest)
         result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)

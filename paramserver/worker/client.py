@@ -119,6 +119,10 @@ class Worker:
         shm: offer the server a shared-memory segment for the payloads (see
             ``paramserver.shm``); used only if the server shares this host's /dev/shm,
             otherwise payloads stream over gRPC. ``shm_active`` says which.
+        compress: "none", "fp16" or "bf16": the element type of gradients streamed over
+            gRPC (halves their bytes; the server widens them to float32 and keeps float32
+            weights). Pulls stay float32, and pushes through shared memory are not
+            compressed.
     """
 
     def __init__(
@@ -136,7 +140,12 @@ class Worker:
         security: Security | None = None,
         train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
         shm: bool = True,
+        compress: str = "none",
     ):
+        if compress not in codec.COMPRESSION:
+            raise ConfigError(
+                f"compress must be one of {', '.join(codec.COMPRESSION)}; got {compress!r}."
+            )
         self.address = address
         self.rpc_timeout = rpc_timeout
         self.barrier_timeout = barrier_timeout
@@ -161,6 +170,8 @@ class Worker:
         self.chunk_bytes: int = reply.chunk_bytes
         self.manifest = codec.Manifest.from_proto(reply.manifest)
         self.shm = shm and shmem.available()
+        self.compress = compress
+        self._compressor = codec.Compressor(codec.COMPRESSION[compress], self.manifest.numel)
         self._segment: shmem.Segment | None = None
         self._recv = torch.empty(0)
         self._slots: list[torch.Tensor] = []
@@ -221,7 +232,9 @@ class Worker:
             self.clock,
             self.policy.name,
             "on" if self.overlap else "off",
-            "in shared memory" if self.shm_active else "streamed over gRPC",
+            "in shared memory"
+            if self.shm_active
+            else f"streamed over gRPC (gradients in {self._compressor.dtype})",
         )
         try:
             self.pull()
@@ -513,7 +526,10 @@ class Worker:
         if self.shm_active:
             request = pb.PushPullRequest(push=header)
             return lambda: self._stub.PushPull(request, timeout=self.rpc_timeout)
-        payload = memoryview(b"") if header.empty else codec.as_bytes(self._slots[slot].numpy())
+        payload = memoryview(b"")
+        if not header.empty:
+            payload = self._compressor.encode(self._slots[slot])
+            header.dtype = self._compressor.dtype
         return lambda: self._stub.Push(
             codec.encode_push(header, payload, self.chunk_bytes), timeout=self.rpc_timeout
         )

@@ -99,6 +99,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         connect_timeout=cfg.rpc_timeout,
         overlap=cfg.overlap_flag,
         shm=cfg.shm == "on",
+        compress=cfg.compress,
         server_timeout=cfg.server_timeout,
         security=cfg.security,
         train_samples=load,

@@ -136,3 +136,19 @@ def test_shared_memory_requests_without_a_segment_are_refused(serve):
             assert server.status()["version"] == 0
         finally:
             channel.close()
+
+
+@pytest.mark.parametrize("compress", ["fp16", "bf16"])
+def test_compressed_streamed_pushes_train_like_float32_ones(serve, compress):
+    results = {}
+    for mode in ("none", compress):
+        model = tiny_model()
+        server = serve(replica(model), optimizer="sgd", lr=0.1, policy="sync", workers=1)
+        worker = _train(server, model, 12, shm=False, compress=mode)
+        try:
+            assert server.status()["version"] == 12
+            results[mode] = server.coordinator.store.weights.copy()
+        finally:
+            worker.close()
+    delta = np.abs(results[compress] - results["none"]).max()
+    assert 0 < delta < 1e-2, delta  # rounded gradients: close, not equal

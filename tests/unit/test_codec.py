@@ -335,3 +335,28 @@ def test_parse_leaves_anything_but_a_bare_data_chunk_to_protobuf() -> None:
         pb.PushChunk(data=b"ab").SerializeToString() + pb.PushChunk(data=b"cd").SerializeToString()
     )
     assert codec.parse_push_chunk(wire).data == b"cd"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_compressed_gradients_round_trip_through_the_wire_dtype(dtype):
+    flat = torch.linspace(-3, 3, 1001)
+    wire = codec.Compressor(dtype, flat.numel()).encode(flat)
+    assert len(wire) == 2 * flat.numel()
+    back = codec.to_float32(np.frombuffer(wire, np.uint8).copy(), dtype)
+    expected = flat.to(codec.WIRE_DTYPES[dtype]).float().numpy()
+    np.testing.assert_array_equal(back, expected)
+    np.testing.assert_allclose(back, flat.numpy(), rtol=1e-2, atol=1e-6)
+
+
+def test_fp16_saturates_instead_of_overflowing_but_keeps_real_nan_and_inf():
+    flat = torch.tensor([1e6, -1e6, 1.0, float("inf"), float("nan")])
+    wire = codec.Compressor("float16", 5).encode(flat)
+    back = codec.to_float32(np.frombuffer(wire, np.uint8).copy(), "float16")
+    assert back[:3].tolist() == [65504.0, -65504.0, 1.0]
+    assert back[3] == np.inf and np.isnan(back[4])
+
+
+def test_an_unknown_wire_dtype_is_refused():
+    with pytest.raises(InvalidRequest, match="float8"):
+        codec.wire_itemsize("float8")
+    assert codec.wire_itemsize("") == 4 and codec.wire_itemsize("bfloat16") == 2
