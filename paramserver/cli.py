@@ -186,6 +186,7 @@ WORKER_OPTIONS = [
     opt("--step-delay", env="STEP_DELAY", type=float, default=0.0, help="Extra seconds per step: simulates a straggler."),
     opt("--overlap", env="OVERLAP", type=click.Choice(["auto", "on", "off"]), default="auto", help="Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU."),
     opt("--compress", env="COMPRESS", type=click.Choice(["none", "fp16", "bf16"]), default="none", help="Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory."),
+    opt("--push-every", env="PUSH_EVERY", type=click.IntRange(1, 1024), default=1, help="Compute this many of the server's batches, accumulating their gradients, per push: fewer round trips, K times the batch per optimizer step."),
     opt("--shm", env="SHM", type=click.Choice(["on", "off"]), default="on", help="Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams)."),
 ]  # fmt: skip
 
@@ -265,7 +266,7 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
             args = ["worker", "--server", cfg.server, "--device", device, "--threads", str(cfg.threads),
                     "--name", f"{cfg.name or os.uname().nodename}-{i}", "--step-delay", repr(cfg.step_delay),
                     "--rpc-timeout", repr(cfg.rpc_timeout), "--barrier-timeout", repr(cfg.barrier_timeout),
-                    "--overlap", cfg.overlap, "--shm", cfg.shm, "--compress", cfg.compress, "--server-timeout", repr(cfg.server_timeout)]  # fmt: skip
+                    "--overlap", cfg.overlap, "--shm", cfg.shm, "--compress", cfg.compress, "--push-every", str(cfg.push_every), "--server-timeout", repr(cfg.server_timeout)]  # fmt: skip
             sec = cfg.security
             for flag, value in (
                 ("--tls-cert", sec.cert),
@@ -317,7 +318,7 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
 )
 def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: bool, progress: bool,
            device: str, threads: int, data_dir: str | None, step_delay: float, overlap: str,
-           shm: str, compress: str, **kw: Any) -> None:  # fmt: skip
+           shm: str, compress: str, push_every: int, **kw: Any) -> None:  # fmt: skip
     """Train on a local cluster: one server and --workers worker processes.
 
     The learning rate follows a cosine decay over the whole run unless --lr-schedule constant.
@@ -333,13 +334,13 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
         # The schedule spans the whole run, which launch can work out from the plan.
         plan = server_config({**kw, "lr_schedule": "constant"}, "127.0.0.1", 0, server_threads)
         kw["lr_total_steps"] = planned_optimizer_steps(
-            plan, data.train_size(kw["dataset"], data_dir)
+            plan, data.train_size(kw["dataset"], data_dir), push_every
         )
     cfg = LaunchConfig(
         server=server_config(kw, "127.0.0.1", 0, server_threads),
         device=device, threads=threads, data_dir=data_dir, runs_root=runs_dir,
         run_dir=run_dir, step_delay=step_delay, progress=progress, overlap=overlap, shm=shm,
-        compress=compress,
+        compress=compress, push_every=push_every,
     )  # fmt: skip
     summary = run_launch(cfg)
     line = json.dumps(summary)

@@ -216,6 +216,7 @@ class WorkerConfig:
     overlap: str = "auto"
     shm: str = "on"
     compress: str = "none"
+    push_every: int = 1
     server_timeout: float = 300.0
     security: Security = field(default_factory=Security)
 
@@ -238,6 +239,7 @@ class WorkerConfig:
         _check_overlap(self.overlap)
         _check_shm(self.shm)
         _check_compress(self.compress)
+        _check_push_every(self.push_every)
         _positive("--server-timeout", self.server_timeout)
 
     @property
@@ -251,6 +253,11 @@ def _check_compute(device: str, threads: int) -> None:
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
     if threads < 1:
         raise ConfigError(f"--threads must be at least 1; got {threads}.")
+
+
+def _check_push_every(value: int) -> None:
+    if not 1 <= value <= 1024:
+        raise ConfigError(f"--push-every must be 1 to 1024; got {value}.")
 
 
 def _check_compress(value: str) -> None:
@@ -284,6 +291,7 @@ class LaunchConfig:
     overlap: str = "auto"
     shm: str = "on"
     compress: str = "none"
+    push_every: int = 1
 
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
@@ -292,3 +300,4 @@ class LaunchConfig:
         _check_overlap(self.overlap)
         _check_shm(self.shm)
         _check_compress(self.compress)
+        _check_push_every(self.push_every)

@@ -1,4 +1,5 @@
-"""Which batch each worker computes: the server hands out the run's batches one at a time.
+"""Which batches each worker computes: the server hands out the run's batches, one or (with
+``--push-every K``) K per iteration.
 
 Batch g of a run is batch ``g % per_epoch`` of epoch ``g // per_epoch``: a slice of that
 epoch's seeded permutation (``data.batch_indices``), which every worker can compute. The
@@ -31,7 +32,8 @@ class BatchQueue:
     next_batch: int = 0  # the first batch never handed out
     done: int = 0
     returned: list[int] = field(default_factory=list)  # a heap: handed out again first
-    taken: dict[str, dict[int, int]] = field(default_factory=dict)  # worker -> iteration -> batch
+    # worker -> iteration -> the batches it computes then
+    taken: dict[str, dict[int, list[int]]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -47,49 +49,52 @@ class BatchQueue:
         """Nothing left to hand out now (batches may still be in flight)."""
         return not self.returned and self.next_batch >= self.total
 
-    def take(self, worker_id: str, iteration: int) -> int | None:
-        """The batch ``worker_id`` computes at ``iteration``; None when none is left now.
+    def take(self, worker_id: str, iteration: int, count: int = 1) -> list[int]:
+        """The batches (up to ``count``) ``worker_id`` computes at ``iteration``; empty when
+        none is left now.
 
-        Asking again for the same (worker, iteration) gives the same batch (a retried pull).
+        Asking again for the same (worker, iteration) gives the same batches (a retried pull).
         """
         mine = self.taken.setdefault(worker_id, {})
         if iteration in mine:
             return mine[iteration]
-        if self.returned:
-            batch = heapq.heappop(self.returned)
-        elif self.next_batch < self.total:
-            batch = self.next_batch
-            self.next_batch += 1
-        else:
-            return None
-        mine[iteration] = batch
-        return batch
+        batches: list[int] = []
+        while len(batches) < count:
+            if self.returned:
+                batches.append(heapq.heappop(self.returned))
+            elif self.next_batch < self.total:
+                batches.append(self.next_batch)
+                self.next_batch += 1
+            else:
+                break
+        if batches:
+            mine[iteration] = batches
+        return batches
 
-    def complete(self, worker_id: str, iteration: int) -> int | None:
-        """The push of ``iteration`` was applied: its batch is done. Returns the batch."""
-        batch = self.taken.get(worker_id, {}).pop(iteration, None)
-        if batch is not None:
-            self.done += 1
-        return batch
+    def complete(self, worker_id: str, iteration: int) -> list[int]:
+        """The push of ``iteration`` was applied: its batches are done. Returns them."""
+        batches = self.taken.get(worker_id, {}).pop(iteration, [])
+        self.done += len(batches)
+        return batches
+
+    def _give_back(self, batches: list[int]) -> list[int]:
+        for batch in batches:
+            heapq.heappush(self.returned, batch)
+        return batches
 
     def release(self, worker_id: str) -> list[int]:
         """The worker is gone: the batches it took and did not push go back to the queue."""
-        back = list(self.taken.pop(worker_id, {}).values())
-        for batch in back:
-            heapq.heappush(self.returned, batch)
-        return back
+        return self._give_back([b for bs in self.taken.pop(worker_id, {}).values() for b in bs])
 
     def release_from(self, worker_id: str, iteration: int) -> list[int]:
         """Give back the worker's batches of ``iteration`` and later (it rewound its clock)."""
         mine = self.taken.get(worker_id, {})
-        back = [mine.pop(t) for t in sorted(mine) if t >= iteration]
-        for batch in back:
-            heapq.heappush(self.returned, batch)
-        return back
+        return self._give_back([b for t in sorted(mine) if t >= iteration for b in mine.pop(t)])
 
     def state(self) -> dict[str, Any]:
         """For a checkpoint: batches in flight count as returned (their pushes are not in it)."""
-        returned = list(self.returned) + [b for m in self.taken.values() for b in m.values()]
+        in_flight = [b for m in self.taken.values() for bs in m.values() for b in bs]
+        returned = list(self.returned) + in_flight
         return {
             "per_epoch": self.per_epoch,
             "epochs": self.epochs,

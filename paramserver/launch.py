@@ -50,11 +50,12 @@ def server_args(cfg: ServerConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def planned_optimizer_steps(cfg: ServerConfig, train_samples: int) -> int:
-    """Optimizer steps of a whole run: one per batch, or under sync one per round of
-    ``--workers`` batches."""
+def planned_optimizer_steps(cfg: ServerConfig, train_samples: int, push_every: int = 1) -> int:
+    """Optimizer steps of a whole run: one per push of ``push_every`` batches, or under sync
+    one per round of ``--workers`` such pushes."""
     batches = cfg.epochs * data.batches_per_epoch(train_samples, cfg.batch_size)
-    return math.ceil(batches / cfg.workers) if cfg.parsed_policy.synchronous else batches
+    pushes = math.ceil(batches / push_every)
+    return math.ceil(pushes / cfg.workers) if cfg.parsed_policy.synchronous else pushes
 
 
 class _Cluster:
@@ -82,6 +83,7 @@ class _Cluster:
                 "--threads", str(self.cfg.threads), "--name", f"worker-{i}",
                 "--step-delay", repr(self.cfg.step_delay), "--overlap", self.cfg.overlap,
                 "--shm", self.cfg.shm, "--compress", self.cfg.compress,
+                "--push-every", str(self.cfg.push_every),
             ]  # fmt: skip
             if self.cfg.data_dir:
                 args += ["--data-dir", self.cfg.data_dir]

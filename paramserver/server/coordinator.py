@@ -30,6 +30,8 @@ from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
 
 log = logging.getLogger(__name__)
+# The most batches one pull may take (--push-every K).
+MAX_BATCHES_PER_PULL = 1024
 
 
 @dataclass
@@ -63,8 +65,13 @@ class PullResult:
     version: int
     staleness: int
     weights: np.ndarray  # read-only snapshot
-    batch: int = -1  # the global batch to compute; -1: none
+    batches: tuple[int, ...] = ()  # the global batches to compute; none: nothing for now
     finished: bool = False  # every batch of the run is applied
+
+    @property
+    def batch(self) -> int:
+        """The first batch to compute; -1: none."""
+        return self.batches[0] if self.batches else -1
 
 
 class Coordinator:
@@ -345,8 +352,10 @@ class Coordinator:
         iteration: int,
         timeout: float,
         is_active: Callable[[], bool] = lambda: True,
+        batches: int = 1,
     ) -> PullResult:
-        """Weights (and a batch) for ``iteration`` once the policy allows; an empty id observes.
+        """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
+        the policy allows; an empty id observes.
 
         Under ``ssp:K`` and ``async`` a worker that finds no batch left waits for one (a
         batch given back by a dead worker) or for the end of the run; under ``sync`` it gets
@@ -355,6 +364,10 @@ class Coordinator:
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
         """
+        if not 1 <= batches <= MAX_BATCHES_PER_PULL:
+            raise InvalidRequest(
+                f"A pull may ask for 1 to {MAX_BATCHES_PER_PULL} batches, not {batches}."
+            )
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
@@ -379,9 +392,9 @@ class Coordinator:
                     if self._pull_ready(iteration):
                         if self.queue is None:
                             return self._answer(iteration)
-                        batch = self.queue.take(worker_id, iteration)
-                        if batch is not None or self.policy.synchronous:
-                            return self._answer(iteration, -1 if batch is None else batch)
+                        taken = self.queue.take(worker_id, iteration, batches)
+                        if taken or self.policy.synchronous:
+                            return self._answer(iteration, tuple(taken))
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
                         raise Timeout(self._wait_message(worker_id, iteration, timeout))
@@ -395,7 +408,9 @@ class Coordinator:
             return False
         return self.policy.pull_ready(iteration, self.membership.min_clock(), self.rounds)
 
-    def _answer(self, iteration: int | None, batch: int = -1, finished: bool = False) -> PullResult:
+    def _answer(
+        self, iteration: int | None, batches: tuple[int, ...] = (), finished: bool = False
+    ) -> PullResult:
         weights = self.store.snapshot()
         self.counters.bytes_out += weights.nbytes
         lag = 0
@@ -404,7 +419,7 @@ class Coordinator:
             lag = staleness.staleness(iteration, self.membership.min_clock())
             self.counters.histogram[lag] += 1
             self.counters.max_staleness = max(self.counters.max_staleness, lag)
-        return PullResult(self.store.version, lag, weights, batch, finished)
+        return PullResult(self.store.version, lag, weights, batches, finished)
 
     def _wait_message(self, worker_id: str, iteration: int, timeout: float) -> str:
         if not self._started:

@@ -95,11 +95,18 @@ class Servicer(pb_grpc.ParameterServerServicer):
         if remaining is not None:
             timeout = min(timeout, remaining)
         self.c.check_incarnation(request.incarnation)
-        result = self.c.pull(request.worker_id, request.iteration, timeout, context.is_active)
+        result = self.c.pull(
+            request.worker_id,
+            request.iteration,
+            timeout,
+            context.is_active,
+            request.batches or 1,
+        )
         header = pb.PullHeader(
             version=result.version,
             staleness=result.staleness,
             batch=result.batch,
+            batches=result.batches,
             finished=result.finished,
         )
         if request.shm:

@@ -100,6 +100,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         overlap=cfg.overlap_flag,
         shm=cfg.shm == "on",
         compress=cfg.compress,
+        push_every=cfg.push_every,
         server_timeout=cfg.server_timeout,
         security=cfg.security,
         train_samples=load,
@@ -130,19 +131,26 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
                 worker.step(empty=True)
                 empty += 1
                 continue
-            epoch, position = divmod(worker.batch, per_epoch)
-            if epoch != perm_epoch:
-                perm, perm_epoch = data.epoch_permutation(n, epoch, plan.seed), epoch
-            idx = perm[position * plan.batch_size : (position + 1) * plan.batch_size]
-            x = dataset.train_x[idx].to(device, non_blocking=True)
-            y = dataset.train_y[idx].to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            # One batch, or with --push-every K up to K: their gradients accumulate, each
+            # weighted by its share, so the push is the mean gradient over all their samples.
+            batches = worker.batches or [worker.batch]
+            taken, losses = 0, 0.0
+            for batch in batches:
+                epoch, position = divmod(batch, per_epoch)
+                if epoch != perm_epoch:
+                    perm, perm_epoch = data.epoch_permutation(n, epoch, plan.seed), epoch
+                idx = perm[position * plan.batch_size : (position + 1) * plan.batch_size]
+                x = dataset.train_x[idx].to(device, non_blocking=True)
+                y = dataset.train_y[idx].to(device, non_blocking=True)
+                loss = F.cross_entropy(model(x), y)
+                (loss / len(batches)).backward()
+                taken += len(idx)
+                losses += loss.item()
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
-            worker.step(samples=len(idx), loss=loss.item())
+            worker.step(samples=taken, loss=losses / len(batches))
             steps += 1
-            samples += len(idx)
+            samples += taken
         worker.close()
     except BaseException:
         worker.close_quietly()
