@@ -83,7 +83,9 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         h.total_bytes = t.nbytes + data.draw(st.integers(1, 3))
         body = _payload(h.total_bytes)
     elif fault == "dtype":
-        h.dtype = data.draw(st.text(min_size=1, max_size=12).filter(lambda s: s != "float32"))
+        h.dtype = data.draw(
+            st.text(min_size=1, max_size=12).filter(lambda s: s not in codec.WIRE_DTYPES)
+        )
     elif fault == "non_finite":
         values = np.frombuffer(body, np.float32).copy()
         bad = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
