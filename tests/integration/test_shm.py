@@ -152,3 +152,29 @@ def test_compressed_streamed_pushes_train_like_float32_ones(serve, compress):
             worker.close()
     delta = np.abs(results[compress] - results["none"]).max()
     assert 0 < delta < 1e-2, delta  # rounded gradients: close, not equal
+
+
+def test_a_prefetching_worker_dropped_by_the_server_joins_again_and_goes_on(serve):
+    model = tiny_model()
+    server = serve(replica(model), optimizer="sgd", lr=0.01, policy="async", workers=1)
+    ds = data.synthetic(train=64 * 32, test=32)
+    with ps.Worker(server.address, model, overlap=True) as worker:
+        assert worker.prefetching
+
+        def step(i: int) -> None:
+            x, y = ds.train_x[i * 32 : (i + 1) * 32], ds.train_y[i * 32 : (i + 1) * 32]
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+
+        for i in range(10):
+            step(i)
+        # The server drops the worker (as when its lease runs out) with a call in flight.
+        server.coordinator.leave(worker.worker_id)
+        for i in range(10, 30):
+            step(i)
+        assert worker.rejoins == 1
+        worker.flush()
+        applied = server.status()["pushes_applied"]
+    # every push but the one or two in flight when it was dropped
+    assert 27 <= applied <= 30, applied
+    assert server.status()["workers"] == []
