@@ -472,11 +472,9 @@ class Worker:
             log.warning("%s; the push in flight is dropped, joining again", exc)
             self._lost.set()
 
-    def _step_ahead(self, samples: int, loss: float, pull: bool, empty: bool) -> None:
-        """``step`` when prefetching: the weights for the next iteration are (being) fetched
-        already; take them, then push this gradient and prefetch the one after."""
-        self._wait_ahead()
-        header, self._ready = self._ready, None
+    def _stage(self, samples: int, loss: float, empty: bool) -> tuple[int, int, int, float, bool]:
+        """Copy the gradients into a free push slot, zero them and advance the clock; returns
+        the push to send: (iteration, slot, samples, loss, empty)."""
         slot = self._free.get()
         if not empty:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
@@ -486,8 +484,16 @@ class Worker:
         self.clock += 1
         for p in self._params:
             p.grad = None
+        return item
+
+    def _step_ahead(self, samples: int, loss: float, pull: bool, empty: bool) -> None:
+        """``step`` when prefetching: the weights for the next iteration are (being) fetched
+        already; take them, then push this gradient and prefetch the one after."""
+        self._wait_ahead()
+        header, self._ready = self._ready, None
+        item = self._stage(samples, loss, empty)
         if self._lost.is_set():  # the server restarted: it goes on from the clock it holds
-            self._free.put(slot)
+            self._free.put(item[1])
             if pull:
                 self.pull()
             return
@@ -582,15 +588,7 @@ class Worker:
         if self.prefetching:
             self._step_ahead(samples, float(loss), pull, empty)
             return
-        slot = self._free.get()
-        if not empty:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-            codec.flatten_into(self.manifest, grads, self._slots[slot])
-            _sync(self.device)
-        item = (self.clock, slot, samples, float(loss), empty)
-        self.clock += 1
-        for p in self._params:
-            p.grad = None
+        item = self._stage(samples, loss, empty)
         if pull and not self.overlap and self.shm_active:
             self._push_pull(item)
             return
