@@ -35,6 +35,7 @@ from paramserver.errors import (
 from paramserver.server.app import ServerApp
 from paramserver.staleness import Policy
 from paramserver.worker.client import Worker
+from paramserver.worker.sharded import ShardedWorker
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "ServerApp",
     "ServerConfig",
     "ServerUnavailable",
+    "ShardedWorker",
     "Timeout",
     "Unauthenticated",
     "UnknownWorker",

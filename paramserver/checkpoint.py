@@ -71,22 +71,30 @@ def load(path: str | Path) -> dict[str, Any]:
     return torch.load(path, weights_only=True)
 
 
-def save_server(directory: str | Path, manifest: codec.Manifest, state: dict[str, Any]) -> Path:
+def server_file(shard: int = 0, shards: int = 1) -> str:
+    """The checkpoint's name in ``--checkpoint-dir``: ``SERVER_FILE``, or for shard I of S
+    ``server-checkpoint-shardIofS.pt`` (its weights: one tensor, ``flat``)."""
+    return SERVER_FILE if shards == 1 else f"server-checkpoint-shard{shard}of{shards}.pt"
+
+
+def save_server(
+    directory: str | Path, manifest: codec.Manifest, state: dict[str, Any], name: str = SERVER_FILE
+) -> Path:
     """Write a server state (``Coordinator.checkpoint_state``) to ``directory``."""
     state = dict(state)
     weights = state.pop("weights")
-    return save(Path(directory) / SERVER_FILE, manifest, weights, **state)
+    return save(Path(directory) / name, manifest, weights, **state)
 
 
 def load_server(
-    directory: str | Path, manifest: codec.Manifest
+    directory: str | Path, manifest: codec.Manifest, name: str = SERVER_FILE
 ) -> tuple[dict[str, Any], np.ndarray] | None:
     """The server state in ``directory`` and its flat weights; None when there is none.
 
     Raises:
         ConfigError: the file is not a server checkpoint of this model.
     """
-    path = Path(directory) / SERVER_FILE
+    path = Path(directory) / name
     if not path.exists():
         return None
     try:

@@ -25,6 +25,7 @@ from paramserver.config import (
     Security,
     ServerConfig,
     WorkerConfig,
+    parse_shard,
 )
 from paramserver.errors import ConfigError, DataUnavailable, ParamServerError
 
@@ -151,8 +152,17 @@ def lr_schedule_option(default: str) -> Callable[[F], F]:
     default=None,
     help="Serve Prometheus metrics on http://HOST:PORT/metrics [default: off].",
 )
+@opt(
+    "--shard",
+    env="SHARD",
+    default="0/1",
+    help="I/S: hold the I-th of S equal contiguous ranges of the flat parameters; run one "
+    "server per shard and give workers every address, in order (--server A,B,...).",
+)
 @apply(SECURITY_OPTIONS)
-def server(host: str, port: int, threads: int, metrics_port: int | None, **kw: Any) -> None:
+def server(
+    host: str, port: int, threads: int, metrics_port: int | None, shard: str, **kw: Any
+) -> None:
     """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint)."""
     import dataclasses
 
@@ -160,7 +170,8 @@ def server(host: str, port: int, threads: int, metrics_port: int | None, **kw: A
     from paramserver.server.app import ServerApp
 
     cfg = server_config(kw, host, port, threads, security_config(kw))
-    cfg = dataclasses.replace(cfg, metrics_port=metrics_port)
+    index, shards = parse_shard(shard)
+    cfg = dataclasses.replace(cfg, metrics_port=metrics_port, shard=index, shards=shards)
     log.info("server configuration: %s", cfg)
     app = ServerApp(cfg).start()
     stop = threading.Event()
@@ -316,9 +327,16 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
 @opt(
     "--progress/--no-progress", env="PROGRESS", default=True, help="Show a progress bar on stderr."
 )
+@opt(
+    "--servers",
+    env="SERVERS",
+    type=click.IntRange(1, 64),
+    default=1,
+    help="Server processes, each holding one shard of the parameters (--shard I/S).",
+)
 def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: bool, progress: bool,
            device: str, threads: int, data_dir: str | None, step_delay: float, overlap: str,
-           shm: str, compress: str, push_every: int, **kw: Any) -> None:  # fmt: skip
+           shm: str, compress: str, push_every: int, servers: int, **kw: Any) -> None:  # fmt: skip
     """Train on a local cluster: one server and --workers worker processes.
 
     The learning rate follows a cosine decay over the whole run unless --lr-schedule constant.
@@ -340,7 +358,7 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
         server=server_config(kw, "127.0.0.1", 0, server_threads),
         device=device, threads=threads, data_dir=data_dir, runs_root=runs_dir,
         run_dir=run_dir, step_delay=step_delay, progress=progress, overlap=overlap, shm=shm,
-        compress=compress, push_every=push_every,
+        compress=compress, push_every=push_every, servers=servers,
     )  # fmt: skip
     summary = run_launch(cfg)
     line = json.dumps(summary)

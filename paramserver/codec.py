@@ -120,6 +120,20 @@ class Manifest:
         raise ConfigError(f"The parameter order of {what} differs from the server's model.")
 
 
+def shard_range(numel: int, shard: int, shards: int) -> tuple[int, int]:
+    """The elements [lo, hi) of a flat buffer of ``numel`` that shard ``shard`` of
+    ``shards`` holds: contiguous ranges of equal size (the last may be shorter); tensors
+    may straddle shards."""
+    size = -(-numel // shards)
+    lo = min(shard * size, numel)
+    return lo, min(lo + size, numel)
+
+
+def shard_manifest(numel: int) -> Manifest:
+    """The manifest a shard serves: its range as one flat tensor named ``flat``."""
+    return Manifest((TensorSpec("flat", (numel,), "float32", 0, 4 * numel),), 4 * numel)
+
+
 def flatten_into(manifest: Manifest, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy ``tensors`` (in manifest order) into the float32 buffer ``flat``."""
     for spec, t in zip(manifest.tensors, tensors, strict=True):

@@ -112,6 +112,18 @@ class Security:
         return f"Security(cert={self.cert!r}, key={self.key!r}, ca={self.ca!r}, token={token})"
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard I/S`` as (I, S).
+
+    Raises:
+        ConfigError: not two integers with 0 <= I < S.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if match is None or not 0 <= int(match[1]) < int(match[2]):
+        raise ConfigError(f"--shard must be I/S with 0 <= I < S, e.g. 0/2; got {text!r}.")
+    return int(match[1]), int(match[2])
+
+
 def parse_every(text: str) -> tuple[int | None, float | None]:
     """``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds (also ``Nm``).
 
@@ -154,7 +166,8 @@ class ServerConfig:
     checkpoint_every: str = "60s"
     skip_nonfinite: bool = False
     security: Security = field(default_factory=Security)
-    shard: int = 0  # which shard of the parameters this server holds (one shard today)
+    shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)
+    shards: int = 1
     metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None: off
 
     def __post_init__(self) -> None:
@@ -189,6 +202,10 @@ class ServerConfig:
         if self.threads < 1:
             raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
         _positive("--barrier-timeout", self.barrier_timeout)
+        if not 0 <= self.shard < self.shards:
+            raise ConfigError(
+                f"--shard must be I/S with 0 <= I < S; got {self.shard}/{self.shards}."
+            )
 
     @property
     def parsed_policy(self) -> Policy:
@@ -221,15 +238,8 @@ class WorkerConfig:
     security: Security = field(default_factory=Security)
 
     def __post_init__(self) -> None:
-        if not re.match(r"^[^:\s]+:\d+$", self.server) and not self.server.startswith(
-            ("unix:", "[")
-        ):
-            raise ConfigError(
-                f"--server must look like HOST:PORT (e.g. 127.0.0.1:50051); got {self.server!r}."
-            )
-        port = self.server.rsplit(":", 1)[-1]
-        if not self.server.startswith("unix:") and not (port.isdigit() and 0 < int(port) <= 65535):
-            raise ConfigError(f"--server {self.server!r} has no valid port (1 to 65535).")
+        for address in self.addresses:
+            _check_address(address)
         _check_compute(self.device, self.threads)
         _positive("--rpc-timeout", self.rpc_timeout)
         _positive("--barrier-timeout", self.barrier_timeout)
@@ -243,6 +253,11 @@ class WorkerConfig:
         _positive("--server-timeout", self.server_timeout)
 
     @property
+    def addresses(self) -> list[str]:
+        """--server as a list: one address, or every shard's (A,B,...)."""
+        return [a.strip() for a in self.server.split(",")]
+
+    @property
     def overlap_flag(self) -> bool | None:
         """--overlap as the Worker argument: None for auto."""
         return None if self.overlap == "auto" else self.overlap == "on"
@@ -253,6 +268,17 @@ def _check_compute(device: str, threads: int) -> None:
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
     if threads < 1:
         raise ConfigError(f"--threads must be at least 1; got {threads}.")
+
+
+def _check_address(address: str) -> None:
+    if not re.match(r"^[^:\s]+:\d+$", address) and not address.startswith(("unix:", "[")):
+        raise ConfigError(
+            f"--server must look like HOST:PORT (e.g. 127.0.0.1:50051), or a comma-separated "
+            f"list of them for sharded servers; got {address!r}."
+        )
+    port = address.rsplit(":", 1)[-1]
+    if not address.startswith("unix:") and not (port.isdigit() and 0 < int(port) <= 65535):
+        raise ConfigError(f"--server {address!r} has no valid port (1 to 65535).")
 
 
 def _check_push_every(value: int) -> None:
@@ -292,6 +318,7 @@ class LaunchConfig:
     shm: str = "on"
     compress: str = "none"
     push_every: int = 1
+    servers: int = 1  # server shards
 
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
@@ -301,3 +328,5 @@ class LaunchConfig:
         _check_shm(self.shm)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
+        if self.servers < 1:
+            raise ConfigError(f"--servers must be at least 1; got {self.servers}.")

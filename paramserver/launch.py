@@ -59,24 +59,33 @@ def planned_optimizer_steps(cfg: ServerConfig, train_samples: int, push_every: i
 
 
 class _Cluster:
-    """The processes of one launch and the observer connection to its server."""
+    """The processes of one launch (``--servers`` shards, then the workers) and the observer
+    connections to the servers."""
 
     def __init__(self, cfg: LaunchConfig, run: RunDir):
         self.cfg = cfg
         self.run = run
         self.children: list[Child] = []
-        self.channel: grpc.Channel | None = None
+        self.channels: list[grpc.Channel] = []
 
     def start(self) -> str:
-        server = Child(
-            "server", server_args(self.cfg.server), self.run.file("server.log"), capture_stdout=True
-        )
-        self.children.append(server)
-        address = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout).rsplit(" ", 1)[-1]
+        shards = self.cfg.servers
+        addresses = []
+        for i in range(shards):
+            args = server_args(self.cfg.server)
+            name = "server" if shards == 1 else f"server-{i}"
+            if shards > 1:
+                args += ["--shard", f"{i}/{shards}"]
+            server = Child(name, args, self.run.file(f"{name}.log"), capture_stdout=True)
+            self.children.append(server)
+            line = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout)
+            addresses.append(line.rsplit(" ", 1)[-1])
+        address = ",".join(addresses)
         # Children inherit PARAMSERVER_TOKEN; the launcher's own calls carry it too.
         token = os.environ.get("PARAMSERVER_TOKEN") or None
-        self.channel = connect(address, self.cfg.startup_timeout, Security(token=token))
-        self.stub = Stub(self.channel)
+        for a in addresses:
+            self.channels.append(connect(a, self.cfg.startup_timeout, Security(token=token)))
+        self.stub = Stub(self.channels[0])  # shard 0 hands out the batches: its status is the run's
         for i in range(self.cfg.server.workers):
             args = [
                 "worker", "--server", address, "--device", self.cfg.device,
@@ -91,12 +100,27 @@ class _Cluster:
         return address
 
     @property
-    def server(self) -> Child:
-        return self.children[0]
+    def servers(self) -> list[Child]:
+        return self.children[: self.cfg.servers]
 
     @property
     def workers(self) -> list[Child]:
-        return self.children[1:]
+        return self.children[self.cfg.servers :]
+
+    def observe(self, total_bytes: int) -> tuple[pb.PullHeader, np.ndarray]:
+        """The current weights, gathered from every shard (shard 0's header)."""
+        if len(self.channels) == 1:
+            return observe(self.channels[0], total_bytes)
+        numel = total_bytes // 4
+        flat = np.empty(numel, np.float32)
+        header = None
+        for i, channel in enumerate(self.channels):
+            lo, hi = codec.shard_range(numel, i, len(self.channels))
+            h, part = observe(channel, 4 * (hi - lo))
+            flat[lo:hi] = part
+            header = h if header is None else header
+        assert header is not None
+        return header, flat
 
     def status(self) -> pb.StatusResponse:
         try:
@@ -105,8 +129,8 @@ class _Cluster:
             raise from_rpc_error(err, "status of the launched server") from None
 
     def stop(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
+        for channel in self.channels:
+            channel.close()
         stop_all(self.children)
 
 
@@ -148,10 +172,11 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                     log.error(
                         "%s exited with code %s: %s (log: %s)", w.name, code, w.tail(), w.log_path
                     )
-            if cluster.server.poll() is not None:
-                raise ParamServerError(
-                    f"The server exited with code {cluster.server.poll()}: {cluster.server.tail()}"
-                )
+            for server in cluster.servers:
+                if server.poll() is not None:
+                    raise ParamServerError(
+                        f"{server.name} exited with code {server.poll()}: {server.tail()}"
+                    )
             st = cluster.status()
             if failed and st.workers_joined < scfg.start_workers:
                 # The run waits for --workers joins: without this one it would never start.
@@ -225,7 +250,7 @@ def _record_epoch(
 ) -> tuple[pb.StatusResponse, pb.PullHeader, np.ndarray]:
     """Evaluate the server's current weights, append a metrics line; returns what it read."""
     st = cluster.status()
-    header, flat = observe(cluster.channel, manifest.total_bytes)
+    header, flat = cluster.observe(manifest.total_bytes)
     codec.unflatten_into(manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)])
     acc, loss = evaluate(model, dataset.test_x, dataset.test_y)
     record = {

@@ -61,7 +61,7 @@ class JoinRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm")
+    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,10 @@ class JoinResponse(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     clock: int
@@ -82,7 +86,11 @@ class JoinResponse(_message.Message):
     chunk_bytes: int
     incarnation: str
     shm: bool
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ...) -> None: ...
+    shard: int
+    shards: int
+    model_numel: int
+    shard_offset: int
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches")

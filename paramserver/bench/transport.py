@@ -12,6 +12,7 @@ from torch import nn
 
 from paramserver.bench.common import median_seconds, server_process
 from paramserver.worker.client import Worker
+from paramserver.worker.sharded import ShardedWorker
 
 MIB = 1 << 20
 
@@ -68,14 +69,18 @@ def tcp_gbps(nbytes: int, reps: int) -> float:
 
 
 def worker_gbps(
-    address: str, nbytes: int, reps: int, shm: bool, compress: str = "none"
+    address: str | list[str], nbytes: int, reps: int, shm: bool, compress: str = "none"
 ) -> tuple[float, float]:
     """Push and pull GB/s of one Worker: the whole path, from the model's ``.grad`` to the
     server's optimizer step and from the server's weights into the model. GB/s of the
     float32 model, whatever the wire carries."""
     model = Blob(nbytes)
     grad = torch.full_like(model.w, 1e-3)
-    worker = Worker(address, model, shm=shm, overlap=False, compress=compress)
+    worker: Any
+    if isinstance(address, list):
+        worker = ShardedWorker(address, model, shm=shm, overlap=False, compress=compress)
+    else:
+        worker = Worker(address, model, shm=shm, overlap=False, compress=compress)
     try:
         if worker.shm_active != shm:
             raise RuntimeError(f"the worker {'could not' if shm else 'did'} use shared memory")
@@ -110,8 +115,17 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         )
         for kind in ("fp16", "bf16"):
             figures[f"push_grpc_{kind}_gbps"], _ = worker_gbps(address, nbytes, reps, False, kind)
+    # Two server shards, each a process holding half the buffer, over gRPC.
+    with (
+        server_process(*server_args, "--shard", "0/2") as first,
+        server_process(*server_args, "--shard", "1/2") as second,
+    ):
+        figures["push_grpc_2shards_gbps"], figures["pull_grpc_2shards_gbps"] = worker_gbps(
+            [first, second], nbytes, reps, False
+        )
     tcp = figures["tcp_gbps"]
-    for key in ("push", "pull", "push_grpc", "pull_grpc", "push_grpc_fp16", "push_grpc_bf16"):
+    for key in ("push", "pull", "push_grpc", "pull_grpc", "push_grpc_fp16", "push_grpc_bf16",
+                "push_grpc_2shards", "pull_grpc_2shards"):  # fmt: skip
         figures[f"{key}_vs_tcp"] = figures[f"{key}_gbps"] / tcp
     figures["target_push_vs_tcp"] = 0.6
     figures["target_met"] = figures["push_vs_tcp"] >= 0.6
@@ -130,5 +144,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         ("pull, gRPC stream (other hosts)", rate("pull_grpc")),
         ("push, gRPC stream, --compress fp16", rate("push_grpc_fp16")),
         ("push, gRPC stream, --compress bf16", rate("push_grpc_bf16")),
+        ("push, gRPC stream, 2 server shards", rate("push_grpc_2shards")),
+        ("pull, gRPC stream, 2 server shards", rate("pull_grpc_2shards")),
     ]  # fmt: skip
     return rows, figures

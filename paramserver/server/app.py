@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import nn
 
 from paramserver import checkpoint, models, security, stub
-from paramserver.codec import Manifest, flatten_into
+from paramserver.codec import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server.checkpointer import Checkpointer
@@ -55,10 +55,22 @@ class ServerApp:
         if model is None:
             model = models.build(config.model, seed=config.seed)
         manifest, flat = initial_weights(model)
+        model_numel, offset = manifest.numel, 0
+        if config.shards > 1:  # this server holds one contiguous range of the flat buffer
+            offset, end = shard_range(manifest.numel, config.shard, config.shards)
+            if end <= offset:
+                raise ConfigError(
+                    f"A model of {manifest.numel} parameters cannot be split into "
+                    f"{config.shards} shards."
+                )
+            manifest, flat = shard_manifest(end - offset), flat[offset:end].copy()
         self.coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer))
+        self.coordinator.model_numel, self.coordinator.shard_offset = model_numel, offset
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir:
-            saved = checkpoint.load_server(config.checkpoint_dir, manifest)
+            saved = checkpoint.load_server(
+                config.checkpoint_dir, manifest, checkpoint.server_file(config.shard, config.shards)
+            )
             if saved is not None:
                 self.coordinator.restore(*saved)
             self.checkpointer = Checkpointer(

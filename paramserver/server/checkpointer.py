@@ -59,7 +59,13 @@ class Checkpointer:
         with self._lock:
             started = time.perf_counter()
             state = self.coordinator.checkpoint_state()
-            path = checkpoint.save_server(self.directory, self.coordinator.manifest, state)
+            cfg = self.coordinator.config
+            path = checkpoint.save_server(
+                self.directory,
+                self.coordinator.manifest,
+                state,
+                checkpoint.server_file(cfg.shard, cfg.shards),
+            )
             self._last_version = state["version"]
             self.coordinator.saved(state["version"], time.time())
             log.info(

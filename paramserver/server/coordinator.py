@@ -101,6 +101,9 @@ class Coordinator:
         self._round_n = 0  # non-empty gradients in the round sum
         self.checkpoint_version = -1
         self.checkpoint_time: float | None = None
+        # The whole model's size and where this server's range starts (--shard I/S).
+        self.model_numel = self.manifest.numel
+        self.shard_offset = 0
 
     def check_incarnation(self, incarnation: str) -> None:
         """A call meant for an earlier incarnation of the server is refused (ABORTED)."""

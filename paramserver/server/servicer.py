@@ -84,6 +84,10 @@ class Servicer(pb_grpc.ParameterServerServicer):
             chunk_bytes=cfg.chunk_bytes,
             incarnation=self.c.incarnation,
             shm=shm,
+            shard=cfg.shard,
+            shards=cfg.shards,
+            model_numel=self.c.model_numel,
+            shard_offset=self.c.shard_offset,
         )
 
     def _pull(

@@ -126,6 +126,8 @@ class Worker:
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
+        shard: (I, S) when the server must be shard I of S (``ShardedWorker`` checks its
+            servers' order this way, before the first pull).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class Worker:
         shm: bool = True,
         compress: str = "none",
         push_every: int = 1,
+        shard: tuple[int, int] | None = None,
     ):
         if not 1 <= push_every <= 1024:
             raise ConfigError(f"push_every must be 1 to 1024; got {push_every}.")
@@ -182,7 +185,22 @@ class Worker:
         self._segment: shmem.Segment | None = None
         self._recv = torch.empty(0)
         self._slots: list[torch.Tensor] = []
+        self.shard, self.shards = reply.shard, max(reply.shards, 1)
         try:
+            if shard is not None and shard != (self.shard, self.shards):
+                raise ConfigError(
+                    f"The server at {address} is shard {self.shard} of {self.shards}, but it "
+                    f"was given as shard {shard[0]} of {shard[1]}: list every shard's address "
+                    "in shard order."
+                )
+            if self.shards > 1 and (
+                model is None or [n for n, _ in models.parameters(model)] != ["flat"]
+            ):
+                raise ConfigError(
+                    f"The server at {address} holds shard {self.shard} of {self.shards} of the "
+                    "parameters: give the worker every shard's address, in order (--server "
+                    "A,B,...; paramserver.ShardedWorker([A, B, ...]) in Python)."
+                )
             if model is None:
                 if not self.plan.model:
                     raise ConfigError(
@@ -530,6 +548,7 @@ class Worker:
             empty=empty,
             shm=self.shm_active,
             shm_slot=slot,
+            shard=self.shard,
         )
 
     def _sender(self, header: pb.PushHeader, slot: int) -> Callable[[], Any]:
