@@ -18,7 +18,8 @@ KEYS = {
         "push_vs_tcp",
         "push_grpc_gbps",
         "pull_grpc_gbps",
-    ],  # fmt: skip
+        "push_grpc_2shards_gbps",
+    ],
     "step": ["step_vs_local", "local_ms_64", "worker_ms_256", "worker_overlap_ms_256"],
     "straggler": ["ps_vs_ddp", "ddp_samples_per_s", "async_samples_per_s", "delay1_samples_per_s"],
     "scaling": ["local_samples_per_s", "sync_samples_per_s", "async_vs_local"],
