@@ -3,6 +3,8 @@ codec's one-copy data chunks (the same bytes on the wire as the protobuf encodin
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from paramserver import codec
@@ -30,43 +32,34 @@ class Stub(pb_grpc.ParameterServerStub):
         )
 
 
+# The unary RPCs: name -> (request type, response type), served with protobuf's own framing.
+_UNARY: dict[str, tuple[Any, Any]] = {
+    "Join": (pb.JoinRequest, pb.JoinResponse),
+    "PushPull": (pb.PushPullRequest, pb.PushPullResponse),
+    "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatResponse),
+    "Leave": (pb.LeaveRequest, pb.LeaveResponse),
+    "Status": (pb.StatusRequest, pb.StatusResponse),
+}
+
+
 def register(servicer: pb_grpc.ParameterServerServicer, server: grpc.Server) -> None:
     """Serve ``servicer``; Push reads and Pull writes data chunks through the codec."""
     handlers = {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            servicer.Join,
-            request_deserializer=pb.JoinRequest.FromString,
-            response_serializer=pb.JoinResponse.SerializeToString,
-        ),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull,
-            request_deserializer=pb.PullRequest.FromString,
-            response_serializer=codec.serialize_chunk,
-        ),
-        "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push,
-            request_deserializer=codec.parse_push_chunk,
-            response_serializer=pb.PushResponse.SerializeToString,
-        ),
-        "PushPull": grpc.unary_unary_rpc_method_handler(
-            servicer.PushPull,
-            request_deserializer=pb.PushPullRequest.FromString,
-            response_serializer=pb.PushPullResponse.SerializeToString,
-        ),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            servicer.Heartbeat,
-            request_deserializer=pb.HeartbeatRequest.FromString,
-            response_serializer=pb.HeartbeatResponse.SerializeToString,
-        ),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            servicer.Leave,
-            request_deserializer=pb.LeaveRequest.FromString,
-            response_serializer=pb.LeaveResponse.SerializeToString,
-        ),
-        "Status": grpc.unary_unary_rpc_method_handler(
-            servicer.Status,
-            request_deserializer=pb.StatusRequest.FromString,
-            response_serializer=pb.StatusResponse.SerializeToString,
-        ),
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in _UNARY.items()
     }
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull,
+        request_deserializer=pb.PullRequest.FromString,
+        response_serializer=codec.serialize_chunk,
+    )
+    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Push,
+        request_deserializer=codec.parse_push_chunk,
+        response_serializer=pb.PushResponse.SerializeToString,
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

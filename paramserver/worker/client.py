@@ -448,21 +448,14 @@ class Worker:
 
     def _start_ahead(self, item: tuple[int, int, int, float, bool] | None) -> None:
         """In the background: push ``item`` (if any), then pull iteration ``clock + 1``."""
-        if not self.prefetching:
-            if item is not None:  # cannot happen: _step_ahead checks prefetching first
-                self._pushes.put(item)
+        if item is None and not self.prefetching:  # with an item, _step_ahead checked it
             return
         after = self.clock + 1
         call: Callable[[], pb.PullHeader]
         if item is None:
             call = lambda: self._pull_once(after)  # noqa: E731
         else:
-            request = pb.PushPullRequest(push=self._push_header(*item))
-            request.pull.CopyFrom(self._pull_request(after))
-
-            def call() -> pb.PullHeader:
-                reply = self._stub.PushPull(request, timeout=self.barrier_timeout)
-                return reply.pull
+            call = self._push_and_pull(item, lambda: after)
 
         def run() -> pb.PullHeader:
             try:
@@ -565,17 +558,25 @@ class Worker:
             codec.encode_push(header, payload, self.chunk_bytes), timeout=self.rpc_timeout
         )
 
+    def _push_and_pull(
+        self, item: tuple[int, int, int, float, bool], pull_iteration: Callable[[], int]
+    ) -> Callable[[], pb.PullHeader]:
+        """A PushPull call that pushes ``item`` and pulls ``pull_iteration()`` (read at each
+        try); both payloads are in the segment."""
+        request = pb.PushPullRequest(push=self._push_header(*item))
+
+        def call() -> pb.PullHeader:
+            request.pull.CopyFrom(self._pull_request(pull_iteration()))
+            reply: pb.PushPullResponse = self._stub.PushPull(request, timeout=self.barrier_timeout)
+            return reply.pull
+
+        return call
+
     def _push_pull(self, item: tuple[int, int, int, float, bool]) -> None:
         """Push ``item`` and pull the next weights in one round trip (payloads in the
         segment). After a server restart the push is dropped and the pull joins again."""
         iteration, slot = item[0], item[1]
-        request = pb.PushPullRequest(push=self._push_header(*item))
-
-        def call() -> pb.PullHeader:
-            request.pull.CopyFrom(self._pull_request(self.clock))
-            reply: pb.PushPullResponse = self._stub.PushPull(request, timeout=self.barrier_timeout)
-            return reply.pull
-
+        call = self._push_and_pull(item, lambda: self.clock)
         try:
             header = self._retrying(f"push of iteration {iteration} and pull", call)
         except REJOIN as exc:
