@@ -31,20 +31,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from paramserver import codec
+from paramserver.codec import layout
 from paramserver.errors import ConfigError
 
 FORMAT = "paramserver-checkpoint-v1"
 SERVER_FILE = "server-checkpoint.pt"
 
 
-def save(path: str | Path, manifest: codec.Manifest, flat: np.ndarray, **meta: Any) -> Path:
+def save(path: str | Path, manifest: layout.Manifest, flat: np.ndarray, **meta: Any) -> Path:
     """Write a checkpoint atomically: temporary file, fsync, rename, fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
-        "model_state_dict": codec.state_dict(manifest, flat),
+        "model_state_dict": layout.state_dict(manifest, flat),
         "saved_at": time.time(),
         **meta,
     }
@@ -78,7 +78,7 @@ def server_file(shard: int = 0, shards: int = 1) -> str:
 
 
 def save_server(
-    directory: str | Path, manifest: codec.Manifest, state: dict[str, Any], name: str = SERVER_FILE
+    directory: str | Path, manifest: layout.Manifest, state: dict[str, Any], name: str = SERVER_FILE
 ) -> Path:
     """Write a server state (``Coordinator.checkpoint_state``) to ``directory``."""
     state = dict(state)
@@ -87,7 +87,7 @@ def save_server(
 
 
 def load_server(
-    directory: str | Path, manifest: codec.Manifest, name: str = SERVER_FILE
+    directory: str | Path, manifest: layout.Manifest, name: str = SERVER_FILE
 ) -> tuple[dict[str, Any], np.ndarray] | None:
     """The server state in ``directory`` and its flat weights; None when there is none.
 
@@ -104,8 +104,8 @@ def load_server(
     if state.get("format") != FORMAT or "optimizer_state" not in state:
         raise ConfigError(f"{path} is not a paramserver server checkpoint.")
     weights = state["model_state_dict"]
-    saved = codec.Manifest.from_tensors(list(weights.items()))
+    saved = layout.Manifest.from_tensors(list(weights.items()))
     manifest.check_compatible(saved, f"the checkpoint {path}")
     flat = torch.empty(manifest.numel, dtype=torch.float32)
-    codec.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)
+    layout.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)
     return state, flat.numpy()

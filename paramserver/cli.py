@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from paramserver.codec import compression
 from paramserver.config import (
     DATASETS,
     LR_SCHEDULES,
@@ -196,7 +197,7 @@ WORKER_OPTIONS = [
     opt("--data-dir", env="DATA_DIR", default=None, help="Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist]."),
     opt("--step-delay", env="STEP_DELAY", type=float, default=0.0, help="Extra seconds per step: simulates a straggler."),
     opt("--overlap", env="OVERLAP", type=click.Choice(["auto", "on", "off"]), default="auto", help="Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU."),
-    opt("--compress", env="COMPRESS", type=click.Choice(["none", "fp16", "bf16"]), default="none", help="Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory."),
+    opt("--compress", env="COMPRESS", type=click.Choice(compression.CHOICES), default="none", help="Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory."),
     opt("--push-every", env="PUSH_EVERY", type=click.IntRange(1, 1024), default=1, help="Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step."),
     opt("--shm", env="SHM", type=click.Choice(["on", "off"]), default="on", help="Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams)."),
 ]  # fmt: skip

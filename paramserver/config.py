@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from paramserver.codec import compression
 from paramserver.errors import ConfigError
 from paramserver.staleness import Policy
 
@@ -287,8 +288,10 @@ def _check_push_every(value: int) -> None:
 
 
 def _check_compress(value: str) -> None:
-    if value not in ("none", "fp16", "bf16"):
-        raise ConfigError(f"--compress must be none, fp16 or bf16; got {value!r}.")
+    try:
+        compression.by_name(value)
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
 
 
 def _check_shm(value: str) -> None:

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from paramserver import checkpoint, codec, data, models
+from paramserver import checkpoint, data, models
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import layout
 from paramserver.config import LaunchConfig, Security, ServerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.procs import Child, stop_all
@@ -115,7 +116,7 @@ class _Cluster:
         flat = np.empty(numel, np.float32)
         header = None
         for i, channel in enumerate(self.channels):
-            lo, hi = codec.shard_range(numel, i, len(self.channels))
+            lo, hi = layout.shard_range(numel, i, len(self.channels))
             h, part = observe(channel, 4 * (hi - lo))
             flat[lo:hi] = part
             header = h if header is None else header
@@ -140,7 +141,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     scfg = cfg.server
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
-    manifest = codec.Manifest.from_tensors(models.parameters(model))
+    manifest = layout.Manifest.from_tensors(models.parameters(model))
     per_epoch = data.batches_per_epoch(len(dataset.train_x), scfg.batch_size)
     if per_epoch < 1:
         raise ParamServerError(
@@ -242,7 +243,7 @@ def _record_epoch(
     run: RunDir,
     cluster: _Cluster,
     model: torch.nn.Module,
-    manifest: codec.Manifest,
+    manifest: layout.Manifest,
     dataset: data.Dataset,
     epoch: int,
     t0: float,
@@ -251,7 +252,9 @@ def _record_epoch(
     """Evaluate the server's current weights, append a metrics line; returns what it read."""
     st = cluster.status()
     header, flat = cluster.observe(manifest.total_bytes)
-    codec.unflatten_into(manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)])
+    layout.unflatten_into(
+        manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)]
+    )
     acc, loss = evaluate(model, dataset.test_x, dataset.test_y)
     record = {
         "epoch": epoch,

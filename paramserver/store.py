@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paramserver.codec import Manifest
+from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
 
 

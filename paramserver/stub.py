@@ -7,28 +7,28 @@ from typing import Any
 
 import grpc
 
-from paramserver import codec
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.codec import wire
 
 SERVICE = "paramserver.v1.ParameterServer"
 
 
 class Stub(pb_grpc.ParameterServerStub):
-    """``ParameterServerStub`` whose Push takes ``codec.encode_push`` streams and whose Pull
-    yields ``codec.DataChunk``s for data (``codec.decode_pull`` reads both)."""
+    """``ParameterServerStub`` whose Push takes ``wire.encode_push`` streams and whose Pull
+    yields ``wire.DataChunk``s for data (``wire.decode_pull`` reads both)."""
 
     def __init__(self, channel: grpc.Channel):
         super().__init__(channel)
         self.Push = channel.stream_unary(
             f"/{SERVICE}/Push",
-            request_serializer=codec.serialize_chunk,
+            request_serializer=wire.serialize_chunk,
             response_deserializer=pb.PushResponse.FromString,
         )
         self.Pull = channel.unary_stream(
             f"/{SERVICE}/Pull",
             request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=codec.parse_pull_chunk,
+            response_deserializer=wire.parse_pull_chunk,
         )
 
 
@@ -55,11 +55,11 @@ def register(servicer: pb_grpc.ParameterServerServicer, server: grpc.Server) -> 
     handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
         servicer.Pull,
         request_deserializer=pb.PullRequest.FromString,
-        response_serializer=codec.serialize_chunk,
+        response_serializer=wire.serialize_chunk,
     )
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
         servicer.Push,
-        request_deserializer=codec.parse_push_chunk,
+        request_deserializer=wire.parse_push_chunk,
         response_serializer=pb.PushResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

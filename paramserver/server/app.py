@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import nn
 
 from paramserver import checkpoint, models, security, stub
-from paramserver.codec import Manifest, flatten_into, shard_manifest, shard_range
+from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server.checkpointer import Checkpointer

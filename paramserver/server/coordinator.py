@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from paramserver import codec, staleness
-from paramserver.codec import Manifest
+from paramserver import staleness
+from paramserver.codec import compression
+from paramserver.codec.layout import Manifest
 from paramserver.config import ServerConfig
 from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
@@ -223,7 +224,7 @@ class Coordinator:
     ) -> None:
         """Validate a push header before its payload is read (``shm``: the payload is in the
         worker's shared segment, so no bytes follow the header)."""
-        itemsize = codec.wire_itemsize(dtype)
+        itemsize = compression.wire_itemsize(dtype)
         if shard != self.config.shard:
             raise InvalidRequest(
                 f"A push for shard {shard} reached shard {self.config.shard} of the server."
@@ -234,7 +235,7 @@ class Coordinator:
         if total_bytes != expected:
             raise InvalidRequest(
                 f"A push of {total_bytes} bytes does not match the model's "
-                f"{self.manifest.numel * itemsize} bytes of {codec.wire_dtype(dtype)}"
+                f"{self.manifest.numel * itemsize} bytes of {compression.wire_dtype(dtype)}"
                 + (
                     " (an empty push carries none)."
                     if empty

@@ -9,9 +9,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from paramserver import codec
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.codec import compression, wire
 from paramserver.errors import InvalidRequest, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
 from paramserver.shm import Attachments
@@ -117,7 +117,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             self.shared.write_weights(request.worker_id, result.weights)
             header.shm = True
             return header, memoryview(b"")
-        return header, codec.as_bytes(result.weights)
+        return header, compression.as_bytes(result.weights)
 
     def _push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
         self.c.check_incarnation(header.incarnation)
@@ -132,13 +132,13 @@ class Servicer(pb_grpc.ParameterServerServicer):
         )
         grad = None
         if header.shm:
-            codec.expect_end(rest, "A push through shared memory")
+            wire.expect_end(rest, "A push through shared memory")
             if not header.empty:
                 grad = self.shared.gradient(header.worker_id, header.shm_slot)
         elif not header.empty:
-            grad = codec.decode_gradient(rest, header.total_bytes, header.dtype)
+            grad = wire.decode_gradient(rest, header.total_bytes, header.dtype)
         else:
-            codec.expect_end(rest)
+            wire.expect_end(rest)
         result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
@@ -149,13 +149,13 @@ class Servicer(pb_grpc.ParameterServerServicer):
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullChunk]:
         header, payload = self._pull(request, context)
-        return codec.encode_pull(header, payload, self.c.config.chunk_bytes)
+        return wire.encode_pull(header, payload, self.c.config.chunk_bytes)
 
     @_rpc
     def Push(
         self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
     ) -> pb.PushResponse:
-        return self._push(codec.decode_push_header(request_iterator), request_iterator)
+        return self._push(wire.decode_push_header(request_iterator), request_iterator)
 
     @_rpc
     def PushPull(

@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from paramserver import codec, models, security
+from paramserver import models, security
 from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import compression, layout, wire
 from paramserver.config import Security
 from paramserver.errors import (
     ConfigError,
@@ -152,9 +153,9 @@ class Worker:
         if not 1 <= push_every <= 1024:
             raise ConfigError(f"push_every must be 1 to 1024; got {push_every}.")
         self.push_every = push_every
-        if compress not in codec.COMPRESSION:
+        if compress not in compression.COMPRESSION:
             raise ConfigError(
-                f"compress must be one of {', '.join(codec.COMPRESSION)}; got {compress!r}."
+                f"compress must be one of {', '.join(compression.COMPRESSION)}; got {compress!r}."
             )
         self.address = address
         self.rpc_timeout = rpc_timeout
@@ -178,10 +179,10 @@ class Worker:
         self.plan: pb.TrainingPlan = reply.plan
         self.policy = Policy.parse(reply.policy)
         self.chunk_bytes: int = reply.chunk_bytes
-        self.manifest = codec.Manifest.from_proto(reply.manifest)
+        self.manifest = layout.Manifest.from_proto(reply.manifest)
         self.shm = shm and shmem.available()
         self.compress = compress
-        self._compressor = codec.Compressor(codec.COMPRESSION[compress], self.manifest.numel)
+        self._compressor = compression.by_name(compress)(self.manifest.numel)
         self._segment: shmem.Segment | None = None
         self._recv = torch.empty(0)
         self._slots: list[torch.Tensor] = []
@@ -209,7 +210,7 @@ class Worker:
                     )
                 model = models.build(self.plan.model).to(device or "cpu")
             self.manifest.check_compatible(
-                codec.Manifest.from_tensors(models.parameters(model)), "the local model"
+                layout.Manifest.from_tensors(models.parameters(model)), "the local model"
             )
             self.model = model
             self._params = [p for _, p in models.parameters(model)]
@@ -376,7 +377,7 @@ class Worker:
             reply = self._retrying(
                 "rejoin", lambda: self._stub.Join(request, timeout=self.rpc_timeout)
             )
-            codec.Manifest.from_proto(reply.manifest).check_compatible(
+            layout.Manifest.from_proto(reply.manifest).check_compatible(
                 self.manifest, "the model this worker trains"
             )
         except BaseException:
@@ -413,7 +414,7 @@ class Worker:
             self._pull_request(self.clock if iteration is None else iteration),
             timeout=self.barrier_timeout,
         )
-        header, _ = codec.decode_pull(stream, self._recv.numpy(), self.manifest.total_bytes)
+        header, _ = wire.decode_pull(stream, self._recv.numpy(), self.manifest.total_bytes)
         return header
 
     def pull(self) -> None:
@@ -489,7 +490,7 @@ class Worker:
         slot = self._free.get()
         if not empty:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-            codec.flatten_into(self.manifest, grads, self._slots[slot])
+            layout.flatten_into(self.manifest, grads, self._slots[slot])
             _sync(self.device)
         item = (self.clock, slot, samples, float(loss), empty)
         self.clock += 1
@@ -519,7 +520,7 @@ class Worker:
 
     def _load(self, header: pb.PullHeader) -> None:
         """Take the pulled weights (in ``_recv``) into the model, and the header's news."""
-        codec.unflatten_into(
+        layout.unflatten_into(
             self.manifest, self._recv.to(self.device, non_blocking=True), self._params
         )
         _sync(self.device)
@@ -555,7 +556,7 @@ class Worker:
             payload = self._compressor.encode(self._slots[slot])
             header.dtype = self._compressor.dtype
         return lambda: self._stub.Push(
-            codec.encode_push(header, payload, self.chunk_bytes), timeout=self.rpc_timeout
+            wire.encode_push(header, payload, self.chunk_bytes), timeout=self.rpc_timeout
         )
 
     def _push_and_pull(
@@ -724,6 +725,6 @@ def observe(
     """The server's current weights without joining the run (for evaluation and checkpoints)."""
     stub = Stub(channel)
     try:
-        return codec.decode_pull(stub.Pull(pb.PullRequest(), timeout=timeout), None, total_bytes)
+        return wire.decode_pull(stub.Pull(pb.PullRequest(), timeout=timeout), None, total_bytes)
     except grpc.RpcError as err:
         raise from_rpc_error(err, "observer pull") from None

@@ -1,6 +1,6 @@
 """A worker of a run whose parameters are split over several servers (``--shard I/S``).
 
-Each shard holds one contiguous range of the model's flat buffer (``codec.shard_range``).
+Each shard holds one contiguous range of the model's flat buffer (``layout.shard_range``).
 The ShardedWorker keeps one ``Worker`` per shard, each over a one-tensor slice of that
 range, and drives them together: a step copies the model's gradients into the slices and
 pushes to every shard at once; a pull gathers every shard's range back into the model.
@@ -19,8 +19,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from paramserver import codec, models
+from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import layout
 from paramserver.errors import ConfigError
 from paramserver.stub import Stub
 from paramserver.worker.client import Worker, _sync, connect
@@ -62,10 +63,10 @@ class ShardedWorker:
             model = models.build(_model_name(addresses[0], kw)).to(device or "cpu")
         self.model = model
         self._params = [p for _, p in models.parameters(model)]
-        self.manifest = codec.Manifest.from_tensors(models.parameters(model))
+        self.manifest = layout.Manifest.from_tensors(models.parameters(model))
         self.device = self._params[0].device if self._params else torch.device("cpu")
         shards = len(addresses)
-        self._ranges = [codec.shard_range(self.manifest.numel, i, shards) for i in range(shards)]
+        self._ranges = [layout.shard_range(self.manifest.numel, i, shards) for i in range(shards)]
         self._pool = ThreadPoolExecutor(shards, thread_name_prefix="ps-shard")
         self.shards: list[Worker] = []
         self._slices = [_Slice(hi - lo) for lo, hi in self._ranges]
@@ -88,7 +89,7 @@ class ShardedWorker:
         """Load every shard's range of the weights into the model."""
         for part, (lo, hi) in zip(self._slices, self._ranges, strict=True):
             self._flat[lo:hi].copy_(part.flat.detach())
-        codec.unflatten_into(
+        layout.unflatten_into(
             self.manifest, self._flat.to(self.device, non_blocking=True), self._params
         )
         _sync(self.device)
@@ -106,7 +107,7 @@ class ShardedWorker:
         """Push the model's gradients to every shard, then pull the next weights."""
         if not empty:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-            codec.flatten_into(self.manifest, grads, self._flat)
+            layout.flatten_into(self.manifest, grads, self._flat)
             _sync(self.device)
             for part, (lo, hi) in zip(self._slices, self._ranges, strict=True):
                 part.flat.grad = self._flat[lo:hi]

@@ -76,7 +76,8 @@ def test_bad_policy_is_refused_before_anything_starts():
 
 
 def test_checkpoint_of_a_launch_loads_into_the_model(serve, tmp_path):
-    from paramserver import checkpoint, codec, models
+    from paramserver import checkpoint, models
+    from paramserver.codec import layout
 
     server = serve("mlp", seed=5)
     c = server.coordinator
@@ -87,7 +88,7 @@ def test_checkpoint_of_a_launch_loads_into_the_model(serve, tmp_path):
     for a, b in zip(model.parameters(), models.build("mlp", seed=5).parameters(), strict=True):
         assert torch.equal(a, b)
     assert loaded["format"] == checkpoint.FORMAT
-    assert codec.Manifest.from_tensors(models.parameters(model)) == c.manifest
+    assert layout.Manifest.from_tensors(models.parameters(model)) == c.manifest
 
 
 @pytest.mark.parametrize("overlap", [False, True])

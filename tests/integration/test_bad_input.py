@@ -14,8 +14,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paramserver import codec
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import compression, wire
 from paramserver.stub import Stub
 from tests.conftest import tiny_model
 
@@ -56,7 +56,7 @@ class Target:
             worker_id=self.worker_id, iteration=iteration, samples=1, incarnation=self.incarnation
         )
         payload = memoryview(_payload(self.nbytes))
-        return self.stub.Push(codec.encode_push(h, payload, 4096), timeout=10)
+        return self.stub.Push(wire.encode_push(h, payload, 4096), timeout=10)
 
     def state(self) -> tuple[bytes, int]:
         store = self.server.coordinator.store
@@ -84,7 +84,7 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         body = _payload(h.total_bytes)
     elif fault == "dtype":
         h.dtype = data.draw(
-            st.text(min_size=1, max_size=12).filter(lambda s: s not in codec.WIRE_DTYPES)
+            st.text(min_size=1, max_size=12).filter(lambda s: s not in compression.BY_DTYPE)
         )
     elif fault == "non_finite":
         values = np.frombuffer(body, np.float32).copy()
@@ -176,7 +176,7 @@ def test_a_thousand_malformed_requests_change_nothing(serve):
     request = pb.PullRequest(
         worker_id=target.worker_id, iteration=clock + 1, incarnation=target.incarnation
     )
-    header, weights = codec.decode_pull(target.stub.Pull(request, timeout=10), None, target.nbytes)
+    header, weights = wire.decode_pull(target.stub.Pull(request, timeout=10), None, target.nbytes)
     expected = np.frombuffer(before[0], np.float32) - np.float32(0.1) * np.float32(0.01)
     assert header.version == clock + 1
     np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)

@@ -11,9 +11,10 @@ import time
 import grpc
 import torch
 
-from paramserver import codec, data, models
+from paramserver import data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.codec import layout
 from paramserver.launch import READY_MARKER
 from paramserver.procs import Child, stop_all
 from paramserver.worker.client import connect, observe
@@ -106,11 +107,11 @@ def test_workers_survive_a_server_restart_from_its_checkpoint(tmp_path):
 
         # The run reaches the accuracy of an uninterrupted run (measured: 0.93-0.95).
         model = models.build("mlp")
-        manifest = codec.Manifest.from_tensors(models.parameters(model))
+        manifest = layout.Manifest.from_tensors(models.parameters(model))
         channel = connect(address, DEADLINE)
         _, flat = observe(channel, manifest.total_bytes)
         channel.close()
-        codec.unflatten_into(
+        layout.unflatten_into(
             manifest, torch.from_numpy(flat.copy()), [p for _, p in models.parameters(model)]
         )
         ds = data.synthetic()

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver import checkpoint, codec, data
+from paramserver import checkpoint, data
+from paramserver.codec import layout
 from tests.conftest import replica, tiny_model
 from tests.integration.test_cli import run_cli
 
@@ -63,7 +64,7 @@ def test_sharded_servers_train_exactly_like_one(serve, tmp_path, optimizer, shar
     # each shard holds its range, in order
     numel = expected.size
     for i, s in enumerate(servers):
-        lo, hi = codec.shard_range(numel, i, shards)
+        lo, hi = layout.shard_range(numel, i, shards)
         same(s.coordinator.store.weights, expected[lo:hi])
         s.stop()
         assert (tmp_path / checkpoint.server_file(i, shards)).exists()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from paramserver import codec
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import Assembler, Manifest, TensorSpec
+from paramserver.codec import compression, layout, wire
+from paramserver.codec.layout import Manifest, TensorSpec, flatten_into, unflatten_into
+from paramserver.codec.wire import Assembler
 from paramserver.errors import ConfigError, InvalidRequest
 
 
@@ -68,8 +71,8 @@ def test_proto_round_trip() -> None:
     msg = m.to_proto()
     assert isinstance(msg, pb.Manifest)
     assert msg.total_bytes == m.total_bytes
-    wire = pb.Manifest.FromString(msg.SerializeToString())
-    back = Manifest.from_proto(wire)
+    decoded = pb.Manifest.FromString(msg.SerializeToString())
+    back = Manifest.from_proto(decoded)
     assert back == m
     assert all(isinstance(s.shape, tuple) for s in back.tensors)
 
@@ -125,7 +128,7 @@ def test_flatten_unflatten_round_trip() -> None:
     m = model_manifest(src)
     flat = torch.empty(m.numel, dtype=torch.float32)
     flatten_from = list(src.parameters())
-    codec.flatten_into(m, flatten_from, flat)
+    layout.flatten_into(m, flatten_from, flat)
     # The flat buffer holds each tensor at its offset.
     for spec, p in zip(m.tensors, flatten_from, strict=True):
         start = spec.offset // 4
@@ -135,7 +138,7 @@ def test_flatten_unflatten_round_trip() -> None:
     with torch.no_grad():
         for p in dst.parameters():
             p.zero_()
-    codec.unflatten_into(m, flat, list(dst.parameters()))
+    layout.unflatten_into(m, flat, list(dst.parameters()))
     for a, b in zip(src.parameters(), dst.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -144,16 +147,16 @@ def test_flatten_wrong_count_raises() -> None:
     m = Manifest.from_tensors([("a", torch.zeros(2)), ("b", torch.zeros(2))])
     flat = torch.empty(4)
     with pytest.raises(ValueError):
-        codec.flatten_into(m, [torch.ones(2)], flat)
+        layout.flatten_into(m, [torch.ones(2)], flat)
 
 
 def test_state_dict_loads_into_module() -> None:
     src = tiny_model()
     m = model_manifest(src)
     flat = torch.empty(m.numel, dtype=torch.float32)
-    codec.flatten_into(m, list(src.parameters()), flat)
+    layout.flatten_into(m, list(src.parameters()), flat)
     flat_np = flat.numpy().copy()
-    sd = codec.state_dict(m, flat_np)
+    sd = layout.state_dict(m, flat_np)
     assert list(sd) == [s.name for s in m.tensors]
     dst = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     result = dst.load_state_dict(sd, strict=True)
@@ -174,14 +177,14 @@ def test_state_dict_loads_into_module() -> None:
 )
 def test_iter_chunks_sizes(size: int, chunk: int, sizes: list[int]) -> None:
     payload = bytes(range(size))
-    chunks = list(codec.iter_chunks(memoryview(payload), chunk))
+    chunks = list(wire.iter_chunks(memoryview(payload), chunk))
     assert [len(c) for c in chunks] == sizes
     assert b"".join(chunks) == payload
 
 
 def test_as_bytes_is_raw_little_endian_float32() -> None:
     arr = np.array([1.0, -2.5], np.float32)
-    view = codec.as_bytes(arr)
+    view = compression.as_bytes(arr)
     assert len(view) == 8
     assert bytes(view) == arr.astype("<f4").tobytes()
 
@@ -240,55 +243,55 @@ def test_assembler_non_multiple_of_four_raises(size: int) -> None:
 def test_push_round_trip() -> None:
     grad = np.linspace(-1, 1, 11, dtype=np.float32)
     header = pb.PushHeader(worker_id="w1", iteration=7, samples=64, loss=0.25)
-    msgs = list(codec.encode_push(header, codec.as_bytes(grad), chunk_bytes=8))
+    msgs = list(wire.encode_push(header, compression.as_bytes(grad), chunk_bytes=8))
     assert msgs[0].WhichOneof("kind") == "header"
     assert [len(m.data) for m in msgs[1:]] == [8, 8, 8, 8, 8, 4]
     # Through the wire format, as gRPC would carry it.
-    stream = iter([codec.parse_push_chunk(codec.serialize_chunk(m)) for m in msgs])
-    got = codec.decode_push_header(stream)
+    stream = iter([wire.parse_push_chunk(wire.serialize_chunk(m)) for m in msgs])
+    got = wire.decode_push_header(stream)
     assert got.worker_id == "w1"
     assert got.iteration == 7
     assert got.samples == 64
     assert got.loss == 0.25
     assert got.total_bytes == grad.nbytes
-    out = codec.decode_payload(stream, Assembler(got.total_bytes))
+    out = wire.decode_payload(stream, Assembler(got.total_bytes))
     assert np.array_equal(out, grad)
 
 
 def test_push_stream_starting_with_data_raises() -> None:
     stream = iter([pb.PushChunk(data=b"\0" * 4), pb.PushChunk(header=pb.PushHeader())])
     with pytest.raises(InvalidRequest):
-        codec.decode_push_header(stream)
+        wire.decode_push_header(stream)
 
 
 def test_empty_push_stream_raises() -> None:
     with pytest.raises(InvalidRequest):
-        codec.decode_push_header(iter([]))
+        wire.decode_push_header(iter([]))
 
 
 def test_second_header_in_payload_raises() -> None:
     stream = [pb.PushChunk(data=b"\0" * 4), pb.PushChunk(header=pb.PushHeader())]
     with pytest.raises(InvalidRequest):
-        codec.decode_payload(stream, Assembler(8))
+        wire.decode_payload(stream, Assembler(8))
 
 
 def test_short_push_payload_raises() -> None:
     grad = np.ones(4, np.float32)
-    stream = codec.encode_push(pb.PushHeader(), codec.as_bytes(grad), chunk_bytes=8)
-    header = codec.decode_push_header(stream)
+    stream = wire.encode_push(pb.PushHeader(), compression.as_bytes(grad), chunk_bytes=8)
+    header = wire.decode_push_header(stream)
     next(stream)  # lose one chunk
     with pytest.raises(InvalidRequest):
-        codec.decode_payload(stream, Assembler(header.total_bytes))
+        wire.decode_payload(stream, Assembler(header.total_bytes))
 
 
 def test_pull_round_trip() -> None:
     weights = np.arange(7, dtype=np.float32) / 3
     header = pb.PullHeader(version=12, staleness=1)
-    msgs = list(codec.encode_pull(header, codec.as_bytes(weights), chunk_bytes=12))
+    msgs = list(wire.encode_pull(header, compression.as_bytes(weights), chunk_bytes=12))
     assert [len(m.data) for m in msgs[1:]] == [12, 12, 4]
-    stream = iter([codec.parse_pull_chunk(codec.serialize_chunk(m)) for m in msgs])
+    stream = iter([wire.parse_pull_chunk(wire.serialize_chunk(m)) for m in msgs])
     out = np.empty(7, np.float32)
-    got_header, got = codec.decode_pull(stream, out, weights.nbytes)
+    got_header, got = wire.decode_pull(stream, out, weights.nbytes)
     assert got is out
     assert (got_header.version, got_header.staleness) == (12, 1)
     assert got_header.total_bytes == weights.nbytes
@@ -297,66 +300,101 @@ def test_pull_round_trip() -> None:
 
 def test_pull_round_trip_new_buffer() -> None:
     weights = np.array([3.0, 4.0], np.float32)
-    msgs = codec.encode_pull(pb.PullHeader(version=1), codec.as_bytes(weights), 4096)
-    _, got = codec.decode_pull(msgs, None, 8)
+    msgs = wire.encode_pull(pb.PullHeader(version=1), compression.as_bytes(weights), 4096)
+    _, got = wire.decode_pull(msgs, None, 8)
     assert np.array_equal(got, weights)
 
 
 def test_pull_wrong_total_bytes_raises() -> None:
     weights = np.zeros(4, np.float32)
-    msgs = codec.encode_pull(pb.PullHeader(), codec.as_bytes(weights), 4096)
+    msgs = wire.encode_pull(pb.PullHeader(), compression.as_bytes(weights), 4096)
     with pytest.raises(InvalidRequest) as info:
-        codec.decode_pull(msgs, None, 20)
+        wire.decode_pull(msgs, None, 20)
     assert "16 bytes" in str(info.value)
     assert "20" in str(info.value)
 
 
 def test_pull_stream_starting_with_data_raises() -> None:
     with pytest.raises(InvalidRequest):
-        codec.decode_pull(iter([pb.PullChunk(data=b"\0" * 4)]), None, 4)
+        wire.decode_pull(iter([pb.PullChunk(data=b"\0" * 4)]), None, 4)
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20, (1 << 20) + 3])
 def test_data_chunk_framing_is_the_protobuf_encoding(size: int) -> None:
     data = bytes(i % 251 for i in range(size))
-    wire = codec.serialize_chunk(codec.DataChunk(memoryview(data)))
-    assert wire == pb.PushChunk(data=data).SerializeToString()
-    assert pb.PullChunk.FromString(wire).data == data
-    parsed = codec.parse_push_chunk(wire)
-    assert isinstance(parsed, codec.DataChunk) and bytes(parsed.data) == data
+    encoded = wire.serialize_chunk(wire.DataChunk(memoryview(data)))
+    assert encoded == pb.PushChunk(data=data).SerializeToString()
+    assert pb.PullChunk.FromString(encoded).data == data
+    parsed = wire.parse_push_chunk(encoded)
+    assert isinstance(parsed, wire.DataChunk) and bytes(parsed.data) == data
 
 
 def test_parse_leaves_anything_but_a_bare_data_chunk_to_protobuf() -> None:
     header = pb.PushChunk(header=pb.PushHeader(worker_id="w", iteration=3))
-    parsed = codec.parse_push_chunk(header.SerializeToString())
+    parsed = wire.parse_push_chunk(header.SerializeToString())
     assert parsed.WhichOneof("kind") == "header" and parsed.header.iteration == 3
     # a data chunk followed by another field is still read by protobuf, correctly
-    wire = (
+    encoded = (
         pb.PushChunk(data=b"ab").SerializeToString() + pb.PushChunk(data=b"cd").SerializeToString()
     )
-    assert codec.parse_push_chunk(wire).data == b"cd"
+    assert wire.parse_push_chunk(encoded).data == b"cd"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_compressed_gradients_round_trip_through_the_wire_dtype(dtype):
     flat = torch.linspace(-3, 3, 1001)
-    wire = codec.Compressor(dtype, flat.numel()).encode(flat)
-    assert len(wire) == 2 * flat.numel()
-    back = codec.to_float32(np.frombuffer(wire, np.uint8).copy(), dtype)
-    expected = flat.to(codec.WIRE_DTYPES[dtype]).float().numpy()
+    encoded = compression.by_dtype(dtype)(flat.numel()).encode(flat)
+    assert len(encoded) == 2 * flat.numel()
+    back = compression.to_float32(np.frombuffer(encoded, np.uint8).copy(), dtype)
+    expected = flat.to(getattr(torch, dtype)).float().numpy()
     np.testing.assert_array_equal(back, expected)
     np.testing.assert_allclose(back, flat.numpy(), rtol=1e-2, atol=1e-6)
 
 
 def test_fp16_saturates_instead_of_overflowing_but_keeps_real_nan_and_inf():
     flat = torch.tensor([1e6, -1e6, 1.0, float("inf"), float("nan")])
-    wire = codec.Compressor("float16", 5).encode(flat)
-    back = codec.to_float32(np.frombuffer(wire, np.uint8).copy(), "float16")
+    encoded = compression.by_dtype("float16")(5).encode(flat)
+    back = compression.to_float32(np.frombuffer(encoded, np.uint8).copy(), "float16")
     assert back[:3].tolist() == [65504.0, -65504.0, 1.0]
     assert back[3] == np.inf and np.isnan(back[4])
 
 
 def test_an_unknown_wire_dtype_is_refused():
     with pytest.raises(InvalidRequest, match="float8"):
-        codec.wire_itemsize("float8")
-    assert codec.wire_itemsize("") == 4 and codec.wire_itemsize("bfloat16") == 2
+        compression.wire_itemsize("float8")
+    assert compression.wire_itemsize("") == 4 and compression.wire_itemsize("bfloat16") == 2
+
+
+def test_the_compression_registry_matches_the_proto_and_the_cli():
+    from pathlib import Path
+
+    from paramserver import cli
+
+    proto = (Path(__file__).parents[2] / "protos/paramserver/v1/paramserver.proto").read_text()
+    line = next(ln for ln in proto.splitlines() if "string dtype = 8;" in ln)
+    named = set(re.findall(r'"([a-z0-9]+)"', line))
+    assert named == set(compression.BY_DTYPE)
+    worker_options = {p.name: p for p in cli.worker.params}
+    assert tuple(worker_options["compress"].type.choices) == compression.CHOICES
+    for name in compression.CHOICES:
+        assert compression.by_dtype(compression.by_name(name).dtype) is compression.by_name(name)
+    with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
+        compression.by_name("zstd")
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7])
+def test_any_range_of_the_flat_buffer_flattens_and_unflattens_in_place(shards):
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 5), torch.randn(7), torch.randn(2, 2, 2).transpose(0, 2)]
+    manifest = Manifest.from_tensors([(f"t{i}", t) for i, t in enumerate(tensors)])
+    whole = torch.empty(manifest.numel)
+    flatten_into(manifest, tensors, whole)
+    back = [torch.zeros_like(t) for t in tensors]
+    for shard in range(shards):
+        lo, hi = layout.shard_range(manifest.numel, shard, shards)
+        part = torch.empty(hi - lo)
+        flatten_into(manifest, tensors, part, lo, hi)
+        assert torch.equal(part, whole[lo:hi])
+        unflatten_into(manifest, part, back, lo, hi)
+    for t, b in zip(tensors, back, strict=True):
+        assert torch.equal(t, b)

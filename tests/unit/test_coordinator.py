@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import Manifest
+from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker, WrongIncarnation
 from paramserver.server.coordinator import Coordinator

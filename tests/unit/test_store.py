@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.codec import Manifest
+from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
 from paramserver.store import ParameterStore
 
