@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import torch
 
-from paramserver import codec, models
+from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.bench.common import median_seconds, server_process
-from paramserver.worker.client import Worker
+from paramserver.codec import compression, wire
+from paramserver.worker.worker import Worker
 
 
 def main(optimizer: str) -> None:
@@ -19,17 +20,19 @@ def main(optimizer: str) -> None:
     args = ("--model", "mlp", "--optimizer", optimizer, "--policy", "async", "--workers", "1",
             "--lease-timeout", "600")  # fmt: skip
     with server_process(*args) as addr, Worker(addr, models.build("mlp", seed=0)) as w:
-        grad = codec.as_bytes(np.full(w.manifest.numel, 1e-3, np.float32))
+        grad = compression.as_bytes(np.full(w.manifest.numel, 1e-3, np.float32))
+        session = w.sessions[0]
 
         def push() -> None:
             h = pb.PushHeader(
                 worker_id=w.worker_id, iteration=w.clock, samples=1, incarnation=w.incarnation
             )
-            w._stub.Push(codec.encode_push(h, grad, w.chunk_bytes), timeout=60)
-            w.clock += 1
+            chunks = wire.encode_push(h, grad, session.reply.chunk_bytes)
+            session.stub.Push(chunks, timeout=60)
+            session.clock += 1
 
         def heartbeat() -> None:
-            w._stub.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id))
+            session.stub.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id))
 
         for name, call in (("push of the gradient", push), ("unary RPC (Heartbeat)", heartbeat),
                            ("pull (Worker.pull)", w.pull)):  # fmt: skip

@@ -34,8 +34,7 @@ from paramserver.errors import (
 )
 from paramserver.server.app import ServerApp
 from paramserver.staleness import Policy
-from paramserver.worker.client import Worker
-from paramserver.worker.sharded import ShardedWorker
+from paramserver.worker.worker import ShardedWorker, Worker
 
 __version__ = "0.1.0"
 

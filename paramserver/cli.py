@@ -392,8 +392,7 @@ QUERY_SERVER_OPTION = opt(
 
 
 def _status_stub(server_address: str, timeout: float, kw: dict[str, Any]) -> Any:
-    from paramserver.stub import Stub
-    from paramserver.worker.client import connect
+    from paramserver.stub import Stub, connect
 
     channel = connect(server_address, timeout, security_config(kw))
     return channel, Stub(channel)
@@ -454,7 +453,7 @@ def health(server_address: str, timeout: float, **kw: Any) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from paramserver.errors import ServerUnavailable, from_rpc_error
-    from paramserver.worker.client import connect
+    from paramserver.stub import connect
 
     channel = connect(server_address, timeout, security_config(kw))
     try:

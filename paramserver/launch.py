@@ -22,8 +22,8 @@ from paramserver.config import LaunchConfig, Security, ServerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.procs import Child, stop_all
 from paramserver.rundir import RunDir
-from paramserver.stub import Stub
-from paramserver.worker.client import connect, observe
+from paramserver.stub import Stub, connect
+from paramserver.worker.channel import observe
 from paramserver.worker.trainer import evaluate
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from paramserver.errors import ClusterFull, UnknownWorker
 
@@ -122,20 +123,45 @@ class Membership:
     def floor(self) -> int:
         return self._floor
 
-    def restore(
-        self, members: list[dict], floor: int, joined_total: int, expired_total: int
-    ) -> None:
-        """Take back the members of a checkpoint, each with a fresh lease."""
-        self.members = {
-            m["worker_id"]: Member(
-                m["worker_id"], m["name"], int(m["rank"]), int(m["clock"]), self.now(),
-                int(m["samples"]), joined_at=self.now(), samples_at_join=int(m["samples"]),
-            )
-            for m in members
+    def state(self) -> dict[str, Any]:
+        """For a checkpoint: the members' clocks say which pushes the weights hold."""
+        return {
+            "members": [
+                {"worker_id": m.worker_id, "name": m.name, "rank": m.rank, "clock": m.clock,
+                 "samples": m.samples}
+                for m in self.members.values()
+            ],
+            "floor": self._floor,
+            "joined_total": self.joined_total,
+            "expired_total": self.expired_total,
         }  # fmt: skip
-        self._floor = int(floor)
-        self.joined_total = int(joined_total)
-        self.expired_total = int(expired_total)
+
+    @classmethod
+    def from_state(
+        cls,
+        state: dict[str, Any],
+        capacity: int,
+        lease_seconds: float,
+        now: Callable[[], float] = time.monotonic,
+    ) -> Membership:
+        """The members of a checkpoint, each with a fresh lease."""
+        t = now()
+        members = {
+            m["worker_id"]: Member(
+                m["worker_id"], m["name"], int(m["rank"]), int(m["clock"]), t,
+                int(m["samples"]), joined_at=t, samples_at_join=int(m["samples"]),
+            )
+            for m in state["members"]
+        }  # fmt: skip
+        return cls(
+            capacity,
+            lease_seconds,
+            now,
+            members,
+            joined_total=int(state["joined_total"]),
+            expired_total=int(state["expired_total"]),
+            _floor=int(state["floor"]),
+        )
 
     def live_ids(self) -> list[str]:
         """Ids of the live workers."""

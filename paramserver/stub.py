@@ -1,5 +1,6 @@
-"""The client side of the wire contract: the generated stub, with Push and Pull framed by the
-codec's one-copy data chunks (the same bytes on the wire as the protobuf encoding)."""
+"""The client side of the wire contract: ``connect`` to a server, and the generated stub with
+Push and Pull framed by the codec's one-copy data chunks (the same bytes on the wire as the
+protobuf encoding)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,42 @@ from typing import Any
 
 import grpc
 
+from paramserver import security
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import wire
+from paramserver.config import Security
+from paramserver.errors import ServerUnavailable
 
 SERVICE = "paramserver.v1.ParameterServer"
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def connect(address: str, timeout: float, sec: Security | None = None) -> grpc.Channel:
+    """A channel to ``address`` (with ``sec``'s TLS and token) that is known to be connected.
+
+    Raises:
+        ServerUnavailable: nothing answers at ``address`` within ``timeout`` seconds.
+    """
+    channel = security.client_channel(address, sec or Security(), CHANNEL_OPTIONS)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        hint = (
+            " With TLS: is the server's certificate signed by --tls-ca, and does the server "
+            "accept this client's certificate?"
+            if sec is not None and sec.tls
+            else " If the server uses TLS, pass --tls-ca (and --tls-cert/--tls-key)."
+        )
+        raise ServerUnavailable(
+            f"No parameter server answered at {address} within {timeout:g}s: is it running, "
+            f"and is the address right?{hint}"
+        ) from None
+    return channel
 
 
 class Stub(pb_grpc.ParameterServerStub):
@@ -20,6 +52,7 @@ class Stub(pb_grpc.ParameterServerStub):
 
     def __init__(self, channel: grpc.Channel):
         super().__init__(channel)
+        self.channel = channel
         self.Push = channel.stream_unary(
             f"/{SERVICE}/Push",
             request_serializer=wire.serialize_chunk,
@@ -30,6 +63,9 @@ class Stub(pb_grpc.ParameterServerStub):
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=wire.parse_pull_chunk,
         )
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 # The unary RPCs: name -> (request type, response type), served with protobuf's own framing.

@@ -15,8 +15,7 @@ import click
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.procs import Child, stop_all
-from paramserver.stub import Stub
-from paramserver.worker.client import connect
+from paramserver.stub import Stub, connect
 
 READY_MARKER = "paramserver server listening on"
 

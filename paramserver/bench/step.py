@@ -11,7 +11,7 @@ from paramserver import models
 from paramserver.bench.common import median_seconds, server_process
 from paramserver.config import OptimizerConfig
 from paramserver.store import build_optimizer
-from paramserver.worker.client import Worker
+from paramserver.worker.worker import Worker
 
 
 def _batch(batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from paramserver.bench.common import median_seconds, server_process
-from paramserver.worker.client import Worker
-from paramserver.worker.sharded import ShardedWorker
+from paramserver.worker.worker import Worker
 
 MIB = 1 << 20
 
@@ -76,11 +75,7 @@ def worker_gbps(
     float32 model, whatever the wire carries."""
     model = Blob(nbytes)
     grad = torch.full_like(model.w, 1e-3)
-    worker: Any
-    if isinstance(address, list):
-        worker = ShardedWorker(address, model, shm=shm, overlap=False, compress=compress)
-    else:
-        worker = Worker(address, model, shm=shm, overlap=False, compress=compress)
+    worker = Worker(address, model, shm=shm, overlap=False, compress=compress)
     try:
         if worker.shm_active != shm:
             raise RuntimeError(f"the worker {'could not' if shm else 'did'} use shared memory")

@@ -9,7 +9,7 @@ worker copies between its tensors and any range of the flat buffer with ``flatte
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,11 +127,18 @@ def shard_manifest(numel: int) -> Manifest:
     return Manifest((TensorSpec("flat", (numel,), "float32", 0, 4 * numel),), 4 * numel)
 
 
-def _overlap(spec: TensorSpec, lo: int, hi: int) -> tuple[int, int] | None:
-    """The elements [a, b) of ``spec``'s tensor that fall in [lo, hi) of the flat buffer."""
-    start = spec.offset // 4
-    a, b = max(start, lo) - start, min(start + spec.numel, hi) - start
-    return (a, b) if a < b else None
+def _pieces(
+    manifest: Manifest, tensors: Sequence[torch.Tensor], lo: int, hi: int | None
+) -> Iterator[tuple[torch.Tensor, int, int, int, bool]]:
+    """For each tensor that overlaps elements [lo, hi) of the flat buffer: the tensor, the
+    span [a, b) of its elements inside, where that span starts in a buffer of the range,
+    and whether it is the whole tensor."""
+    hi = manifest.numel if hi is None else hi
+    for spec, t in zip(manifest.tensors, tensors, strict=True):
+        start = spec.offset // 4
+        a, b = max(start, lo) - start, min(start + spec.numel, hi) - start
+        if a < b:
+            yield t, a, b, start + a - lo, b - a == spec.numel
 
 
 def flatten_into(
@@ -143,13 +150,7 @@ def flatten_into(
 ) -> None:
     """Copy elements [lo, hi) of the flat buffer, taken from ``tensors`` (in manifest
     order), into the float32 buffer ``flat`` of hi - lo elements. One copy per element."""
-    hi = manifest.numel if hi is None else hi
-    for spec, t in zip(manifest.tensors, tensors, strict=True):
-        part = _overlap(spec, lo, hi)
-        if part is None:
-            continue
-        a, b = part
-        at = spec.offset // 4 + a - lo
+    for t, a, b, at, _ in _pieces(manifest, tensors, lo, hi):
         flat[at : at + b - a].copy_(t.detach().reshape(-1)[a:b], non_blocking=True)
 
 
@@ -162,23 +163,17 @@ def unflatten_into(
 ) -> None:
     """Copy the float32 buffer ``flat``, elements [lo, hi) of the flat buffer, into the
     parts of ``tensors`` (in manifest order) it covers, in place."""
-    hi = manifest.numel if hi is None else hi
     with torch.no_grad():
-        for spec, t in zip(manifest.tensors, tensors, strict=True):
-            part = _overlap(spec, lo, hi)
-            if part is None:
-                continue
-            a, b = part
-            at = spec.offset // 4 + a - lo
+        for t, a, b, at, whole in _pieces(manifest, tensors, lo, hi):
             src = flat[at : at + b - a]
-            if b - a == spec.numel:
+            if whole:
                 t.copy_(src.view(t.shape), non_blocking=True)
             elif t.is_contiguous():
                 t.view(-1)[a:b].copy_(src, non_blocking=True)
             else:  # a strided tensor straddling a shard boundary: rare, so not fast
-                whole = t.reshape(-1).clone()
-                whole[a:b].copy_(src)
-                t.copy_(whole.view(t.shape))
+                part = t.reshape(-1).clone()
+                part[a:b].copy_(src)
+                t.copy_(part.view(t.shape))
 
 
 def state_dict(manifest: Manifest, flat: np.ndarray) -> dict[str, torch.Tensor]:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 import numpy as np
@@ -40,6 +43,28 @@ def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
     return manifest, flat.numpy()
 
 
+def build_coordinator(
+    config: ServerConfig, model: nn.Module | None = None, now: Callable[[], float] = time.monotonic
+) -> Coordinator:
+    """The server's state for ``config``: ``model``'s weights (default: ``config.model``
+    built with ``config.seed``), or this shard's range of them, and the optimizer."""
+    if model is None:
+        model = models.build(config.model, seed=config.seed)
+    manifest, flat = initial_weights(model)
+    model_numel, offset = manifest.numel, 0
+    if config.shards > 1:  # this server holds one contiguous range of the flat buffer
+        offset, end = shard_range(manifest.numel, config.shard, config.shards)
+        if end <= offset:
+            raise ConfigError(
+                f"A model of {manifest.numel} parameters cannot be split into "
+                f"{config.shards} shards."
+            )
+        manifest, flat = shard_manifest(end - offset), flat[offset:end].copy()
+    coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer), now)
+    coordinator.model_numel, coordinator.shard_offset = model_numel, offset
+    return coordinator
+
+
 class ServerApp:
     """One parameter-server process: start(), address, wait(), stop(grace).
 
@@ -52,20 +77,8 @@ class ServerApp:
     def __init__(self, config: ServerConfig, model: nn.Module | None = None):
         self.config = config
         torch.set_num_threads(config.threads)
-        if model is None:
-            model = models.build(config.model, seed=config.seed)
-        manifest, flat = initial_weights(model)
-        model_numel, offset = manifest.numel, 0
-        if config.shards > 1:  # this server holds one contiguous range of the flat buffer
-            offset, end = shard_range(manifest.numel, config.shard, config.shards)
-            if end <= offset:
-                raise ConfigError(
-                    f"A model of {manifest.numel} parameters cannot be split into "
-                    f"{config.shards} shards."
-                )
-            manifest, flat = shard_manifest(end - offset), flat[offset:end].copy()
-        self.coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer))
-        self.coordinator.model_numel, self.coordinator.shard_offset = model_numel, offset
+        self.coordinator = build_coordinator(config, model)
+        manifest = self.coordinator.manifest
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir:
             saved = checkpoint.load_server(
@@ -176,9 +189,9 @@ class ServerApp:
             for member in self.coordinator.expire_leases():
                 self.shared.detach(member.worker_id)
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """The same figures as the Status RPC, as a dict."""
-        return self.coordinator.status()
+        return self.coordinator.status().as_dict()
 
     def wait_for_version(self, version: int, timeout: float) -> bool:
         """Block until ``version`` optimizer steps have been applied; False on timeout."""

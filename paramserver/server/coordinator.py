@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from paramserver import staleness
-from paramserver.codec import compression
 from paramserver.codec.layout import Manifest
 from paramserver.config import ServerConfig
 from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
+from paramserver.server.rounds import SyncRound
+from paramserver.server.status import ServerStatus, WorkerStatus
 from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
 
@@ -52,6 +52,18 @@ class Counters:
     train_loss: float = math.nan
     first_push: float | None = None
     last_push: float | None = None
+
+    # what a checkpoint keeps of them
+    SAVED = ("pushes_applied", "duplicates", "skipped", "samples", "bytes_in", "bytes_out",
+             "max_staleness")  # fmt: skip
+
+    def state(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in self.SAVED}
+
+    def load(self, state: dict[str, Any]) -> None:
+        for key in self.SAVED:
+            if key in state:
+                setattr(self, key, int(state[key]))
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class Coordinator:
         config: ServerConfig,
         store: ParameterStore,
         now: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ):
         self.config = config
         self.policy: Policy = config.parsed_policy
@@ -93,13 +106,12 @@ class Coordinator:
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = now()
         self._now = now
+        self._wall = wall
         self._cond = threading.Condition()
         self._started = False  # becomes True once --min-workers workers are live
         self.rounds = 0  # sync rounds completed
         self.queue: BatchQueue | None = None  # set by the first join that brings data
-        self._round_sum: np.ndarray | None = None
-        self._round_from: set[str] = set()
-        self._round_n = 0  # non-empty gradients in the round sum
+        self.round = SyncRound()
         self.checkpoint_version = -1
         self.checkpoint_time: float | None = None
         # The whole model's size and where this server's range starts (--shard I/S).
@@ -212,41 +224,14 @@ class Coordinator:
 
     # --- push -------------------------------------------------------------------------
 
-    def check_push(
-        self,
-        worker_id: str,
-        iteration: int,
-        total_bytes: int,
-        empty: bool = False,
-        dtype: str = "",
-        shard: int = 0,
-        shm: bool = False,
-    ) -> None:
-        """Validate a push header before its payload is read (``shm``: the payload is in the
-        worker's shared segment, so no bytes follow the header)."""
-        itemsize = compression.wire_itemsize(dtype)
-        if shard != self.config.shard:
-            raise InvalidRequest(
-                f"A push for shard {shard} reached shard {self.config.shard} of the server."
-            )
+    def accept_header(self, worker_id: str) -> None:
+        """A push header the servicer found well-formed renews the lease before its payload
+        is read: a large payload takes a while.
+
+        Raises:
+            UnknownWorker: ``worker_id`` holds no lease.
+        """
         with self._cond:
-            self.membership.get(worker_id)
-        expected = 0 if empty or shm else self.manifest.numel * itemsize
-        if total_bytes != expected:
-            raise InvalidRequest(
-                f"A push of {total_bytes} bytes does not match the model's "
-                f"{self.manifest.numel * itemsize} bytes of {compression.wire_dtype(dtype)}"
-                + (
-                    " (an empty push carries none)."
-                    if empty
-                    else " (a push through shared memory streams none)."
-                    if shm
-                    else "."
-                )
-            )
-        if iteration < 0:
-            raise InvalidRequest(f"Iteration {iteration} is negative.")
-        with self._cond:  # a valid header renews the lease: a large payload takes a while
             self.membership.touch(worker_id)
 
     def push(
@@ -307,13 +292,7 @@ class Coordinator:
             if grad is not None:
                 self.counters.bytes_in += grad.nbytes
             if self.policy.synchronous:
-                if grad is not None:
-                    if self._round_sum is None:
-                        self._round_sum = grad.copy()
-                    else:
-                        self._round_sum += grad
-                    self._round_n += 1
-                self._round_from.add(worker_id)
+                self.round.add(worker_id, grad)
             elif grad is not None:
                 self.store.apply(grad)
             if self.queue is not None:
@@ -339,14 +318,11 @@ class Coordinator:
     def _maybe_finish_round(self) -> None:
         if not self.policy.synchronous:
             return
-        if staleness.round_complete(self._round_from, self.membership.live_ids()):
-            if self._round_sum is not None:
-                self._round_sum /= self._round_n
-                self.store.apply(self._round_sum)
+        if self.round.complete(self.membership.live_ids()):
+            mean = self.round.take_mean()
+            if mean is not None:
+                self.store.apply(mean)
             self.rounds += 1
-            self._round_sum = None
-            self._round_from = set()
-            self._round_n = 0
 
     # --- pull -------------------------------------------------------------------------
 
@@ -387,7 +363,7 @@ class Coordinator:
                     f"Worker {worker_id} asked for iteration {iteration} but its clock is "
                     f"already {member.clock}."
                 )
-            waited_from = time.perf_counter()
+            waited_from = self._now()
             try:
                 while True:
                     if self.queue is not None and self.queue.finished:
@@ -405,7 +381,7 @@ class Coordinator:
                     self._cond.wait(min(remaining, self.config.lease_seconds))
                     self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
             finally:
-                self.counters.barrier_wait_seconds += time.perf_counter() - waited_from
+                self.counters.barrier_wait_seconds += self._now() - waited_from
 
     def _pull_ready(self, iteration: int) -> bool:
         if not self._started:
@@ -451,8 +427,7 @@ class Coordinator:
     def checkpoint_state(self) -> dict[str, Any]:
         """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
         with self._cond:
-            c = self.counters
-            m = self.membership
+            members = self.membership.state()
             return {
                 "weights": self.store.weights.copy(),
                 "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
@@ -460,38 +435,11 @@ class Coordinator:
                 "rounds": self.rounds,
                 "policy": self.policy.name,
                 "incarnation": self.incarnation,
-                "members": [
-                    {
-                        "worker_id": w.worker_id,
-                        "name": w.name,
-                        "rank": w.rank,
-                        "clock": w.clock,
-                        "samples": w.samples,
-                    }
-                    for w in m.members.values()
-                ],
-                "membership": {
-                    "floor": m.floor,
-                    "joined_total": m.joined_total,
-                    "expired_total": m.expired_total,
-                },
+                "members": members.pop("members"),
+                "membership": members,
                 "queue": self.queue.state() if self.queue is not None else None,
-                "sync_round": {
-                    "sum": None
-                    if self._round_sum is None
-                    else torch.from_numpy(self._round_sum.copy()),
-                    "from": sorted(self._round_from),
-                    "n": self._round_n,
-                },
-                "counters": {
-                    "pushes_applied": c.pushes_applied,
-                    "duplicates": c.duplicates,
-                    "skipped": c.skipped,
-                    "samples": c.samples,
-                    "bytes_in": c.bytes_in,
-                    "bytes_out": c.bytes_out,
-                    "max_staleness": c.max_staleness,
-                },
+                "sync_round": self.round.state(),
+                "counters": self.counters.state(),
             }
 
     def restore(self, state: dict[str, Any], weights: np.ndarray) -> None:
@@ -510,16 +458,17 @@ class Coordinator:
                 )
             self.store.restore(weights, state["optimizer_state"], int(state["version"]))
             self.rounds = int(state["rounds"])
-            self.membership.restore(state["members"], **state["membership"])
+            self.membership = Membership.from_state(
+                {"members": state["members"], **state["membership"]},
+                self.config.workers,
+                self.config.lease_seconds,
+                self._now,
+            )
             q = state["queue"]
             self.queue = BatchQueue.from_state(q) if q is not None else None
-            r = state["sync_round"]
-            if self.policy.synchronous and r["from"]:
-                self._round_sum = None if r["sum"] is None else r["sum"].numpy().copy()
-                self._round_from = set(r["from"]) & set(self.membership.members)
-                self._round_n = int(r["n"])
-            for key, value in state["counters"].items():
-                setattr(self.counters, key, int(value))
+            if self.policy.synchronous:
+                self.round = SyncRound.from_state(state["sync_round"], self.membership.live_ids())
+            self.counters.load(state["counters"])
             self._started = bool(self.membership.members) or self.store.version > 0
             self.checkpoint_version = self.store.version
             log.info(
@@ -538,55 +487,56 @@ class Coordinator:
 
     # --- status -----------------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self) -> ServerStatus:
         with self._cond:
             now = self._now()
             c = self.counters
             members = sorted(self.membership.members.values(), key=lambda m: m.rank)
             fastest = max((m.clock for m in members), default=0)
-            return {
-                "version": self.store.version,
-                "policy": self.policy.name,
-                "workers": [
-                    {
-                        "worker_id": m.worker_id,
-                        "name": m.name,
-                        "rank": m.rank,
-                        "clock": m.clock,
-                        "last_seen_seconds": now - m.last_seen,
-                        "samples": m.samples,
-                        "samples_per_second": self.membership.rate(m),
-                        "lag": fastest - m.clock,
-                    }
-                    for m in members
-                ],
-                "pushes_applied": c.pushes_applied,
-                "bytes_in": c.bytes_in,
-                "bytes_out": c.bytes_out,
-                "max_staleness": c.max_staleness,
-                "staleness_histogram": dict(c.histogram),
-                "samples": c.samples,
-                "train_loss": c.train_loss,
-                "train_seconds": (c.last_push - c.first_push)
-                if c.first_push is not None and c.last_push is not None
-                else 0.0,
-                "incarnation": self.incarnation,
-                "model": self.config.model,
-                "world_size": self.config.workers,
-                "workers_joined": self.membership.joined_total,
-                "workers_expired": self.membership.expired_total,
-                "uptime_seconds": now - self.started_at,
-                "learning_rate": self.store.lr,
-                "batches_done": self.queue.done if self.queue else 0,
-                "batches_total": self.queue.total if self.queue else 0,
-                "pushes_skipped": c.skipped,
-                "duplicates": c.duplicates,
-                "checkpoint_version": self.checkpoint_version,
-                "checkpoint_age_seconds": -1.0
-                if self.checkpoint_time is None
-                else time.time() - self.checkpoint_time,
-                "min_workers": self.config.start_workers,
-                "rounds": self.rounds,
-                "pulls_answered": c.pulls,
-                "barrier_wait_seconds": c.barrier_wait_seconds,
-            }
+            workers = tuple(
+                WorkerStatus(
+                    worker_id=m.worker_id,
+                    name=m.name,
+                    rank=m.rank,
+                    clock=m.clock,
+                    last_seen_seconds=now - m.last_seen,
+                    samples=m.samples,
+                    samples_per_second=self.membership.rate(m),
+                    lag=fastest - m.clock,
+                )
+                for m in members
+            )
+            trained = 0.0
+            if c.first_push is not None and c.last_push is not None:
+                trained = c.last_push - c.first_push
+            age = -1.0 if self.checkpoint_time is None else self._wall() - self.checkpoint_time
+            return ServerStatus(
+                version=self.store.version,
+                policy=self.policy.name,
+                workers=workers,
+                pushes_applied=c.pushes_applied,
+                bytes_in=c.bytes_in,
+                bytes_out=c.bytes_out,
+                max_staleness=c.max_staleness,
+                staleness_histogram=dict(c.histogram),
+                samples=c.samples,
+                train_loss=c.train_loss,
+                train_seconds=trained,
+                incarnation=self.incarnation,
+                model=self.config.model,
+                world_size=self.config.workers,
+                workers_joined=self.membership.joined_total,
+                workers_expired=self.membership.expired_total,
+                uptime_seconds=now - self.started_at,
+                learning_rate=self.store.lr,
+                batches_done=self.queue.done if self.queue else 0,
+                batches_total=self.queue.total if self.queue else 0,
+                pushes_skipped=c.skipped,
+                duplicates=c.duplicates,
+                checkpoint_version=self.checkpoint_version,
+                checkpoint_age_seconds=age,
+                min_workers=self.config.start_workers,
+                rounds=self.rounds,
+                pulls_answered=c.pulls,
+                barrier_wait_seconds=c.barrier_wait_seconds,
+            )

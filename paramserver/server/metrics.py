@@ -21,6 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from paramserver.server.status import ServerStatus
+
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -30,42 +32,40 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32, 64, 128)
 class StatusCollector(Collector):
     """Turns ``status()`` (the same figures as the Status RPC) into metrics at scrape time."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]]):
+    def __init__(self, status: Callable[[], ServerStatus]):
         self._status = status
 
     def collect(self) -> Iterable[Metric]:
         s = self._status()
-        yield _gauge("version", "Optimizer steps applied.", s["version"])
-        yield _gauge("live_workers", "Workers holding a lease.", len(s["workers"]))
-        yield _counter("pushes_applied", "Gradients accepted.", s["pushes_applied"])
-        yield _counter("pulls", "Worker pulls answered.", s["pulls_answered"])
+        yield _gauge("version", "Optimizer steps applied.", s.version)
+        yield _gauge("live_workers", "Workers holding a lease.", len(s.workers))
+        yield _counter("pushes_applied", "Gradients accepted.", s.pushes_applied)
+        yield _counter("pulls", "Worker pulls answered.", s.pulls_answered)
         yield _counter(
-            "duplicate_pushes", "Retried pushes acknowledged, not applied.", s["duplicates"]
+            "duplicate_pushes", "Retried pushes acknowledged, not applied.", s.duplicates
         )
-        yield _counter("skipped_pushes", "Non-finite gradients skipped.", s["pushes_skipped"])
-        yield _counter("received_bytes", "Gradient bytes received.", s["bytes_in"])
-        yield _counter("sent_bytes", "Weight bytes sent.", s["bytes_out"])
-        yield _counter("samples", "Training samples behind the accepted gradients.", s["samples"])
+        yield _counter("skipped_pushes", "Non-finite gradients skipped.", s.pushes_skipped)
+        yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
+        yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
+        yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)
         yield _counter("barrier_wait_seconds", "Time pulls waited for the staleness policy.",
-                       s["barrier_wait_seconds"])  # fmt: skip
-        yield _gauge("batches_done", "Batches of the run applied.", s["batches_done"])
-        yield _gauge("batches_total", "Batches in the whole run.", s["batches_total"])
-        yield _gauge(
-            "learning_rate", "Learning rate of the next optimizer step.", s["learning_rate"]
-        )
-        yield _gauge("train_loss", "Moving average of pushed batch losses.", s["train_loss"])
-        if s["checkpoint_age_seconds"] >= 0:
+                       s.barrier_wait_seconds)  # fmt: skip
+        yield _gauge("batches_done", "Batches of the run applied.", s.batches_done)
+        yield _gauge("batches_total", "Batches in the whole run.", s.batches_total)
+        yield _gauge("learning_rate", "Learning rate of the next optimizer step.", s.learning_rate)
+        yield _gauge("train_loss", "Moving average of pushed batch losses.", s.train_loss)
+        if s.checkpoint_age_seconds >= 0:
             yield _gauge("checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
-                         s["checkpoint_age_seconds"])  # fmt: skip
+                         s.checkpoint_age_seconds)  # fmt: skip
         lag = GaugeMetricFamily(
             "paramserver_worker_clock_lag",
             "Iterations a worker is behind the fastest live worker.",
             labels=["worker_id", "name", "rank"],
         )
-        for w in s["workers"]:
-            lag.add_metric([w["worker_id"], w["name"], str(w["rank"])], w["lag"])
+        for w in s.workers:
+            lag.add_metric([w.worker_id, w.name, str(w.rank)], w.lag)
         yield lag
-        yield _histogram(s["staleness_histogram"])
+        yield _histogram(s.staleness_histogram)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -143,7 +143,7 @@ class LatencyInterceptor(grpc.ServerInterceptor):
 class Metrics:
     """The registry of one server, its latency interceptor and its HTTP endpoint."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]]):
+    def __init__(self, status: Callable[[], ServerStatus]):
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "paramserver_rpc_seconds",

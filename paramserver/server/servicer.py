@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
@@ -119,26 +120,44 @@ class Servicer(pb_grpc.ParameterServerServicer):
             return header, memoryview(b"")
         return header, compression.as_bytes(result.weights)
 
+    def _check_push_header(self, h: pb.PushHeader) -> None:
+        """The header's own consistency: its shard, element type and byte count."""
+        itemsize = compression.wire_itemsize(h.dtype)
+        shard = self.c.config.shard
+        if h.shard != shard:
+            raise InvalidRequest(f"A push for shard {h.shard} reached shard {shard} of the server.")
+        numel = self.c.manifest.numel
+        expected = 0 if h.empty or h.shm else numel * itemsize
+        if h.total_bytes != expected:
+            why = (
+                " (an empty push carries none)."
+                if h.empty
+                else " (a push through shared memory streams none)."
+                if h.shm
+                else "."
+            )
+            raise InvalidRequest(
+                f"A push of {h.total_bytes} bytes does not match the model's "
+                f"{numel * itemsize} bytes of {compression.wire_dtype(h.dtype)}{why}"
+            )
+        if h.iteration < 0:
+            raise InvalidRequest(f"Iteration {h.iteration} is negative.")
+
+    def _gradient(self, h: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> np.ndarray | None:
+        """The push's gradient, from the worker's segment or the stream; None if empty."""
+        if h.shm:
+            wire.expect_end(rest, "A push through shared memory")
+            return None if h.empty else self.shared.gradient(h.worker_id, h.shm_slot)
+        if h.empty:
+            wire.expect_end(rest)
+            return None
+        return wire.decode_gradient(rest, h.total_bytes, h.dtype)
+
     def _push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
         self.c.check_incarnation(header.incarnation)
-        self.c.check_push(
-            header.worker_id,
-            header.iteration,
-            header.total_bytes,
-            header.empty,
-            header.dtype,
-            header.shard,
-            header.shm,
-        )
-        grad = None
-        if header.shm:
-            wire.expect_end(rest, "A push through shared memory")
-            if not header.empty:
-                grad = self.shared.gradient(header.worker_id, header.shm_slot)
-        elif not header.empty:
-            grad = wire.decode_gradient(rest, header.total_bytes, header.dtype)
-        else:
-            wire.expect_end(rest)
+        self._check_push_header(header)
+        self.c.accept_header(header.worker_id)
+        grad = self._gradient(header, rest)
         result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
@@ -185,9 +204,4 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     @_rpc
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
-        s = self.c.status()
-        return pb.StatusResponse(
-            workers=[pb.WorkerStatus(**w) for w in s.pop("workers")],
-            staleness_histogram=s.pop("staleness_histogram"),
-            **s,
-        )
+        return self.c.status().to_proto()

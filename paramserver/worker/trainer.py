@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +14,7 @@ from paramserver import data
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
 from paramserver.errors import ConfigError
-from paramserver.worker.client import Worker
-from paramserver.worker.sharded import ShardedWorker
+from paramserver.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +90,8 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         loaded["data"] = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
         return len(loaded["data"].train_x)
 
-    kind: Any = Worker if len(cfg.addresses) == 1 else ShardedWorker
-    worker = kind(
-        cfg.server if len(cfg.addresses) == 1 else cfg.addresses,
+    worker = Worker(
+        cfg.addresses,
         device=device,
         name=cfg.name,
         rpc_timeout=cfg.rpc_timeout,

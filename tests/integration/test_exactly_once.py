@@ -15,7 +15,7 @@ from torch import nn
 import paramserver as ps
 from paramserver import data
 from paramserver import shm as shm_module
-from paramserver.worker import client
+from paramserver.stub import Stub, connect
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 
 
@@ -56,9 +56,11 @@ class DropPushReplies(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientIn
         return self._maybe_drop(outcome)
 
 
-def _train(address: str, model: nn.Module, steps: int, shm: bool) -> dict[str, torch.Tensor]:
+def _train(
+    address: str, model: nn.Module, steps: int, shm: bool, transport=None
+) -> dict[str, torch.Tensor]:
     ds = data.synthetic(train=256, test=16)
-    with ps.Worker(address, model, shm=shm) as w:
+    with ps.Worker(address, model, shm=shm, transport=transport) as w:
         assert w.shm_active is (shm and shm_module.available())
         for step in range(steps):
             idx = data.batch_indices(len(ds.train_x), 0, 16, step)
@@ -69,19 +71,21 @@ def _train(address: str, model: nn.Module, steps: int, shm: bool) -> dict[str, t
 
 @pytest.mark.parametrize("shm", [False, True], ids=["streamed", "shared-memory"])
 @pytest.mark.parametrize("policy", ["sync", "delay-1"])
-def test_a_push_whose_reply_is_lost_is_applied_once(serve, monkeypatch, policy, shm):
+def test_a_push_whose_reply_is_lost_is_applied_once(serve, policy, shm):
     steps = 20
     start = tiny_model()
     clean = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
     expected = _train(clean.address, replica(start), steps, shm)
 
     dropper = DropPushReplies(every=3)
-    real_connect = client.connect
-    monkeypatch.setattr(
-        client, "connect", lambda *a: grpc.intercept_channel(real_connect(*a), dropper)
-    )
     lossy = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
-    got = _train(lossy.address, replica(start), steps, shm)
+    got = _train(
+        lossy.address,
+        replica(start),
+        steps,
+        shm,
+        transport=lambda a: Stub(grpc.intercept_channel(connect(a, DEADLINE), dropper)),
+    )
 
     status = lossy.status()
     # sends 1, 4, 7, ... are dropped: iterations 0, 2, 4, ... each go twice

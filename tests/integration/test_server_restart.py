@@ -17,7 +17,8 @@ from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import layout
 from paramserver.launch import READY_MARKER
 from paramserver.procs import Child, stop_all
-from paramserver.worker.client import connect, observe
+from paramserver.stub import connect
+from paramserver.worker.channel import observe
 from paramserver.worker.trainer import evaluate
 from tests.conftest import DEADLINE
 

@@ -52,8 +52,8 @@ def test_sharded_servers_train_exactly_like_one(serve, tmp_path, optimizer, shar
         for i in range(shards)
     ]
     model = replica(start)
-    with ps.ShardedWorker([s.address for s in servers], model) as w:
-        assert len(w.shards) == shards and w.shm_active
+    with ps.Worker([s.address for s in servers], model) as w:
+        assert w.shards == shards and w.shm_active
         _train(w, model, 10)
         assert w.clock == 10 and all(s.status()["version"] == 10 for s in servers)
         got = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
@@ -80,7 +80,7 @@ def test_a_plain_worker_at_a_shard_is_told_to_list_every_shard(serve):
 def test_shards_given_out_of_order_are_refused(serve):
     servers = [serve("mlp", shard=i, shards=2, workers=2) for i in range(2)]
     with pytest.raises(ps.ConfigError, match="given as shard 0 of 2"):
-        ps.ShardedWorker([servers[1].address, servers[0].address])
+        ps.Worker([servers[1].address, servers[0].address])
 
 
 def test_bad_shard_options_are_one_line_errors():

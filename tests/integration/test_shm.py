@@ -14,8 +14,7 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver import data, shm
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.stub import Stub
-from paramserver.worker.client import connect
+from paramserver.stub import Stub, connect
 from tests.conftest import replica, tiny_model
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm here")

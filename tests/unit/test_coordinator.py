@@ -83,7 +83,7 @@ def test_sync_waits_for_everyone_then_averages(clock: FakeClock) -> None:
     assert np.array_equal(nxt.weights, full(-2.0))
     # The first pull's snapshot still holds the old weights.
     assert np.array_equal(first.weights, np.zeros(N, np.float32))
-    s = c.status()
+    s = c.status().as_dict()
     assert s["pushes_applied"] == 2
     assert s["samples"] == 16
     assert s["max_staleness"] == 0
@@ -128,7 +128,7 @@ def test_sync_dead_worker_is_expired_and_round_completes(clock: FakeClock) -> No
     assert c.store.version == 1
     assert np.array_equal(c.store.weights, full(-1.5))
     assert c.pull(a.worker_id, 1, timeout=0.0).version == 1
-    s = c.status()
+    s = c.status().as_dict()
     assert s["workers_expired"] == 1
     assert len(s["workers"]) == 2
     with pytest.raises(UnknownWorker):
@@ -180,8 +180,8 @@ def test_duplicate_push_is_acknowledged_not_applied(policy: str, clock: FakeCloc
     assert c.store.version == 1
     assert np.array_equal(c.store.weights, full(-1.0))
     assert c.counters.duplicates == 1
-    assert c.status()["pushes_applied"] == 1
-    assert c.status()["samples"] == 2
+    assert c.status().as_dict()["pushes_applied"] == 1
+    assert c.status().as_dict()["samples"] == 2
 
 
 def test_push_ahead_of_clock_is_out_of_order(clock: FakeClock) -> None:
@@ -201,10 +201,10 @@ def test_non_finite_push_changes_nothing(policy: str, bad: float, clock: FakeClo
     a = c.join("a")
     grad = full(1.0)
     grad[2] = bad
-    before = c.status()
+    before = c.status().as_dict()
     with pytest.raises(InvalidRequest):
         c.push(a.worker_id, 0, grad, 1, 0.0)
-    after = c.status()
+    after = c.status().as_dict()
     assert c.store.version == 0
     assert np.array_equal(c.store.weights, np.zeros(N, np.float32))
     assert c.membership.get(a.worker_id).clock == 0
@@ -244,7 +244,7 @@ def test_ssp1_bounds_the_lead(clock: FakeClock) -> None:
     assert got.staleness == 1
     assert got.version == 3
     assert np.array_equal(got.weights, full(-3.0))
-    s = c.status()
+    s = c.status().as_dict()
     assert s["max_staleness"] == 1
     assert all(k <= 1 for k in s["staleness_histogram"])
     assert s["staleness_histogram"] == {0: 1, 1: 2}
@@ -283,7 +283,7 @@ def test_async_never_waits_and_records_staleness(clock: FakeClock) -> None:
     assert got.staleness == 0  # min clock is B's own, 1
     assert got.version == 6
     assert np.array_equal(got.weights, full(-6.0))
-    s = c.status()
+    s = c.status().as_dict()
     assert s["max_staleness"] == 5
     assert s["staleness_histogram"] == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
 
@@ -293,36 +293,58 @@ def test_observer_pull_never_waits(clock: FakeClock) -> None:
     got = c.pull("", 0, timeout=0.0)  # before anyone joined
     assert got.version == 0
     assert got.staleness == 0
-    assert c.status()["staleness_histogram"] == {}
-    assert c.status()["bytes_out"] == NBYTES
+    assert c.status().as_dict()["staleness_histogram"] == {}
+    assert c.status().as_dict()["bytes_out"] == NBYTES
 
 
 # --- (f) check_push --------------------------------------------------------------------------
 
 
-def test_check_push(clock: FakeClock) -> None:
+def test_push_headers_are_checked_by_the_servicer_before_the_payload(clock: FakeClock) -> None:
     c = make("async", 1, clock)
     a = c.join("a")
-    c.check_push(a.worker_id, 0, NBYTES)  # valid: no exception
+    check = Servicer(c, Attachments(NBYTES))._check_push_header
+
+    def header(**kw) -> pb.PushHeader:
+        return pb.PushHeader(**{"worker_id": a.worker_id, "total_bytes": NBYTES, **kw})
+
+    check(header())  # valid: no exception
+    check(header(dtype="float16", total_bytes=NBYTES // 2))
+    check(header(empty=True, total_bytes=0))
     for wrong in (0, NBYTES - 4, NBYTES + 4):
         with pytest.raises(InvalidRequest) as info:
-            c.check_push(a.worker_id, 0, wrong)
+            check(header(total_bytes=wrong))
         assert str(NBYTES) in str(info.value)
-    with pytest.raises(InvalidRequest):
-        c.check_push(a.worker_id, -1, NBYTES)
+    with pytest.raises(InvalidRequest, match="negative"):
+        check(header(iteration=-1))
+    with pytest.raises(InvalidRequest, match="shard 1 reached shard 0"):
+        check(header(shard=1))
+    with pytest.raises(InvalidRequest, match="Unknown payload dtype"):
+        check(header(dtype="int8"))
     with pytest.raises(UnknownWorker):
-        c.check_push("nobody", 0, NBYTES)
+        c.accept_header("nobody")
 
 
-def test_check_push_renews_lease(clock: FakeClock) -> None:
+def test_an_accepted_push_header_renews_the_lease(clock: FakeClock) -> None:
     c = make("async", 1, clock)
     a = c.join("a")
     clock.advance(LEASE - 1)
-    c.check_push(a.worker_id, 0, NBYTES)
+    c.accept_header(a.worker_id)
     clock.advance(LEASE - 1)
     assert c.expire_leases() == []
     clock.advance(2)
     assert [m.worker_id for m in c.expire_leases()] == [a.worker_id]
+
+
+def test_the_status_goes_on_the_wire_whole(clock: FakeClock) -> None:
+    c = make("ssp:1", 2, clock)
+    a = c.join("a")
+    c.push(a.worker_id, 0, full(1.0), 16, 2.0)
+    msg = c.status().to_proto()
+    assert msg.version == 1 and msg.samples == 16 and msg.policy == "ssp:1"
+    assert [w.worker_id for w in msg.workers] == [a.worker_id]
+    back = {f.name for f in pb.StatusResponse.DESCRIPTOR.fields}
+    assert back == set(c.status().as_dict())
 
 
 # --- (g) status ----------------------------------------------------------------------
@@ -338,7 +360,7 @@ def test_status_has_every_field_of_the_wire_message(clock: FakeClock) -> None:
     c.push(a.worker_id, 1, full(1.0), 16, 4.0)
     clock.advance(1.0)
 
-    s = c.status()
+    s = c.status().as_dict()
     expected = {f.name for f in pb.StatusResponse.DESCRIPTOR.fields}
     assert set(s) == expected
     worker_fields = {f.name for f in pb.WorkerStatus.DESCRIPTOR.fields}
@@ -374,7 +396,7 @@ def test_status_has_every_field_of_the_wire_message(clock: FakeClock) -> None:
 
 def test_status_before_any_push(clock: FakeClock) -> None:
     c = make("sync", 1, clock)
-    s = c.status()
+    s = c.status().as_dict()
     assert s["train_seconds"] == 0.0
     assert math.isnan(s["train_loss"])
     assert s["workers"] == []
@@ -424,7 +446,7 @@ def test_batches_are_handed_out_and_an_empty_sync_push_counts_for_the_round(
     c.push(a.worker_id, 1, full(1.0), 64, math.nan)
     c.push(b.worker_id, 1, None, 0, math.nan)  # empty: counts, does not dilute
     np.testing.assert_array_equal(c.store.weights, full(-3.0))
-    assert c.status()["batches_done"] == 3
+    assert c.status().as_dict()["batches_done"] == 3
     assert c.pull(a.worker_id, 2, 0).finished
 
 
@@ -442,7 +464,7 @@ def test_skip_nonfinite_counts_and_moves_the_clock(clock: FakeClock) -> None:
     c = Coordinator(config, store, now=clock)
     a = c.join("a")
     result = c.push(a.worker_id, 0, full(math.nan), 1, math.nan)
-    assert (result.clock, result.version, c.status()["pushes_skipped"]) == (1, 0, 1)
+    assert (result.clock, result.version, c.status().as_dict()["pushes_skipped"]) == (1, 0, 1)
 
 
 def test_checkpoint_state_restores_exactly_and_workers_rejoin_at_their_clock(
@@ -472,4 +494,4 @@ def test_checkpoint_state_restores_exactly_and_workers_rejoin_at_their_clock(
     assert back.pull(b.worker_id, 1, 0).batch == 3  # its batch in flight came back
     back.push(b.worker_id, 1, full(1.0), 64, math.nan)
     np.testing.assert_array_equal(back.store.weights, full(-2.0 - 3.0))
-    assert back.status()["pushes_applied"] == 4
+    assert back.status().as_dict()["pushes_applied"] == 4

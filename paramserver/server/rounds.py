@@ -1,0 +1,60 @@
+"""The sync round in progress: the gradients of this round's contributors, summed.
+
+Pure bookkeeping: the coordinator decides when a round is complete (every live worker has
+pushed) and applies the mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from paramserver import staleness
+
+
+class SyncRound:
+    """Gradients of the current round: their sum, who pushed, and how many were non-empty."""
+
+    def __init__(self) -> None:
+        self.sum: np.ndarray | None = None
+        self.contributors: set[str] = set()
+        self.n = 0  # non-empty gradients in the sum
+
+    def add(self, worker_id: str, grad: np.ndarray | None) -> None:
+        """Count ``worker_id`` in the round; an empty push (None) adds no gradient."""
+        if grad is not None:
+            if self.sum is None:
+                self.sum = grad.copy()
+            else:
+                self.sum += grad
+            self.n += 1
+        self.contributors.add(worker_id)
+
+    def complete(self, live: list[str]) -> bool:
+        """Whether every live worker has pushed (and at least one worker has)."""
+        return staleness.round_complete(self.contributors, live)
+
+    def take_mean(self) -> np.ndarray | None:
+        """The mean gradient of the round (None if every push was empty); starts the next."""
+        mean = None if self.sum is None else self.sum / self.n
+        self.__init__()  # type: ignore[misc]
+        return mean
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "sum": None if self.sum is None else torch.from_numpy(self.sum.copy()),
+            "from": sorted(self.contributors),
+            "n": self.n,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], live: list[str]) -> SyncRound:
+        """The round of a checkpoint, less the contributors that are no longer members."""
+        r = cls()
+        if state["from"]:
+            r.sum = None if state["sum"] is None else state["sum"].numpy().copy()
+            r.contributors = set(state["from"]) & set(live)
+            r.n = int(state["n"])
+        return r

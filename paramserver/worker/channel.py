@@ -1,0 +1,201 @@
+"""How one shard's payloads move: the PayloadChannel, and the one place that picks it.
+
+A channel carries the payloads of one server (shard) for one session: the gradient of a push
+from a staging slot, and the weights of a pull into a receive buffer, both float32 views of
+the shard's range of the model's flat buffer. Control (the headers) always goes over gRPC.
+
+- ``GrpcStreamChannel``: payloads stream in chunks (``codec.wire``), gradients optionally
+  compressed (``codec.compression``): for any server, on any host.
+- ``ShmChannel``: payloads go through the worker's shared-memory segment that the server
+  mapped at Join (``paramserver.shm``); a push and the next pull are one unary PushPull.
+
+``open_channel`` chooses: shared memory when the server mapped the segment, else streams.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+
+import grpc
+import numpy as np
+import torch
+
+from paramserver import shm as shmem
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import compression, wire
+from paramserver.errors import from_rpc_error
+from paramserver.stub import Stub
+
+log = logging.getLogger(__name__)
+
+
+class PayloadChannel(abc.ABC):
+    """Push, pull and push-and-pull for one shard's range.
+
+    ``weights`` receives pulled weights; ``slots[i]`` holds the gradient of a push staged in
+    slot i. Calls raise ``grpc.RpcError`` (the session retries and translates them).
+    """
+
+    shm: bool
+    weights: torch.Tensor
+    slots: list[torch.Tensor]
+
+    @abc.abstractmethod
+    def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
+        """Send the gradient in ``slots[slot]`` (none if ``header.empty``)."""
+
+    @abc.abstractmethod
+    def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
+        """Receive the weights the request asks for into ``weights``."""
+
+    @abc.abstractmethod
+    def push_pull(
+        self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
+    ) -> pb.PullHeader:
+        """``push``, then ``pull``: one round trip where the channel can."""
+
+    def close(self) -> None:  # noqa: B027 - only a shared segment has anything to release
+        """Release what the channel holds (a shared segment)."""
+
+
+class GrpcStreamChannel(PayloadChannel):
+    """Payloads as gRPC streams of chunks; gradients in ``codec``'s wire dtype."""
+
+    shm = False
+
+    def __init__(
+        self,
+        stub: Stub,
+        weights: torch.Tensor,
+        slots: list[torch.Tensor],
+        codec: compression.Codec,
+        chunk_bytes: int,
+    ):
+        self.stub = stub
+        self.weights = weights
+        self.slots = slots
+        self.codec = codec
+        self.chunk_bytes = chunk_bytes
+
+    def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
+        payload = memoryview(b"")
+        if not header.empty:
+            payload = self.codec.encode(self.slots[slot])
+            header.dtype = self.codec.dtype
+        response: pb.PushResponse = self.stub.Push(
+            wire.encode_push(header, payload, self.chunk_bytes), timeout=timeout
+        )
+        return response
+
+    def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
+        out = self.weights.numpy()
+        header, _ = wire.decode_pull(self.stub.Pull(request, timeout=timeout), out, out.nbytes)
+        return header
+
+    def push_pull(
+        self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
+    ) -> pb.PullHeader:
+        # A retry after a lost reply pushes again: the server acknowledges it as a duplicate.
+        self.push(header, slot, timeout)
+        return self.pull(request, timeout)
+
+
+class ShmChannel(PayloadChannel):
+    """Payloads in the worker's segment, mapped by the server: headers alone on the wire."""
+
+    shm = True
+
+    def __init__(self, stub: Stub, segment: shmem.Segment):
+        self.stub = stub
+        self.segment = segment
+        self.weights = torch.from_numpy(segment.weights)
+        self.slots = [torch.from_numpy(a) for a in segment.slots]
+
+    def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
+        header.shm, header.shm_slot = True, slot
+        reply: pb.PushPullResponse = self.stub.PushPull(
+            pb.PushPullRequest(push=header), timeout=timeout
+        )
+        return reply.push
+
+    def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
+        request.shm = True
+        out = self.segment.weights
+        header, _ = wire.decode_pull(self.stub.Pull(request, timeout=timeout), out, out.nbytes)
+        return header
+
+    def push_pull(
+        self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
+    ) -> pb.PullHeader:
+        header.shm, header.shm_slot, request.shm = True, slot, True
+        reply: pb.PushPullResponse = self.stub.PushPull(
+            pb.PushPullRequest(push=header, pull=request), timeout=timeout
+        )
+        return reply.pull
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class StreamBuffers:
+    """Where streamed payloads land: one flat receive buffer and one flat buffer per push
+    slot for the whole model (pinned for CUDA models), made on first use; each streaming
+    channel gets views of its range."""
+
+    def __init__(self, numel: int, slots: int, device: torch.device):
+        self.numel, self.nslots = numel, slots
+        self.pinned = device.type == "cuda"
+        self._buffers: list[torch.Tensor] = []
+
+    def views(self, lo: int, hi: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The receive buffer's and every slot's elements [lo, hi)."""
+        if not self._buffers:
+            self._buffers = [
+                torch.empty(self.numel, dtype=torch.float32, pin_memory=self.pinned)
+                for _ in range(1 + self.nslots)
+            ]
+        return self._buffers[0][lo:hi], [b[lo:hi] for b in self._buffers[1:]]
+
+
+def new_segment(nbytes: int, slots: int) -> shmem.Segment | None:
+    """A fresh shared segment to offer a server, or None (logged) if none can be made."""
+    try:
+        return shmem.Segment(nbytes, slots)
+    except OSError as exc:
+        log.warning("cannot create a shared-memory segment (%s); streaming over gRPC", exc)
+        return None
+
+
+def open_channel(
+    stub: Stub,
+    segment: shmem.Segment | None,
+    mapped: bool,
+    private: tuple[torch.Tensor, list[torch.Tensor]],
+    codec: compression.Codec,
+    chunk_bytes: int,
+) -> PayloadChannel:
+    """The channel for a session that offered ``segment`` (or none) at Join: shared memory
+    if the server ``mapped`` it, else streams over ``private`` (weights, slots) buffers.
+
+    The segment's name is unlinked either way: the server holds its mapping, or declined.
+    """
+    if segment is not None:
+        segment.unlink()
+        if mapped:
+            return ShmChannel(stub, segment)
+        segment.close()
+    weights, slots = private
+    return GrpcStreamChannel(stub, weights, slots, codec, chunk_bytes)
+
+
+def observe(
+    channel: grpc.Channel, total_bytes: int, timeout: float = 60.0
+) -> tuple[pb.PullHeader, np.ndarray]:
+    """The server's current weights without joining the run (for evaluation and checkpoints)."""
+    try:
+        return wire.decode_pull(
+            Stub(channel).Pull(pb.PullRequest(), timeout=timeout), None, total_bytes
+        )
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, "observer pull") from None

@@ -1,0 +1,241 @@
+"""How a step's payloads move between the worker and every shard.
+
+Three ways, chosen by ``step_mode``:
+
+- BLOCKING (overlap off): push this step's gradient and pull the next weights, one round
+  trip per shard (one PushPull through shared memory), before the model computes again.
+- OVERLAPPED (overlap on, streams or sync): the push goes to a background thread per shard
+  while the pull for the next iteration waits for the policy.
+- PREFETCHING (overlap on, shared memory, a policy other than sync): the weights for the
+  next iteration were fetched while this one computed; the push of step t and the fetch
+  for step t+2 go out together while step t+1 computes.
+
+Every shard's calls run at once (a thread per shard); a shard's background calls run in
+order on its own thread, so its server sees its pushes in clock order. Background failures
+are kept and raised by the next step; a lost session (the server restarted or dropped the
+lease) only marks the session, and the worker joins again before its next pull.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.worker.session import REJOIN, Session
+
+T = TypeVar("T")
+
+
+class StepMode(enum.Enum):
+    BLOCKING = "blocking"
+    OVERLAPPED = "overlapped"
+    PREFETCHING = "prefetching"
+
+
+def step_mode(overlap: bool, shm: bool, synchronous: bool) -> StepMode:
+    """How steps move: prefetch needs shared memory on every shard and a policy that lets a
+    worker compute iteration t+1 before its push of t has landed."""
+    if not overlap:
+        return StepMode.BLOCKING
+    if shm and not synchronous:
+        return StepMode.PREFETCHING
+    return StepMode.OVERLAPPED
+
+
+@dataclass(frozen=True)
+class StagedPush:
+    """A gradient copied into push slot ``slot``, to be sent to every shard; shard i's copy
+    is its iteration ``iterations[i]`` (the shards' clocks differ after a shard rewinds)."""
+
+    slot: int
+    iterations: tuple[int, ...]
+    samples: int = 0
+    loss: float = math.nan
+    empty: bool = False
+
+
+class Pipeline:
+    """The calls of a step over ``sessions``: foreground fan-out, background pushes in
+    order, push slots, and the prefetch in flight.
+
+    Args:
+        sessions: one per shard, in shard order; their ``channel`` is set.
+        slots: push slots (pushes in flight at most).
+        rpc_timeout: deadline of a push.
+        barrier_timeout: deadline of a pull, which may wait for slower workers.
+    """
+
+    def __init__(
+        self, sessions: Sequence[Session], slots: int, rpc_timeout: float, barrier_timeout: float
+    ):
+        self.sessions = list(sessions)
+        self.rpc_timeout = rpc_timeout
+        self.barrier_timeout = barrier_timeout
+        n = len(self.sessions)
+        self._fg = ThreadPoolExecutor(n, thread_name_prefix="ps-shard") if n > 1 else None
+        self._bg = [ThreadPoolExecutor(1, thread_name_prefix=f"ps-push{i}") for i in range(n)]
+        self._free = list(range(slots))
+        self._inflight: deque[tuple[int, list[Future[None]]]] = deque()
+        self._ahead: list[Future[pb.PullHeader | None]] | None = None
+        self.error: BaseException | None = None
+
+    # --- fan-out ----------------------------------------------------------------------
+
+    def each(self, fn: Callable[[Session], T]) -> list[T]:
+        """``fn`` on every session at once; the first failure is raised after all end."""
+        return self.each_indexed(lambda _, s: fn(s))
+
+    def each_indexed(self, fn: Callable[[int, Session], T]) -> list[T]:
+        """``fn(i, session i)`` on every session at once."""
+        if self._fg is None:
+            return [fn(0, self.sessions[0])]
+        futures = [self._fg.submit(fn, i, s) for i, s in enumerate(self.sessions)]
+        for f in futures:
+            f.exception()
+        return [f.result() for f in futures]
+
+    def _background(self, i: int, fn: Callable[[], T]) -> Future[T | None]:
+        """``fn`` on shard i's background thread; a lost session yields None, any other
+        failure is kept in ``error`` (raised by the worker's next step) and yields None."""
+
+        def run() -> T | None:
+            if self.error is not None or self.sessions[i].lost:
+                return None  # what follows a failure or a lost server is dropped
+            try:
+                return fn()
+            except REJOIN:
+                return None  # the session is marked lost; the next pull joins again
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                self.error = self.error or exc
+                return None
+
+        return self._bg[i].submit(run)
+
+    # --- slots ------------------------------------------------------------------------
+
+    def take_slot(self) -> int:
+        """A free push slot, waiting for the oldest push in flight if there is none."""
+        while not self._free:
+            slot, futures = self._inflight.popleft()
+            for f in futures:
+                f.result()
+            self._free.append(slot)
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    # --- calls ------------------------------------------------------------------------
+
+    def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
+        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty)
+        assert s.channel is not None
+        channel = s.channel
+        return s.retrying(
+            f"push of iteration {iteration}",
+            lambda: channel.push(header, staged.slot, self.rpc_timeout),
+        )
+
+    def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:
+        request = s.pull_request(iteration, batches)
+        assert s.channel is not None
+        channel = s.channel
+        return s.retrying(
+            f"pull of iteration {iteration}",
+            lambda: channel.pull(request, self.barrier_timeout),
+        )
+
+    def _push_pull(
+        self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
+    ) -> pb.PullHeader:
+        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty)
+        request = s.pull_request(pull, batches)
+        assert s.channel is not None
+        channel = s.channel
+        return s.retrying(
+            f"push of iteration {iteration} and pull of {pull}",
+            lambda: channel.push_pull(header, staged.slot, request, self.barrier_timeout),
+        )
+
+    def pull(self, batches: int) -> list[pb.PullHeader]:
+        """Every shard's weights for its session's clock, into its channel's buffer.
+
+        Raises:
+            WrongIncarnation, UnknownWorker: a session is lost; join it again and retry.
+        """
+        return self.each(lambda s: self._pull(s, s.clock, batches))
+
+    def push_pull(self, staged: StagedPush, batches: int) -> list[pb.PullHeader]:
+        """Push ``staged`` and pull each shard's next weights (at its clock), one round trip
+        a shard; the slot is free again afterwards.
+
+        Raises:
+            WrongIncarnation, UnknownWorker: a session is lost; join it again and pull.
+        """
+        try:
+            return self.each_indexed(
+                lambda i, s: self._push_pull(s, staged, staged.iterations[i], s.clock, batches)
+            )
+        finally:
+            self.release(staged.slot)
+
+    def push_background(self, staged: StagedPush) -> None:
+        """Push ``staged`` to every shard from the background; its slot frees when done."""
+        futures = [self._background(i, self._pusher(i, staged)) for i in range(len(self.sessions))]
+        self._inflight.append((staged.slot, futures))  # type: ignore[arg-type]
+
+    def _pusher(self, i: int, staged: StagedPush) -> Callable[[], pb.PushResponse]:
+        s, iteration = self.sessions[i], staged.iterations[i]
+        return lambda: self._push(s, staged, iteration)
+
+    def _fetcher(
+        self, i: int, staged: StagedPush | None, batches: int
+    ) -> Callable[[], pb.PullHeader]:
+        """Shard i's prefetch: push ``staged`` (if any) and pull its clock + 1."""
+        s = self.sessions[i]
+        after = s.clock + 1
+        if staged is None:
+            return lambda: self._pull(s, after, batches)
+        iteration = staged.iterations[i]
+        return lambda: self._push_pull(s, staged, iteration, after, batches)
+
+    def start_ahead(self, staged: StagedPush | None, batches: int) -> None:
+        """In the background: push ``staged`` (if any) and fetch every shard's weights for
+        its clock + 1."""
+        futures = [
+            self._background(i, self._fetcher(i, staged, batches))
+            for i in range(len(self.sessions))
+        ]
+        self._ahead = futures
+        if staged is not None:
+            self._inflight.append((staged.slot, futures))  # type: ignore[arg-type]
+
+    def wait_ahead(self) -> list[pb.PullHeader] | None:
+        """The prefetch in flight, landed: every shard's header (weights in its buffer), or
+        None when there was none or a shard's failed."""
+        futures, self._ahead = self._ahead, None
+        if futures is None:
+            return None
+        headers = [f.result() for f in futures]
+        if any(h is None for h in headers):
+            return None
+        return headers  # type: ignore[return-value]
+
+    def flush(self) -> None:
+        """Wait for every background call to end (failures stay in ``error``)."""
+        self.wait_ahead()
+        while self._inflight:
+            slot, futures = self._inflight.popleft()
+            for f in futures:
+                f.result()
+            self._free.append(slot)
+
+    def shutdown(self, wait: bool) -> None:
+        for pool in [*self._bg, *([self._fg] if self._fg else [])]:
+            pool.shutdown(wait=wait, cancel_futures=not wait)

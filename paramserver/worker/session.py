@@ -1,0 +1,251 @@
+"""A worker's membership of one server (shard): join, rejoin, heartbeat, leave.
+
+States and transitions (``SessionState``)::
+
+    JOINING --Join answered--------------------------> LIVE
+    LIVE    --ABORTED (server restarted) or NOT_FOUND
+              (lease dropped) on any call-----------> LOST
+    LOST    --Join again under the same id----------> LIVE
+    any     --close()-------------------------------> CLOSED
+
+A LOST session's pushes in flight are dropped: the server's clock for this worker, returned
+by the rejoin, says which pushes it holds, and the worker goes on from there. Calls that
+find no server are retried with ``Backoff`` for up to the server timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.errors import (
+    ParamServerError,
+    ServerUnavailable,
+    UnknownWorker,
+    WrongIncarnation,
+    from_rpc_error,
+)
+from paramserver.worker.channel import PayloadChannel
+from paramserver.worker.retry import Backoff
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Errors after which the session joins again: the server restarted, or dropped its lease.
+REJOIN = (WrongIncarnation, UnknownWorker)
+
+
+class SessionState(enum.Enum):
+    JOINING = "joining"
+    LIVE = "live"
+    LOST = "lost"
+    CLOSED = "closed"
+
+
+class Session:
+    """One server's view of this worker: its id, rank, clock and incarnation there.
+
+    Args:
+        address: the server's host:port (for messages).
+        stub: the server's stub (``paramserver.stub.Stub`` or a test double).
+        name: shown in the server's status.
+        rpc_timeout: deadline of Join, Push, Heartbeat and Leave.
+        backoff: how long to retry while the server is unreachable.
+        stop: set when the worker closes: retries end at once.
+        sleep: waits for a retry's delay; returns True to stop (default: ``stop.wait``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        stub: Any,
+        name: str,
+        rpc_timeout: float,
+        backoff: Backoff,
+        stop: threading.Event,
+        sleep: Callable[[float], bool] | None = None,
+    ):
+        self.address = address
+        self.stub = stub
+        self.name = name
+        self.rpc_timeout = rpc_timeout
+        self.backoff = backoff
+        self._stop = stop
+        self._sleep = sleep or stop.wait
+        self.state = SessionState.JOINING
+        self.worker_id = ""
+        self.rank = 0
+        self.clock = 0
+        self.incarnation = ""
+        self.lease_seconds = 0.0
+        self.reply = pb.JoinResponse()
+        self.channel: PayloadChannel | None = None
+        self.rejoins = 0
+
+    # --- calls ------------------------------------------------------------------------
+
+    def call(self, what: str, method: Any, request: Any, timeout: float | None = None) -> Any:
+        """One call, its gRPC failure translated into a ParamServerError."""
+        try:
+            return method(request, timeout=timeout or self.rpc_timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, f"{what} to {self.address}") from None
+
+    def retrying(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, retried with backoff while the server is unreachable.
+
+        Raises:
+            ServerUnavailable: the server did not come back within the backoff's budget.
+            WrongIncarnation, UnknownWorker: the session is LOST (and marked so).
+            ParamServerError: any other failure, at once.
+        """
+        attempt, since = 0, None
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as err:
+                exc = from_rpc_error(err, f"{what} to {self.address}")
+            if isinstance(exc, REJOIN):
+                self.lose(exc)
+                raise exc
+            if not isinstance(exc, ServerUnavailable) or self._stop.is_set():
+                raise exc
+            if since is None:
+                since = self.backoff.now()
+                log.warning("%s; retrying for up to %.0fs", exc, self.backoff.budget)
+            if self.backoff.expired(since):
+                raise ServerUnavailable(
+                    f"The server at {self.address} did not come back within "
+                    f"{self.backoff.budget:.0f}s (--server-timeout); last error: {exc}"
+                ) from None
+            if self._sleep(self.backoff.delay(attempt)):
+                raise exc
+            attempt += 1
+
+    # --- membership -------------------------------------------------------------------
+
+    def join(self, request: pb.JoinRequest, retry: bool = False) -> pb.JoinResponse:
+        """Join (or, with our id in ``request``, join again); LIVE once answered."""
+        request.name = self.name
+        request.worker_id = self.worker_id
+        if retry:
+            reply = self.retrying(
+                "rejoin", lambda: self.stub.Join(request, timeout=self.rpc_timeout)
+            )
+        else:
+            reply = self.call("join", self.stub.Join, request)
+        was = (self.worker_id, self.incarnation, self.clock)
+        self.reply = reply
+        self.worker_id = reply.worker_id
+        self.rank = reply.rank
+        self.clock = reply.clock
+        self.incarnation = reply.incarnation
+        self.lease_seconds = reply.lease_seconds
+        if self.state is SessionState.LOST:
+            self.rejoins += 1
+            log.warning(
+                "rejoined %s (incarnation %s, was %s) as %s (was %s) at clock %d (was %d)",
+                self.address, self.incarnation, was[1], self.worker_id, was[0], self.clock,
+                was[2],
+            )  # fmt: skip
+        self.state = SessionState.LIVE
+        return reply
+
+    def lose(self, exc: BaseException) -> None:
+        """The server restarted or dropped this worker: join again before the next pull."""
+        if self.state is SessionState.LIVE:
+            log.warning("%s; joining again", exc)
+            self.state = SessionState.LOST
+
+    @property
+    def lost(self) -> bool:
+        return self.state is SessionState.LOST
+
+    def heartbeat_once(self, timeout: float) -> None:
+        """One heartbeat: renews the lease; marks the session LOST if the server says so."""
+        if self.state is not SessionState.LIVE:
+            return
+        try:
+            self.call(
+                "heartbeat",
+                self.stub.Heartbeat,
+                pb.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation),
+                timeout=timeout,
+            )
+        except REJOIN as exc:
+            self.lose(exc)
+        except ParamServerError as exc:
+            log.info("%s", exc)
+
+    # --- payload requests ---------------------------------------------------------------
+
+    def push_header(self, iteration: int, samples: int, loss: float, empty: bool) -> pb.PushHeader:
+        return pb.PushHeader(
+            worker_id=self.worker_id,
+            iteration=iteration,
+            samples=samples,
+            loss=loss,
+            incarnation=self.incarnation,
+            empty=empty,
+            shard=self.reply.shard,
+        )
+
+    def pull_request(self, iteration: int, batches: int) -> pb.PullRequest:
+        return pb.PullRequest(
+            worker_id=self.worker_id,
+            iteration=iteration,
+            incarnation=self.incarnation,
+            batches=batches,
+        )
+
+    def close(self) -> None:
+        """Leave the run (best effort), release the channel and the connection."""
+        if self.state is SessionState.CLOSED:
+            return
+        try:
+            if self.worker_id:
+                self.call("leave", self.stub.Leave, pb.LeaveRequest(worker_id=self.worker_id), 5)
+        except ParamServerError as exc:
+            log.warning("%s", exc)
+        finally:
+            self.state = SessionState.CLOSED
+            if self.channel is not None:
+                self.channel.close()
+            self.stub.close()
+
+
+class Heartbeats:
+    """A thread that renews every session's lease, each a third of the shortest lease;
+    ``once`` is its loop's body."""
+
+    def __init__(self, sessions: list[Session], stop: threading.Event):
+        self.sessions = sessions
+        self._stop = stop
+        self._thread = threading.Thread(target=self._loop, name="ps-heartbeat", daemon=True)
+
+    def interval(self) -> float:
+        return max(min(s.lease_seconds for s in self.sessions) / 3, 0.05)
+
+    def once(self) -> None:
+        for s in self.sessions:
+            s.heartbeat_once(2 * self.interval())
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval()):
+            self.once()
+
+    def start(self) -> Heartbeats:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

@@ -1,0 +1,65 @@
+"""Which range of the model's flat buffer each server holds: read from its JoinResponse
+(``shard``, ``shards``, ``shard_offset``, its manifest), checked against the addresses the
+worker was given and the local model. The servers cut the ranges
+(``codec.layout.shard_range``); workers only read them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec.layout import Manifest
+from paramserver.errors import ConfigError
+
+
+def served_range(
+    address: str, i: int, given: int, reply: pb.JoinResponse, local: Manifest
+) -> tuple[int, int]:
+    """The elements [lo, hi) that the server at ``address``, given as shard ``i`` of
+    ``given``, holds.
+
+    Raises:
+        ConfigError: it is another shard, the list of addresses is incomplete, or its
+            model does not match ``local``.
+    """
+    shards = max(reply.shards, 1)
+    if shards != given or reply.shard != i:
+        if given == 1:
+            raise ConfigError(
+                f"The server at {address} holds shard {reply.shard} of {shards} of the "
+                "parameters: give the worker every shard's address, in order (--server "
+                "A,B,...; paramserver.Worker([A, B, ...]) in Python)."
+            )
+        raise ConfigError(
+            f"The server at {address} is shard {reply.shard} of {shards}, but it was given "
+            f"as shard {i} of {given}: list every shard's address in shard order."
+        )
+    served = Manifest.from_proto(reply.manifest)
+    if shards == 1:
+        served.check_compatible(local, "the local model")
+        return 0, local.numel
+    if reply.model_numel != local.numel:
+        raise ConfigError(
+            f"The servers hold a model of {reply.model_numel} parameters; the local model "
+            f"has {local.numel}."
+        )
+    return reply.shard_offset, reply.shard_offset + served.numel
+
+
+def check_tiling(ranges: Sequence[tuple[int, int]], addresses: Sequence[str], numel: int) -> None:
+    """The shards' ranges must tile the flat buffer of ``numel`` elements, in order.
+
+    Raises:
+        ConfigError: a gap, an overlap, or a range past the end.
+    """
+    end = 0
+    for i, (lo, hi) in enumerate(ranges):
+        if lo != end or hi > numel:
+            raise ConfigError(
+                f"Shard {i} at {addresses[i]} holds elements {lo} to {hi} of the flat buffer "
+                f"of {numel}, which do not follow the previous shard's: are all shards "
+                "started with the same model?"
+            )
+        end = hi
+    if end != numel:
+        raise ConfigError(f"The shards hold {end} of the model's {numel} parameters.")

@@ -1,0 +1,137 @@
+"""An in-process transport for ``Worker(transport=...)``: the stub's calls go straight to a
+real Servicer and Coordinator in this process, with no sockets and a fake clock; faults are
+injected per method."""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from torch import nn
+
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.server.app import build_coordinator
+from paramserver.server.coordinator import Coordinator
+from paramserver.server.servicer import Servicer
+from paramserver.shm import Attachments
+from tests.conftest import FakeClock
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class FakeContext:
+    """What a servicer method uses of ``grpc.ServicerContext``."""
+
+    def __init__(self, timeout: float | None):
+        self.timeout = timeout
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise FakeRpcError(code, details)
+
+    def add_callback(self, _callback: Any) -> None:
+        pass
+
+    def time_remaining(self) -> float | None:
+        return self.timeout
+
+    def is_active(self) -> bool:
+        return True
+
+    def peer(self) -> str:
+        return "in-process"
+
+
+class FakeServer:
+    """A server's state and servicer, without gRPC; ``restart()`` is a new incarnation that
+    resumes from the old one's state, as a server restarted from its checkpoint does."""
+
+    def __init__(self, model: nn.Module, clock: FakeClock, **settings: Any):
+        settings.setdefault("optimizer", OptimizerConfig("sgd", lr=0.5))
+        settings.setdefault("lease_seconds", 10.0)
+        self.config = ServerConfig(**settings)
+        self.clock = clock
+        self.model = copy.deepcopy(model)
+        self.coordinator = build_coordinator(self.config, model, now=clock)
+        self._serve(self.coordinator)
+
+    def _serve(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.shared = Attachments(coordinator.manifest.total_bytes)
+        self.servicer = Servicer(coordinator, self.shared)
+
+    def restart(self) -> None:
+        state = self.coordinator.checkpoint_state()
+        self.shared.close()
+        fresh = build_coordinator(self.config, copy.deepcopy(self.model), self.clock)
+        fresh.restore(state, state["weights"])
+        self._serve(fresh)
+
+    def stub(self, _address: str = "") -> InProcessStub:
+        return InProcessStub(self)
+
+
+class InProcessStub:
+    """The client stub's methods, answered by ``server``'s servicer.
+
+    ``fail[method]`` holds status codes to raise on that method's next calls, before the
+    server sees them; ``lose[method]`` counts calls whose reply is lost after the server
+    answered (the call raised UNAVAILABLE, as a dropped connection would)."""
+
+    def __init__(self, server: FakeServer):
+        self.server = server
+        self.fail: dict[str, collections.deque[grpc.StatusCode]] = collections.defaultdict(
+            collections.deque
+        )
+        self.lose: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.closed = False
+
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        self.calls[method] += 1
+        if self.fail[method]:
+            raise FakeRpcError(self.fail[method].popleft(), f"{method} failed by the test")
+        handler = getattr(self.server.servicer, method)
+        result = handler(request, FakeContext(timeout))
+        if isinstance(result, Iterator):
+            result = list(result)  # a stream: its errors are raised here, as gRPC's are
+        if self.lose[method]:
+            self.lose[method] -= 1
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, f"reply of {method} lost")
+        return iter(result) if isinstance(result, list) else result
+
+    def Join(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Join", request, timeout)
+
+    def Pull(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Pull", request, timeout)
+
+    def Push(self, chunks: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Push", iter(chunks), timeout)
+
+    def PushPull(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("PushPull", request, timeout)
+
+    def Heartbeat(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Heartbeat", request, timeout)
+
+    def Leave(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Leave", request, timeout)
+
+    def Status(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Status", request, timeout)
+
+    def close(self) -> None:
+        self.closed = True

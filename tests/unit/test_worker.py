@@ -1,0 +1,288 @@
+"""The Worker's state machine over an in-process transport: every step path, lost replies,
+retries with backoff on a fake clock, rejoins after a restart (ABORTED) or a dropped lease
+(NOT_FOUND), sharded servers, and close. No sockets; the servers are real Coordinators."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import paramserver as ps
+from paramserver import shm as shmem
+from paramserver.worker.pipeline import StepMode
+from paramserver.worker.retry import Backoff
+from paramserver.worker.session import SessionState
+from tests.conftest import FakeClock
+from tests.inprocess import FakeServer
+
+LR = 0.5
+LEASE = 10.0
+needs_shm = pytest.mark.skipif(not shmem.available(), reason="no writable /dev/shm")
+
+
+def zero_model(n_in: int = 4, n_out: int = 1) -> nn.Module:
+    model = nn.Linear(n_in, n_out, bias=False)
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def one_step(worker: ps.Worker, model: nn.Module, **kw) -> None:
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    worker.step(samples=1, **kw)
+
+
+class Sleeps:
+    """The worker's wait between retries: records the delay and moves the fake clock."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
+        self.delays: list[float] = []
+
+    def __call__(self, delay: float) -> bool:
+        self.delays.append(delay)
+        self.clock.advance(delay)
+        return False
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_worker(server: FakeServer, model: nn.Module, clock: FakeClock, **kw) -> ps.Worker:
+    stubs = []
+
+    def transport(address: str):
+        stubs.append(server.stub(address))
+        return stubs[-1]
+
+    kw.setdefault("shm", False)
+    worker = ps.Worker(
+        "in-process:1", model, transport=transport, clock=clock, sleep=Sleeps(clock), **kw
+    )
+    worker.stubs = stubs  # type: ignore[attr-defined]
+    return worker
+
+
+PATHS = [
+    ("sync", False, False, StepMode.BLOCKING),
+    ("sync", True, True, StepMode.OVERLAPPED),
+    ("delay-1", False, False, StepMode.BLOCKING),
+    ("delay-1", False, True, StepMode.BLOCKING),
+    ("delay-1", True, False, StepMode.OVERLAPPED),
+    ("delay-1", True, True, StepMode.PREFETCHING),
+    ("async", True, False, StepMode.OVERLAPPED),
+    ("async", True, True, StepMode.PREFETCHING),
+    ("ssp:3", False, True, StepMode.BLOCKING),
+]
+
+
+@pytest.mark.parametrize(("policy", "overlap", "shm", "mode"), PATHS)
+def test_every_step_path_applies_each_push_exactly_once(clock, policy, overlap, shm, mode):
+    if shm and not shmem.available():
+        pytest.skip("no writable /dev/shm")
+    server = FakeServer(zero_model(), clock, policy=policy, workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=overlap, shm=shm)
+    assert worker.mode is mode and worker.shm_active is shm
+    steps = 9
+    for _ in range(steps):
+        one_step(worker, model)
+    one_step(worker, model, pull=False)
+    worker.close()
+    status = server.coordinator.status().as_dict()
+    assert status["version"] == steps + 1
+    assert status["pushes_applied"] == steps + 1 and status["duplicates"] == 0
+    # all-ones gradients under SGD from zero: every weight is exactly -LR * pushes
+    np.testing.assert_array_equal(server.coordinator.store.weights, np.full(4, -LR * (steps + 1)))
+    # the model holds the weights of the last pull, which lack at most what the policy
+    # lets it miss: prefetch computes on weights one step behind its own; an overlapped
+    # pull may be answered before its own pushes in flight (one a slot) land
+    slots = worker.policy.max_inflight_pushes()
+    behind = {
+        StepMode.BLOCKING: {0},
+        StepMode.OVERLAPPED: set(range(slots + 1)),
+        StepMode.PREFETCHING: {1},
+    }
+    if policy == "sync":
+        behind[StepMode.OVERLAPPED] = {0}
+    assert {int(steps + model.weight[0, 0].item() / LR)} <= behind[mode]
+    bound = worker.policy.bound
+    assert bound is None or status["max_staleness"] <= bound
+
+
+@pytest.mark.parametrize("shm", [False, pytest.param(True, marks=needs_shm)])
+def test_a_push_whose_reply_is_lost_is_retried_and_acknowledged_once(clock, shm):
+    server = FakeServer(zero_model(), clock, policy="delay-1", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=False, shm=shm)
+    stub = worker.stubs[0]  # type: ignore[attr-defined]
+    stub.lose["PushPull" if shm else "Push"] = 2
+    for _ in range(4):
+        one_step(worker, model)
+    worker.close()
+    status = server.coordinator.status().as_dict()
+    assert status["duplicates"] == 2
+    assert status["version"] == status["pushes_applied"] == 4
+    assert worker.clock == 4
+
+
+def test_an_unreachable_server_is_retried_with_backoff_then_given_up(clock):
+    server = FakeServer(zero_model(), clock, policy="async", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=False, server_timeout=30.0)
+    sleeps = worker.sessions[0]._sleep
+    stub = worker.stubs[0]  # type: ignore[attr-defined]
+    stub.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 3)
+    worker.pull()
+    assert len(sleeps.delays) == 3 and all(0 <= d < 0.1 * 2**i for i, d in enumerate(sleeps.delays))
+    stub.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 10_000)
+    with pytest.raises(ps.ServerUnavailable, match="did not come back within 30s"):
+        worker.pull()
+    assert 30.0 <= sum(sleeps.delays) < 30.0 + 2.0 + 0.4  # the budget, plus one capped delay
+    stub.fail["Pull"].clear()
+    worker.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_restarted_server_is_joined_again_and_training_goes_on(clock, overlap):
+    server = FakeServer(zero_model(), clock, policy="delay-1", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=overlap)
+    for _ in range(3):
+        one_step(worker, model)
+    worker.flush()
+    incarnation = worker.incarnation
+    server.restart()  # every call of the old incarnation is now ABORTED
+    for _ in range(3):
+        one_step(worker, model)
+    worker.close()
+    assert worker.rejoins == 1 and worker.incarnation != incarnation
+    assert worker.sessions[0].state is SessionState.CLOSED
+    status = server.coordinator.status().as_dict()
+    # the push that met the restart was dropped; the rest were applied once each
+    assert status["version"] == worker.clock
+    np.testing.assert_array_equal(server.coordinator.store.weights, np.full(4, -LR * worker.clock))
+
+
+def test_a_dropped_lease_is_joined_again_under_a_new_id(clock):
+    server = FakeServer(zero_model(), clock, policy="async", workers=2, min_workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=False)
+    one_step(worker, model)
+    old_id = worker.worker_id
+    clock.advance(3 * LEASE)
+    assert [m.worker_id for m in server.coordinator.expire_leases()] == [old_id]
+    one_step(worker, model)  # NOT_FOUND: join again, then go on
+    one_step(worker, model)
+    assert worker.rejoins == 1 and worker.worker_id != old_id
+    worker.close()
+    assert server.coordinator.status().as_dict()["workers"] == []
+
+
+def test_a_heartbeat_that_finds_the_lease_gone_marks_the_session_lost(clock):
+    server = FakeServer(zero_model(), clock, policy="async", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock)
+    session = worker.sessions[0]
+    worker.heartbeat_once()
+    assert session.state is SessionState.LIVE
+    worker.stubs[0].fail["Heartbeat"].append(grpc.StatusCode.NOT_FOUND)  # type: ignore[attr-defined]
+    worker.heartbeat_once()
+    assert session.state is SessionState.LOST
+    worker.pull()  # joins again before pulling
+    assert session.state is SessionState.LIVE and worker.rejoins == 1
+    worker.close()
+
+
+def test_close_leaves_every_server_and_closes_the_connections(clock):
+    server = FakeServer(zero_model(), clock, policy="delay-1", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=True)
+    one_step(worker, model)
+    assert len(server.coordinator.status().as_dict()["workers"]) == 1
+    worker.close()
+    worker.close()  # twice is harmless
+    assert server.coordinator.status().as_dict()["workers"] == []
+    assert all(s.closed for s in worker.stubs)  # type: ignore[attr-defined]
+    assert not worker._heartbeats.alive
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("shm", [False, pytest.param(True, marks=needs_shm)])
+def test_one_worker_drives_every_shard_through_one_flat_buffer(clock, shards, shm):
+    start = nn.Linear(5, 2)  # 12 parameters: shards of 6, or of 4
+    servers = {
+        f"s{i}": FakeServer(start, clock, policy="sync", workers=1, shard=i, shards=shards)
+        for i in range(shards)
+    }
+    model = nn.Linear(5, 2)
+    worker = ps.Worker(
+        list(servers), model, transport=lambda a: servers[a].stub(a), shm=shm, clock=clock
+    )
+    # joining loaded the servers' weights into the model
+    assert torch.equal(model.weight, start.weight) and torch.equal(model.bias, start.bias)
+    assert worker.shards == shards and worker.shm_active is shm
+    assert [lo for lo, _ in worker.ranges] == [s.coordinator.shard_offset for s in servers.values()]
+    for _ in range(5):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        worker.step(samples=1)
+    worker.close()
+    flat = np.concatenate([s.coordinator.store.weights for s in servers.values()])
+    expected = torch.cat([start.weight.reshape(-1), start.bias]).detach().numpy() - LR * 5
+    np.testing.assert_allclose(flat, expected, rtol=0, atol=1e-6)
+    got = torch.cat([model.weight.reshape(-1), model.bias]).detach().numpy()
+    np.testing.assert_array_equal(got, flat)
+
+
+def test_only_the_restarted_shard_is_joined_again(clock):
+    servers = {
+        f"s{i}": FakeServer(zero_model(6), clock, policy="delay-1", workers=1, shard=i, shards=2)
+        for i in range(2)
+    }
+    model = zero_model(6)
+    worker = ps.Worker(list(servers), model, transport=lambda a: servers[a].stub(a), shm=False,
+                       clock=clock)  # fmt: skip
+    one_step(worker, model)
+    servers["s1"].restart()
+    one_step(worker, model)
+    one_step(worker, model)
+    assert [s.rejoins for s in worker.sessions] == [0, 1]
+    worker.close()
+    for s in servers.values():
+        assert s.coordinator.status().as_dict()["duplicates"] == 0
+
+
+def test_shards_out_of_order_or_alone_are_refused_before_training(clock):
+    servers = {
+        f"s{i}": FakeServer(zero_model(6), clock, policy="sync", workers=1, shard=i, shards=2)
+        for i in range(2)
+    }
+
+    def transport(a):
+        return servers[a].stub(a)
+
+    with pytest.raises(ps.ConfigError, match="given as shard 0 of 2"):
+        ps.Worker(["s1", "s0"], zero_model(6), transport=transport)
+    with pytest.raises(ps.ConfigError, match="shard 1 of 2.*every shard's address"):
+        ps.Worker("s1", zero_model(6), transport=transport)
+    with pytest.raises(ps.ConfigError, match="model of 6 parameters; the local model has 4"):
+        ps.Worker(["s0", "s1"], zero_model(4), transport=transport)
+    for s in servers.values():
+        assert s.coordinator.status().as_dict()["workers"] == []
+
+
+def test_backoff_delays_grow_to_the_cap_with_full_jitter():
+    clock = FakeClock(0.0)
+    top = Backoff(budget=10, now=clock, rng=lambda: 0.999999)
+    assert [round(top.delay(i), 3) for i in range(7)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    assert Backoff(budget=10, rng=lambda: 0.0).delay(5) == 0.0
+    assert top.delay(10_000) == pytest.approx(2.0, rel=1e-5)
+    assert not top.expired(0.0)
+    clock.advance(10)
+    assert top.expired(0.0)
