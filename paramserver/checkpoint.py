@@ -18,6 +18,10 @@ server needs to go on exactly where it stopped:
     sync_round        {sum, from, n}: the gradients of a sync round in progress
     counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
     saved_at          wall-clock time of writing (seconds since the epoch)
+
+A sharded sync run also keeps consistent cuts (``cut_file``): every shard writes its state
+at the same sync rounds, so that when one shard restarts from its newest cut, the others
+rewind to the same round and the run resumes as one model.
 """
 
 from __future__ import annotations
@@ -75,6 +79,23 @@ def server_file(shard: int = 0, shards: int = 1) -> str:
     """The checkpoint's name in ``--checkpoint-dir``: ``SERVER_FILE``, or for shard I of S
     ``server-checkpoint-shardIofS.pt`` (its weights: one tensor, ``flat``)."""
     return SERVER_FILE if shards == 1 else f"server-checkpoint-shard{shard}of{shards}.pt"
+
+
+def cut_file(shard: int, shards: int, round_: int) -> str:
+    """The name of shard I of S's consistent cut at sync round ``round_``: every shard of a
+    sharded sync run writes one at the same rounds (``--checkpoint-every N``)."""
+    return f"server-cut-shard{shard}of{shards}-round{round_:09d}.pt"
+
+
+def list_cuts(directory: str | Path, shard: int, shards: int) -> dict[int, Path]:
+    """The cuts of shard I of S in ``directory``, by round."""
+    prefix = f"server-cut-shard{shard}of{shards}-round"
+    found = {}
+    for path in Path(directory).glob(f"{prefix}*.pt"):
+        digits = path.name[len(prefix) : -len(".pt")]
+        if digits.isdigit():
+            found[int(digits)] = path
+    return found
 
 
 def save_server(

@@ -207,10 +207,21 @@ class ServerConfig:
             raise ConfigError(
                 f"--shard must be I/S with 0 <= I < S; got {self.shard}/{self.shards}."
             )
+        if self.cuts and parse_every(self.checkpoint_every)[0] is None:
+            raise ConfigError(
+                "A shard of a sharded sync run checkpoints every N optimizer steps, so that "
+                "every shard cuts the same round: give --checkpoint-every a number of steps "
+                f"(e.g. 200), not {self.checkpoint_every!r}."
+            )
 
     @property
     def parsed_policy(self) -> Policy:
         return Policy.parse(self.policy)
+
+    @property
+    def cuts(self) -> bool:
+        """Whether this server writes consistent cuts: a shard of a sharded sync run."""
+        return self.shards > 1 and self.parsed_policy.synchronous and bool(self.checkpoint_dir)
 
     @property
     def start_workers(self) -> int:

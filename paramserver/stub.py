@@ -75,6 +75,7 @@ _UNARY: dict[str, tuple[Any, Any]] = {
     "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatResponse),
     "Leave": (pb.LeaveRequest, pb.LeaveResponse),
     "Status": (pb.StatusRequest, pb.StatusResponse),
+    "Rewind": (pb.RewindRequest, pb.RewindResponse),
 }
 
 

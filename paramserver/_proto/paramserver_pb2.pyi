@@ -192,6 +192,24 @@ class PushPullResponse(_message.Message):
     pull: PullHeader
     def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
 
+class RewindRequest(_message.Message):
+    __slots__ = ("round", "incarnation", "worker_id")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    incarnation: str
+    worker_id: str
+    def __init__(self, round: _Optional[int] = ..., incarnation: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class RewindResponse(_message.Message):
+    __slots__ = ("version", "incarnation")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    incarnation: str
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_paramserver__pb2.StatusRequest.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Rewind = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/Rewind',
+                request_serializer=paramserver_dot_v1_dot_paramserver__pb2.RewindRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RewindResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -126,6 +131,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rewind(self, request, context):
+        """Sharded sync runs: reload the consistent cut at a round, after another shard restarted
+        from it, so that every shard resumes from the same round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +176,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.StatusRequest.FromString,
                     response_serializer=paramserver_dot_v1_dot_paramserver__pb2.StatusResponse.SerializeToString,
+            ),
+            'Rewind': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rewind,
+                    request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RewindRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_paramserver__pb2.RewindResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Status',
             paramserver_dot_v1_dot_paramserver__pb2.StatusRequest.SerializeToString,
             paramserver_dot_v1_dot_paramserver__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rewind(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/Rewind',
+            paramserver_dot_v1_dot_paramserver__pb2.RewindRequest.SerializeToString,
+            paramserver_dot_v1_dot_paramserver__pb2.RewindResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import nn
 
-from paramserver import checkpoint, models, security, stub
+from paramserver import models, security, stub
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
@@ -81,14 +81,13 @@ class ServerApp:
         manifest = self.coordinator.manifest
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir:
-            saved = checkpoint.load_server(
-                config.checkpoint_dir, manifest, checkpoint.server_file(config.shard, config.shards)
-            )
-            if saved is not None:
-                self.coordinator.restore(*saved)
             self.checkpointer = Checkpointer(
-                self.coordinator, config.checkpoint_dir, config.checkpoint_every
+                self.coordinator,
+                config.checkpoint_dir,
+                config.checkpoint_every,
+                cuts=config.cuts,
             )
+            self.checkpointer.resume()
         self.metrics = Metrics(self.coordinator.status)
         # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
         # hold a thread each, so the pool is sized to never starve a push.
@@ -107,7 +106,8 @@ class ServerApp:
             ],
         )
         self.shared = Attachments(manifest.total_bytes)
-        stub.register(Servicer(self.coordinator, self.shared), self._grpc)
+        rewind = self.checkpointer.rewind if self.checkpointer and config.cuts else None
+        stub.register(Servicer(self.coordinator, self.shared, rewind), self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = health.HealthServicer()
         for service in HEALTH_SERVICES:

@@ -1,4 +1,10 @@
-"""Writes the server's checkpoints: every N optimizer steps or N seconds, and at the end."""
+"""Writes the server's checkpoints: every N optimizer steps or N seconds, and at the end.
+
+A shard of a sharded sync run also writes consistent cuts: its state at every N-th sync
+round boundary (taken by the coordinator under its lock, so every shard cuts the same
+round), the newest few kept. It resumes from its newest cut, and ``rewind`` reloads an
+older one when another shard restarted from it.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,17 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from paramserver import checkpoint
 from paramserver.config import parse_every
+from paramserver.errors import OutOfOrder
 from paramserver.server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
+# Cuts kept per shard: a live shard is at most a round ahead of one that died, so the
+# newest cut of a restarted shard is always among the others' newest few.
+KEEP_CUTS = 3
 
 
 class Checkpointer:
@@ -19,25 +30,53 @@ class Checkpointer:
 
     Args:
         every: ``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds.
+        cuts: write consistent cuts every N sync rounds (a shard of a sharded sync run;
+            ``every`` must then count steps).
     """
 
-    def __init__(self, coordinator: Coordinator, directory: str | Path, every: str):
+    def __init__(self, coordinator: Coordinator, directory: str | Path, every: str, cuts: bool):
         self.coordinator = coordinator
         self.directory = Path(directory)
         self.steps, self.seconds = parse_every(every)
-        self._lock = threading.Lock()  # one writer at a time
+        cfg = coordinator.config
+        self.shard, self.shards = cfg.shard, cfg.shards
+        self.cuts = cuts
+        if cuts:
+            coordinator.cut_every = self.steps
+        self._lock = threading.RLock()  # one writer at a time
         self._stop = threading.Event()
         self._last_version = coordinator.store.version
         self._thread = threading.Thread(target=self._loop, name="ps-checkpoint", daemon=True)
 
+    def resume(self) -> None:
+        """Take over the newest saved state, if any: the newest cut for a cutting shard,
+        else the checkpoint file."""
+        manifest = self.coordinator.manifest
+        name = checkpoint.server_file(self.shard, self.shards)
+        if self.cuts:
+            cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
+            if not cuts:
+                return
+            name = cuts[max(cuts)].name
+        saved = checkpoint.load_server(self.directory, manifest, name)
+        if saved is not None:
+            self.coordinator.restore(*saved)
+            self._last_version = self.coordinator.store.version
+
     def start(self) -> Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
+        if self.cuts:
+            rounds = self.coordinator.rounds
+            if rounds not in checkpoint.list_cuts(self.directory, self.shard, self.shards):
+                self._write_cut(self.coordinator.checkpoint_state())  # where a fresh run starts
         self._thread.start()
         return self
 
     def _due(self, c: Coordinator) -> bool:
-        return self._stop.is_set() or (
-            self.steps is not None and c.store.version >= self._last_version + self.steps
+        return (
+            self._stop.is_set()
+            or c.cuts_pending
+            or (self.steps is not None and c.store.version >= self._last_version + self.steps)
         )
 
     def _loop(self) -> None:
@@ -48,37 +87,73 @@ class Checkpointer:
                 self._stop.wait(self.seconds)
             if self._stop.is_set():
                 return
-            if self.coordinator.store.version != self._last_version:
-                try:
+            try:
+                self.write_cuts()
+                if not self.cuts and self.coordinator.store.version != self._last_version:
                     self.save()
-                except OSError as exc:
-                    log.error("checkpoint to %s failed: %s", self.directory, exc)
+            except OSError as exc:
+                log.error("checkpoint to %s failed: %s", self.directory, exc)
+
+    def write_cuts(self) -> None:
+        """Write the cuts the coordinator took since the last call; when this returns,
+        every cut taken before the call is on disk."""
+        with self._lock:
+            for state in self.coordinator.take_cuts():
+                self._write_cut(state)
+
+    def _write(self, state: dict[str, Any], name: str, what: str) -> Path:
+        with self._lock:
+            started = time.perf_counter()
+            path = checkpoint.save_server(self.directory, self.coordinator.manifest, state, name)
+            self._last_version = max(self._last_version, int(state["version"]))
+            self.coordinator.saved(int(state["version"]), time.time())
+            log.info("%s of version %d written to %s in %.2fs", what, state["version"], path,
+                     time.perf_counter() - started)  # fmt: skip
+            return path
+
+    def _write_cut(self, state: dict[str, Any]) -> None:
+        rounds = int(state["rounds"])
+        self._write(state, checkpoint.cut_file(self.shard, self.shards, rounds), "cut")
+        cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
+        for old in sorted(cuts)[:-KEEP_CUTS]:
+            cuts[old].unlink(missing_ok=True)
 
     def save(self) -> int:
         """Write a checkpoint now; returns its version."""
+        state = self.coordinator.checkpoint_state()
+        self._write(state, checkpoint.server_file(self.shard, self.shards), "checkpoint")
+        return int(state["version"])
+
+    def rewind(self, round_: int, incarnation: str) -> None:
+        """Go back to this shard's cut at sync round ``round_`` (another shard restarted
+        from it), as a new incarnation.
+
+        Raises:
+            WrongIncarnation: ``incarnation`` is not the current one: a rewind (or a restart)
+                happened since the caller joined.
+            OutOfOrder: this shard keeps no cut at that round.
+        """
         with self._lock:
-            started = time.perf_counter()
-            state = self.coordinator.checkpoint_state()
-            cfg = self.coordinator.config
-            path = checkpoint.save_server(
-                self.directory,
-                self.coordinator.manifest,
-                state,
-                checkpoint.server_file(cfg.shard, cfg.shards),
-            )
-            self._last_version = state["version"]
-            self.coordinator.saved(state["version"], time.time())
-            log.info(
-                "checkpoint of version %d written to %s in %.2fs",
-                state["version"],
-                path,
-                time.perf_counter() - started,
-            )
-            return int(state["version"])
+            self.coordinator.check_incarnation(incarnation)
+            cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
+            if round_ not in cuts:
+                raise OutOfOrder(
+                    f"Shard {self.shard} of {self.shards} keeps cuts at rounds "
+                    f"{sorted(cuts) or 'none'}, not at round {round_}: the run cannot resume "
+                    "as one model. Restart every shard from the same round's cuts."
+                )
+            saved = checkpoint.load_server(self.directory, self.coordinator.manifest,
+                                           cuts[round_].name)  # fmt: skip
+            assert saved is not None
+            was = self.coordinator.rounds
+            self.coordinator.rewind(*saved)
+            log.warning("rewound from round %d to the cut at round %d (incarnation %s)", was,
+                        round_, self.coordinator.incarnation)  # fmt: skip
 
     def stop(self) -> None:
         """Stop the thread and write a last checkpoint."""
         self._stop.set()
         self.coordinator.notify()
         self._thread.join(timeout=60)
+        self.write_cuts()
         self.save()

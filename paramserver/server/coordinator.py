@@ -114,12 +114,17 @@ class Coordinator:
         self.round = SyncRound()
         self.checkpoint_version = -1
         self.checkpoint_time: float | None = None
+        # Sharded sync runs cut every N rounds: the state at those round boundaries, taken
+        # under the lock, waits here for the checkpointer (``take_cuts``).
+        self.cut_every: int | None = None
+        self._cuts: list[dict[str, Any]] = []
         # The whole model's size and where this server's range starts (--shard I/S).
         self.model_numel = self.manifest.numel
         self.shard_offset = 0
 
     def check_incarnation(self, incarnation: str) -> None:
-        """A call meant for an earlier incarnation of the server is refused (ABORTED)."""
+        """A call meant for an earlier incarnation of the server (a restart, or a rewind to
+        a cut) is refused (ABORTED)."""
         if incarnation and incarnation != self.incarnation:
             raise WrongIncarnation(
                 f"This server is incarnation {self.incarnation}, not {incarnation}: it restarted "
@@ -241,6 +246,7 @@ class Coordinator:
         grad: np.ndarray | None,
         samples: int,
         loss: float,
+        incarnation: str = "",
     ) -> PushResult:
         """Apply (or, under sync, accumulate) one gradient; exactly once per (worker, iteration).
 
@@ -263,6 +269,7 @@ class Coordinator:
                 "such pushes instead)."
             )
         with self._cond:
+            self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
             member = self.membership.get(worker_id)
             window = max(1, self.policy.max_inflight_pushes())
             action = staleness.push_action(iteration, member.clock, window)
@@ -323,6 +330,8 @@ class Coordinator:
             if mean is not None:
                 self.store.apply(mean)
             self.rounds += 1
+            if self.cut_every and self.rounds % self.cut_every == 0:
+                self._cuts.append(self._state())
 
     # --- pull -------------------------------------------------------------------------
 
@@ -333,6 +342,7 @@ class Coordinator:
         timeout: float,
         is_active: Callable[[], bool] = lambda: True,
         batches: int = 1,
+        incarnation: str = "",
     ) -> PullResult:
         """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
         the policy allows; an empty id observes.
@@ -379,6 +389,7 @@ class Coordinator:
                     if remaining <= 0 or not is_active():
                         raise Timeout(self._wait_message(worker_id, iteration, timeout))
                     self._cond.wait(min(remaining, self.config.lease_seconds))
+                    self.check_incarnation(incarnation)  # rewound while waiting: ABORTED
                     self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
             finally:
                 self.counters.barrier_wait_seconds += self._now() - waited_from
@@ -427,20 +438,42 @@ class Coordinator:
     def checkpoint_state(self) -> dict[str, Any]:
         """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
         with self._cond:
-            members = self.membership.state()
-            return {
-                "weights": self.store.weights.copy(),
-                "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
-                "version": self.store.version,
-                "rounds": self.rounds,
-                "policy": self.policy.name,
-                "incarnation": self.incarnation,
-                "members": members.pop("members"),
-                "membership": members,
-                "queue": self.queue.state() if self.queue is not None else None,
-                "sync_round": self.round.state(),
-                "counters": self.counters.state(),
-            }
+            return self._state()
+
+    @property
+    def cuts_pending(self) -> bool:
+        return bool(self._cuts)
+
+    def take_cuts(self) -> list[dict[str, Any]]:
+        """The states of the cuts taken since the last call (oldest first)."""
+        with self._cond:
+            cuts, self._cuts = self._cuts, []
+            return cuts
+
+    def rewind(self, state: dict[str, Any], weights: np.ndarray) -> None:
+        """Go back to a cut, as a new incarnation: every call of the old one is refused
+        (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
+        with self._cond:
+            self.incarnation = uuid.uuid4().hex[:12]
+            self._cuts = []
+            self.restore(state, weights)
+
+    def _state(self) -> dict[str, Any]:
+        """Everything a resumed server needs; the caller holds the lock."""
+        members = self.membership.state()
+        return {
+            "weights": self.store.weights.copy(),
+            "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
+            "version": self.store.version,
+            "rounds": self.rounds,
+            "policy": self.policy.name,
+            "incarnation": self.incarnation,
+            "members": members.pop("members"),
+            "membership": members,
+            "queue": self.queue.state() if self.queue is not None else None,
+            "sync_round": self.round.state(),
+            "counters": self.counters.state(),
+        }
 
     def restore(self, state: dict[str, Any], weights: np.ndarray) -> None:
         """Take over the state of a checkpoint (``weights``: its flat parameters).

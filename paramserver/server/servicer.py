@@ -13,7 +13,7 @@ import numpy as np
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import compression, wire
-from paramserver.errors import InvalidRequest, ParamServerError, to_status
+from paramserver.errors import InvalidRequest, OutOfOrder, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
 from paramserver.shm import Attachments
 
@@ -54,9 +54,15 @@ class Servicer(pb_grpc.ParameterServerServicer):
     """Maps the six RPCs of the wire contract onto a Coordinator (payloads of workers on
     this host through their shared-memory segments, the others' through the codec)."""
 
-    def __init__(self, coordinator: Coordinator, shared: Attachments):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        shared: Attachments,
+        rewind: Callable[[int, str], None] | None = None,
+    ):
         self.c = coordinator
         self.shared = shared
+        self.rewind = rewind
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
@@ -106,6 +112,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             timeout,
             context.is_active,
             request.batches or 1,
+            request.incarnation,
         )
         header = pb.PullHeader(
             version=result.version,
@@ -158,7 +165,14 @@ class Servicer(pb_grpc.ParameterServerServicer):
         self._check_push_header(header)
         self.c.accept_header(header.worker_id)
         grad = self._gradient(header, rest)
-        result = self.c.push(header.worker_id, header.iteration, grad, header.samples, header.loss)
+        result = self.c.push(
+            header.worker_id,
+            header.iteration,
+            grad,
+            header.samples,
+            header.loss,
+            header.incarnation,
+        )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
         )
@@ -188,6 +202,17 @@ class Servicer(pb_grpc.ParameterServerServicer):
             return pb.PushPullResponse(push=push)
         pull, _ = self._pull(request.pull, context)
         return pb.PushPullResponse(push=push, pull=pull)
+
+    @_rpc
+    def Rewind(self, request: pb.RewindRequest, context: grpc.ServicerContext) -> pb.RewindResponse:
+        if self.rewind is None:
+            raise OutOfOrder(
+                "This server keeps no consistent cuts to rewind to: a sharded sync run needs "
+                "--checkpoint-dir on every shard."
+            )
+        log.warning("worker %s asks to rewind to round %d", request.worker_id, request.round)
+        self.rewind(request.round, request.incarnation)
+        return pb.RewindResponse(version=self.c.store.version, incarnation=self.c.incarnation)
 
     @_rpc
     def Heartbeat(

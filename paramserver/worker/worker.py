@@ -16,6 +16,7 @@ the model (one copy).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.codec.layout import Manifest, flatten_into, unflatten_into
 from paramserver.config import Security
-from paramserver.errors import ConfigError, ParamServerError
+from paramserver.errors import ConfigError, ParamServerError, WrongIncarnation
 from paramserver.staleness import Policy
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import StreamBuffers, new_segment, open_channel
@@ -241,14 +242,33 @@ class Worker:
             old.close()
 
     def _rejoin_lost(self) -> None:
-        """Join every lost session again, once the pushes in flight have ended."""
-        lost = [i for i, s in enumerate(self.sessions) if s.lost]
-        if not lost:
+        """Join every lost session again, once the pushes in flight have ended; after a
+        shard restarted, bring every shard back to one round."""
+        while lost := [i for i, s in enumerate(self.sessions) if s.lost]:
+            self._pipe.flush()
+            self._raise_background_error()
+            was = [self.sessions[i].incarnation for i in lost]
+            for i in lost:
+                self._attach(i, retry=True)
+            if any(self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)):
+                self._realign()
+
+    def _realign(self) -> None:
+        """A shard of a sharded sync run restarted from its newest consistent cut: ask every
+        shard that is ahead of it to rewind to the same round, then join those again, so
+        the run resumes as one model and every batch after the cut is computed again."""
+        if self.shards < 2 or not self.policy.synchronous:
             return
-        self._pipe.flush()
-        self._raise_background_error()
-        for i in lost:
-            self._attach(i, retry=True)
+        low = min(s.clock for s in self.sessions)
+        for s in self.sessions:
+            if s.clock == low:
+                continue
+            log.warning("shard at %s is at round %d, another restarted at round %d: rewinding "
+                        "it to that round's cut", s.address, s.clock, low)  # fmt: skip
+            request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
+            with contextlib.suppress(WrongIncarnation):  # another worker rewound it first
+                s.call("rewind", s.stub.Rewind, request)
+            s.lose(WrongIncarnation(f"The server at {s.address} rewound to round {low}."))
 
     # --- state ------------------------------------------------------------------------
 

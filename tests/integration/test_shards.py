@@ -48,6 +48,7 @@ def test_sharded_servers_train_exactly_like_one(serve, tmp_path, optimizer, shar
             shard=i,
             shards=shards,
             checkpoint_dir=str(tmp_path),
+            checkpoint_every="5",
         )  # fmt: skip
         for i in range(shards)
     ]
@@ -68,6 +69,8 @@ def test_sharded_servers_train_exactly_like_one(serve, tmp_path, optimizer, shar
         same(s.coordinator.store.weights, expected[lo:hi])
         s.stop()
         assert (tmp_path / checkpoint.server_file(i, shards)).exists()
+        # consistent cuts at rounds 0, 5 and 10, the same on every shard
+        assert sorted(checkpoint.list_cuts(tmp_path, i, shards)) == [0, 5, 10]
 
 
 def test_a_plain_worker_at_a_shard_is_told_to_list_every_shard(serve):

@@ -1,0 +1,124 @@
+"""A sharded sync run survives kill -9 of a shard as one model: the restarted shard resumes
+from its newest consistent cut, the other shard rewinds to the same round, every batch after
+the cut is computed again, and the run ends with the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import grpc
+import numpy as np
+
+from paramserver import data, models
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import layout
+from paramserver.launch import READY_MARKER
+from paramserver.procs import Child, stop_all
+from paramserver.stub import Stub, connect
+from paramserver.worker.channel import observe
+from tests.conftest import DEADLINE
+
+EPOCHS, BATCH, WORKERS, SHARDS, CUT_EVERY = 3, 64, 2, 2, 5
+ROUNDS = EPOCHS * data.batches_per_epoch(data.SYNTHETIC_TRAIN, BATCH) // WORKERS
+
+
+def _shard(tmp_path, tag: str, i: int, port: int, n: int) -> Child:
+    return Child(
+        f"{tag}-shard{i}-{n}",
+        ["server", "--host", "127.0.0.1", "--port", str(port), "--shard", f"{i}/{SHARDS}",
+         "--policy", "sync", "--workers", str(WORKERS), "--dataset", "synthetic",
+         "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--optimizer", "sgd",
+         "--lr", "0.05", "--model", "mlp", "--seed", "3", "--lease-timeout", "5",
+         "--checkpoint-dir", str(tmp_path / tag), "--checkpoint-every", str(CUT_EVERY)],
+        tmp_path / f"{tag}-shard{i}-{n}.log",
+        capture_stdout=True,
+    )  # fmt: skip
+
+
+def _status(address: str) -> pb.StatusResponse | None:
+    try:
+        channel = connect(address, 5)
+    except Exception:  # noqa: BLE001 - not up (yet)
+        return None
+    try:
+        return Stub(channel).Status(pb.StatusRequest(), timeout=10)
+    except grpc.RpcError:
+        return None
+    finally:
+        channel.close()
+
+
+def _wait(address: str, what: str, predicate) -> pb.StatusResponse:
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        st = _status(address)
+        if st is not None and predicate(st):
+            return st
+        time.sleep(0.02)  # polling another process's status; bounded by the deadline
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _run(tmp_path, tag: str, crash: bool) -> tuple[np.ndarray, list[pb.StatusResponse]]:
+    procs: list[Child] = []
+    try:
+        shards = [_shard(tmp_path, tag, i, 0, 1) for i in range(SHARDS)]
+        procs += shards
+        addresses = [s.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1] for s in shards]
+        workers = [
+            Child(f"{tag}-worker-{i}",
+                  ["worker", "--server", ",".join(addresses), "--device", "cpu",
+                   "--name", f"w{i}", "--step-delay", "0.01", "--server-timeout", "120",
+                   "--rpc-timeout", "30"],
+                  tmp_path / f"{tag}-worker-{i}.log")
+            for i in range(WORKERS)
+        ]  # fmt: skip
+        procs += workers
+        if crash:
+            # Past the cut at round 10, before the end: kill -9 shard 1, no last checkpoint.
+            before = _wait(addresses[1], "round 13", lambda s: s.rounds >= 13)
+            assert before.rounds < ROUNDS // 2, "the run went too fast to crash it mid-run"
+            os.kill(shards[1].proc.pid, signal.SIGKILL)
+            shards[1].proc.wait(DEADLINE)
+            port = int(addresses[1].rsplit(":", 1)[1])
+            again = _shard(tmp_path, tag, 1, port, 2)
+            procs.append(again)
+            again.wait_for_line(READY_MARKER, DEADLINE)
+        for w in workers:
+            assert w.proc.wait(DEADLINE) == 0, w.tail(30)
+        model = models.build("mlp")
+        manifest = layout.Manifest.from_tensors(models.parameters(model))
+        parts, statuses = [], []
+        for i, address in enumerate(addresses):
+            lo, hi = layout.shard_range(manifest.numel, i, SHARDS)
+            channel = connect(address, DEADLINE)
+            _, part = observe(channel, 4 * (hi - lo))
+            channel.close()
+            parts.append(part.copy())
+            st = _status(address)
+            assert st is not None
+            statuses.append(st)
+        if crash:
+            assert any("rewinding" in w.log_path.read_text() for w in workers)
+            # shard 0 went back to the round shard 1 resumed from: its newest cut, written
+            # after the status we read and before the kill landed
+            rewound = re.search(r"rewound from round (\d+) to the cut at round (\d+)",
+                                shards[0].log_path.read_text())  # fmt: skip
+            assert rewound is not None, shards[0].tail(30)
+            cut = int(rewound[2])
+            assert cut % CUT_EVERY == 0 and before.rounds - CUT_EVERY < cut <= int(rewound[1])
+        return np.concatenate(parts), statuses
+    finally:
+        stop_all(procs)
+
+
+def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_path):
+    clean, _ = _run(tmp_path, "clean", crash=False)
+    crashed, statuses = _run(tmp_path, "crash", crash=True)
+    for st in statuses:
+        assert st.rounds == ROUNDS  # both shards end at the same round
+    assert statuses[0].batches_done == ROUNDS * WORKERS  # every batch, once
+    print(f"largest difference from the uninterrupted run: {np.abs(crashed - clean).max():.3g}")
+    np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
