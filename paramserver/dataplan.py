@@ -17,6 +17,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+from paramserver.errors import InvalidRequest
+
 
 @dataclass
 class BatchQueue:
@@ -90,6 +92,36 @@ class BatchQueue:
         """Give back the worker's batches of ``iteration`` and later (it rewound its clock)."""
         mine = self.taken.get(worker_id, {})
         return self._give_back([b for t in sorted(mine) if t >= iteration for b in mine.pop(t)])
+
+    @classmethod
+    def plan(
+        cls, queue: BatchQueue | None, train_samples: int, batch_size: int, epochs: int
+    ) -> BatchQueue | None:
+        """The run's queue once a worker says how many samples it trains on: ``queue`` if
+        there is one already (checked against this worker's data), else a new one.
+
+        Raises:
+            InvalidRequest: a negative count, too few samples for a batch, or a data set
+                whose size differs from the one the run's batches come from.
+        """
+        if train_samples < 0:
+            raise InvalidRequest(f"train_samples {train_samples} is negative.")
+        if not train_samples:
+            return queue
+        per_epoch = train_samples // batch_size
+        if per_epoch < 1:
+            raise InvalidRequest(
+                f"{train_samples} training samples do not make one batch of {batch_size}."
+            )
+        if queue is None:
+            return cls(per_epoch, epochs)
+        if queue.per_epoch != per_epoch:
+            raise InvalidRequest(
+                f"This worker's data set has {train_samples} training samples, {per_epoch} "
+                f"batches of {batch_size}; the run hands out {queue.per_epoch} batches per "
+                "epoch. Give every worker the same data."
+            )
+        return queue
 
     def state(self) -> dict[str, Any]:
         """For a checkpoint: batches in flight count as returned (their pushes are not in it)."""

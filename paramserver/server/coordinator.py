@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,44 +24,13 @@ from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
 from paramserver.server.rounds import SyncRound
-from paramserver.server.status import ServerStatus, WorkerStatus
+from paramserver.server.status import Counters, ServerStatus, server_status
 from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
 
 log = logging.getLogger(__name__)
 # The most batches one pull may take (--push-every K).
 MAX_BATCHES_PER_PULL = 1024
-
-
-@dataclass
-class Counters:
-    """What the server has done, for Status."""
-
-    pushes_applied: int = 0
-    duplicates: int = 0
-    skipped: int = 0
-    pulls: int = 0
-    barrier_wait_seconds: float = 0.0
-    samples: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    max_staleness: int = 0
-    histogram: Counter[int] = field(default_factory=Counter)
-    train_loss: float = math.nan
-    first_push: float | None = None
-    last_push: float | None = None
-
-    # what a checkpoint keeps of them
-    SAVED = ("pushes_applied", "duplicates", "skipped", "samples", "bytes_in", "bytes_out",
-             "max_staleness")  # fmt: skip
-
-    def state(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in self.SAVED}
-
-    def load(self, state: dict[str, Any]) -> None:
-        for key in self.SAVED:
-            if key in state:
-                setattr(self, key, int(state[key]))
 
 
 @dataclass(frozen=True)
@@ -141,7 +108,8 @@ class Coordinator:
             InvalidRequest: its data set does not match the one the run's batches come from.
         """
         with self._cond:
-            self._plan_batches(train_samples)
+            self.queue = BatchQueue.plan(self.queue, train_samples, self.config.batch_size,
+                                         self.config.epochs)  # fmt: skip
             member = self.membership.members.get(worker_id) if worker_id else None
             if member is not None:
                 self.membership.touch(worker_id)
@@ -152,37 +120,10 @@ class Coordinator:
                 what = "joined"
             if not self._started and len(self.membership.members) >= self.config.start_workers:
                 self._started = True
-            log.info(
-                "worker %s (%s) %s as rank %d at clock %d; %d live",
-                member.worker_id,
-                name,
-                what,
-                member.rank,
-                member.clock,
-                len(self.membership.members),
-            )
+            log.info("worker %s (%s) %s as rank %d at clock %d; %d live", member.worker_id, name,
+                     what, member.rank, member.clock, len(self.membership.members))  # fmt: skip
             self._cond.notify_all()
             return member
-
-    def _plan_batches(self, train_samples: int) -> None:
-        if train_samples < 0:
-            raise InvalidRequest(f"train_samples {train_samples} is negative.")
-        if not train_samples:
-            return
-        per_epoch = train_samples // self.config.batch_size
-        if per_epoch < 1:
-            raise InvalidRequest(
-                f"{train_samples} training samples do not make one batch of "
-                f"{self.config.batch_size}."
-            )
-        if self.queue is None:
-            self.queue = BatchQueue(per_epoch, self.config.epochs)
-        elif self.queue.per_epoch != per_epoch:
-            raise InvalidRequest(
-                f"This worker's data set has {train_samples} training samples, "
-                f"{per_epoch} batches of {self.config.batch_size}; the run hands out "
-                f"{self.queue.per_epoch} batches per epoch. Give every worker the same data."
-            )
 
     def heartbeat(self, worker_id: str) -> int:
         with self._cond:
@@ -193,9 +134,8 @@ class Coordinator:
         with self._cond:
             member = self.membership.leave(worker_id)
             if member is not None:
-                log.info(
-                    "worker %s (rank %d) left at clock %d", worker_id, member.rank, member.clock
-                )
+                log.info("worker %s (rank %d) left at clock %d", worker_id, member.rank,
+                         member.clock)  # fmt: skip
                 self._after_membership_change([member])
 
     def expire_leases(self) -> list[Member]:
@@ -203,15 +143,9 @@ class Coordinator:
         with self._cond:
             dead = self.membership.expire()
             for m in dead:
-                log.warning(
-                    "worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no longer "
-                    "holds back the others",
-                    m.worker_id,
-                    m.name,
-                    m.rank,
-                    self.config.lease_seconds,
-                    m.clock,
-                )
+                log.warning("worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
+                            "longer holds back the others", m.worker_id, m.name, m.rank,
+                            self.config.lease_seconds, m.clock)  # fmt: skip
             if dead:
                 self._after_membership_change(dead)
             return dead
@@ -290,11 +224,8 @@ class Coordinator:
             self.membership.touch(worker_id)
             if not finite:
                 self.counters.skipped += 1
-                log.warning(
-                    "skipped the non-finite gradient of worker %s for iteration %d",
-                    worker_id,
-                    iteration,
-                )
+                log.warning("skipped the non-finite gradient of worker %s for iteration %d",
+                            worker_id, iteration)  # fmt: skip
                 grad = None
             if grad is not None:
                 self.counters.bytes_in += grad.nbytes
@@ -306,21 +237,11 @@ class Coordinator:
                 self.queue.complete(worker_id, iteration)
             self.membership.advance(worker_id, samples if grad is not None else 0)
             if grad is not None:
-                self._count_push(samples, loss)
+                self.counters.push(samples, loss, self._now())
             if self.policy.synchronous:
                 self._maybe_finish_round()
             self._cond.notify_all()
             return PushResult(self.store.version, member.clock, False)
-
-    def _count_push(self, samples: int, loss: float) -> None:
-        c = self.counters
-        c.pushes_applied += 1
-        c.samples += samples
-        now = self._now()
-        c.first_push = now if c.first_push is None else c.first_push
-        c.last_push = now
-        if math.isfinite(loss):
-            c.train_loss = loss if math.isnan(c.train_loss) else 0.98 * c.train_loss + 0.02 * loss
 
     def _maybe_finish_round(self) -> None:
         if not self.policy.synchronous:
@@ -406,10 +327,8 @@ class Coordinator:
         self.counters.bytes_out += weights.nbytes
         lag = 0
         if iteration is not None:
-            self.counters.pulls += 1
             lag = staleness.staleness(iteration, self.membership.min_clock())
-            self.counters.histogram[lag] += 1
-            self.counters.max_staleness = max(self.counters.max_staleness, lag)
+            self.counters.pull(lag)
         return PullResult(self.store.version, lag, weights, batches, finished)
 
     def _wait_message(self, worker_id: str, iteration: int, timeout: float) -> str:
@@ -484,11 +403,8 @@ class Coordinator:
         """
         with self._cond:
             if state["policy"] != self.policy.name:
-                log.warning(
-                    "the checkpoint was written under %s; going on under %s",
-                    state["policy"],
-                    self.policy.name,
-                )
+                log.warning("the checkpoint was written under %s; going on under %s",
+                            state["policy"], self.policy.name)  # fmt: skip
             self.store.restore(weights, state["optimizer_state"], int(state["version"]))
             self.rounds = int(state["rounds"])
             self.membership = Membership.from_state(
@@ -504,12 +420,8 @@ class Coordinator:
             self.counters.load(state["counters"])
             self._started = bool(self.membership.members) or self.store.version > 0
             self.checkpoint_version = self.store.version
-            log.info(
-                "resumed from incarnation %s at version %d with %d workers",
-                state["incarnation"],
-                self.store.version,
-                len(self.membership.members),
-            )
+            log.info("resumed from incarnation %s at version %d with %d workers",
+                     state["incarnation"], self.store.version, len(self.membership.members))  # fmt: skip
             self._cond.notify_all()
 
     def saved(self, version: int, at: float) -> None:
@@ -522,54 +434,4 @@ class Coordinator:
 
     def status(self) -> ServerStatus:
         with self._cond:
-            now = self._now()
-            c = self.counters
-            members = sorted(self.membership.members.values(), key=lambda m: m.rank)
-            fastest = max((m.clock for m in members), default=0)
-            workers = tuple(
-                WorkerStatus(
-                    worker_id=m.worker_id,
-                    name=m.name,
-                    rank=m.rank,
-                    clock=m.clock,
-                    last_seen_seconds=now - m.last_seen,
-                    samples=m.samples,
-                    samples_per_second=self.membership.rate(m),
-                    lag=fastest - m.clock,
-                )
-                for m in members
-            )
-            trained = 0.0
-            if c.first_push is not None and c.last_push is not None:
-                trained = c.last_push - c.first_push
-            age = -1.0 if self.checkpoint_time is None else self._wall() - self.checkpoint_time
-            return ServerStatus(
-                version=self.store.version,
-                policy=self.policy.name,
-                workers=workers,
-                pushes_applied=c.pushes_applied,
-                bytes_in=c.bytes_in,
-                bytes_out=c.bytes_out,
-                max_staleness=c.max_staleness,
-                staleness_histogram=dict(c.histogram),
-                samples=c.samples,
-                train_loss=c.train_loss,
-                train_seconds=trained,
-                incarnation=self.incarnation,
-                model=self.config.model,
-                world_size=self.config.workers,
-                workers_joined=self.membership.joined_total,
-                workers_expired=self.membership.expired_total,
-                uptime_seconds=now - self.started_at,
-                learning_rate=self.store.lr,
-                batches_done=self.queue.done if self.queue else 0,
-                batches_total=self.queue.total if self.queue else 0,
-                pushes_skipped=c.skipped,
-                duplicates=c.duplicates,
-                checkpoint_version=self.checkpoint_version,
-                checkpoint_age_seconds=age,
-                min_workers=self.config.start_workers,
-                rounds=self.rounds,
-                pulls_answered=c.pulls,
-                barrier_wait_seconds=c.barrier_wait_seconds,
-            )
+            return server_status(self, self._now(), self._wall())

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from paramserver._proto import paramserver_pb2 as pb
+
+if TYPE_CHECKING:
+    from paramserver.server.coordinator import Coordinator
 
 
 @dataclass(frozen=True)
@@ -66,3 +71,104 @@ class ServerStatus:
         d["workers"] = list(d["workers"])
         d["staleness_histogram"] = dict(self.staleness_histogram)
         return d
+
+
+@dataclass
+class Counters:
+    """What the server has done, for Status."""
+
+    pushes_applied: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    pulls: int = 0
+    barrier_wait_seconds: float = 0.0
+    samples: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    max_staleness: int = 0
+    histogram: Counter[int] = field(default_factory=Counter)
+    train_loss: float = math.nan
+    first_push: float | None = None
+    last_push: float | None = None
+
+    # what a checkpoint keeps of them
+    SAVED = ("pushes_applied", "duplicates", "skipped", "samples", "bytes_in", "bytes_out",
+             "max_staleness")  # fmt: skip
+
+    def state(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in self.SAVED}
+
+    def load(self, state: dict[str, Any]) -> None:
+        for key in self.SAVED:
+            if key in state:
+                setattr(self, key, int(state[key]))
+
+    def push(self, samples: int, loss: float, now: float) -> None:
+        """An applied gradient of ``samples`` samples whose batch had ``loss``."""
+        self.pushes_applied += 1
+        self.samples += samples
+        self.first_push = now if self.first_push is None else self.first_push
+        self.last_push = now
+        if math.isfinite(loss):
+            nan = math.isnan(self.train_loss)
+            self.train_loss = loss if nan else 0.98 * self.train_loss + 0.02 * loss
+
+    def pull(self, lag: int) -> None:
+        """A pull answered with weights to compute on, ``lag`` iterations stale."""
+        self.pulls += 1
+        self.histogram[lag] += 1
+        self.max_staleness = max(self.max_staleness, lag)
+
+
+def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
+    """The status of coordinator ``c`` at monotonic time ``now`` and wall time ``wall``; the
+    caller holds its lock."""
+    n = c.counters
+    members = sorted(c.membership.members.values(), key=lambda m: m.rank)
+    fastest = max((m.clock for m in members), default=0)
+    workers = tuple(
+        WorkerStatus(
+            worker_id=m.worker_id,
+            name=m.name,
+            rank=m.rank,
+            clock=m.clock,
+            last_seen_seconds=now - m.last_seen,
+            samples=m.samples,
+            samples_per_second=c.membership.rate(m),
+            lag=fastest - m.clock,
+        )
+        for m in members
+    )
+    trained = 0.0
+    if n.first_push is not None and n.last_push is not None:
+        trained = n.last_push - n.first_push
+    return ServerStatus(
+        version=c.store.version,
+        policy=c.policy.name,
+        workers=workers,
+        pushes_applied=n.pushes_applied,
+        bytes_in=n.bytes_in,
+        bytes_out=n.bytes_out,
+        max_staleness=n.max_staleness,
+        staleness_histogram=dict(n.histogram),
+        samples=n.samples,
+        train_loss=n.train_loss,
+        train_seconds=trained,
+        incarnation=c.incarnation,
+        model=c.config.model,
+        world_size=c.config.workers,
+        workers_joined=c.membership.joined_total,
+        workers_expired=c.membership.expired_total,
+        uptime_seconds=now - c.started_at,
+        learning_rate=c.store.lr,
+        batches_done=c.queue.done if c.queue else 0,
+        batches_total=c.queue.total if c.queue else 0,
+        pushes_skipped=n.skipped,
+        duplicates=n.duplicates,
+        checkpoint_version=c.checkpoint_version,
+        checkpoint_age_seconds=-1.0 if c.checkpoint_time is None else wall - c.checkpoint_time,
+        min_workers=c.config.start_workers,
+        rounds=c.rounds,
+        pulls_answered=n.pulls,
+        barrier_wait_seconds=n.barrier_wait_seconds,
+    )
