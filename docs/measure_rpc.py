@@ -12,14 +12,14 @@ from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.bench.common import median_seconds, server_process
 from paramserver.codec import compression, wire
+from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.worker.worker import Worker
 
 
 def main(optimizer: str) -> None:
     torch.set_num_threads(1)
-    args = ("--model", "mlp", "--optimizer", optimizer, "--policy", "async", "--workers", "1",
-            "--lease-timeout", "600")  # fmt: skip
-    with server_process(*args) as addr, Worker(addr, models.build("mlp", seed=0)) as w:
+    cfg = ServerConfig(optimizer=OptimizerConfig(optimizer), policy="async", lease_seconds=600)
+    with server_process(cfg) as addr, Worker(addr, models.build("mlp", seed=0)) as w:
         grad = compression.as_bytes(np.full(w.manifest.numel, 1e-3, np.float32))
         session = w.sessions[0]
 

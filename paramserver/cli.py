@@ -16,11 +16,8 @@ from typing import Any
 
 import click
 
-from paramserver.codec import compression
+from paramserver import settings
 from paramserver.config import (
-    DATASETS,
-    LR_SCHEDULES,
-    OPTIMIZERS,
     LaunchConfig,
     OptimizerConfig,
     Security,
@@ -41,80 +38,36 @@ def opt(*decls: str, env: str, **kwargs: Any) -> Callable[[F], F]:
     )
 
 
-def apply(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+def security_config(kw: dict[str, Any]) -> Security:
+    return Security(**settings.values(Security, kw))
+
+
+def server_config(kw: dict[str, Any], **fixed: Any) -> ServerConfig:
+    """The ServerConfig that the server options in ``kw`` give (taken out of ``kw``)."""
+    optimizer = OptimizerConfig(**settings.values(OptimizerConfig, kw))
+    return ServerConfig(
+        optimizer=optimizer,
+        security=security_config(kw),
+        **settings.values(ServerConfig, kw, exclude=tuple(fixed)),
+        **fixed,
+    )
+
+
+# The options of a server's run: what `server` and `launch` share.
+RUN_OPTIONS = (
+    settings.options(ServerConfig, exclude=("host", "port", "threads", "metrics_port")),
+    settings.options(OptimizerConfig, exclude=("schedule",)),
+)
+SECURITY_OPTIONS = settings.options(Security)
+
+
+def apply(*decorators: Callable[[F], F]) -> Callable[[F], F]:
     def decorate(func: F) -> F:
-        for option in reversed(options):
-            func = option(func)
+        for d in reversed(decorators):
+            func = d(func)
         return func
 
     return decorate
-
-
-SERVER_OPTIONS = [
-    opt("--model", env="MODEL", default="mlp", help="Model factory: mlp, cnn or module:function."),
-    opt("--optimizer", env="OPTIMIZER", type=click.Choice(OPTIMIZERS), default="adam", help="Server-side optimizer."),
-    opt("--lr", env="LR", type=float, default=1e-3, help="Learning rate."),
-    opt("--momentum", env="MOMENTUM", type=float, default=0.9, help="Momentum (optimizer 'momentum' only)."),
-    opt("--weight-decay", env="WEIGHT_DECAY", type=float, default=0.0, help="Weight decay."),
-    opt("--lr-total-steps", env="LR_TOTAL_STEPS", type=int, default=None, help="Optimizer steps the cosine schedule spans [launch: the whole run]."),
-    opt("--policy", env="POLICY", default="delay-1", help="Staleness policy: sync, delay-1, ssp:K or async."),
-    opt("--workers", env="WORKERS", type=int, default=2, help="Most workers live at once; training starts when --min-workers have joined."),
-    opt("--min-workers", env="MIN_WORKERS", type=int, default=None, help="Workers that must join before training starts [default: --workers]; more may join later."),
-    opt("--dataset", env="DATASET", type=click.Choice(DATASETS), default="fashion-mnist", help="Training data the workers use."),
-    opt("--batch-size", env="BATCH_SIZE", type=int, default=64, help="Batch size of each worker."),
-    opt("--epochs", env="EPOCHS", type=int, default=8, help="Passes over the training set."),
-    opt("--seed", env="SEED", type=int, default=0, help="Seeds the initial weights and the data order."),
-    opt("--lease-timeout", env="LEASE_TIMEOUT", type=float, default=10.0, help="Seconds without a call after which a worker is dropped from every barrier."),
-    opt("--chunk-bytes", env="CHUNK_BYTES", type=int, default=1 << 20, help="Size of the streamed payload chunks."),
-    opt("--checkpoint-dir", env="CHECKPOINT_DIR", default=None, help="Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one."),
-    opt("--checkpoint-every", env="CHECKPOINT_EVERY", default="60s", help="With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m)."),
-    opt("--skip-nonfinite", env="SKIP_NONFINITE", is_flag=True, default=False, help="Skip and count gradients holding NaN or Inf instead of failing the push."),
-]  # fmt: skip
-
-SECURITY_OPTIONS = [
-    opt("--tls-cert", env="TLS_CERT", default=None, help="PEM certificate: the server's, or the worker's client certificate."),
-    opt("--tls-key", env="TLS_KEY", default=None, help="PEM private key of --tls-cert."),
-    opt("--tls-ca", env="TLS_CA", default=None, help="PEM CA bundle: on the server, clients must present a certificate it signed (mutual TLS); on clients, it verifies the server."),
-    opt("--token", env="TOKEN", default=None, help="Shared secret: the server refuses calls without it (UNAUTHENTICATED). Prefer the variable to the flag, which shows in ps."),
-]  # fmt: skip
-
-
-def security_config(kw: dict[str, Any]) -> Security:
-    return Security(
-        cert=kw.pop("tls_cert"), key=kw.pop("tls_key"), ca=kw.pop("tls_ca"), token=kw.pop("token")
-    )
-
-
-def server_config(
-    kw: dict[str, Any], host: str, port: int, threads: int, sec: Security | None = None
-) -> ServerConfig:
-    return ServerConfig(
-        model=kw["model"],
-        optimizer=OptimizerConfig(
-            kw["optimizer"],
-            kw["lr"],
-            kw["momentum"],
-            kw["weight_decay"],
-            kw["lr_schedule"],
-            kw["lr_total_steps"],
-        ),  # fmt: skip
-        policy=kw["policy"],
-        workers=kw["workers"],
-        dataset=kw["dataset"],
-        batch_size=kw["batch_size"],
-        epochs=kw["epochs"],
-        seed=kw["seed"],
-        host=host,
-        port=port,
-        lease_seconds=kw["lease_timeout"],
-        chunk_bytes=kw["chunk_bytes"],
-        threads=threads,
-        min_workers=kw["min_workers"],
-        checkpoint_dir=kw["checkpoint_dir"],
-        checkpoint_every=kw["checkpoint_every"],
-        skip_nonfinite=kw["skip_nonfinite"],
-        security=sec or Security(),
-    )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -136,23 +89,19 @@ def cli(log_level: str) -> None:
 
 
 def lr_schedule_option(default: str) -> Callable[[F], F]:
-    return opt("--lr-schedule", env="LR_SCHEDULE", type=click.Choice(LR_SCHEDULES), default=default,
-               help="constant, or cosine decay to 0 over --lr-total-steps optimizer steps.")  # fmt: skip
+    return settings.options(
+        OptimizerConfig, exclude=("name", "lr", "momentum", "weight_decay", "total_steps"),
+        defaults={"schedule": default},
+    )  # fmt: skip
 
 
 @cli.command()
-@apply(SERVER_OPTIONS)
+@apply(*RUN_OPTIONS)
 @lr_schedule_option("constant")
-@opt("--host", env="HOST", default="0.0.0.0", help="Address to listen on.")
-@opt("--port", env="PORT", type=int, default=50051, help="Port to listen on (0: any free port).")
-@opt("--threads", env="SERVER_THREADS", type=int, default=1, help="Torch threads of the optimizer.")
-@opt(
-    "--metrics-port",
-    env="METRICS_PORT",
-    type=int,
-    default=None,
-    help="Serve Prometheus metrics on http://HOST:PORT/metrics [default: off].",
-)
+@settings.options(ServerConfig, exclude=tuple(
+    f.name for f, _ in settings.declared(ServerConfig)
+    if f.name not in ("host", "port", "threads", "metrics_port")
+))  # fmt: skip
 @opt(
     "--shard",
     env="SHARD",
@@ -161,18 +110,13 @@ def lr_schedule_option(default: str) -> Callable[[F], F]:
     "server per shard and give workers every address, in order (--server A,B,...).",
 )
 @apply(SECURITY_OPTIONS)
-def server(
-    host: str, port: int, threads: int, metrics_port: int | None, shard: str, **kw: Any
-) -> None:
+def server(shard: str, **kw: Any) -> None:
     """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint)."""
-    import dataclasses
-
-    from paramserver.launch import READY_MARKER
+    from paramserver.procs import READY_MARKER
     from paramserver.server.app import ServerApp
 
-    cfg = server_config(kw, host, port, threads, security_config(kw))
     index, shards = parse_shard(shard)
-    cfg = dataclasses.replace(cfg, metrics_port=metrics_port, shard=index, shards=shards)
+    cfg = server_config(kw, shard=index, shards=shards)
     log.info("server configuration: %s", cfg)
     app = ServerApp(cfg).start()
     stop = threading.Event()
@@ -191,18 +135,6 @@ def server(
     app.stop(grace=2.0)
 
 
-WORKER_OPTIONS = [
-    opt("--device", env="DEVICE", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N."),
-    opt("--threads", env="THREADS", type=int, default=1, help="Torch threads per worker process."),
-    opt("--data-dir", env="DATA_DIR", default=None, help="Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist]."),
-    opt("--step-delay", env="STEP_DELAY", type=float, default=0.0, help="Extra seconds per step: simulates a straggler."),
-    opt("--overlap", env="OVERLAP", type=click.Choice(["auto", "on", "off"]), default="auto", help="Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU."),
-    opt("--compress", env="COMPRESS", type=click.Choice(compression.CHOICES), default="none", help="Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory."),
-    opt("--push-every", env="PUSH_EVERY", type=click.IntRange(1, 1024), default=1, help="Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step."),
-    opt("--shm", env="SHM", type=click.Choice(["on", "off"]), default="on", help="Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams)."),
-]  # fmt: skip
-
-
 @cli.command()
 @opt(
     "--server",
@@ -211,7 +143,7 @@ WORKER_OPTIONS = [
     required=True,
     help="The server's HOST:PORT; for sharded servers every shard's, in shard order: A,B,...",
 )
-@apply(WORKER_OPTIONS)
+@settings.options(WorkerConfig)
 @opt(
     "--procs",
     env="PROCS",
@@ -219,44 +151,15 @@ WORKER_OPTIONS = [
     default=1,
     help="Worker processes to start on this host (one per GPU when there are several).",
 )
-@opt(
-    "--name",
-    env="NAME",
-    default=None,
-    help="Name shown in the server's status [default: host:pid].",
-)
-@opt("--max-steps", env="MAX_STEPS", type=int, default=None, help="Stop after this many steps.")
-@opt(
-    "--rpc-timeout",
-    env="RPC_TIMEOUT",
-    type=float,
-    default=60.0,
-    help="Deadline of each call but pulls, in seconds.",
-)
-@opt(
-    "--barrier-timeout",
-    env="BARRIER_TIMEOUT",
-    type=float,
-    default=900.0,
-    help="Seconds a pull may wait for slower workers before the worker fails.",
-)
-@opt(
-    "--server-timeout",
-    env="SERVER_TIMEOUT",
-    type=float,
-    default=300.0,
-    help="Seconds to keep retrying (backoff with jitter) while the server is unreachable, "
-    "e.g. restarting, before the worker gives up.",
-)
 @apply(SECURITY_OPTIONS)
 def worker(server_address: str, procs: int, **kw: Any) -> None:
     """Join a server and train on the batches it hands out until the run is finished."""
     sec = security_config(kw)
-    cfg = WorkerConfig(server=server_address, security=sec, **kw)
+    cfg = WorkerConfig(server=server_address, security=sec, **settings.values(WorkerConfig, kw))
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1; got {procs}.")
     if procs > 1:
-        sys.exit(_run_procs(cfg, procs, kw))
+        sys.exit(_run_procs(cfg, procs))
     from paramserver.worker.trainer import run
 
     log.info("worker configuration: %s", cfg)
@@ -264,8 +167,9 @@ def worker(server_address: str, procs: int, **kw: Any) -> None:
     click.echo(json.dumps(summary.__dict__))
 
 
-def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
+def _run_procs(cfg: WorkerConfig, procs: int) -> int:
     """Start ``procs`` single-process workers here and wait for all of them."""
+    import dataclasses
     import os
     import tempfile
     from pathlib import Path
@@ -280,24 +184,12 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
     children = []
     try:
         for i in range(procs):
-            device = devices[i]
-            args = ["worker", "--server", cfg.server, "--device", device, "--threads", str(cfg.threads),
-                    "--name", f"{cfg.name or os.uname().nodename}-{i}", "--step-delay", repr(cfg.step_delay),
-                    "--rpc-timeout", repr(cfg.rpc_timeout), "--barrier-timeout", repr(cfg.barrier_timeout),
-                    "--overlap", cfg.overlap, "--shm", cfg.shm, "--compress", cfg.compress, "--push-every", str(cfg.push_every), "--server-timeout", repr(cfg.server_timeout)]  # fmt: skip
-            sec = cfg.security
-            for flag, value in (
-                ("--tls-cert", sec.cert),
-                ("--tls-key", sec.key),
-                ("--tls-ca", sec.ca),
-            ):
-                if value:
-                    args += [flag, value]
+            one = dataclasses.replace(
+                cfg, device=devices[i], name=f"{cfg.name or os.uname().nodename}-{i}"
+            )
+            args = ["worker", "--server", cfg.server, *settings.argv(one, exclude=("server",))]
             # The token goes by the environment, which children inherit, never by argv.
-            for flag, key in (("--data-dir", "data_dir"), ("--max-steps", "max_steps")):
-                if kw.get(key) is not None:
-                    args += [flag, str(kw[key])]
-            env = {"PARAMSERVER_TOKEN": sec.token} if sec.token else None
+            env = settings.secrets(cfg) or None
             children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log", env=env))
         log.info("started %d worker processes; logs in %s", procs, logdir)
         worst = 0
@@ -312,18 +204,12 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
 
 
 @cli.command()
-@apply(SERVER_OPTIONS)
+@apply(*RUN_OPTIONS)
 @lr_schedule_option("cosine")
-@apply(WORKER_OPTIONS)
-@opt("--runs-dir", env="RUNS_DIR", default="runs", help="Where run folders are made.")
-@opt("--run-dir", env="RUN_DIR", default=None, help="Use exactly this run folder.")
-@opt(
-    "--server-threads",
-    env="SERVER_THREADS",
-    type=int,
-    default=1,
-    help="Torch threads of the server's optimizer.",
-)
+@settings.options(LaunchConfig)
+@settings.options(ServerConfig, exclude=tuple(
+    f.name for f, _ in settings.declared(ServerConfig) if f.name != "threads"
+), rename={"threads": "--server-threads"}, defaults={"threads": 1})  # fmt: skip
 @opt(
     "--json",
     "as_json",
@@ -334,16 +220,7 @@ def _run_procs(cfg: WorkerConfig, procs: int, kw: dict[str, Any]) -> int:
 @opt(
     "--progress/--no-progress", env="PROGRESS", default=True, help="Show a progress bar on stderr."
 )
-@opt(
-    "--servers",
-    env="SERVERS",
-    type=click.IntRange(1, 64),
-    default=1,
-    help="Server processes, each holding one shard of the parameters (--shard I/S).",
-)
-def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: bool, progress: bool,
-           device: str, threads: int, data_dir: str | None, step_delay: float, overlap: str,
-           shm: str, compress: str, push_every: int, servers: int, **kw: Any) -> None:  # fmt: skip
+def launch(as_json: bool, progress: bool, **kw: Any) -> None:
     """Train on a local cluster: one server and --workers worker processes.
 
     The learning rate follows a cosine decay over the whole run unless --lr-schedule constant.
@@ -355,18 +232,16 @@ def launch(runs_dir: str, run_dir: str | None, server_threads: int, as_json: boo
     from paramserver.launch import launch as run_launch
     from paramserver.launch import planned_optimizer_steps
 
+    launch_kw = settings.values(LaunchConfig, kw)
     if kw["lr_schedule"] == "cosine" and kw["lr_total_steps"] is None:
         # The schedule spans the whole run, which launch can work out from the plan.
-        plan = server_config({**kw, "lr_schedule": "constant"}, "127.0.0.1", 0, server_threads)
+        plan = server_config({**kw, "lr_schedule": "constant"}, host="127.0.0.1", port=0)
         kw["lr_total_steps"] = planned_optimizer_steps(
-            plan, data.train_size(kw["dataset"], data_dir), push_every
+            plan, data.train_size(kw["dataset"], launch_kw["data_dir"]), launch_kw["push_every"]
         )
     cfg = LaunchConfig(
-        server=server_config(kw, "127.0.0.1", 0, server_threads),
-        device=device, threads=threads, data_dir=data_dir, runs_root=runs_dir,
-        run_dir=run_dir, step_delay=step_delay, progress=progress, overlap=overlap, shm=shm,
-        compress=compress, push_every=push_every, servers=servers,
-    )  # fmt: skip
+        server=server_config(kw, host="127.0.0.1", port=0), progress=progress, **launch_kw
+    )
     summary = run_launch(cfg)
     line = json.dumps(summary)
     if as_json:
@@ -453,12 +328,12 @@ def health(server_address: str, timeout: float, **kw: Any) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from paramserver.errors import ServerUnavailable, from_rpc_error
-    from paramserver.stub import connect
+    from paramserver.stub import SERVICE, connect
 
     channel = connect(server_address, timeout, security_config(kw))
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="paramserver.v1.ParameterServer"), timeout=timeout
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout
         )
     except grpc.RpcError as err:
         raise from_rpc_error(err, f"health check of {server_address}") from None

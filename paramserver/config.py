@@ -10,15 +10,19 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from paramserver.codec import compression
 from paramserver.errors import ConfigError
+from paramserver.settings import setting
 from paramserver.staleness import Policy
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
 DATASETS = ("fashion-mnist", "synthetic")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# The most batches a worker computes per push (--push-every K); the server enforces it too.
+MAX_PUSH_EVERY = 1024
 
 
 def _positive(name: str, value: float) -> None:
@@ -35,12 +39,17 @@ def _non_negative(name: str, value: float) -> None:
 class OptimizerConfig:
     """The server-side optimizer."""
 
-    name: str = "adam"
-    lr: float = 1e-3
-    momentum: float = 0.9  # used by "momentum" only
-    weight_decay: float = 0.0
-    schedule: str = "constant"
-    total_steps: int | None = None  # optimizer steps the cosine schedule spans
+    name: str = setting("adam", "--optimizer", "Server-side optimizer.", dest="optimizer",
+                        choices=OPTIMIZERS)  # fmt: skip
+    lr: float = setting(1e-3, "--lr", "Learning rate.")
+    momentum: float = setting(0.9, "--momentum", "Momentum (optimizer 'momentum' only).")
+    weight_decay: float = setting(0.0, "--weight-decay", "Weight decay.")
+    schedule: str = setting("constant", "--lr-schedule", "constant, or cosine decay to 0 over "
+                            "--lr-total-steps optimizer steps.", choices=LR_SCHEDULES,
+                            dest="lr_schedule")  # fmt: skip
+    total_steps: int | None = setting(None, "--lr-total-steps", "Optimizer steps the cosine "
+                                      "schedule spans [launch: the whole run].", type=int,
+                                      dest="lr_total_steps")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -79,10 +88,10 @@ class Security:
     server refuses calls without it.
     """
 
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-    token: str | None = None
+    cert: str | None = setting(None, "--tls-cert", "PEM certificate: the server's, or the worker's client certificate.", dest="tls_cert")  # fmt: skip
+    key: str | None = setting(None, "--tls-key", "PEM private key of --tls-cert.", dest="tls_key")  # fmt: skip
+    ca: str | None = setting(None, "--tls-ca", "PEM CA bundle: on the server, clients must present a certificate it signed (mutual TLS); on clients, it verifies the server.", dest="tls_ca")  # fmt: skip
+    token: str | None = setting(None, "--token", "Shared secret: the server refuses calls without it (UNAUTHENTICATED). Prefer the variable to the flag, which shows in ps.", secret=True)  # fmt: skip
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -148,28 +157,28 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
 class ServerConfig:
     """Everything a server needs: the model, optimizer, policy and the training plan."""
 
-    model: str = "mlp"
+    model: str = setting("mlp", "--model", "Model factory: mlp, cnn or module:function.")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    policy: str = "delay-1"
-    workers: int = 1
-    dataset: str = "fashion-mnist"
-    batch_size: int = 64
-    epochs: int = 1
-    seed: int = 0
-    host: str = "0.0.0.0"
-    port: int = 50051
-    lease_seconds: float = 10.0
-    chunk_bytes: int = 1 << 20
-    threads: int = 1
+    policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")  # fmt: skip
+    workers: int = setting(1, "--workers", "Most workers live at once; training starts when --min-workers have joined.", cli_default=2)  # fmt: skip
+    dataset: str = setting("fashion-mnist", "--dataset", "Training data the workers use.", choices=DATASETS)  # fmt: skip
+    batch_size: int = setting(64, "--batch-size", "Batch size of each worker.")
+    epochs: int = setting(1, "--epochs", "Passes over the training set.", cli_default=8)
+    seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")
+    host: str = setting("0.0.0.0", "--host", "Address to listen on.")
+    port: int = setting(50051, "--port", "Port to listen on (0: any free port).")
+    lease_seconds: float = setting(10.0, "--lease-timeout", "Seconds without a call after which a worker is dropped from every barrier.")  # fmt: skip
+    chunk_bytes: int = setting(1 << 20, "--chunk-bytes", "Size of the streamed payload chunks.")
+    threads: int = setting(1, "--threads", "Torch threads of the optimizer.", env="SERVER_THREADS", dest="server_threads")  # fmt: skip
     barrier_timeout: float = 600.0
-    min_workers: int | None = None  # joins training waits for; None: ``workers``
-    checkpoint_dir: str | None = None
-    checkpoint_every: str = "60s"
-    skip_nonfinite: bool = False
+    min_workers: int | None = setting(None, "--min-workers", "Workers that must join before training starts [default: --workers]; more may join later.", type=int)  # fmt: skip
+    checkpoint_dir: str | None = setting(None, "--checkpoint-dir", "Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one.")  # fmt: skip
+    checkpoint_every: str = setting("60s", "--checkpoint-every", "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); sharded sync servers: steps.")  # fmt: skip
+    skip_nonfinite: bool = setting(False, "--skip-nonfinite", "Skip and count gradients holding NaN or Inf instead of failing the push.", is_flag=True)  # fmt: skip
     security: Security = field(default_factory=Security)
     shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)
     shards: int = 1
-    metrics_port: int | None = None  # Prometheus /metrics on host:metrics_port; None: off
+    metrics_port: int | None = setting(None, "--metrics-port", "Serve Prometheus metrics on http://HOST:PORT/metrics [default: off].", type=int)  # fmt: skip
 
     def __post_init__(self) -> None:
         Policy.parse(self.policy)
@@ -234,19 +243,19 @@ class WorkerConfig:
     """A worker daemon: where the server is and how to compute."""
 
     server: str
-    device: str = "auto"
-    threads: int = 1
-    data_dir: str | None = None
-    rpc_timeout: float = 60.0
-    barrier_timeout: float = 900.0
-    max_steps: int | None = None
-    step_delay: float = 0.0
-    name: str | None = None
-    overlap: str = "auto"
-    shm: str = "on"
-    compress: str = "none"
-    push_every: int = 1
-    server_timeout: float = 300.0
+    device: str = setting("auto", "--device", "auto (CUDA when present), cpu, cuda or cuda:N.")
+    threads: int = setting(1, "--threads", "Torch threads per worker process.")
+    data_dir: str | None = setting(None, "--data-dir", "Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist].")  # fmt: skip
+    rpc_timeout: float = setting(60.0, "--rpc-timeout", "Deadline of each call but pulls, in seconds.")  # fmt: skip
+    barrier_timeout: float = setting(900.0, "--barrier-timeout", "Seconds a pull may wait for slower workers before the worker fails.")  # fmt: skip
+    max_steps: int | None = setting(None, "--max-steps", "Stop after this many steps.", type=int)
+    step_delay: float = setting(0.0, "--step-delay", "Extra seconds per step: simulates a straggler.")  # fmt: skip
+    name: str | None = setting(None, "--name", "Name shown in the server's status [default: host:pid].")  # fmt: skip
+    overlap: str = setting("auto", "--overlap", "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU.", choices=("auto", "on", "off"))  # fmt: skip
+    shm: str = setting("on", "--shm", "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams).", choices=("on", "off"))  # fmt: skip
+    compress: str = setting("none", "--compress", "Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory.", choices=compression.CHOICES)  # fmt: skip
+    push_every: int = setting(1, "--push-every", "Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step.")  # fmt: skip
+    server_timeout: float = setting(300.0, "--server-timeout", "Seconds to keep retrying (backoff with jitter) while the server is unreachable, e.g. restarting, before the worker gives up.")  # fmt: skip
     security: Security = field(default_factory=Security)
 
     def __post_init__(self) -> None:
@@ -294,8 +303,8 @@ def _check_address(address: str) -> None:
 
 
 def _check_push_every(value: int) -> None:
-    if not 1 <= value <= 1024:
-        raise ConfigError(f"--push-every must be 1 to 1024; got {value}.")
+    if not 1 <= value <= MAX_PUSH_EVERY:
+        raise ConfigError(f"--push-every must be 1 to {MAX_PUSH_EVERY}; got {value}.")
 
 
 def _check_compress(value: str) -> None:
@@ -315,24 +324,34 @@ def _check_overlap(value: str) -> None:
         raise ConfigError(f"--overlap must be auto, on or off; got {value!r}.")
 
 
+def _as_in_worker(name: str) -> Any:
+    """A launch setting that is the worker daemon's: the same default, flag and help."""
+    f = WorkerConfig.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+WORKER_SETTINGS = ("device", "threads", "data_dir", "step_delay", "overlap", "shm", "compress",
+                   "push_every")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """A local cluster: one server process and ``server.workers`` worker processes."""
 
     server: ServerConfig
-    device: str = "auto"
-    threads: int = 1
-    data_dir: str | None = None
-    runs_root: str = "runs"
-    run_dir: str | None = None
-    step_delay: float = 0.0
+    device: str = _as_in_worker("device")
+    threads: int = _as_in_worker("threads")
+    data_dir: str | None = _as_in_worker("data_dir")
+    runs_root: str = setting("runs", "--runs-dir", "Where run folders are made.")
+    run_dir: str | None = setting(None, "--run-dir", "Use exactly this run folder.")
+    step_delay: float = _as_in_worker("step_delay")
     startup_timeout: float = 120.0
     progress: bool = True
-    overlap: str = "auto"
-    shm: str = "on"
-    compress: str = "none"
-    push_every: int = 1
-    servers: int = 1  # server shards
+    overlap: str = _as_in_worker("overlap")
+    shm: str = _as_in_worker("shm")
+    compress: str = _as_in_worker("compress")
+    push_every: int = _as_in_worker("push_every")
+    servers: int = setting(1, "--servers", "Server processes, each holding one shard of the parameters (--shard I/S).", type=int)  # fmt: skip
 
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
@@ -342,5 +361,5 @@ class LaunchConfig:
         _check_shm(self.shm)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
-        if self.servers < 1:
-            raise ConfigError(f"--servers must be at least 1; got {self.servers}.")
+        if not 1 <= self.servers <= 64:
+            raise ConfigError(f"--servers must be 1 to 64; got {self.servers}.")

@@ -15,40 +15,30 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from paramserver import checkpoint, data, models
+from paramserver import checkpoint, data, models, settings
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
-from paramserver.config import LaunchConfig, Security, ServerConfig
+from paramserver.config import WORKER_SETTINGS, LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
-from paramserver.procs import Child, stop_all
+from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.rundir import RunDir
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import observe
 from paramserver.worker.trainer import evaluate
 
 log = logging.getLogger(__name__)
-READY_MARKER = "paramserver server listening on"
 
 
 def server_args(cfg: ServerConfig) -> list[str]:
-    """Command-line arguments that start a server process with ``cfg``."""
-    o = cfg.optimizer
-    return [
-        "server",
-        "--host", cfg.host, "--port", str(cfg.port),
-        "--model", cfg.model, "--optimizer", o.name, "--lr", repr(o.lr),
-        "--momentum", repr(o.momentum), "--weight-decay", repr(o.weight_decay),
-        "--lr-schedule", o.schedule, *(["--lr-total-steps", str(o.total_steps)] if o.total_steps else []),
-        "--policy", cfg.policy, "--workers", str(cfg.workers),
-        "--dataset", cfg.dataset, "--batch-size", str(cfg.batch_size),
-        "--epochs", str(cfg.epochs), "--seed", str(cfg.seed),
-        "--lease-timeout", repr(cfg.lease_seconds), "--threads", str(cfg.threads),
-        "--chunk-bytes", str(cfg.chunk_bytes),
-        *(["--min-workers", str(cfg.min_workers)] if cfg.min_workers else []),
-        *(["--checkpoint-dir", cfg.checkpoint_dir, "--checkpoint-every", cfg.checkpoint_every]
-          if cfg.checkpoint_dir else []),
-        *(["--skip-nonfinite"] if cfg.skip_nonfinite else []),
-    ]  # fmt: skip
+    """Command-line arguments that start a server process with ``cfg`` (its token goes by
+    the environment, which children inherit)."""
+    return ["server", *settings.argv(cfg, exclude=("shard", "shards"))]
+
+
+def worker_args(cfg: LaunchConfig, address: str, name: str) -> list[str]:
+    """Command-line arguments that start one of ``cfg``'s worker processes."""
+    worker = WorkerConfig(address, name=name, **{k: getattr(cfg, k) for k in WORKER_SETTINGS})
+    return ["worker", "--server", address, *settings.argv(worker, exclude=("server",))]
 
 
 def planned_optimizer_steps(cfg: ServerConfig, train_samples: int, push_every: int = 1) -> int:
@@ -88,15 +78,7 @@ class _Cluster:
             self.channels.append(connect(a, self.cfg.startup_timeout, Security(token=token)))
         self.stub = Stub(self.channels[0])  # shard 0 hands out the batches: its status is the run's
         for i in range(self.cfg.server.workers):
-            args = [
-                "worker", "--server", address, "--device", self.cfg.device,
-                "--threads", str(self.cfg.threads), "--name", f"worker-{i}",
-                "--step-delay", repr(self.cfg.step_delay), "--overlap", self.cfg.overlap,
-                "--shm", self.cfg.shm, "--compress", self.cfg.compress,
-                "--push-every", str(self.cfg.push_every),
-            ]  # fmt: skip
-            if self.cfg.data_dir:
-                args += ["--data-dir", self.cfg.data_dir]
+            args = worker_args(self.cfg, address, f"worker-{i}")
             self.children.append(Child(f"worker-{i}", args, self.run.file(f"worker-{i}.log")))
         return address
 

@@ -18,6 +18,8 @@ from paramserver.errors import ParamServerError, Timeout
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _PARENT_ENV = "PARAMSERVER_PARENT_PID"
+# What `paramserver server` prints on stdout, then its address, once it serves.
+READY_MARKER = "paramserver server listening on"
 
 
 def die_with_parent_if_asked() -> None:

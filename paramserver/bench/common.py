@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -13,11 +14,12 @@ from typing import Any
 
 import click
 
+from paramserver import settings
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.procs import Child, stop_all
+from paramserver.config import OptimizerConfig, ServerConfig, WorkerConfig
+from paramserver.launch import server_args
+from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.stub import Stub, connect
-
-READY_MARKER = "paramserver server listening on"
 
 
 def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
@@ -33,12 +35,17 @@ def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
 
 
 @contextmanager
-def server_process(*args: str, timeout: float = 120.0) -> Iterator[str]:
-    """A ``paramserver server`` child on a free loopback port; yields its address."""
+def server_process(cfg: ServerConfig, timeout: float = 120.0) -> Iterator[str]:
+    """A ``paramserver server`` child with ``cfg`` on a free loopback port; yields its
+    address."""
+    cfg = dataclasses.replace(cfg, host="127.0.0.1", port=0)
+    args = server_args(cfg)
+    if cfg.shards > 1:
+        args += ["--shard", f"{cfg.shard}/{cfg.shards}"]
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         child = Child(
             "bench-server",
-            ["server", "--host", "127.0.0.1", "--port", "0", *args],
+            args,
             Path(tmp) / "server.log",
             capture_stdout=True,
         )
@@ -55,14 +62,15 @@ def cluster_rate(
     """Samples/s of a server and one worker process per entry of ``delays`` (its injected
     per-step sleep), measured from the server's counters over ``window`` seconds once all
     have started: the total, and each worker's."""
-    args = ("--model", "mlp", "--optimizer", "adam", "--policy", policy,
-            "--workers", str(len(delays)), "--dataset", "synthetic", "--batch-size", str(batch),
-            "--epochs", "100000", "--lease-timeout", "30")  # fmt: skip
-    with server_process(*args) as address:
+    cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy=policy,
+                       workers=len(delays), dataset="synthetic", batch_size=batch, epochs=100000,
+                       lease_seconds=30)  # fmt: skip
+    with server_process(cfg) as address:
         children = [
             Child(f"worker-{i}",
-                  ["worker", "--server", address, "--device", "cpu", "--threads", "1",
-                   "--name", f"w{i}", "--step-delay", repr(delay)],
+                  ["worker", "--server", address, *settings.argv(WorkerConfig(
+                      address, device="cpu", threads=1, name=f"w{i}", step_delay=delay),
+                      exclude=("server",))],
                   logs / f"{policy}-{len(delays)}-worker-{i}.log")
             for i, delay in enumerate(delays)
         ]  # fmt: skip

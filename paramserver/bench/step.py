@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from paramserver import models
 from paramserver.bench.common import median_seconds, server_process
-from paramserver.config import OptimizerConfig
+from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.store import build_optimizer
 from paramserver.worker.worker import Worker
 
@@ -49,8 +49,9 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     reps = 20 if quick else 200
     figures: dict[str, Any] = {"threads": 1, "reps": reps, "model": "mlp", "optimizer": "adam"}
     rows = [("model", f"mlp, Adam, 1 torch thread, median of {reps} steps")]
-    with server_process("--model", "mlp", "--optimizer", "adam", "--policy", "async",
-                        "--workers", "1", "--lease-timeout", "600") as address:  # fmt: skip
+    cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy="async",
+                       workers=1, lease_seconds=600)  # fmt: skip
+    with server_process(cfg) as address:
         for batch in (64, 256):
             local = local_step_seconds(batch, reps)
             # overlap off (the CPU default): push, then pull, in one round trip; overlap on:

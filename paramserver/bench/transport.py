@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from paramserver.bench.common import median_seconds, server_process
+from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.worker.worker import Worker
 
 MIB = 1 << 20
@@ -98,10 +100,10 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     figures: dict[str, Any] = {"payload_mib": nbytes // MIB, "reps": reps}
     figures["memcpy_gbps"] = memcpy_gbps(nbytes, reps)
     figures["tcp_gbps"] = tcp_gbps(nbytes, reps)
-    server_args = ("--model", f"paramserver.bench.transport:{model}", "--optimizer", "sgd",
-                   "--lr", "1e-9", "--policy", "async", "--workers", "1",
-                   "--lease-timeout", "600")  # fmt: skip
-    with server_process(*server_args) as address:
+    cfg = ServerConfig(model=f"paramserver.bench.transport:{model}",
+                       optimizer=OptimizerConfig("sgd", lr=1e-9), policy="async", workers=1,
+                       lease_seconds=600)  # fmt: skip
+    with server_process(cfg) as address:
         # Same host: the shared-memory path (the default); then the gRPC streams, which
         # workers on other hosts use.
         figures["push_gbps"], figures["pull_gbps"] = worker_gbps(address, nbytes, reps, True)
@@ -112,8 +114,8 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             figures[f"push_grpc_{kind}_gbps"], _ = worker_gbps(address, nbytes, reps, False, kind)
     # Two server shards, each a process holding half the buffer, over gRPC.
     with (
-        server_process(*server_args, "--shard", "0/2") as first,
-        server_process(*server_args, "--shard", "1/2") as second,
+        server_process(dataclasses.replace(cfg, shard=0, shards=2)) as first,
+        server_process(dataclasses.replace(cfg, shard=1, shards=2)) as second,
     ):
         figures["push_grpc_2shards_gbps"], figures["pull_grpc_2shards_gbps"] = worker_gbps(
             [first, second], nbytes, reps, False

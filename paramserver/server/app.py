@@ -29,7 +29,7 @@ from paramserver.store import ParameterStore
 log = logging.getLogger(__name__)
 
 # The health service reports on the whole server ("") and on the parameter-server service.
-HEALTH_SERVICES = ("", "paramserver.v1.ParameterServer")
+HEALTH_SERVICES = ("", stub.SERVICE)
 # Payloads are chunked, so no message is large; the limit only guards against garbage.
 MAX_MESSAGE_BYTES = 64 << 20
 

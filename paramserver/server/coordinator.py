@@ -19,7 +19,7 @@ import numpy as np
 
 from paramserver import staleness
 from paramserver.codec.layout import Manifest
-from paramserver.config import ServerConfig
+from paramserver.config import MAX_PUSH_EVERY, ServerConfig
 from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
@@ -29,8 +29,6 @@ from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
 
 log = logging.getLogger(__name__)
-# The most batches one pull may take (--push-every K).
-MAX_BATCHES_PER_PULL = 1024
 
 
 @dataclass(frozen=True)
@@ -275,9 +273,9 @@ class Coordinator:
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
         """
-        if not 1 <= batches <= MAX_BATCHES_PER_PULL:
+        if not 1 <= batches <= MAX_PUSH_EVERY:
             raise InvalidRequest(
-                f"A pull may ask for 1 to {MAX_BATCHES_PER_PULL} batches, not {batches}."
+                f"A pull may ask for 1 to {MAX_PUSH_EVERY} batches, not {batches}."
             )
         deadline = self._now() + timeout
         with self._cond:

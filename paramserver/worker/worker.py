@@ -34,7 +34,7 @@ from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.codec.layout import Manifest, flatten_into, unflatten_into
-from paramserver.config import Security
+from paramserver.config import MAX_PUSH_EVERY, Security
 from paramserver.errors import ConfigError, ParamServerError, WrongIncarnation
 from paramserver.staleness import Policy
 from paramserver.stub import Stub, connect
@@ -45,8 +45,6 @@ from paramserver.worker.session import REJOIN, Heartbeats, Session
 from paramserver.worker.shards import check_tiling, served_range
 
 log = logging.getLogger(__name__)
-# The most batches one pull may hand out (--push-every K); the server enforces the same.
-MAX_PUSH_EVERY = 1024
 
 
 def _sync(device: torch.device) -> None:

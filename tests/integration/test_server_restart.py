@@ -15,8 +15,7 @@ from paramserver import data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import layout
-from paramserver.launch import READY_MARKER
-from paramserver.procs import Child, stop_all
+from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.stub import connect
 from paramserver.worker.channel import observe
 from paramserver.worker.trainer import evaluate

@@ -15,8 +15,7 @@ import numpy as np
 from paramserver import data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
-from paramserver.launch import READY_MARKER
-from paramserver.procs import Child, stop_all
+from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import observe
 from tests.conftest import DEADLINE
