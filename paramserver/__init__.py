@@ -10,31 +10,77 @@ Public API::
     worker.close(); server.stop()
 """
 
-from paramserver.api import serve
-from paramserver.checkpoint import load as load_checkpoint
-from paramserver.config import (
-    LaunchConfig,
-    OptimizerConfig,
-    Security,
-    ServerConfig,
-    WorkerConfig,
-)
-from paramserver.errors import (
-    ClusterFull,
-    ConfigError,
-    DataUnavailable,
-    InvalidRequest,
-    OutOfOrder,
-    ParamServerError,
-    ServerUnavailable,
-    Timeout,
-    Unauthenticated,
-    UnknownWorker,
-    WrongIncarnation,
-)
-from paramserver.server.app import ServerApp
-from paramserver.staleness import Policy
-from paramserver.worker.worker import ShardedWorker, Worker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The public names, loaded on first use: `paramserver status` and `health` never import torch.
+_LAZY = {
+    "serve": "paramserver.api",
+    "load_checkpoint": ("paramserver.checkpoint", "load"),
+    "LaunchConfig": "paramserver.config",
+    "OptimizerConfig": "paramserver.config",
+    "Security": "paramserver.config",
+    "ServerConfig": "paramserver.config",
+    "WorkerConfig": "paramserver.config",
+    "ClusterFull": "paramserver.errors",
+    "ConfigError": "paramserver.errors",
+    "DataUnavailable": "paramserver.errors",
+    "InvalidRequest": "paramserver.errors",
+    "OutOfOrder": "paramserver.errors",
+    "ParamServerError": "paramserver.errors",
+    "ServerUnavailable": "paramserver.errors",
+    "Timeout": "paramserver.errors",
+    "Unauthenticated": "paramserver.errors",
+    "UnknownWorker": "paramserver.errors",
+    "WrongIncarnation": "paramserver.errors",
+    "ServerApp": "paramserver.server.app",
+    "Policy": "paramserver.staleness",
+    "ShardedWorker": "paramserver.worker.worker",
+    "Worker": "paramserver.worker.worker",
+}
+_SUBMODULES = ("models", "data", "checkpoint", "codec", "settings")
+
+if TYPE_CHECKING:
+    from paramserver.api import serve
+    from paramserver.checkpoint import load as load_checkpoint
+    from paramserver.config import (
+        LaunchConfig,
+        OptimizerConfig,
+        Security,
+        ServerConfig,
+        WorkerConfig,
+    )
+    from paramserver.errors import (
+        ClusterFull,
+        ConfigError,
+        DataUnavailable,
+        InvalidRequest,
+        OutOfOrder,
+        ParamServerError,
+        ServerUnavailable,
+        Timeout,
+        Unauthenticated,
+        UnknownWorker,
+        WrongIncarnation,
+    )
+    from paramserver.server.app import ServerApp
+    from paramserver.staleness import Policy
+    from paramserver.worker.worker import ShardedWorker, Worker
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"paramserver.{name}")
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'paramserver' has no attribute {name!r}")
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

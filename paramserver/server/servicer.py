@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import compression, wire
 from paramserver.errors import InvalidRequest, OutOfOrder, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
+from paramserver.server.payloads import Payloads
 from paramserver.shm import Attachments
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
     ):
         self.c = coordinator
         self.shared = shared
+        self.payloads = Payloads(shared)
         self.rewind = rewind
 
     @_rpc
@@ -121,11 +122,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             batches=result.batches,
             finished=result.finished,
         )
-        if request.shm:
-            self.shared.write_weights(request.worker_id, result.weights)
-            header.shm = True
-            return header, memoryview(b"")
-        return header, compression.as_bytes(result.weights)
+        return header, self.payloads.weights(request, header, result.weights)
 
     def _check_push_header(self, h: pb.PushHeader) -> None:
         """The header's own consistency: its shard, element type and byte count."""
@@ -150,21 +147,11 @@ class Servicer(pb_grpc.ParameterServerServicer):
         if h.iteration < 0:
             raise InvalidRequest(f"Iteration {h.iteration} is negative.")
 
-    def _gradient(self, h: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> np.ndarray | None:
-        """The push's gradient, from the worker's segment or the stream; None if empty."""
-        if h.shm:
-            wire.expect_end(rest, "A push through shared memory")
-            return None if h.empty else self.shared.gradient(h.worker_id, h.shm_slot)
-        if h.empty:
-            wire.expect_end(rest)
-            return None
-        return wire.decode_gradient(rest, h.total_bytes, h.dtype)
-
     def _push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
         self.c.check_incarnation(header.incarnation)
         self._check_push_header(header)
         self.c.accept_header(header.worker_id)
-        grad = self._gradient(header, rest)
+        grad = self.payloads.gradient(header, rest)
         result = self.c.push(
             header.worker_id,
             header.iteration,

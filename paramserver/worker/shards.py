@@ -1,15 +1,21 @@
-"""Which range of the model's flat buffer each server holds: read from its JoinResponse
-(``shard``, ``shards``, ``shard_offset``, its manifest), checked against the addresses the
-worker was given and the local model. The servers cut the ranges
-(``codec.layout.shard_range``); workers only read them."""
+"""A worker's view of the shards: which range of the model's flat buffer each server holds
+(read from its JoinResponse: ``shard``, ``shards``, ``shard_offset``, its manifest; checked
+against the addresses the worker was given and the local model; the servers cut the ranges
+with ``codec.layout.shard_range``), and bringing every shard back to one round after one of
+a sync run restarted."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Sequence
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec.layout import Manifest
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, WrongIncarnation
+from paramserver.worker.session import Session
+
+log = logging.getLogger(__name__)
 
 
 def served_range(
@@ -63,3 +69,20 @@ def check_tiling(ranges: Sequence[tuple[int, int]], addresses: Sequence[str], nu
         end = hi
     if end != numel:
         raise ConfigError(f"The shards hold {end} of the model's {numel} parameters.")
+
+
+def rewind_ahead(sessions: Sequence[Session]) -> None:
+    """A shard of a sharded sync run restarted from its newest consistent cut: ask every
+    shard that is ahead of it to rewind to the same round, and mark those sessions lost so
+    that the worker joins them again; the run resumes as one model, and every batch after
+    the cut is computed again. Under sync a session's clock is its round."""
+    low = min(s.clock for s in sessions)
+    for s in sessions:
+        if s.clock == low:
+            continue
+        log.warning("shard at %s is at round %d, another restarted at round %d: rewinding it "
+                    "to that round's cut", s.address, s.clock, low)  # fmt: skip
+        request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
+        with contextlib.suppress(WrongIncarnation):  # another worker rewound it first
+            s.call("rewind", s.stub.Rewind, request)
+        s.lose(WrongIncarnation(f"The server at {s.address} rewound to round {low}."))

@@ -16,7 +16,6 @@ the model (one copy).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -33,24 +32,18 @@ from paramserver import models
 from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
-from paramserver.codec.layout import Manifest, flatten_into, unflatten_into
 from paramserver.config import MAX_PUSH_EVERY, Security
-from paramserver.errors import ConfigError, ParamServerError, WrongIncarnation
+from paramserver.errors import ConfigError, ParamServerError
 from paramserver.staleness import Policy
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import StreamBuffers, new_segment, open_channel
 from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode, step_mode
+from paramserver.worker.replica import Replica
 from paramserver.worker.retry import Backoff
 from paramserver.worker.session import REJOIN, Heartbeats, Session
-from paramserver.worker.shards import check_tiling, served_range
+from paramserver.worker.shards import check_tiling, rewind_ahead, served_range
 
 log = logging.getLogger(__name__)
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for non-blocking copies to or from ``device`` to land."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Worker:
@@ -159,9 +152,8 @@ class Worker:
                     )
                 model = models.build(self.plan.model).to(device or "cpu")
             self.model = model
-            self._params = [p for _, p in models.parameters(model)]
-            self.device = self._params[0].device if self._params else torch.device("cpu")
-            self.manifest = Manifest.from_tensors(models.parameters(model))
+            self._replica = Replica(model)
+            self.device, self.manifest = self._replica.device, self._replica.manifest
             self.ranges = [
                 served_range(a, i, len(addresses), r, self.manifest)
                 for i, (a, r) in enumerate(zip(addresses, replies, strict=True))
@@ -248,25 +240,11 @@ class Worker:
             was = [self.sessions[i].incarnation for i in lost]
             for i in lost:
                 self._attach(i, retry=True)
-            if any(self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)):
-                self._realign()
-
-    def _realign(self) -> None:
-        """A shard of a sharded sync run restarted from its newest consistent cut: ask every
-        shard that is ahead of it to rewind to the same round, then join those again, so
-        the run resumes as one model and every batch after the cut is computed again."""
-        if self.shards < 2 or not self.policy.synchronous:
-            return
-        low = min(s.clock for s in self.sessions)
-        for s in self.sessions:
-            if s.clock == low:
-                continue
-            log.warning("shard at %s is at round %d, another restarted at round %d: rewinding "
-                        "it to that round's cut", s.address, s.clock, low)  # fmt: skip
-            request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
-            with contextlib.suppress(WrongIncarnation):  # another worker rewound it first
-                s.call("rewind", s.stub.Rewind, request)
-            s.lose(WrongIncarnation(f"The server at {s.address} rewound to round {low}."))
+            restarted = any(
+                self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)
+            )
+            if restarted and self.shards > 1 and self.policy.synchronous:
+                rewind_ahead(self.sessions)
 
     # --- state ------------------------------------------------------------------------
 
@@ -316,25 +294,21 @@ class Worker:
         every session's clock."""
         slot = self._pipe.take_slot()
         if not empty:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-            for s, (lo, hi) in zip(self.sessions, self.ranges, strict=True):
-                assert s.channel is not None
-                flatten_into(self.manifest, grads, s.channel.slots[slot], lo, hi)
-            _sync(self.device)
+            self._replica.stage([(lo, hi, s.channel.slots[slot]) for s, (lo, hi) in self._parts()])
         staged = StagedPush(slot, tuple(s.clock for s in self.sessions), samples, loss, empty)
         for s in self.sessions:
             s.clock += 1
-        for p in self._params:
-            p.grad = None
+        self._replica.zero_grad()
         return staged
+
+    def _parts(self) -> list[tuple[Any, tuple[int, int]]]:
+        """Each session with an open channel, and its range."""
+        assert all(s.channel is not None for s in self.sessions)
+        return list(zip(self.sessions, self.ranges, strict=True))
 
     def _load(self, headers: list[pb.PullHeader]) -> None:
         """Take every range's pulled weights into the model, and shard 0's news."""
-        for s, (lo, hi) in zip(self.sessions, self.ranges, strict=True):
-            assert s.channel is not None
-            weights = s.channel.weights.to(self.device, non_blocking=True)
-            unflatten_into(self.manifest, weights, self._params, lo, hi)
-        _sync(self.device)
+        self._replica.load([(lo, hi, s.channel.weights) for s, (lo, hi) in self._parts()])
         first = headers[0]
         self.version = first.version
         self.last_staleness = max(h.staleness for h in headers)

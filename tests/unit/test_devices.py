@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paramserver.errors import ConfigError
-from paramserver.worker import trainer, worker
+from paramserver.worker import replica, trainer
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_a_gpu_index_that_does_not_exist_is_refused(monkeypatch):
 def test_copies_are_synchronised_on_cuda_only(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    worker._sync(torch.device("cpu"))
+    replica.sync(torch.device("cpu"))
     assert calls == []
-    worker._sync(torch.device("cuda:1"))
+    replica.sync(torch.device("cuda:1"))
     assert calls == [torch.device("cuda:1")]

@@ -72,3 +72,21 @@ def test_every_launch_setting_of_a_worker_is_the_worker_daemons_own():
         if f.name in worker:
             assert flag is worker[f.name].metadata["flag"]
             assert f.default == worker[f.name].default
+
+
+def test_status_and_health_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from paramserver import cli\n"
+        "for command in ('status', 'health'):\n"
+        "    try:\n"
+        "        cli.main([command, '--server', '127.0.0.1:1', '--timeout', '0.05'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "torch imported: False" in out.stdout, out.stdout + out.stderr
