@@ -76,7 +76,11 @@ class Checkpointer:
         return (
             self._stop.is_set()
             or c.cuts_pending
-            or (self.steps is not None and c.store.version >= self._last_version + self.steps)
+            or (
+                not self.cuts
+                and self.steps is not None
+                and c.store.version >= self._last_version + self.steps
+            )
         )
 
     def _loop(self) -> None:
@@ -147,6 +151,8 @@ class Checkpointer:
             assert saved is not None
             was = self.coordinator.rounds
             self.coordinator.rewind(*saved)
+            for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
+                cuts[later].unlink(missing_ok=True)
             log.warning("rewound from round %d to the cut at round %d (incarnation %s)", was,
                         round_, self.coordinator.incarnation)  # fmt: skip
 

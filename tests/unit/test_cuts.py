@@ -77,6 +77,7 @@ def test_a_rewind_reloads_the_cut_as_a_new_incarnation(tmp_path):
     puller.join(DEADLINE)
     assert "error" in waiting
     assert c.incarnation != was and c.rounds == 2 and c.store.version == 2
+    assert sorted(checkpoint.list_cuts(tmp_path, 0, 2)) == [0, 2]  # 4 was of the rounds undone
     np.testing.assert_array_equal(c.store.weights, np.full(2, -2.0))
     assert c.membership.get(a.worker_id).clock == 2
     with pytest.raises(WrongIncarnation):
