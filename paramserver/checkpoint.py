@@ -19,9 +19,9 @@ server needs to go on exactly where it stopped:
     counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
     saved_at          wall-clock time of writing (seconds since the epoch)
 
-A sharded sync run also keeps consistent cuts (``cut_file``): every shard writes its state
-at the same sync rounds, so that when one shard restarts from its newest cut, the others
-rewind to the same round and the run resumes as one model.
+A sharded run also keeps consistent cuts (``cut_file``, ``server/cuts.py``): every shard
+writes its state at the same points, so that when one shard restarts from its newest cut,
+the others rewind to the same cut and the run resumes as one model.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def server_file(shard: int = 0, shards: int = 1) -> str:
 
 
 def cut_file(shard: int, shards: int, round_: int) -> str:
-    """The name of shard I of S's consistent cut at sync round ``round_``: every shard of a
-    sharded sync run writes one at the same rounds (``--checkpoint-every N``)."""
+    """The name of shard I of S's consistent cut at ``round_`` (the sync round, or every
+    worker's clock): every shard writes one at the same points (``--checkpoint-every N``)."""
     return f"server-cut-shard{shard}of{shards}-round{round_:09d}.pt"
 
 

@@ -173,7 +173,7 @@ class ServerConfig:
     barrier_timeout: float = 600.0
     min_workers: int | None = setting(None, "--min-workers", "Workers that must join before training starts [default: --workers]; more may join later.", type=int)  # fmt: skip
     checkpoint_dir: str | None = setting(None, "--checkpoint-dir", "Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one.")  # fmt: skip
-    checkpoint_every: str = setting("60s", "--checkpoint-every", "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); sharded sync servers: steps.")  # fmt: skip
+    checkpoint_every: str = setting("60s", "--checkpoint-every", "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); shards: every N iterations, a consistent cut.")  # fmt: skip
     skip_nonfinite: bool = setting(False, "--skip-nonfinite", "Skip and count gradients holding NaN or Inf instead of failing the push.", is_flag=True)  # fmt: skip
     security: Security = field(default_factory=Security)
     shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)
@@ -218,9 +218,9 @@ class ServerConfig:
             )
         if self.cuts and parse_every(self.checkpoint_every)[0] is None:
             raise ConfigError(
-                "A shard of a sharded sync run checkpoints every N optimizer steps, so that "
-                "every shard cuts the same round: give --checkpoint-every a number of steps "
-                f"(e.g. 200), not {self.checkpoint_every!r}."
+                "A shard of a sharded run checkpoints every N iterations (sync rounds, or "
+                "worker clocks), so that every shard cuts at the same point: give "
+                f"--checkpoint-every a number (e.g. 200), not {self.checkpoint_every!r}."
             )
 
     @property
@@ -229,8 +229,9 @@ class ServerConfig:
 
     @property
     def cuts(self) -> bool:
-        """Whether this server writes consistent cuts: a shard of a sharded sync run."""
-        return self.shards > 1 and self.parsed_policy.synchronous and bool(self.checkpoint_dir)
+        """Whether this server writes consistent cuts: a shard of a sharded run that
+        checkpoints."""
+        return self.shards > 1 and bool(self.checkpoint_dir)
 
     @property
     def start_workers(self) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.app import build_coordinator
+from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
 from paramserver.shm import Attachments
@@ -55,8 +56,9 @@ class FakeContext:
 
 
 class FakeServer:
-    """A server's state and servicer, without gRPC; ``restart()`` is a new incarnation that
-    resumes from the old one's state, as a server restarted from its checkpoint does."""
+    """A server's state and servicer, without gRPC. ``restart()`` is a new incarnation that
+    resumes from the old one's current state, or, for a shard with a checkpoint folder, from
+    its newest consistent cut (as a shard restarted after kill -9 does)."""
 
     def __init__(self, model: nn.Module, clock: FakeClock, **settings: Any):
         settings.setdefault("optimizer", OptimizerConfig("sgd", lr=0.5))
@@ -64,18 +66,33 @@ class FakeServer:
         self.config = ServerConfig(**settings)
         self.clock = clock
         self.model = copy.deepcopy(model)
-        self.coordinator = build_coordinator(self.config, model, now=clock)
-        self._serve(self.coordinator)
+        self.checkpointer: Checkpointer | None = None
+        self._serve(build_coordinator(self.config, model, now=clock))
 
-    def _serve(self, coordinator: Coordinator) -> None:
+    def _serve(self, coordinator: Coordinator, resume: bool = False) -> None:
         self.coordinator = coordinator
+        rewind = None
+        if self.config.cuts:
+            cfg = self.config
+            assert cfg.checkpoint_dir is not None
+            self.checkpointer = Checkpointer(coordinator, cfg.checkpoint_dir,
+                                             cfg.checkpoint_every, cuts=True)  # fmt: skip
+            if resume:
+                self.checkpointer.resume()
+            self.checkpointer.start()
+            rewind = self.checkpointer.rewind
         self.shared = Attachments(coordinator.manifest.total_bytes)
-        self.servicer = Servicer(coordinator, self.shared)
+        self.servicer = Servicer(coordinator, self.shared, rewind)
 
     def restart(self) -> None:
-        state = self.coordinator.checkpoint_state()
         self.shared.close()
         fresh = build_coordinator(self.config, copy.deepcopy(self.model), self.clock)
+        if self.checkpointer is not None:
+            self.checkpointer.write_cuts()  # what the dead process had written
+            self.checkpointer._stop.set()  # no last checkpoint: it died
+            self._serve(fresh, resume=True)
+            return
+        state = self.coordinator.checkpoint_state()
         fresh.restore(state, state["weights"])
         self._serve(fresh)
 
@@ -132,6 +149,9 @@ class InProcessStub:
 
     def Status(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
         return self._call("Status", request, timeout)
+
+    def Rewind(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        return self._call("Rewind", request, timeout)
 
     def close(self) -> None:
         self.closed = True

@@ -132,8 +132,8 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rewind(self, request, context):
-        """Sharded sync runs: reload the consistent cut at a round, after another shard restarted
-        from it, so that every shard resumes from the same round.
+        """Sharded runs: reload the consistent cut at a point (the sync round, or every worker's
+        clock), after another shard restarted from it, so that every shard resumes from there.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

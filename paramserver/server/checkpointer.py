@@ -1,9 +1,9 @@
 """Writes the server's checkpoints: every N optimizer steps or N seconds, and at the end.
 
-A shard of a sharded sync run also writes consistent cuts: its state at every N-th sync
-round boundary (taken by the coordinator under its lock, so every shard cuts the same
-round), the newest few kept. It resumes from its newest cut, and ``rewind`` reloads an
-older one when another shard restarted from it.
+A shard of a sharded run also writes consistent cuts (``server/cuts.py`` says when; the
+coordinator takes the state under its lock, so every shard cuts at the same point), the
+newest few kept. It resumes from its newest cut, and ``rewind`` reloads an older one when
+another shard restarted from it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class Checkpointer:
 
     Args:
         every: ``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds.
-        cuts: write consistent cuts every N sync rounds (a shard of a sharded sync run;
-            ``every`` must then count steps).
+        cuts: write consistent cuts every N iterations (a shard of a sharded run;
+            ``every`` must then be a number).
     """
 
     def __init__(self, coordinator: Coordinator, directory: str | Path, every: str, cuts: bool):
@@ -42,7 +42,7 @@ class Checkpointer:
         self.shard, self.shards = cfg.shard, cfg.shards
         self.cuts = cuts
         if cuts:
-            coordinator.cut_every = self.steps
+            coordinator.cuts.every = self.steps
         self._lock = threading.RLock()  # one writer at a time
         self._stop = threading.Event()
         self._last_version = coordinator.store.version
@@ -66,8 +66,8 @@ class Checkpointer:
     def start(self) -> Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.cuts:
-            rounds = self.coordinator.rounds
-            if rounds not in checkpoint.list_cuts(self.directory, self.shard, self.shards):
+            clock = self.coordinator.cuts.last
+            if clock not in checkpoint.list_cuts(self.directory, self.shard, self.shards):
                 self._write_cut(self.coordinator.checkpoint_state())  # where a fresh run starts
         self._thread.start()
         return self
@@ -116,8 +116,8 @@ class Checkpointer:
             return path
 
     def _write_cut(self, state: dict[str, Any]) -> None:
-        rounds = int(state["rounds"])
-        self._write(state, checkpoint.cut_file(self.shard, self.shards, rounds), "cut")
+        clock = int(state["cut"])
+        self._write(state, checkpoint.cut_file(self.shard, self.shards, clock), "cut")
         cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
         for old in sorted(cuts)[:-KEEP_CUTS]:
             cuts[old].unlink(missing_ok=True)
@@ -149,11 +149,11 @@ class Checkpointer:
             saved = checkpoint.load_server(self.directory, self.coordinator.manifest,
                                            cuts[round_].name)  # fmt: skip
             assert saved is not None
-            was = self.coordinator.rounds
+            was = self.coordinator.membership.min_clock()
             self.coordinator.rewind(*saved)
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
                 cuts[later].unlink(missing_ok=True)
-            log.warning("rewound from round %d to the cut at round %d (incarnation %s)", was,
+            log.warning("rewound from round %s to the cut at round %d (incarnation %s)", was,
                         round_, self.coordinator.incarnation)  # fmt: skip
 
     def stop(self) -> None:

@@ -23,6 +23,7 @@ from paramserver.config import MAX_PUSH_EVERY, ServerConfig
 from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
+from paramserver.server.cuts import Cuts
 from paramserver.server.rounds import SyncRound
 from paramserver.server.status import Counters, ServerStatus, server_status
 from paramserver.staleness import Policy, PushAction
@@ -79,10 +80,9 @@ class Coordinator:
         self.round = SyncRound()
         self.checkpoint_version = -1
         self.checkpoint_time: float | None = None
-        # Sharded sync runs cut every N rounds: the state at those round boundaries, taken
-        # under the lock, waits here for the checkpointer (``take_cuts``).
-        self.cut_every: int | None = None
-        self._cuts: list[dict[str, Any]] = []
+        # A shard's consistent cuts (``server/cuts.py``): states taken under the lock wait
+        # there for the checkpointer (``take_cuts``); ``Checkpointer`` sets ``cuts.every``.
+        self.cuts = Cuts(synchronous=self.policy.synchronous)
         # The whole model's size and where this server's range starts (--shard I/S).
         self.model_numel = self.manifest.numel
         self.shard_offset = 0
@@ -157,6 +157,7 @@ class Coordinator:
                 if back:
                     log.info("batches %s of worker %s go back to the queue", back, m.worker_id)
         self._maybe_finish_round()
+        self._maybe_cut()
         self._cond.notify_all()
 
     # --- push -------------------------------------------------------------------------
@@ -238,6 +239,8 @@ class Coordinator:
                 self.counters.push(samples, loss, self._now())
             if self.policy.synchronous:
                 self._maybe_finish_round()
+            else:
+                self._maybe_cut()
             self._cond.notify_all()
             return PushResult(self.store.version, member.clock, False)
 
@@ -249,8 +252,14 @@ class Coordinator:
             if mean is not None:
                 self.store.apply(mean)
             self.rounds += 1
-            if self.cut_every and self.rounds % self.cut_every == 0:
-                self._cuts.append(self._state())
+            cut = self.cuts.after_round(self.rounds)
+            if cut is not None:
+                self.cuts.take(cut, self._state(cut))
+
+    def _maybe_cut(self) -> None:
+        cut = self.cuts.reached(self.membership.min_clock())
+        if cut is not None:
+            self.cuts.take(cut, self._state(cut))
 
     # --- pull -------------------------------------------------------------------------
 
@@ -316,7 +325,10 @@ class Coordinator:
     def _pull_ready(self, iteration: int) -> bool:
         if not self._started:
             return False
-        return self.policy.pull_ready(iteration, self.membership.min_clock(), self.rounds)
+        low = self.membership.min_clock()
+        if self.cuts.holds(iteration, low):
+            return False  # every worker reaches the cut before anyone computes past it
+        return self.policy.pull_ready(iteration, low, self.rounds)
 
     def _answer(
         self, iteration: int | None, batches: tuple[int, ...] = (), finished: bool = False
@@ -359,23 +371,22 @@ class Coordinator:
 
     @property
     def cuts_pending(self) -> bool:
-        return bool(self._cuts)
+        return bool(self.cuts.pending)
 
     def take_cuts(self) -> list[dict[str, Any]]:
         """The states of the cuts taken since the last call (oldest first)."""
         with self._cond:
-            cuts, self._cuts = self._cuts, []
-            return cuts
+            return self.cuts.drain()
 
     def rewind(self, state: dict[str, Any], weights: np.ndarray) -> None:
         """Go back to a cut, as a new incarnation: every call of the old one is refused
         (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
         with self._cond:
             self.incarnation = uuid.uuid4().hex[:12]
-            self._cuts = []
+            self.cuts.drain()
             self.restore(state, weights)
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, cut: int | None = None) -> dict[str, Any]:
         """Everything a resumed server needs; the caller holds the lock."""
         members = self.membership.state()
         return {
@@ -383,6 +394,7 @@ class Coordinator:
             "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
             "version": self.store.version,
             "rounds": self.rounds,
+            "cut": self.cuts.last if cut is None else cut,
             "policy": self.policy.name,
             "incarnation": self.incarnation,
             "members": members.pop("members"),
@@ -405,6 +417,7 @@ class Coordinator:
                             state["policy"], self.policy.name)  # fmt: skip
             self.store.restore(weights, state["optimizer_state"], int(state["version"]))
             self.rounds = int(state["rounds"])
+            self.cuts.last = int(state.get("cut", self.rounds))
             self.membership = Membership.from_state(
                 {"members": state["members"], **state["membership"]},
                 self.config.workers,

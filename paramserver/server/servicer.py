@@ -194,7 +194,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def Rewind(self, request: pb.RewindRequest, context: grpc.ServicerContext) -> pb.RewindResponse:
         if self.rewind is None:
             raise OutOfOrder(
-                "This server keeps no consistent cuts to rewind to: a sharded sync run needs "
+                "This server keeps no consistent cuts to rewind to: a sharded run needs "
                 "--checkpoint-dir on every shard."
             )
         log.warning("worker %s asks to rewind to round %d", request.worker_id, request.round)

@@ -1,8 +1,8 @@
 """A worker's view of the shards: which range of the model's flat buffer each server holds
 (read from its JoinResponse: ``shard``, ``shards``, ``shard_offset``, its manifest; checked
 against the addresses the worker was given and the local model; the servers cut the ranges
-with ``codec.layout.shard_range``), and bringing every shard back to one round after one of
-a sync run restarted."""
+with ``codec.layout.shard_range``), and bringing every shard back to one cut after one of
+them restarted."""
 
 from __future__ import annotations
 
@@ -72,16 +72,16 @@ def check_tiling(ranges: Sequence[tuple[int, int]], addresses: Sequence[str], nu
 
 
 def rewind_ahead(sessions: Sequence[Session]) -> None:
-    """A shard of a sharded sync run restarted from its newest consistent cut: ask every
-    shard that is ahead of it to rewind to the same round, and mark those sessions lost so
-    that the worker joins them again; the run resumes as one model, and every batch after
-    the cut is computed again. Under sync a session's clock is its round."""
+    """A shard restarted from its newest consistent cut, where every worker's clock is the
+    cut's: ask every shard that is ahead of it to rewind to the same cut, and mark those
+    sessions lost so that the worker joins them again; the run resumes as one model, and
+    every batch after the cut is computed again."""
     low = min(s.clock for s in sessions)
     for s in sessions:
         if s.clock == low:
             continue
-        log.warning("shard at %s is at round %d, another restarted at round %d: rewinding it "
-                    "to that round's cut", s.address, s.clock, low)  # fmt: skip
+        log.warning("shard at %s is at clock %d, another restarted at clock %d: rewinding it "
+                    "to that cut", s.address, s.clock, low)  # fmt: skip
         request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
         with contextlib.suppress(WrongIncarnation):  # another worker rewound it first
             s.call("rewind", s.stub.Rewind, request)

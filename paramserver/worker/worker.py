@@ -243,7 +243,7 @@ class Worker:
             restarted = any(
                 self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)
             )
-            if restarted and self.shards > 1 and self.policy.synchronous:
+            if restarted and self.shards > 1:
                 rewind_ahead(self.sessions)
 
     # --- state ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 
 from paramserver import checkpoint
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.errors import ConfigError, OutOfOrder, WrongIncarnation
+from paramserver.errors import ConfigError, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.server.app import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
 from tests.conftest import DEADLINE, FakeClock
@@ -85,9 +85,48 @@ def test_a_rewind_reloads_the_cut_as_a_new_incarnation(tmp_path):
     saver.stop()
 
 
-def test_a_sharded_sync_server_must_cut_by_steps_not_seconds(tmp_path):
-    with pytest.raises(ConfigError, match="--checkpoint-every a number of steps"):
-        ServerConfig(policy="sync", shard=1, shards=2, checkpoint_dir=str(tmp_path))
-    # elsewhere seconds are fine: unsharded, or not sync
-    ServerConfig(policy="sync", checkpoint_dir=str(tmp_path))
-    ServerConfig(policy="async", shard=1, shards=2, checkpoint_dir=str(tmp_path))
+def test_a_shard_must_cut_by_iterations_not_seconds(tmp_path):
+    for policy in ("sync", "async"):
+        with pytest.raises(ConfigError, match="--checkpoint-every a number"):
+            ServerConfig(policy=policy, shard=1, shards=2, checkpoint_dir=str(tmp_path))
+    ServerConfig(policy="sync", checkpoint_dir=str(tmp_path))  # unsharded: seconds are fine
+
+
+def test_under_async_every_worker_meets_at_the_cut_and_it_is_taken_there(tmp_path):
+    nn.init.zeros_((model := nn.Linear(4, 1, bias=False)).weight)
+    config = ServerConfig(
+        policy="async", workers=2, shard=0, shards=2, checkpoint_dir=str(tmp_path),
+        checkpoint_every="2", optimizer=OptimizerConfig("sgd", lr=1.0),
+    )  # fmt: skip
+    c = build_coordinator(config, model, now=FakeClock())
+    saver = Checkpointer(c, tmp_path, "2", cuts=True).start()
+    a, b = c.join("a"), c.join("b")
+    ones = np.ones(2, np.float32)
+    for t in range(2):
+        c.pull(a.worker_id, t, 0.0)
+        c.push(a.worker_id, t, ones, 1, 0.0)
+    with pytest.raises(Timeout):  # a may not compute past the cut before b reaches it
+        c.pull(a.worker_id, 2, 0.0)
+    c.push(b.worker_id, 0, ones, 1, 0.0)
+    assert not c.cuts_pending
+    c.push(b.worker_id, 1, ones, 1, 0.0)  # every clock is 2 now: the cut
+    assert c.cuts.last == 2 and c.cuts_pending
+    c.pull(a.worker_id, 2, 0.0)  # and a goes on
+    saver.write_cuts()
+    state = checkpoint.load(tmp_path / checkpoint.cut_file(0, 2, 2))
+    assert state["version"] == 4 and {m["clock"] for m in state["members"]} == {2}
+    saver.stop()
+
+
+def test_the_cut_schedule_as_pure_decisions():
+    from paramserver.server.cuts import Cuts
+
+    sync = Cuts(every=5, synchronous=True)
+    assert [sync.after_round(r) for r in (4, 5, 6, 10)] == [None, 5, None, 10]
+    assert sync.next is None and not sync.holds(100, 0)
+    free = Cuts(every=5)
+    assert free.next == 5 and free.reached(4) is None and free.reached(5) == 5
+    assert free.holds(5, 4) and free.holds(7, 4) and not free.holds(4, 0)
+    free.take(5, {"cut": 5})
+    assert free.next == 10 and not free.holds(7, 5) and free.drain() == [{"cut": 5}]
+    assert Cuts().next is None and not Cuts().holds(3, 0)  # a server that does not cut

@@ -110,7 +110,7 @@ def test_every_step_path_applies_each_push_exactly_once(clock, policy, overlap, 
     }
     if policy == "sync":
         behind[StepMode.OVERLAPPED] = {0}
-    assert {int(steps + model.weight[0, 0].item() / LR)} <= behind[mode]
+    assert {int(steps + model.weight.detach()[0, 0].item() / LR)} <= behind[mode]
     bound = worker.policy.bound
     assert bound is None or status["max_staleness"] <= bound
 
@@ -240,22 +240,31 @@ def test_one_worker_drives_every_shard_through_one_flat_buffer(clock, shards, sh
     np.testing.assert_array_equal(got, flat)
 
 
-def test_only_the_restarted_shard_is_joined_again(clock):
+@pytest.mark.parametrize("policy", ["sync", "delay-1", "async"])
+def test_a_restarted_shard_and_the_others_resume_from_one_cut(clock, tmp_path, policy):
     servers = {
-        f"s{i}": FakeServer(zero_model(6), clock, policy="delay-1", workers=1, shard=i, shards=2)
+        f"s{i}": FakeServer(zero_model(6), clock, policy=policy, workers=1, shard=i, shards=2,
+                            checkpoint_dir=str(tmp_path), checkpoint_every="2")
         for i in range(2)
-    }
+    }  # fmt: skip
     model = zero_model(6)
     worker = ps.Worker(list(servers), model, transport=lambda a: servers[a].stub(a), shm=False,
                        clock=clock)  # fmt: skip
-    one_step(worker, model)
-    servers["s1"].restart()
-    one_step(worker, model)
-    one_step(worker, model)
-    assert [s.rejoins for s in worker.sessions] == [0, 1]
+    for _ in range(3):
+        one_step(worker, model)
+    servers["s1"].restart()  # from its newest cut, at clock 2; s0 is at clock 3
+    for _ in range(3):
+        one_step(worker, model)
     worker.close()
+    assert [s.rejoins for s in worker.sessions] == [1, 1]  # s1 restarted, s0 rewound
+    status = [s.coordinator.status() for s in servers.values()]
+    # both shards hold the same pushes: the cut's 2, then the 2 after the step whose
+    # push met the restart (dropped on s1, undone on s0)
+    assert [st.version for st in status] == [4, 4]
     for s in servers.values():
-        assert s.coordinator.status().as_dict()["duplicates"] == 0
+        np.testing.assert_array_equal(s.coordinator.store.weights, np.full(3, -LR * 4))
+    # the model the worker holds is one model: both ranges at the same version
+    assert torch.equal(model.weight, torch.full((1, 6), model.weight.detach()[0, 0].item()))
 
 
 def test_shards_out_of_order_or_alone_are_refused_before_training(clock):
