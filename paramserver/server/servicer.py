@@ -151,15 +151,15 @@ class Servicer(pb_grpc.ParameterServerServicer):
         self.c.check_incarnation(header.incarnation)
         self._check_push_header(header)
         self.c.accept_header(header.worker_id)
-        grad = self.payloads.gradient(header, rest)
-        result = self.c.push(
-            header.worker_id,
-            header.iteration,
-            grad,
-            header.samples,
-            header.loss,
-            header.incarnation,
-        )
+        with self.payloads.gradient(header, rest) as grad:
+            result = self.c.push(
+                header.worker_id,
+                header.iteration,
+                grad,
+                header.samples,
+                header.loss,
+                header.incarnation,
+            )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
         )
