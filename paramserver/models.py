@@ -81,5 +81,18 @@ def build(spec: str, seed: int | None = None) -> nn.Module:
 
 
 def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The trainable parameters, in the order that defines the flat buffer."""
+    """The trainable parameters, in the order that defines the flat buffer. Frozen ones
+    (``requires_grad=False``) are left out: never pushed, never updated, no bytes on the wire.
+
+    Raises:
+        ConfigError: an embedding makes sparse gradients, which the flat buffer cannot carry.
+    """
+    for name, module in model.named_modules():
+        sparse = isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
+        if sparse and module.weight.requires_grad:
+            raise ConfigError(
+                f"Parameter {name + '.weight'!r} belongs to an {type(module).__name__} with "
+                "sparse=True, whose sparse gradients paramserver cannot carry yet: build it "
+                "with sparse=False (dense gradients), or freeze it (requires_grad=False)."
+            )
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

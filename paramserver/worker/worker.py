@@ -150,7 +150,8 @@ class Worker:
                         "The server holds a user-supplied model, so the worker cannot build "
                         "it: pass the model to Worker(address, model)."
                     )
-                model = models.build(self.plan.model).to(device or "cpu")
+                # the server's seed: parameters it never sends (frozen ones) start the same
+                model = models.build(self.plan.model, seed=self.plan.seed).to(device or "cpu")
             self.model = model
             self._replica = Replica(model)
             self.device, self.manifest = self._replica.device, self._replica.manifest

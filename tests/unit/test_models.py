@@ -41,3 +41,19 @@ def test_module_function_factory():
 def test_bad_model_specs_are_clear(spec, message):
     with pytest.raises(ConfigError, match=message):
         models.build(spec)
+
+
+def test_a_sparse_embedding_is_refused_with_what_to_do():
+    from torch import nn
+
+    from paramserver import models
+    from paramserver.errors import ConfigError
+
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"'0.weight'.*sparse=True.*sparse=False.*freeze"):
+        models.parameters(model)
+    model[0].requires_grad_(False)  # frozen, it sends nothing: fine
+    assert [n for n, _ in models.parameters(model)] == ["1.weight", "1.bias"]
+    bag = nn.EmbeddingBag(10, 4, sparse=True)
+    with pytest.raises(ConfigError, match="EmbeddingBag"):
+        models.parameters(nn.Sequential(bag))

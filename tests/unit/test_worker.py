@@ -295,3 +295,26 @@ def test_backoff_delays_grow_to_the_cap_with_full_jitter():
     assert not top.expired(0.0)
     clock.advance(10)
     assert top.expired(0.0)
+
+
+def test_frozen_parameters_are_neither_sent_nor_updated(clock):
+    def partly_frozen() -> nn.Module:
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1, bias=False))
+        m[0].requires_grad_(False)
+        return m
+
+    server = FakeServer(partly_frozen(), clock, policy="async", workers=1)
+    model = partly_frozen()
+    frozen = {k: v.clone() for k, v in model[0].state_dict().items()}
+    worker = make_worker(server, model, clock)
+    assert [t.name for t in worker.manifest.tensors] == ["1.weight"]
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)).backward()
+        worker.step()
+    worker.close()
+    for k, v in model[0].state_dict().items():
+        assert torch.equal(v, frozen[k]), k
+    status = server.coordinator.status()
+    assert status.version == 3 and status.bytes_in == 3 * 3 * 4  # 3 pushes of 3 floats
+    assert not torch.equal(model[1].weight, partly_frozen()[1].weight)  # the rest trained
