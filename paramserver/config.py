@@ -161,7 +161,7 @@ class ServerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")  # fmt: skip
     workers: int = setting(1, "--workers", "Most workers live at once; training starts when --min-workers have joined.", cli_default=2)  # fmt: skip
-    dataset: str = setting("fashion-mnist", "--dataset", "Training data the workers use.", choices=DATASETS)  # fmt: skip
+    dataset: str = setting("fashion-mnist", "--dataset", "Training data: fashion-mnist, synthetic, or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.")  # fmt: skip
     batch_size: int = setting(64, "--batch-size", "Batch size of each worker.")
     epochs: int = setting(1, "--epochs", "Passes over the training set.", cli_default=8)
     seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")
@@ -190,9 +190,10 @@ class ServerConfig:
                 f"{self.min_workers}."
             )
         parse_every(self.checkpoint_every)
-        if self.dataset not in DATASETS:
+        if self.dataset not in DATASETS and not re.fullmatch(r"[\w.]+:\w+", self.dataset):
             raise ConfigError(
-                f"Unknown dataset (--dataset) {self.dataset!r}: choose one of {', '.join(DATASETS)}."
+                f"Unknown dataset (--dataset) {self.dataset!r}: choose one of "
+                f"{', '.join(DATASETS)}, or module:function."
             )
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}.")

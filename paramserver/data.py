@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import gzip
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
-from paramserver.errors import DataUnavailable
+from paramserver import models
+from paramserver.errors import ConfigError, DataUnavailable
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 _FILES = {
@@ -31,6 +35,71 @@ class Dataset:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train_x)
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training samples at ``idx``: inputs and labels."""
+        return self.train_x[idx], self.train_y[idx]
+
+    def test_batches(self, size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(0, len(self.test_x), size):
+            yield self.test_x[i : i + size], self.test_y[i : i + size]
+
+
+class UserDataset:
+    """A user's data: ``module:function`` returning ``(train, test)``, two map-style torch
+    Datasets of ``(input, label)`` pairs, batched with torch's default collate."""
+
+    def __init__(self, spec: str, train: Any, test: Any):
+        self.spec, self.train, self.test = spec, train, test
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train)
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = default_collate([self.train[i] for i in idx.tolist()])
+        return x, y
+
+    def test_batches(self, size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(0, len(self.test), size):
+            x, y = default_collate([self.test[j] for j in range(i, min(i + size, len(self.test)))])
+            yield x, y
+
+
+def load_user(spec: str) -> UserDataset:
+    """Call the factory ``module:function`` and check what it returns.
+
+    Raises:
+        ConfigError: it cannot be imported, or does not return (train, test) of pairs.
+        DataUnavailable: it raised.
+    """
+    factory = models.import_function(spec, "dataset")
+    try:
+        made = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code: any failure, one sentence
+        raise DataUnavailable(
+            f"Dataset factory {spec!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    shape = "(train, test), two map-style torch Datasets of (input, label) pairs"
+    if not isinstance(made, tuple | list) or len(made) != 2:
+        raise ConfigError(f"Dataset factory {spec!r} returned {type(made).__name__}, not {shape}.")
+    for part, name in zip(made, ("train", "test"), strict=True):
+        if not hasattr(part, "__len__") or not hasattr(part, "__getitem__") or len(part) < 1:
+            raise ConfigError(f"Dataset factory {spec!r}: its {name} set is not {shape}.")
+        first = part[0]
+        if not isinstance(first, tuple | list) or len(first) != 2:
+            raise ConfigError(
+                f"Dataset factory {spec!r}: item 0 of its {name} set is "
+                f"{type(first).__name__}, not an (input, label) pair."
+            )
+    return UserDataset(spec, made[0], made[1])
+
+
+Data = Dataset | UserDataset
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -108,13 +177,16 @@ def synthetic(train: int = SYNTHETIC_TRAIN, test: int = 1024, seed: int = 0) -> 
 
 
 def train_size(name: str, data_dir: str | Path | None = None) -> int:
-    """Samples in the training set, read from the label file's header only.
+    """Samples in the training set, read from the label file's header only (a user's data
+    set is loaded).
 
     Raises:
         DataUnavailable: the file is missing or not an IDX label file.
     """
     if name == "synthetic":
         return SYNTHETIC_TRAIN
+    if ":" in name:
+        return load_user(name).train_size
     root = Path(data_dir) if data_dir else default_data_dir()
     path = _find(root, _FILES["train_y"])
     if path is None:
@@ -128,8 +200,15 @@ def train_size(name: str, data_dir: str | Path | None = None) -> int:
     return int.from_bytes(head[4:8], "big")
 
 
-def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Dataset:
-    """The data set named ``fashion-mnist`` or ``synthetic``."""
+def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Data:
+    """The data set named ``fashion-mnist``, ``synthetic`` or ``module:function``."""
+    if ":" in name:
+        return load_user(name)
+    return load_builtin(name, data_dir, seed)
+
+
+def load_builtin(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Dataset:
+    """``fashion-mnist`` (or MNIST from ``data_dir``) or ``synthetic``, as tensors."""
     if name == "synthetic":
         return synthetic(seed=seed)
     return load_idx_folder(data_dir)

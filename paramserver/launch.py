@@ -24,7 +24,7 @@ from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.rundir import RunDir
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import observe
-from paramserver.worker.trainer import evaluate
+from paramserver.worker.trainer import evaluate_batches
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,10 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
     manifest = layout.Manifest.from_tensors(models.parameters(model))
-    per_epoch = data.batches_per_epoch(len(dataset.train_x), scfg.batch_size)
+    per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
     if per_epoch < 1:
         raise ParamServerError(
-            f"{len(dataset.train_x)} samples do not make one batch of {scfg.batch_size}."
+            f"{dataset.train_size} samples do not make one batch of {scfg.batch_size}."
         )
     run = RunDir(cfg.runs_root, scfg.parsed_policy.name.replace(":", ""), cfg.run_dir)
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
@@ -226,7 +226,7 @@ def _record_epoch(
     cluster: _Cluster,
     model: torch.nn.Module,
     manifest: layout.Manifest,
-    dataset: data.Dataset,
+    dataset: data.Data,
     epoch: int,
     t0: float,
     bar: tqdm | None,
@@ -237,7 +237,7 @@ def _record_epoch(
     layout.unflatten_into(
         manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)]
     )
-    acc, loss = evaluate(model, dataset.test_x, dataset.test_y)
+    acc, loss = evaluate_batches(model, dataset.test_batches(2000))
     record = {
         "epoch": epoch,
         "test_accuracy": acc,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,16 +55,27 @@ def resolve(spec: str) -> Callable[[], nn.Module]:
         raise ConfigError(
             f"Unknown model {spec!r}: use one of {', '.join(FACTORIES)} or 'module:function'."
         )
+    return import_function(spec, "model")
+
+
+def import_function(spec: str, what: str) -> Callable[[], Any]:
+    """The function ``module:function`` names, for a ``what`` (model, dataset).
+
+    Raises:
+        ConfigError: the module cannot be imported or has no such function.
+    """
     module_name, _, func_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure to import gets the same sentence
         raise ConfigError(
-            f"Cannot import module {module_name!r} for model {spec!r}: {exc}."
+            f"Cannot import module {module_name!r} for {what} {spec!r}: {exc}."
         ) from exc
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ConfigError(f"Module {module_name!r} has no function {func_name!r} (model {spec!r}).")
+        raise ConfigError(
+            f"Module {module_name!r} has no function {func_name!r} ({what} {spec!r})."
+        )
     return func
 
 

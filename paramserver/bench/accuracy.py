@@ -54,7 +54,7 @@ def _epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: OptimizerCon
 def local_curve(dataset: str, epochs: int) -> list[tuple[float, float]]:
     """(training seconds, test accuracy) after each epoch of one local process."""
     torch.set_num_threads(1)
-    ds = data.load(dataset)
+    ds = data.load_builtin(dataset)
     model = models.build("mlp", seed=0)
     cfg = _schedule(epochs, data.batches_per_epoch(len(ds.train_x), BATCH))
     opt = build_optimizer(list(model.parameters()), cfg)
@@ -76,7 +76,7 @@ def ddp_main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(minutes=5))  # fmt: skip
-    ds = data.load(dataset)
+    ds = data.load_builtin(dataset)
     model = DistributedDataParallel(models.build("mlp", seed=0))
     cfg = _schedule(epochs, data.batches_per_epoch(len(ds.train_x), BATCH) // world)
     opt = build_optimizer(list(model.parameters()), cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -53,22 +54,31 @@ def process_devices(spec: str, procs: int, gpus: int) -> list[str]:
     return [spec] * procs
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000
 ) -> tuple[float, float]:
     """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
+    return evaluate_batches(model, ((x[i : i + batch], y[i : i + batch])
+                                    for i in range(0, len(x), batch)))  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate_batches(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` over ``batches`` of (inputs, labels)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    correct, loss = 0, 0.0
-    for i in range(0, len(x), batch):
-        out = model(x[i : i + batch].to(device))
-        target = y[i : i + batch].to(device)
+    correct, loss, n = 0, 0.0, 0
+    for x, y in batches:
+        out = model(x.to(device))
+        target = y.to(device)
         loss += F.cross_entropy(out, target, reduction="sum").item()
         correct += (out.argmax(1) == target).sum().item()
+        n += len(target)
     model.train(was_training)
-    return correct / len(x), loss / len(x)
+    return correct / max(n, 1), loss / max(n, 1)
 
 
 @dataclass(frozen=True)
@@ -84,11 +94,11 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
     """Join the server and train on the batches it hands out until the run is finished."""
     torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
-    loaded: dict[str, data.Dataset] = {}
+    loaded: dict[str, data.Data] = {}
 
     def load(plan: pb.TrainingPlan) -> int:
         loaded["data"] = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
-        return len(loaded["data"].train_x)
+        return loaded["data"].train_size
 
     worker = Worker(
         cfg.addresses,
@@ -109,7 +119,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
     steps = samples = empty = 0
     try:
         plan, dataset = worker.plan, loaded["data"]
-        n = len(dataset.train_x)
+        n = dataset.train_size
         per_epoch = data.batches_per_epoch(n, plan.batch_size)
         model = worker.model
         model.train()
@@ -140,8 +150,8 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
                 if epoch != perm_epoch:
                     perm, perm_epoch = data.epoch_permutation(n, epoch, plan.seed), epoch
                 idx = perm[position * plan.batch_size : (position + 1) * plan.batch_size]
-                x = dataset.train_x[idx].to(device, non_blocking=True)
-                y = dataset.train_y[idx].to(device, non_blocking=True)
+                x, y = dataset.batch(idx)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = F.cross_entropy(model(x), y)
                 (loss / len(batches)).backward()
                 taken += len(idx)

@@ -208,3 +208,22 @@ def test_worker_procs_starts_several_processes(serve):
     assert status["workers_joined"] == 2
     assert status["pushes_applied"] == 6
     assert status["workers"] == []  # both left cleanly
+
+
+def test_launch_trains_on_a_users_data_set(tmp_path):
+    out = run_cli(
+        "launch", "--dataset", "tests.user_data:small", "--workers", "2", "--epochs", "3",
+        "--policy", "sync", "--device", "cpu", "--json", "--no-progress", "--lr", "0.003",
+        "--runs-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 3 * (512 // 64) * 64  # every batch of the user's set, once
+    assert summary["test_accuracy"] > 0.5  # evaluated on the user's test set
+
+
+def test_a_users_data_set_that_cannot_load_is_one_line(tmp_path):
+    out = run_cli("launch", "--dataset", "tests.user_data:broken", "--runs-dir", str(tmp_path))
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("paramserver: error: Dataset factory 'tests.user_data:broken' failed")
