@@ -32,7 +32,7 @@ PUSH_FAULTS = [
 ]  # fmt: skip
 OTHER_FAULTS = [
     "pull_unknown_worker", "pull_incarnation", "pull_ahead", "heartbeat_unknown",
-    "heartbeat_incarnation", "join_negative_samples",
+    "heartbeat_incarnation", "join_negative_samples", "rewind",
 ]  # fmt: skip
 
 
@@ -135,6 +135,13 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=wrong), timeout=10)
     elif fault == "heartbeat_incarnation":
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10)
+    elif fault == "rewind":  # this server keeps no cuts: any rewind, even well formed, is refused
+        incarnation = data.draw(st.sampled_from([t.incarnation, wrong]))
+        t.stub.Rewind(
+            pb.RewindRequest(round=data.draw(st.integers(-(1 << 62), 1 << 62)),
+                             incarnation=incarnation, worker_id=t.worker_id),
+            timeout=10,
+        )  # fmt: skip
     elif fault == "join_negative_samples":
         t.stub.Join(
             pb.JoinRequest(name="x", train_samples=data.draw(st.integers(-(1 << 62), -1))),
