@@ -35,6 +35,18 @@ def server_args(cfg: ServerConfig) -> list[str]:
     return ["server", *settings.argv(cfg, exclude=("shard", "shards"))]
 
 
+def launch_args(cfg: LaunchConfig) -> list[str]:
+    """Command-line arguments of ``paramserver launch`` that give ``cfg`` (the benchmarks
+    start launches this way); launch's own servers listen on 127.0.0.1, any port."""
+    local = ("host", "port", "threads", "metrics_port", "security", "shard", "shards")
+    return [
+        "launch",
+        *settings.argv(cfg.server, exclude=local),
+        "--server-threads", str(cfg.server.threads),
+        *settings.argv(cfg, exclude=("server",)),
+    ]  # fmt: skip
+
+
 def worker_args(cfg: LaunchConfig, address: str, name: str) -> list[str]:
     """Command-line arguments that start one of ``cfg``'s worker processes."""
     worker = WorkerConfig(address, name=name, **{k: getattr(cfg, k) for k in WORKER_SETTINGS})

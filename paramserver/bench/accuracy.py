@@ -11,6 +11,7 @@ evaluates after each epoch (outside the timed part) and writes the curve to OUT.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from paramserver import data, models
-from paramserver.config import OptimizerConfig
+from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig
+from paramserver.launch import launch_args, planned_optimizer_steps
 from paramserver.store import build_optimizer
 from paramserver.worker.trainer import evaluate
 
@@ -125,10 +127,14 @@ def ps_curve(policy: str, dataset: str, epochs: int, logs: Path) -> list[tuple[f
     evaluation), like the local and DDP figures: starting the processes is not counted.
     """
     run_dir = logs / f"run-{policy}"
-    cmd = [sys.executable, "-m", "paramserver", "launch", "--workers", "2", "--policy", policy,
-           "--model", "mlp", "--dataset", dataset, "--epochs", str(epochs), "--batch-size",
-           str(BATCH), "--optimizer", "adam", "--lr", "1e-3", "--lr-schedule", "cosine",
-           "--no-progress", "--json", "--run-dir", str(run_dir)]  # fmt: skip
+    server = ServerConfig(model="mlp", policy=policy, workers=2, dataset=dataset,
+                          epochs=epochs, batch_size=BATCH)  # fmt: skip
+    steps = planned_optimizer_steps(server, data.train_size(dataset))  # what launch works out
+    optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
+    cfg = LaunchConfig(
+        server=dataclasses.replace(server, optimizer=optimizer), run_dir=str(run_dir)
+    )
+    cmd = [sys.executable, "-m", "paramserver", *launch_args(cfg), "--no-progress", "--json"]
     with open(logs / f"launch-{policy}.log", "wb") as err:
         done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, timeout=900)
     if done.returncode != 0:

@@ -90,3 +90,19 @@ def test_status_and_health_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "torch imported: False" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_launch_config_survives_argv_and_the_command_line():
+    from paramserver.launch import launch_args
+
+    server = ServerConfig(
+        host="127.0.0.1", port=0, policy="sync", workers=3, epochs=2, dataset="synthetic",
+        threads=2, min_workers=2, optimizer=OptimizerConfig("sgd", 0.1, schedule="cosine",
+                                                           total_steps=50),
+    )  # fmt: skip
+    cfg = LaunchConfig(server=server, device="cpu", servers=2, push_every=2, run_dir="/tmp/r")
+    kw = _parse("launch", launch_args(cfg)[1:])
+    kw.pop("as_json"), kw.pop("progress")
+    launch_kw = settings.values(LaunchConfig, kw)
+    assert LaunchConfig(server=cli.server_config(kw, host="127.0.0.1", port=0), **launch_kw) == cfg
+    assert kw == {}
