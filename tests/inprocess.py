@@ -89,7 +89,7 @@ class FakeServer:
         fresh = build_coordinator(self.config, copy.deepcopy(self.model), self.clock)
         if self.checkpointer is not None:
             self.checkpointer.write_cuts()  # what the dead process had written
-            self.checkpointer._stop.set()  # no last checkpoint: it died
+            self.checkpointer.abandon()  # no last checkpoint: it died
             self._serve(fresh, resume=True)
             return
         state = self.coordinator.checkpoint_state()

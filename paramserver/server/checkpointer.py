@@ -156,6 +156,11 @@ class Checkpointer:
             log.warning("rewound from round %s to the cut at round %d (incarnation %s)", was,
                         round_, self.coordinator.incarnation)  # fmt: skip
 
+    def abandon(self) -> None:
+        """Stop the thread without writing anything more, as a killed process would."""
+        self._stop.set()
+        self.coordinator.notify()
+
     def stop(self) -> None:
         """Stop the thread and write a last checkpoint."""
         self._stop.set()
