@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from paramserver import data, models
+from paramserver.bench.ddp import run_ranks
 from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig
 from paramserver.launch import launch_args, planned_optimizer_steps
 from paramserver.store import build_optimizer
@@ -73,6 +74,8 @@ def ddp_main(argv: list[str]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from paramserver.bench.ddp import finish, write_result
+
     rank, world, port, epochs = (int(a) for a in argv[:4])
     dataset, out = argv[4], argv[5]
     torch.set_num_threads(1)
@@ -91,33 +94,14 @@ def ddp_main(argv: list[str]) -> None:
         seconds += time.perf_counter() - started
         if rank == 0:
             curve.append((seconds, evaluate(model.module, ds.test_x, ds.test_y)[0]))
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps(curve))
+    write_result(out, curve)  # rank 0's curve; the others write []
+    finish()
 
 
 def ddp_curve(dataset: str, epochs: int, logs: Path) -> list[tuple[float, float]]:
-    from paramserver.bench.straggler import _free_port
-
-    port, out = _free_port(), logs / "ddp-curve.json"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "paramserver.bench.accuracy", str(rank), "2", str(port),
-             str(epochs), dataset, str(out)],
-            stdout=subprocess.DEVNULL, stderr=open(logs / f"ddp-acc-{rank}.log", "wb"),  # noqa: SIM115
-        )
-        for rank in range(2)
-    ]  # fmt: skip
-    try:
-        for rank, p in enumerate(procs):
-            if p.wait(900) != 0:
-                log = (logs / f"ddp-acc-{rank}.log").read_text()[-800:]
-                raise RuntimeError(f"DDP rank {rank} failed: {log}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [tuple(point) for point in json.loads(out.read_text())]
+    results = run_ranks("paramserver.bench.accuracy", [str(epochs), dataset], 2, logs,
+                        "ddp-acc", timeout=900)  # fmt: skip
+    return [tuple(point) for point in results[0]]
 
 
 def ps_curve(policy: str, dataset: str, epochs: int, logs: Path) -> list[tuple[float, float]]:

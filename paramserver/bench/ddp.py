@@ -1,15 +1,27 @@
 """The DDP baseline: ``python -m paramserver.bench.ddp RANK WORLD PORT STEPS BATCH DELAY OUT``.
 
 One process of a torch.distributed data-parallel run (gloo on CPU, nccl on CUDA) training
-the MLP on random data for STEPS steps, sleeping DELAY seconds per step (a straggler), and
+the MLP on random data for STEPS steps, the last rank sleeping DELAY seconds per step (a
+straggler), and
 writing {"rank", "steps", "samples", "seconds"} as JSON to OUT.
+
+`run_ranks` starts the ranks of such a baseline (this one or the accuracy bench's) and
+collects what they wrote. Every rank writes its result before it tears the process group
+down, after a barrier: gloo's teardown can abort a process ("terminate called without an
+active exception") once in a while on a loaded machine, and a rank that finished its
+measurement should not lose it to that. A rank that exits non-zero without its result fails
+the benchmark with the tail of its log.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +35,8 @@ from paramserver.store import build_optimizer
 
 def main(argv: list[str]) -> None:
     rank, world, port, steps, batch = (int(a) for a in argv[:5])
-    delay, out = float(argv[5]), argv[6]
+    delay = float(argv[5]) if rank == world - 1 else 0.0
+    out = argv[6]
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
@@ -47,9 +60,69 @@ def main(argv: list[str]) -> None:
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
+    write_result(out, {"rank": rank, "steps": steps, "samples": steps * batch, "seconds": seconds})
+    finish()
+
+
+def write_result(out: str | Path, result: Any) -> None:
+    """Write a rank's result atomically: a file that exists is complete."""
+    tmp = Path(f"{out}.tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+
+
+def finish() -> None:
+    """Tear the process group down once every rank is past its last collective."""
+    dist.barrier()
     dist.destroy_process_group()
-    with open(out, "w") as f:
-        json.dump({"rank": rank, "steps": steps, "samples": steps * batch, "seconds": seconds}, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(module: str, args: list[str], world: int, logs: Path, name: str,
+              timeout: float) -> list[Any]:  # fmt: skip
+    """Run ``python -m MODULE RANK WORLD PORT *ARGS OUT`` for every rank; their results.
+
+    Raises RuntimeError naming the rank and its log's tail if a rank fails before writing
+    its result or does not finish within ``timeout`` seconds.
+    """
+    port = free_port()
+    outs = [logs / f"{name}-{rank}.json" for rank in range(world)]
+    for out in outs:
+        out.unlink(missing_ok=True)
+    log_paths = [logs / f"{name}-{rank}.log" for rank in range(world)]
+    procs = []
+    try:
+        for rank in range(world):
+            with open(log_paths[rank], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", module, str(rank), str(world), str(port), *args,
+                     str(outs[rank])],
+                    stdout=subprocess.DEVNULL, stderr=log,
+                ))  # fmt: skip
+        for rank, p in enumerate(procs):
+            try:
+                code = p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code == 0:
+                continue
+            tail = log_paths[rank].read_text(errors="replace")[-800:]
+            if code is None or not outs[rank].exists():
+                what = "did not finish" if code is None else f"failed (exit {code})"
+                raise RuntimeError(f"{name} rank {rank} {what}: {tail}")
+            print(f"warning: {name} rank {rank} exited {code} after writing its result "
+                  f"(process-group teardown): {tail.strip()[-200:]}", file=sys.stderr)  # fmt: skip
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(out.read_text()) for out in outs]
 
 
 if __name__ == "__main__":

@@ -3,10 +3,6 @@ delay-1 against PyTorch DDP (gloo on CPU, nccl on GPU) with the same model, batc
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,38 +10,16 @@ from typing import Any
 import torch
 
 from paramserver.bench.common import cluster_rate
+from paramserver.bench.ddp import run_ranks
 from paramserver.bench.step import local_step_seconds
 
 BATCH = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ddp_rate(delay: float, steps: int, logs: Path) -> float:
-    """Total samples/s of 2 DDP processes, rank 1 with the delay."""
-    port = _free_port()
-    outs = [logs / f"ddp-{rank}.json" for rank in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "paramserver.bench.ddp", str(rank), "2", str(port),
-             str(steps), str(BATCH), repr(delay if rank else 0.0), str(outs[rank])],
-            stdout=subprocess.DEVNULL, stderr=open(logs / f"ddp-{rank}.log", "wb"),  # noqa: SIM115
-        )
-        for rank in range(2)
-    ]  # fmt: skip
-    try:
-        for p in procs:
-            if p.wait(600) != 0:
-                raise RuntimeError(f"DDP rank failed: {(logs / 'ddp-0.log').read_text()[-500:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = [json.loads(o.read_text()) for o in outs]
+    """Total samples/s of 2 DDP processes, the last rank with the delay."""
+    args = [str(steps), str(BATCH), repr(delay)]
+    results = run_ranks("paramserver.bench.ddp", args, 2, logs, "ddp", timeout=600)
     return sum(r["samples"] for r in results) / max(r["seconds"] for r in results)
 
 

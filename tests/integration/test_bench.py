@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -55,3 +56,46 @@ def test_bench_quick_json(name):
         assert set(figures["time_to_target_s"]) == {"local", "ddp", "sync", "delay-1", "async"}
         for curve in figures["curves"].values():
             assert len(curve) == 2 and all(0 < acc <= 1 for _, acc in curve)
+
+
+RANK = """
+import json, os, sys
+rank, out = int(sys.argv[1]), sys.argv[-1]
+mode = sys.argv[4]
+if mode == "abort-after" or (mode == "one-fails" and rank == 0):
+    with open(out, "w") as f:
+        json.dump({"rank": rank}, f)
+    if mode == "abort-after":
+        sys.stderr.write("terminate called without an active exception\\n")
+        os.abort()
+elif mode == "one-fails":
+    sys.stderr.write("rank 1 broke\\n")
+    sys.exit(3)
+"""
+
+
+@pytest.fixture
+def fake_rank(tmp_path, monkeypatch):
+    pkg = tmp_path / "fakerank"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(RANK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    return logs
+
+
+def test_run_ranks_keeps_results_written_before_a_teardown_abort(fake_rank, capfd):
+    from paramserver.bench.ddp import run_ranks
+
+    results = run_ranks("fakerank", ["abort-after"], 2, fake_rank, "fake", timeout=60)
+    assert results == [{"rank": 0}, {"rank": 1}]
+    assert "after writing its result" in capfd.readouterr().err
+
+
+def test_run_ranks_fails_loudly_when_a_rank_dies_without_its_result(fake_rank):
+    from paramserver.bench.ddp import run_ranks
+
+    with pytest.raises(RuntimeError, match=r"fake rank 1 failed \(exit 3\): rank 1 broke"):
+        run_ranks("fakerank", ["one-fails"], 2, fake_rank, "fake", timeout=60)
