@@ -2,7 +2,8 @@
 
 Keys of every checkpoint file (``launch``'s run folder and a server's ``--checkpoint-dir``):
     format            "paramserver-checkpoint-v1"
-    model_state_dict  {parameter name: tensor}: ``model.load_state_dict(ckpt["model_state_dict"])``
+    model_state_dict  {name: tensor}, parameters and buffers:
+                      ``model.load_state_dict(ckpt["model_state_dict"])``
     version           optimizer steps applied
     policy            the run's staleness policy
 
@@ -16,6 +17,8 @@ server needs to go on exactly where it stopped:
     membership        {floor, joined_total, expired_total}
     queue             the batch queue (``paramserver.dataplan``), or None
     sync_round        {sum, from, n}: the gradients of a sync round in progress
+    buffers           {worker_id: tensor}: each worker's latest buffer values, whose mean
+                      the model's buffers hold (``server/buffers.py``)
     counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
     saved_at          wall-clock time of writing (seconds since the epoch)
 
@@ -42,13 +45,13 @@ FORMAT = "paramserver-checkpoint-v1"
 SERVER_FILE = "server-checkpoint.pt"
 
 
-def save(path: str | Path, manifest: layout.Manifest, flat: np.ndarray, **meta: Any) -> Path:
+def save(path: str | Path, model_state_dict: dict[str, torch.Tensor], **meta: Any) -> Path:
     """Write a checkpoint atomically: temporary file, fsync, rename, fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
-        "model_state_dict": layout.state_dict(manifest, flat),
+        "model_state_dict": model_state_dict,
         "saved_at": time.time(),
         **meta,
     }
@@ -104,7 +107,7 @@ def save_server(
     """Write a server state (``Coordinator.checkpoint_state``) to ``directory``."""
     state = dict(state)
     weights = state.pop("weights")
-    return save(Path(directory) / name, manifest, weights, **state)
+    return save(Path(directory) / name, layout.state_dict(manifest, weights), **state)
 
 
 def load_server(
@@ -125,7 +128,12 @@ def load_server(
     if state.get("format") != FORMAT or "optimizer_state" not in state:
         raise ConfigError(f"{path} is not a paramserver server checkpoint.")
     weights = state["model_state_dict"]
-    saved = layout.Manifest.from_tensors(list(weights.items()))
+    roles = {s.name: s.role for s in manifest.tensors}
+    named = sorted(weights.items(), key=lambda kv: layout.ROLES.index(roles.get(kv[0], "param")))
+    try:
+        saved = layout.Manifest.from_tensors(named, [roles.get(n, "param") for n, _ in named])
+    except ConfigError as exc:
+        raise ConfigError(f"The checkpoint {path} does not match the model: {exc}") from exc
     manifest.check_compatible(saved, f"the checkpoint {path}")
     flat = torch.empty(manifest.numel, dtype=torch.float32)
     layout.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)

@@ -135,7 +135,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     scfg = cfg.server
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
-    manifest = layout.Manifest.from_tensors(models.parameters(model))
+    manifest, _ = models.state(model)
     per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
     if per_epoch < 1:
         raise ParamServerError(
@@ -205,7 +205,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
             run, cluster, model, manifest, dataset, evaluated, t0, None
         )
         checkpoint.save(
-            run.file("checkpoint.pt"), manifest, flat,
+            run.file("checkpoint.pt"), model.state_dict(),
             version=header.version, policy=st.policy, model=scfg.model,
         )  # fmt: skip
     finally:
@@ -246,9 +246,7 @@ def _record_epoch(
     """Evaluate the server's current weights, append a metrics line; returns what it read."""
     st = cluster.status()
     header, flat = cluster.observe(manifest.total_bytes)
-    layout.unflatten_into(
-        manifest, torch.from_numpy(flat), [p for _, p in models.parameters(model)]
-    )
+    layout.unflatten_into(manifest, torch.from_numpy(flat), models.state(model)[1])
     acc, loss = evaluate_batches(model, dataset.test_batches(2000))
     record = {
         "epoch": epoch,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramserver.codec.layout import Manifest
 from paramserver.errors import ConfigError
 
 
@@ -40,7 +41,45 @@ def cnn() -> nn.Module:
     )
 
 
-FACTORIES: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "cnn": cnn}
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a shortcut (a 1x1 convolution when the shape
+    changes), as in He et al., "Deep Residual Learning for Image Recognition" (2015)."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet() -> nn.Module:
+    """A small ResNet for 1x28x28 images: a 3x3 stem, three basic blocks of 16, 32 and 64
+    channels at 28, 14 and 7 pixels, global average pooling and a linear layer (78k
+    parameters, 13 BatchNorm layers)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        BasicBlock(16, 16),
+        BasicBlock(16, 32, stride=2),
+        BasicBlock(32, 64, stride=2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
+
+
+FACTORIES: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
 
 
 def resolve(spec: str) -> Callable[[], nn.Module]:
@@ -108,3 +147,25 @@ def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 "with sparse=False (dense gradients), or freeze it (requires_grad=False)."
             )
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def buffers(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+    """The buffers that are part of the run's state, with their roles: the persistent ones
+    (those ``state_dict`` holds), floating-point first ("buffer": the server keeps the mean
+    over workers), then integer ones ("count": the server keeps the largest value)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    named = [(n, b) for n, b in model.named_buffers() if n in persistent]
+    floats = [(n, b, "buffer") for n, b in named if b.is_floating_point()]
+    return floats + [(n, b, "count") for n, b in named if not b.is_floating_point()]
+
+
+def state(model: nn.Module) -> tuple[Manifest, list[torch.Tensor]]:
+    """The layout of ``model``'s run state (trainable parameters, then buffers) as the flat
+    buffer, and its tensors in that order.
+
+    Raises:
+        ConfigError: a parameter or buffer paramserver cannot carry (the message names it).
+    """
+    named = [(n, p, "param") for n, p in parameters(model)] + buffers(model)
+    manifest = Manifest.from_tensors([(n, t) for n, t, _ in named], [r for _, _, r in named])
+    return manifest, [t for _, t, _ in named]

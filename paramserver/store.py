@@ -1,4 +1,5 @@
-"""The global model: one flat float32 buffer, its version and the server-side optimizer."""
+"""The global model: one flat float32 buffer (parameters, then buffers), its version and the
+server-side optimizer over the parameters' section."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.o
 
 
 class ParameterStore:
-    """Flat parameters, updated in place by a torch optimizer.
+    """Flat parameters, updated in place by a torch optimizer, and the buffers after them.
 
-    The optimizer sees the whole model as one flat tensor; elementwise optimizers (SGD,
-    momentum, Adam, AdamW) give exactly the per-tensor result. Not thread-safe: the
-    coordinator serialises calls.
+    The optimizer sees the parameters' section as one flat tensor; elementwise optimizers
+    (SGD, momentum, Adam, AdamW) give exactly the per-tensor result. The buffers' section
+    (``manifest.section``: "buffer" and "count") is set by ``set_buffers``. Not
+    thread-safe: the coordinator serialises calls.
     """
 
     def __init__(self, manifest: Manifest, initial: np.ndarray, optimizer: OptimizerConfig):
@@ -42,7 +44,10 @@ class ParameterStore:
             )
         self.manifest = manifest
         self.config = optimizer
-        self.param = torch.nn.Parameter(torch.from_numpy(initial.copy()))
+        self.flat = torch.from_numpy(initial.copy())
+        self.n_params = manifest.section("param")[1]
+        # A view: the optimizer's steps land in the flat buffer that pulls read.
+        self.param = torch.nn.Parameter(self.flat[: self.n_params])
         self.optimizer = build_optimizer([self.param], optimizer)
         self.version = 0
         self._snapshot: np.ndarray | None = None
@@ -54,11 +59,11 @@ class ParameterStore:
 
     @property
     def weights(self) -> np.ndarray:
-        """A live numpy view of the weights (changes with every step)."""
-        return self.param.detach().numpy()
+        """A live numpy view of the weights and buffers (changes with every step)."""
+        return self.flat.numpy()
 
     def apply(self, grad: np.ndarray) -> None:
-        """One optimizer step with the flat gradient ``grad``."""
+        """One optimizer step with ``grad``, the gradient of the parameters' section."""
         self.param.grad = torch.from_numpy(grad)
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.lr_at(self.version)
@@ -72,9 +77,14 @@ class ParameterStore:
         if weights.size != self.manifest.numel:
             raise ValueError(f"{weights.size} weights for a model of {self.manifest.numel}.")
         with torch.no_grad():
-            self.param.copy_(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)))
+            self.flat.copy_(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)))
         self.optimizer.load_state_dict(optimizer_state)
         self.version = version
+        self._snapshot = None
+
+    def set_buffers(self, values: np.ndarray) -> None:
+        """Set the buffers' section (everything after the parameters) to ``values``."""
+        self.flat[self.n_params :] = torch.from_numpy(values)
         self._snapshot = None
 
     def snapshot(self) -> np.ndarray:

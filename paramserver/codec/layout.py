@@ -1,9 +1,13 @@
-"""The layout of a model's parameters as ONE flat float32 buffer, and its shards.
+"""The layout of a model's state as ONE flat float32 buffer, and its shards.
 
-A Manifest (name, shape, dtype, byte offset of each tensor) is agreed at Join. Shard I of S
-holds the contiguous elements ``shard_range(numel, I, S)``; tensors may straddle shards. A
-worker copies between its tensors and any range of the flat buffer with ``flatten_into`` and
-``unflatten_into``: one copy per element, whatever the number of shards.
+A Manifest (name, shape, dtype, role, byte offset of each tensor) is agreed at Join. The
+flat buffer holds float32 elements whatever the model's dtypes (float32 master weights for
+float16 and bfloat16 models; integer buffers as exact integers up to 2**24). Its tensors come
+in three sections, in this order (``ROLES``): the trainable parameters, the floating-point
+buffers, the integer buffers ("counts"). Shard I of S holds the contiguous elements
+``shard_range(numel, I, S)``; tensors may straddle shards. A worker copies between its
+tensors and any range of the flat buffer with ``flatten_into`` and ``unflatten_into``: one
+copy per element, whatever the number of shards, converting dtypes on the way.
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import ConfigError
 
-# The only dtype the server-side optimizer keeps today; the manifest carries the name so
-# that the format can grow without a wire change.
-SUPPORTED_DTYPES = {"float32": np.float32}
+# The flat buffer's element: 4 bytes of float32, whatever the model tensor's dtype.
+ITEMSIZE = 4
+# The sections of the flat buffer, in order: trained parameters, float buffers (mean over
+# workers), integer buffers (largest value).
+ROLES = ("param", "buffer", "count")
+# What each role may hold; float64 would need float64 master weights, which the flat
+# float32 buffer cannot keep.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+COUNT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+DTYPES = {"param": FLOAT_DTYPES, "buffer": FLOAT_DTYPES, "count": COUNT_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -32,10 +43,16 @@ class TensorSpec:
     dtype: str
     offset: int
     nbytes: int
+    role: str = "param"
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def start(self) -> int:
+        """Its first element in the flat buffer."""
+        return self.offset // ITEMSIZE
 
 
 @dataclass(frozen=True)
@@ -46,37 +63,52 @@ class Manifest:
     total_bytes: int
 
     @classmethod
-    def from_tensors(cls, named: Iterable[tuple[str, torch.Tensor]]) -> Manifest:
-        """Lay out the tensors one after another, in the order given.
+    def from_tensors(
+        cls, named: Iterable[tuple[str, torch.Tensor]], roles: Sequence[str] | None = None
+    ) -> Manifest:
+        """Lay out the tensors one after another, in the order given; ``roles`` (default:
+        every one a "param") must come in ``ROLES`` order.
 
         Raises:
-            ConfigError: a tensor has a dtype the server cannot hold.
+            ConfigError: a tensor has a dtype its role cannot hold (the message names it).
         """
-        specs = []
+        specs: list[TensorSpec] = []
         offset = 0
-        for name, t in named:
+        named = list(named)
+        for i, (name, t) in enumerate(named):
+            role = "param" if roles is None else roles[i]
             dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in SUPPORTED_DTYPES:
-                raise ConfigError(
-                    f"Parameter {name!r} has dtype {dtype}; paramserver holds float32 "
-                    "parameters only. Convert the model with model.float() first."
-                )
-            nbytes = t.numel() * t.element_size()
-            specs.append(TensorSpec(name, tuple(t.shape), dtype, offset, nbytes))
+            if dtype not in DTYPES[role]:
+                raise ConfigError(_dtype_refusal(name, dtype, role))
+            if specs and ROLES.index(role) < ROLES.index(specs[-1].role):
+                raise ValueError(f"Tensor {name!r} ({role}) comes after a {specs[-1].role}.")
+            nbytes = t.numel() * ITEMSIZE
+            specs.append(TensorSpec(name, tuple(t.shape), dtype, offset, nbytes, role))
             offset += nbytes
         return cls(tuple(specs), offset)
 
     @property
     def numel(self) -> int:
-        """Elements in the flat buffer (all tensors are float32)."""
-        return self.total_bytes // 4
+        """Elements in the flat buffer."""
+        return self.total_bytes // ITEMSIZE
+
+    def section(self, role: str) -> tuple[int, int]:
+        """The elements [lo, hi) of the flat buffer that hold tensors of ``role``."""
+        lo = hi = sum(s.numel for s in self.tensors if ROLES.index(s.role) < ROLES.index(role))
+        hi += sum(s.numel for s in self.tensors if s.role == role)
+        return lo, hi
 
     def to_proto(self) -> pb.Manifest:
         return pb.Manifest(
             tensors=[
                 pb.TensorSpec(
-                    name=s.name, shape=s.shape, dtype=s.dtype, offset=s.offset, nbytes=s.nbytes
-                )
+                    name=s.name,
+                    shape=s.shape,
+                    dtype=s.dtype,
+                    offset=s.offset,
+                    nbytes=s.nbytes,
+                    role=s.role,
+                )  # fmt: skip
                 for s in self.tensors
             ],
             total_bytes=self.total_bytes,
@@ -86,7 +118,8 @@ class Manifest:
     def from_proto(cls, msg: pb.Manifest) -> Manifest:
         return cls(
             tuple(
-                TensorSpec(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes) for t in msg.tensors
+                TensorSpec(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.role or "param")
+                for t in msg.tensors
             ),
             msg.total_bytes,
         )
@@ -122,9 +155,38 @@ def shard_range(numel: int, shard: int, shards: int) -> tuple[int, int]:
     return lo, min(lo + size, numel)
 
 
-def shard_manifest(numel: int) -> Manifest:
-    """The manifest a shard serves: its range as one flat tensor named ``flat``."""
-    return Manifest((TensorSpec("flat", (numel,), "float32", 0, 4 * numel),), 4 * numel)
+# The tensors a shard's manifest names, one per section of its range.
+SHARD_TENSORS = {"param": ("flat", "float32"), "buffer": ("buffers", "float32"),
+                 "count": ("counts", "int64")}  # fmt: skip
+
+
+def shard_manifest(model: Manifest, lo: int, hi: int) -> Manifest:
+    """The manifest a shard of elements [lo, hi) of ``model``'s flat buffer serves: the
+    part of each section in its range as one flat tensor (``SHARD_TENSORS``)."""
+    named: list[tuple[str, torch.Tensor]] = []
+    roles: list[str] = []
+    for role in ROLES:
+        a, b = model.section(role)
+        n = min(b, hi) - max(a, lo)
+        if n > 0:
+            name, dtype = SHARD_TENSORS[role]
+            named.append((name, torch.empty(n, dtype=getattr(torch, dtype))))
+            roles.append(role)
+    return Manifest.from_tensors(named, roles)
+
+
+def _dtype_refusal(name: str, dtype: str, role: str) -> str:
+    if role == "param":
+        return (
+            f"Parameter {name!r} has dtype {dtype}; paramserver trains {', '.join(FLOAT_DTYPES)} "
+            "parameters (float32 master weights on the server). Convert the model (for example "
+            "model.float()), or freeze the parameter (requires_grad=False)."
+        )
+    return (
+        f"Buffer {name!r} has dtype {dtype}; paramserver keeps floating-point buffers of "
+        f"{', '.join(FLOAT_DTYPES)} and integer buffers of {', '.join(COUNT_DTYPES)}. Convert "
+        "it, or register it with persistent=False to keep it out of the run's state."
+    )
 
 
 def _pieces(
@@ -135,7 +197,7 @@ def _pieces(
     and whether it is the whole tensor."""
     hi = manifest.numel if hi is None else hi
     for spec, t in zip(manifest.tensors, tensors, strict=True):
-        start = spec.offset // 4
+        start = spec.start
         a, b = max(start, lo) - start, min(start + spec.numel, hi) - start
         if a < b:
             yield t, a, b, start + a - lo, b - a == spec.numel
@@ -177,8 +239,11 @@ def unflatten_into(
 
 
 def state_dict(manifest: Manifest, flat: np.ndarray) -> dict[str, torch.Tensor]:
-    """The flat buffer as a ``{name: tensor}`` dict that loads with ``model.load_state_dict``."""
-    return {
-        s.name: torch.from_numpy(flat[s.offset // 4 : s.offset // 4 + s.numel].copy()).view(s.shape)
-        for s in manifest.tensors
-    }
+    """The flat buffer as a ``{name: tensor}`` dict of the manifest's dtypes, that loads with
+    ``model.load_state_dict``."""
+    out = {}
+    for s in manifest.tensors:
+        t = torch.from_numpy(flat[s.start : s.start + s.numel].copy()).view(s.shape)
+        out[s.name] = t.round().to(torch.int64) if s.role == "count" else t
+        out[s.name] = out[s.name].to(getattr(torch, s.dtype))
+    return out

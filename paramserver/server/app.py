@@ -35,11 +35,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
-    """The manifest of ``model`` and its parameters as one flat float32 array."""
-    named = models.parameters(model)
-    manifest = Manifest.from_tensors(named)
+    """The manifest of ``model`` and its parameters and buffers as one flat float32 array."""
+    manifest, tensors = models.state(model)
     flat = torch.empty(manifest.numel, dtype=torch.float32)
-    flatten_into(manifest, [p for _, p in named], flat)
+    flatten_into(manifest, tensors, flat)
     return manifest, flat.numpy()
 
 
@@ -59,7 +58,7 @@ def build_coordinator(
                 f"A model of {manifest.numel} parameters cannot be split into "
                 f"{config.shards} shards."
             )
-        manifest, flat = shard_manifest(end - offset), flat[offset:end].copy()
+        manifest, flat = shard_manifest(manifest, offset, end), flat[offset:end].copy()
     coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer), now)
     coordinator.model_numel, coordinator.shard_offset = model_numel, offset
     return coordinator

@@ -6,7 +6,6 @@ Waiting (for a barrier) happens on a condition variable that every state change 
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -23,8 +22,10 @@ from paramserver.config import MAX_PUSH_EVERY, ServerConfig
 from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
+from paramserver.server.buffers import SharedBuffers
 from paramserver.server.cuts import Cuts
 from paramserver.server.rounds import SyncRound
+from paramserver.server.state import capture, restore_into
 from paramserver.server.status import Counters, ServerStatus, server_status
 from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
@@ -78,6 +79,8 @@ class Coordinator:
         self.rounds = 0  # sync rounds completed
         self.queue: BatchQueue | None = None  # set by the first join that brings data
         self.round = SyncRound()
+        self.buffers = SharedBuffers(self.manifest)
+        self._params_end = self.manifest.section("param")[1]
         self.checkpoint_version = -1
         self.checkpoint_time: float | None = None
         # A shard's consistent cuts (``server/cuts.py``): states taken under the lock wait
@@ -156,6 +159,9 @@ class Coordinator:
                 back = self.queue.release(m.worker_id)
                 if back:
                     log.info("batches %s of worker %s go back to the queue", back, m.worker_id)
+        self.buffers.keep_only(self.membership.live_ids())
+        if not self.policy.synchronous:
+            self._share_buffers(self.membership.live_ids())
         self._maybe_finish_round()
         self._maybe_cut()
         self._cond.notify_all()
@@ -228,10 +234,13 @@ class Coordinator:
                 grad = None
             if grad is not None:
                 self.counters.bytes_in += grad.nbytes
+                self.buffers.record(worker_id, grad[self._params_end :])
+                grad = grad[: self._params_end]
             if self.policy.synchronous:
                 self.round.add(worker_id, grad)
             elif grad is not None:
                 self.store.apply(grad)
+                self._share_buffers(self.membership.live_ids())
             if self.queue is not None:
                 self.queue.complete(worker_id, iteration)
             self.membership.advance(worker_id, samples if grad is not None else 0)
@@ -248,6 +257,7 @@ class Coordinator:
         if not self.policy.synchronous:
             return
         if self.round.complete(self.membership.live_ids()):
+            self._share_buffers(self.round.givers)
             mean = self.round.take_mean()
             if mean is not None:
                 self.store.apply(mean)
@@ -255,6 +265,11 @@ class Coordinator:
             cut = self.cuts.after_round(self.rounds)
             if cut is not None:
                 self.cuts.take(cut, self._state(cut))
+
+    def _share_buffers(self, workers: Any) -> None:
+        values = self.buffers.combine(workers)
+        if values is not None:
+            self.store.set_buffers(values)
 
     def _maybe_cut(self) -> None:
         cut = self.cuts.reached(self.membership.min_clock())
@@ -388,51 +403,15 @@ class Coordinator:
 
     def _state(self, cut: int | None = None) -> dict[str, Any]:
         """Everything a resumed server needs; the caller holds the lock."""
-        members = self.membership.state()
-        return {
-            "weights": self.store.weights.copy(),
-            "optimizer_state": copy.deepcopy(self.store.optimizer.state_dict()),
-            "version": self.store.version,
-            "rounds": self.rounds,
-            "cut": self.cuts.last if cut is None else cut,
-            "policy": self.policy.name,
-            "incarnation": self.incarnation,
-            "members": members.pop("members"),
-            "membership": members,
-            "queue": self.queue.state() if self.queue is not None else None,
-            "sync_round": self.round.state(),
-            "counters": self.counters.state(),
-        }
+        return capture(self, self.cuts.last if cut is None else cut)
 
-    def restore(self, state: dict[str, Any], weights: np.ndarray) -> None:
-        """Take over the state of a checkpoint (``weights``: its flat parameters).
-
-        The checkpoint's workers come back as live members with a fresh lease: a worker
-        that rejoins with its id goes on from its checkpointed clock; one that does not
-        come back within the lease is dropped, and the batches it held go to the others.
-        """
+    def restore(self, saved: dict[str, Any], weights: np.ndarray) -> None:
+        """Take over the state of a checkpoint (``weights``: its flat parameters and
+        buffers); see ``server/state.py``."""
         with self._cond:
-            if state["policy"] != self.policy.name:
-                log.warning("the checkpoint was written under %s; going on under %s",
-                            state["policy"], self.policy.name)  # fmt: skip
-            self.store.restore(weights, state["optimizer_state"], int(state["version"]))
-            self.rounds = int(state["rounds"])
-            self.cuts.last = int(state.get("cut", self.rounds))
-            self.membership = Membership.from_state(
-                {"members": state["members"], **state["membership"]},
-                self.config.workers,
-                self.config.lease_seconds,
-                self._now,
-            )
-            q = state["queue"]
-            self.queue = BatchQueue.from_state(q) if q is not None else None
-            if self.policy.synchronous:
-                self.round = SyncRound.from_state(state["sync_round"], self.membership.live_ids())
-            self.counters.load(state["counters"])
+            restore_into(self, saved, weights)
             self._started = bool(self.membership.members) or self.store.version > 0
             self.checkpoint_version = self.store.version
-            log.info("resumed from incarnation %s at version %d with %d workers",
-                     state["incarnation"], self.store.version, len(self.membership.members))  # fmt: skip
             self._cond.notify_all()
 
     def saved(self, version: int, at: float) -> None:

@@ -20,6 +20,7 @@ class SyncRound:
     def __init__(self) -> None:
         self.sum: np.ndarray | None = None
         self.contributors: set[str] = set()
+        self.givers: set[str] = set()  # the contributors of non-empty gradients
         self.n = 0  # non-empty gradients in the sum
 
     def add(self, worker_id: str, grad: np.ndarray | None) -> None:
@@ -30,6 +31,7 @@ class SyncRound:
             else:
                 self.sum += grad
             self.n += 1
+            self.givers.add(worker_id)
         self.contributors.add(worker_id)
 
     def complete(self, live: list[str]) -> bool:
@@ -46,6 +48,7 @@ class SyncRound:
         return {
             "sum": None if self.sum is None else torch.from_numpy(self.sum.copy()),
             "from": sorted(self.contributors),
+            "givers": sorted(self.givers),
             "n": self.n,
         }
 
@@ -56,5 +59,6 @@ class SyncRound:
         if state["from"]:
             r.sum = None if state["sum"] is None else state["sum"].numpy().copy()
             r.contributors = set(state["from"]) & set(live)
+            r.givers = set(state.get("givers", ())) & set(live)
             r.n = int(state["n"])
         return r

@@ -1,6 +1,7 @@
-"""The local model's side of the flat buffer: its trainable parameters in manifest order,
-copied into any ranges (the gradients, for a push) and out of them (the weights, after a
-pull), one copy per element whatever the number of shards."""
+"""The local model's side of the flat buffer: its trainable parameters and buffers in
+manifest order, copied into any ranges (the gradients and the buffers' values, for a push)
+and out of them (the weights and the shared buffers, after a pull), one copy per element
+whatever the number of shards."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from paramserver import models
-from paramserver.codec.layout import Manifest, flatten_into, unflatten_into
+from paramserver.codec.layout import flatten_into, unflatten_into
 
 
 def sync(device: torch.device) -> None:
@@ -20,20 +21,21 @@ def sync(device: torch.device) -> None:
 
 
 class Replica:
-    """``model``'s parameters as the flat buffer ``manifest`` lays out."""
+    """``model``'s parameters and buffers as the flat buffer ``manifest`` lays out."""
 
     def __init__(self, model: nn.Module):
-        named = models.parameters(model)
-        self.params = [p for _, p in named]
-        self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.manifest = Manifest.from_tensors(named)
+        self.manifest, self.tensors = models.state(model)
+        self.params = self.tensors[: sum(s.role == "param" for s in self.manifest.tensors)]
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
 
     def stage(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        """Copy the gradients (zeros where a parameter has none) into each ``(lo, hi,
-        buffer)``: elements [lo, hi) of the flat buffer."""
+        """Copy the gradients (zeros where a parameter has none), then the buffers' values,
+        into each ``(lo, hi, buffer)``: elements [lo, hi) of the flat buffer."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        pushed = grads + self.tensors[len(grads) :]
         for lo, hi, buffer in parts:
-            flatten_into(self.manifest, grads, buffer, lo, hi)
+            flatten_into(self.manifest, pushed, buffer, lo, hi)
         sync(self.device)
 
     def zero_grad(self) -> None:
@@ -41,8 +43,8 @@ class Replica:
             p.grad = None
 
     def load(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        """Copy each ``(lo, hi, buffer)`` of weights into the parameters it covers."""
+        """Copy each ``(lo, hi, buffer)`` of weights and buffers into the tensors it covers."""
         for lo, hi, buffer in parts:
             unflatten_into(self.manifest, buffer.to(self.device, non_blocking=True),
-                           self.params, lo, hi)  # fmt: skip
+                           self.tensors, lo, hi)  # fmt: skip
         sync(self.device)

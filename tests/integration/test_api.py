@@ -79,16 +79,18 @@ def test_checkpoint_of_a_launch_loads_into_the_model(serve, tmp_path):
     from paramserver import checkpoint, models
     from paramserver.codec import layout
 
-    server = serve("mlp", seed=5)
+    server = serve("resnet", seed=5)
     c = server.coordinator
-    path = checkpoint.save(tmp_path / "ck.pt", c.manifest, c.store.weights, version=c.store.version)
+    state = layout.state_dict(c.manifest, c.store.weights)
+    path = checkpoint.save(tmp_path / "ck.pt", state, version=c.store.version)
     loaded = torch.load(path, weights_only=True)
-    model = models.build("mlp")
-    model.load_state_dict(loaded["model_state_dict"])
-    for a, b in zip(model.parameters(), models.build("mlp", seed=5).parameters(), strict=True):
-        assert torch.equal(a, b)
+    model = models.build("resnet")
+    model.load_state_dict(loaded["model_state_dict"], strict=True)  # parameters and buffers
+    built = models.build("resnet", seed=5).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, built[name]) and value.dtype == built[name].dtype, name
     assert loaded["format"] == checkpoint.FORMAT
-    assert layout.Manifest.from_tensors(models.parameters(model)) == c.manifest
+    assert models.state(model)[0] == c.manifest
 
 
 @pytest.mark.parametrize("overlap", [False, True])

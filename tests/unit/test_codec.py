@@ -11,7 +11,14 @@ from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, layout, wire
-from paramserver.codec.layout import Manifest, TensorSpec, flatten_into, unflatten_into
+from paramserver.codec.layout import (
+    Manifest,
+    TensorSpec,
+    flatten_into,
+    shard_manifest,
+    state_dict,
+    unflatten_into,
+)
 from paramserver.codec.wire import Assembler
 from paramserver.errors import ConfigError, InvalidRequest
 
@@ -58,12 +65,52 @@ def test_empty_manifest() -> None:
     assert m.total_bytes == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64, torch.bfloat16])
-def test_non_float32_rejected(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool])
+def test_parameters_of_other_dtypes_rejected(dtype: torch.dtype) -> None:
     with pytest.raises(ConfigError) as info:
         Manifest.from_tensors([("ok", torch.zeros(2)), ("bad", torch.zeros(2, dtype=dtype))])
     assert "'bad'" in str(info.value)
     assert str(dtype).removeprefix("torch.") in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_parameters_take_float32_elements(dtype: torch.dtype) -> None:
+    t = torch.tensor([1.5, -2.25, 3.0], dtype=dtype)
+    m = Manifest.from_tensors([("h", t), ("n", torch.tensor([7]))], ["param", "count"])
+    assert [(s.dtype, s.offset, s.nbytes, s.role) for s in m.tensors] == [
+        (str(dtype)[6:], 0, 12, "param"), ("int64", 12, 4, "count")]  # fmt: skip
+    assert m.section("param") == (0, 3) and m.section("buffer") == (3, 3)
+    assert m.section("count") == (3, 4)
+    flat = torch.empty(4)
+    flatten_into(m, [t, torch.tensor([7])], flat)
+    assert flat.tolist() == [1.5, -2.25, 3.0, 7.0]
+    back = [torch.zeros(3, dtype=dtype), torch.zeros(1, dtype=torch.int64)]
+    unflatten_into(m, flat, back)
+    assert back[0].equal(t) and back[1].tolist() == [7]
+    sd = state_dict(m, flat.numpy())
+    assert sd["h"].dtype == dtype and sd["n"].dtype == torch.int64 and sd["n"].tolist() == [7]
+
+
+def test_roles_must_come_in_order() -> None:
+    with pytest.raises(ValueError, match="comes after a count"):
+        Manifest.from_tensors(
+            [("n", torch.tensor([1])), ("b", torch.zeros(1))], ["count", "buffer"]
+        )
+
+
+def test_shard_manifest_names_each_section_of_its_range() -> None:
+    m = Manifest.from_tensors(
+        [("w", torch.zeros(4)), ("mean", torch.zeros(2)), ("n", torch.tensor([0]))],
+        ["param", "buffer", "count"],
+    )
+    assert [(s.name, s.numel, s.role) for s in shard_manifest(m, 0, 4).tensors] == [
+        ("flat", 4, "param")
+    ]
+    assert [(s.name, s.numel, s.role) for s in shard_manifest(m, 3, 7).tensors] == [
+        ("flat", 1, "param"), ("buffers", 2, "buffer"), ("counts", 1, "count")]  # fmt: skip
+    only = shard_manifest(m, 5, 7)
+    assert [(s.name, s.numel) for s in only.tensors] == [("buffers", 1), ("counts", 1)]
+    assert only.section("param") == (0, 0) and Manifest.from_proto(only.to_proto()) == only
 
 
 def test_proto_round_trip() -> None:

@@ -32,7 +32,7 @@ def test_module_function_factory():
 @pytest.mark.parametrize(
     "spec,message",
     [
-        ("resnet", "Unknown model 'resnet'"),
+        ("resnet50", "Unknown model 'resnet50': use one of mlp, cnn, resnet"),
         ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
         ("paramserver.models:nothing", "has no function 'nothing'"),
         ("paramserver.data:default_data_dir", "returned PosixPath, not a torch.nn.Module"),
