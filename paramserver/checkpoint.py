@@ -135,6 +135,6 @@ def load_server(
     except ConfigError as exc:
         raise ConfigError(f"The checkpoint {path} does not match the model: {exc}") from exc
     manifest.check_compatible(saved, f"the checkpoint {path}")
-    flat = torch.empty(manifest.numel, dtype=torch.float32)
+    flat = torch.empty(manifest.numel, dtype=manifest.torch_dtype)
     layout.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)
     return state, flat.numpy()

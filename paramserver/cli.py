@@ -18,6 +18,7 @@ import click
 
 from paramserver import settings
 from paramserver.config import (
+    MODEL_DEFAULTS,
     LaunchConfig,
     OptimizerConfig,
     Security,
@@ -40,6 +41,15 @@ def opt(*decls: str, env: str, **kwargs: Any) -> Callable[[F], F]:
 
 def security_config(kw: dict[str, Any]) -> Security:
     return Security(**settings.values(Security, kw))
+
+
+def model_defaults(kw: dict[str, Any]) -> None:
+    """Fill in ``kw`` what the model's ``MODEL_DEFAULTS`` say, where the command line (or its
+    environment variable) left the setting at its default."""
+    ctx = click.get_current_context()
+    for name, value in MODEL_DEFAULTS.get(kw["model"], {}).items():
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
+            kw[name] = value
 
 
 def server_config(kw: dict[str, Any], **fixed: Any) -> ServerConfig:
@@ -116,6 +126,7 @@ def server(shard: str, **kw: Any) -> None:
     from paramserver.server.app import ServerApp
 
     index, shards = parse_shard(shard)
+    model_defaults(kw)
     cfg = server_config(kw, shard=index, shards=shards)
     log.info("server configuration: %s", cfg)
     app = ServerApp(cfg).start()
@@ -232,6 +243,7 @@ def launch(as_json: bool, progress: bool, **kw: Any) -> None:
     from paramserver.launch import launch as run_launch
     from paramserver.launch import planned_optimizer_steps
 
+    model_defaults(kw)
     launch_kw = settings.values(LaunchConfig, kw)
     if kw["lr_schedule"] == "cosine" and kw["lr_total_steps"] is None:
         # The schedule spans the whole run, which launch can work out from the plan.

@@ -23,6 +23,10 @@ DATASETS = ("fashion-mnist", "synthetic")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.
 MAX_PUSH_EVERY = 1024
+# What a built-in model brings on the command line (``server``, ``launch``) for settings left
+# at their defaults: the run that reaches the accuracy docs/RESULTS.md reports. Keys are the
+# click parameters' names.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"resnet": {"epochs": 10, "lr": 2e-3}}
 
 
 def _positive(name: str, value: float) -> None:
@@ -157,7 +161,7 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
 class ServerConfig:
     """Everything a server needs: the model, optimizer, policy and the training plan."""
 
-    model: str = setting("mlp", "--model", "Model factory: mlp, cnn or module:function.")
+    model: str = setting("mlp", "--model", "Model factory: mlp, cnn, resnet or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: --epochs 10, --lr 0.002).")
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")  # fmt: skip
     workers: int = setting(1, "--workers", "Most workers live at once; training starts when --min-workers have joined.", cli_default=2)  # fmt: skip
@@ -255,7 +259,7 @@ class WorkerConfig:
     name: str | None = setting(None, "--name", "Name shown in the server's status [default: host:pid].")  # fmt: skip
     overlap: str = setting("auto", "--overlap", "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU.", choices=("auto", "on", "off"))  # fmt: skip
     shm: str = setting("on", "--shm", "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams).", choices=("on", "off"))  # fmt: skip
-    compress: str = setting("none", "--compress", "Element type of gradients streamed over gRPC (half the bytes; the server keeps float32). Not used through shared memory.", choices=compression.CHOICES)  # fmt: skip
+    compress: str = setting(compression.AUTO, "--compress", "Element type of gradients streamed over gRPC (fp16, bf16: half the bytes; the server keeps float32); auto: a float16 or bfloat16 model's own, else none. Not used through shared memory.", choices=compression.CHOICES)  # fmt: skip
     push_every: int = setting(1, "--push-every", "Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step.")  # fmt: skip
     server_timeout: float = setting(300.0, "--server-timeout", "Seconds to keep retrying (backoff with jitter) while the server is unreachable, e.g. restarting, before the worker gives up.")  # fmt: skip
     security: Security = field(default_factory=Security)

@@ -102,16 +102,16 @@ class _Cluster:
     def workers(self) -> list[Child]:
         return self.children[self.cfg.servers :]
 
-    def observe(self, total_bytes: int) -> tuple[pb.PullHeader, np.ndarray]:
+    def observe(self, manifest: layout.Manifest) -> tuple[pb.PullHeader, np.ndarray]:
         """The current weights, gathered from every shard (shard 0's header)."""
+        itemsize = manifest.itemsize
         if len(self.channels) == 1:
-            return observe(self.channels[0], total_bytes)
-        numel = total_bytes // 4
-        flat = np.empty(numel, np.float32)
+            return observe(self.channels[0], manifest.total_bytes, itemsize=itemsize)
+        flat = np.empty(manifest.numel, manifest.np_dtype)
         header = None
         for i, channel in enumerate(self.channels):
-            lo, hi = layout.shard_range(numel, i, len(self.channels))
-            h, part = observe(channel, 4 * (hi - lo))
+            lo, hi = layout.shard_range(manifest.numel, i, len(self.channels))
+            h, part = observe(channel, itemsize * (hi - lo), itemsize=itemsize)
             flat[lo:hi] = part
             header = h if header is None else header
         assert header is not None
@@ -245,7 +245,7 @@ def _record_epoch(
 ) -> tuple[pb.StatusResponse, pb.PullHeader, np.ndarray]:
     """Evaluate the server's current weights, append a metrics line; returns what it read."""
     st = cluster.status()
-    header, flat = cluster.observe(manifest.total_bytes)
+    header, flat = cluster.observe(manifest)
     layout.unflatten_into(manifest, torch.from_numpy(flat), models.state(model)[1])
     acc, loss = evaluate_batches(model, dataset.test_batches(2000))
     record = {

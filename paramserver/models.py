@@ -136,8 +136,16 @@ def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     (``requires_grad=False``) are left out: never pushed, never updated, no bytes on the wire.
 
     Raises:
-        ConfigError: an embedding makes sparse gradients, which the flat buffer cannot carry.
+        ConfigError: a parameter is not floating-point, or an embedding makes sparse
+            gradients, which the flat buffer cannot carry.
     """
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise ConfigError(
+                f"Parameter {name!r} has dtype {str(p.dtype).removeprefix('torch.')}: "
+                "paramserver carries floating-point parameters only. Register it as a buffer "
+                "(module.register_buffer) instead."
+            )
     for name, module in model.named_modules():
         sparse = isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
         if sparse and module.weight.requires_grad:

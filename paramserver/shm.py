@@ -56,20 +56,20 @@ def available() -> bool:
 
 @dataclass
 class _Regions:
-    """float32 views of a mapped segment: the weights and the push slots."""
+    """Views of a mapped segment, as the flat buffer's dtype: the weights and the push slots."""
 
     mapping: mmap.mmap
     weights: np.ndarray
     slots: list[np.ndarray]
 
     @classmethod
-    def of(cls, mapping: mmap.mmap, total_bytes: int, slots: int) -> _Regions:
+    def of(cls, mapping: mmap.mmap, total_bytes: int, slots: int, dtype: str) -> _Regions:
         raw = np.frombuffer(mapping, np.uint8)
         step = _aligned(total_bytes)
 
         def region(i: int) -> np.ndarray:
             start = _ALIGN + i * step
-            return raw[start : start + total_bytes].view(np.float32)
+            return raw[start : start + total_bytes].view(dtype)
 
         return cls(mapping, region(0), [region(1 + i) for i in range(slots)])
 
@@ -84,7 +84,7 @@ class _Regions:
 class Segment:
     """The worker's side: creates, names and owns a segment."""
 
-    def __init__(self, total_bytes: int, slots: int):
+    def __init__(self, total_bytes: int, slots: int, dtype: str = "float32"):
         self.name = f"paramserver-{os.getpid()}-{secrets.token_hex(8)}"
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.total_bytes = total_bytes
@@ -100,7 +100,7 @@ class Segment:
         finally:
             os.close(fd)
         mapping[:NONCE_BYTES] = self.nonce
-        self._regions = _Regions.of(mapping, total_bytes, slots)
+        self._regions = _Regions.of(mapping, total_bytes, slots, dtype)
 
     @property
     def path(self) -> str:
@@ -127,8 +127,9 @@ class Segment:
 class Attachments:
     """The server's side: the segments of the workers that offered one, by worker id."""
 
-    def __init__(self, total_bytes: int):
+    def __init__(self, total_bytes: int, dtype: str = "float32"):
         self.total_bytes = total_bytes
+        self.dtype = dtype
         self._lock = threading.Lock()
         self._by_worker: dict[str, _Regions] = {}
 
@@ -165,7 +166,7 @@ class Attachments:
             log.info("worker %s: %s holds another nonce; streaming", worker_id, path)
             return False
         with self._lock:
-            self._by_worker[worker_id] = _Regions.of(mapping, self.total_bytes, slots)
+            self._by_worker[worker_id] = _Regions.of(mapping, self.total_bytes, slots, self.dtype)
         return True
 
     def detach(self, worker_id: str) -> None:

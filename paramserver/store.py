@@ -1,5 +1,5 @@
-"""The global model: one flat float32 buffer (parameters, then buffers), its version and the
-server-side optimizer over the parameters' section."""
+"""The global model: one flat buffer (parameters, then buffers; float32, or float64 for a
+float64 model), its version and the server-side optimizer over the parameters' section."""
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ class ParameterStore:
     """
 
     def __init__(self, manifest: Manifest, initial: np.ndarray, optimizer: OptimizerConfig):
-        if initial.dtype != np.float32 or initial.size != manifest.numel:
+        if initial.dtype != manifest.np_dtype or initial.size != manifest.numel:
             raise ValueError(
-                f"Initial weights must be {manifest.numel} float32 values; got "
+                f"Initial weights must be {manifest.numel} {manifest.dtype} values; got "
                 f"{initial.size} {initial.dtype}."
             )
         self.manifest = manifest
@@ -77,7 +77,9 @@ class ParameterStore:
         if weights.size != self.manifest.numel:
             raise ValueError(f"{weights.size} weights for a model of {self.manifest.numel}.")
         with torch.no_grad():
-            self.flat.copy_(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)))
+            self.flat.copy_(
+                torch.from_numpy(np.ascontiguousarray(weights, self.flat.numpy().dtype))
+            )
         self.optimizer.load_state_dict(optimizer_state)
         self.version = version
         self._snapshot = None

@@ -81,7 +81,7 @@ class FakeServer:
                 self.checkpointer.resume()
             self.checkpointer.start()
             rewind = self.checkpointer.rewind
-        self.shared = Attachments(coordinator.manifest.total_bytes)
+        self.shared = Attachments(coordinator.manifest.total_bytes, coordinator.manifest.dtype)
         self.servicer = Servicer(coordinator, self.shared, rewind)
 
     def restart(self) -> None:

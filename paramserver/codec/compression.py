@@ -1,13 +1,16 @@
-"""Gradient compression: float32 on the worker <-> a wire element type, by registry.
+"""Gradient compression: the flat buffer's elements on the worker <-> a wire element type,
+by registry.
 
 Each codec has the name ``--compress`` takes and the dtype a push header names
 (``PushHeader.dtype`` in the proto; a test checks the two lists agree). ``encode`` runs on
-the worker, into a buffer reused from push to push; ``decode`` widens what the server
-received back to float32, the only type its optimizer keeps.
+the worker, into a buffer reused from push to push; ``decode`` gives what the server
+received as float32 (float64 for a float64 payload), which the server widens to its flat
+buffer's dtype. A float64 model's flat buffer goes on the wire as it is (``Float64``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -31,13 +34,12 @@ class Codec:
     name: ClassVar[str] = "none"
     dtype: ClassVar[str] = "float32"
     itemsize: ClassVar[int] = 4
+    raw: ClassVar[bool] = True  # the flat buffer's own elements: no cast
 
     def __init__(self, numel: int):
         import torch
 
-        self._buf = (
-            None if self.dtype == "float32" else torch.empty(numel, dtype=self.torch_dtype())
-        )
+        self._buf = None if self.raw else torch.empty(numel, dtype=self.torch_dtype())
 
     @classmethod
     def torch_dtype(cls) -> torch.dtype:
@@ -46,7 +48,7 @@ class Codec:
         return getattr(torch, cls.dtype)
 
     def encode(self, flat: torch.Tensor) -> memoryview:
-        """The wire bytes of the float32 CPU tensor ``flat`` (valid until the next call)."""
+        """The wire bytes of the flat CPU tensor ``flat`` (valid until the next call)."""
         if self._buf is None:
             return as_bytes(flat.numpy())
         import torch
@@ -60,9 +62,10 @@ class Codec:
 
     @classmethod
     def decode(cls, raw: np.ndarray) -> np.ndarray:
-        """A received payload (raw ``dtype`` elements, any integer view) as float32."""
-        if cls.dtype == "float32":
-            return raw.view(np.float32)
+        """A received payload (raw ``dtype`` elements, any integer view) as float32 (as
+        float64 if it is float64)."""
+        if cls.raw:
+            return raw.view(cls.dtype)
         import torch
 
         return torch.from_numpy(raw.view(np.int16)).view(cls.torch_dtype()).float().numpy()
@@ -75,6 +78,7 @@ class Float16(Codec):
     name = "fp16"
     dtype = "float16"
     itemsize = 2
+    raw = False
 
     def _fix(self, flat: torch.Tensor) -> None:
         import torch
@@ -91,24 +95,43 @@ class BFloat16(Codec):
     name = "bf16"
     dtype = "bfloat16"
     itemsize = 2
+    raw = False
+
+
+class Float64(Codec):
+    """A float64 model's flat buffer, uncompressed; chosen by "none" and "auto" for it."""
+
+    name = "none"
+    dtype = "float64"
+    itemsize = 8
 
 
 REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (Codec, Float16, BFloat16)}
-BY_DTYPE: dict[str, type[Codec]] = {c.dtype: c for c in REGISTRY.values()}
+_CODECS: tuple[type[Codec], ...] = (Codec, Float16, BFloat16, Float64)
+BY_DTYPE: dict[str, type[Codec]] = {c.dtype: c for c in _CODECS}
+# ``--compress auto``: the parameters' own dtype when they all share a 16-bit one, else none.
+AUTO = "auto"
 # ``--compress`` choices, and what each puts on the wire.
-CHOICES: tuple[str, ...] = tuple(REGISTRY)
+CHOICES: tuple[str, ...] = (AUTO, *REGISTRY)
 COMPRESSION = {name: c.dtype for name, c in REGISTRY.items()}
 
 
-def by_name(name: str) -> type[Codec]:
-    """The codec ``--compress name`` selects.
+def by_name(
+    name: str, param_dtypes: Iterable[str] = (), flat_dtype: str = "float32"
+) -> type[Codec]:
+    """The codec ``--compress name`` selects for a flat buffer of ``flat_dtype``; for
+    "auto", the one whose wire dtype is that of every parameter in ``param_dtypes``
+    (float16, bfloat16), else none. None of a float64 buffer is ``Float64``.
 
     Raises:
         ValueError: no such codec (config turns it into a ConfigError).
     """
+    if name == AUTO:
+        dtypes = set(param_dtypes)
+        name = next((c.name for c in REGISTRY.values() if dtypes == {c.dtype}), "none")
     if name not in REGISTRY:
         raise ValueError(f"compress must be one of {', '.join(CHOICES)}; got {name!r}.")
-    return REGISTRY[name]
+    return Float64 if REGISTRY[name] is Codec and flat_dtype == "float64" else REGISTRY[name]
 
 
 def by_dtype(name: str) -> type[Codec]:
@@ -136,5 +159,5 @@ def wire_itemsize(name: str) -> int:
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """A received payload (raw bytes of ``dtype`` elements) as float32."""
+    """A received payload (raw bytes of ``dtype`` elements) as float32 (float64 if so)."""
     return by_dtype(dtype).decode(raw)

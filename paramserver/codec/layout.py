@@ -1,8 +1,9 @@
-"""The layout of a model's state as ONE flat float32 buffer, and its shards.
+"""The layout of a model's state as ONE flat buffer (float32, or float64), and its shards.
 
 A Manifest (name, shape, dtype, role, byte offset of each tensor) is agreed at Join. The
 flat buffer holds float32 elements whatever the model's dtypes (float32 master weights for
-float16 and bfloat16 models; integer buffers as exact integers up to 2**24). Its tensors come
+float16 and bfloat16 models; integer buffers as exact integers up to 2**24), or float64
+ones when a tensor is float64 (``Manifest.dtype``). Its tensors come
 in three sections, in this order (``ROLES``): the trainable parameters, the floating-point
 buffers, the integer buffers ("counts"). Shard I of S holds the contiguous elements
 ``shard_range(numel, I, S)``; tensors may straddle shards. A worker copies between its
@@ -20,16 +21,16 @@ import numpy as np
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, InvalidRequest
 
-# The flat buffer's element: 4 bytes of float32, whatever the model tensor's dtype.
-ITEMSIZE = 4
+# The flat buffer's element: float32 whatever the model tensor's dtype, or float64 when a
+# tensor is float64 (master weights as wide as the widest parameter).
+FLAT_DTYPES = {"float32": 4, "float64": 8}
 # The sections of the flat buffer, in order: trained parameters, float buffers (mean over
 # workers), integer buffers (largest value).
 ROLES = ("param", "buffer", "count")
-# What each role may hold; float64 would need float64 master weights, which the flat
-# float32 buffer cannot keep.
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# What each role may hold.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 COUNT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 DTYPES = {"param": FLOAT_DTYPES, "buffer": FLOAT_DTYPES, "count": COUNT_DTYPES}
 
@@ -44,6 +45,7 @@ class TensorSpec:
     offset: int
     nbytes: int
     role: str = "param"
+    itemsize: int = 4  # of the flat buffer (the manifest's dtype), not of ``dtype``
 
     @property
     def numel(self) -> int:
@@ -52,7 +54,7 @@ class TensorSpec:
     @property
     def start(self) -> int:
         """Its first element in the flat buffer."""
-        return self.offset // ITEMSIZE
+        return self.offset // self.itemsize
 
 
 @dataclass(frozen=True)
@@ -61,13 +63,18 @@ class Manifest:
 
     tensors: tuple[TensorSpec, ...]
     total_bytes: int
+    dtype: str = "float32"  # of the flat buffer's elements (``FLAT_DTYPES``)
 
     @classmethod
     def from_tensors(
-        cls, named: Iterable[tuple[str, torch.Tensor]], roles: Sequence[str] | None = None
+        cls,
+        named: Iterable[tuple[str, torch.Tensor]],
+        roles: Sequence[str] | None = None,
+        dtype: str | None = None,
     ) -> Manifest:
         """Lay out the tensors one after another, in the order given; ``roles`` (default:
-        every one a "param") must come in ``ROLES`` order.
+        every one a "param") must come in ``ROLES`` order. The flat buffer's ``dtype`` is
+        float64 if a tensor is, else float32, unless given.
 
         Raises:
             ConfigError: a tensor has a dtype its role cannot hold (the message names it).
@@ -75,22 +82,38 @@ class Manifest:
         specs: list[TensorSpec] = []
         offset = 0
         named = list(named)
+        if dtype is None:
+            wide = any(t.dtype == torch.float64 for _, t in named)
+            dtype = "float64" if wide else "float32"
+        itemsize = FLAT_DTYPES[dtype]
         for i, (name, t) in enumerate(named):
             role = "param" if roles is None else roles[i]
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in DTYPES[role]:
-                raise ConfigError(_dtype_refusal(name, dtype, role))
+            kind = str(t.dtype).removeprefix("torch.")
+            if kind not in DTYPES[role]:
+                raise ConfigError(_dtype_refusal(name, kind, role))
             if specs and ROLES.index(role) < ROLES.index(specs[-1].role):
                 raise ValueError(f"Tensor {name!r} ({role}) comes after a {specs[-1].role}.")
-            nbytes = t.numel() * ITEMSIZE
-            specs.append(TensorSpec(name, tuple(t.shape), dtype, offset, nbytes, role))
+            nbytes = t.numel() * itemsize
+            specs.append(TensorSpec(name, tuple(t.shape), kind, offset, nbytes, role, itemsize))
             offset += nbytes
-        return cls(tuple(specs), offset)
+        return cls(tuple(specs), offset, dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return FLAT_DTYPES[self.dtype]
 
     @property
     def numel(self) -> int:
         """Elements in the flat buffer."""
-        return self.total_bytes // ITEMSIZE
+        return self.total_bytes // self.itemsize
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     def section(self, role: str) -> tuple[int, int]:
         """The elements [lo, hi) of the flat buffer that hold tensors of ``role``."""
@@ -112,16 +135,29 @@ class Manifest:
                 for s in self.tensors
             ],
             total_bytes=self.total_bytes,
+            dtype=self.dtype,
         )
 
     @classmethod
     def from_proto(cls, msg: pb.Manifest) -> Manifest:
+        """The manifest a peer sent.
+
+        Raises:
+            InvalidRequest: its flat dtype is not one of ``FLAT_DTYPES``.
+        """
+        dtype = msg.dtype or "float32"
+        if dtype not in FLAT_DTYPES:
+            raise InvalidRequest(f"Unknown flat buffer dtype {dtype!r}.")
+        itemsize = FLAT_DTYPES[dtype]
         return cls(
             tuple(
-                TensorSpec(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.role or "param")
+                TensorSpec(
+                    t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.role or "param", itemsize
+                )  # fmt: skip
                 for t in msg.tensors
             ),
             msg.total_bytes,
+            dtype,
         )
 
     def check_compatible(self, other: Manifest, what: str) -> None:
@@ -155,8 +191,8 @@ def shard_range(numel: int, shard: int, shards: int) -> tuple[int, int]:
     return lo, min(lo + size, numel)
 
 
-# The tensors a shard's manifest names, one per section of its range.
-SHARD_TENSORS = {"param": ("flat", "float32"), "buffer": ("buffers", "float32"),
+# The tensors a shard's manifest names, one per section of its range (None: the flat dtype).
+SHARD_TENSORS = {"param": ("flat", None), "buffer": ("buffers", None),
                  "count": ("counts", "int64")}  # fmt: skip
 
 
@@ -170,17 +206,17 @@ def shard_manifest(model: Manifest, lo: int, hi: int) -> Manifest:
         n = min(b, hi) - max(a, lo)
         if n > 0:
             name, dtype = SHARD_TENSORS[role]
-            named.append((name, torch.empty(n, dtype=getattr(torch, dtype))))
+            named.append((name, torch.empty(n, dtype=getattr(torch, dtype or model.dtype))))
             roles.append(role)
-    return Manifest.from_tensors(named, roles)
+    return Manifest.from_tensors(named, roles, model.dtype)
 
 
 def _dtype_refusal(name: str, dtype: str, role: str) -> str:
     if role == "param":
         return (
             f"Parameter {name!r} has dtype {dtype}; paramserver trains {', '.join(FLOAT_DTYPES)} "
-            "parameters (float32 master weights on the server). Convert the model (for example "
-            "model.float()), or freeze the parameter (requires_grad=False)."
+            "parameters. Convert the model (for example model.float()), or freeze the "
+            "parameter (requires_grad=False)."
         )
     return (
         f"Buffer {name!r} has dtype {dtype}; paramserver keeps floating-point buffers of "
@@ -211,7 +247,7 @@ def flatten_into(
     hi: int | None = None,
 ) -> None:
     """Copy elements [lo, hi) of the flat buffer, taken from ``tensors`` (in manifest
-    order), into the float32 buffer ``flat`` of hi - lo elements. One copy per element."""
+    order), into the buffer ``flat`` of hi - lo elements. One copy per element."""
     for t, a, b, at, _ in _pieces(manifest, tensors, lo, hi):
         flat[at : at + b - a].copy_(t.detach().reshape(-1)[a:b], non_blocking=True)
 
@@ -223,7 +259,7 @@ def unflatten_into(
     lo: int = 0,
     hi: int | None = None,
 ) -> None:
-    """Copy the float32 buffer ``flat``, elements [lo, hi) of the flat buffer, into the
+    """Copy the buffer ``flat``, elements [lo, hi) of the flat buffer, into the
     parts of ``tensors`` (in manifest order) it covers, in place."""
     with torch.no_grad():
         for t, a, b, at, whole in _pieces(manifest, tensors, lo, hi):

@@ -87,15 +87,20 @@ parse_pull_chunk = _parser(pb.PullChunk)
 
 
 class Assembler:
-    """Writes incoming chunks into one preallocated buffer of a known size (float32, or
-    ``itemsize``-byte elements kept as raw 16-bit words for a compressed payload)."""
+    """Writes incoming chunks into one preallocated buffer of a known size (float32,
+    float64, or ``itemsize``-byte elements kept as raw 16-bit words for a compressed
+    payload)."""
 
-    def __init__(self, total_bytes: int, out: np.ndarray | None = None, itemsize: int = 4):
+    def __init__(
+        self, total_bytes: int, out: np.ndarray | None = None, itemsize: int | None = None
+    ):
+        """``itemsize`` defaults to that of ``out``, or 4 (float32)."""
+        itemsize = itemsize or (4 if out is None else out.itemsize)
         if total_bytes % itemsize:
             raise InvalidRequest(
                 f"A payload of {total_bytes} bytes is not a whole number of {itemsize}-byte values."
             )
-        kind = np.float32 if itemsize == 4 else np.uint16
+        kind = {4: np.float32, 8: np.float64}.get(itemsize, np.uint16)
         self.total_bytes = total_bytes
         self.array = np.empty(total_bytes // itemsize, kind) if out is None else out
         if self.array.dtype != kind or self.array.nbytes != total_bytes:
@@ -189,9 +194,13 @@ def expect_end(stream: Iterable[Any], what: str = "An empty push") -> None:
 
 
 def decode_pull(
-    stream: Iterator[pb.PullChunk], out: np.ndarray | None, total_bytes: int
+    stream: Iterator[pb.PullChunk],
+    out: np.ndarray | None,
+    total_bytes: int,
+    itemsize: int | None = None,
 ) -> tuple[pb.PullHeader, np.ndarray]:
-    """Read a pull stream into ``out`` (or a new buffer); returns its header and the weights."""
+    """Read a pull stream into ``out`` (or a new buffer of ``itemsize``-byte floats, float32
+    by default); returns its header and the weights."""
     header: pb.PullHeader = _first_header(stream, "pull")
     if header.shm:  # the weights are already in the worker's shared segment (``out``)
         expect_end(stream, "A pull answered through shared memory")
@@ -203,4 +212,4 @@ def decode_pull(
             f"The server sent {header.total_bytes} bytes of weights; the manifest has "
             f"{total_bytes}."
         )
-    return header, decode_payload(stream, Assembler(total_bytes, out))
+    return header, decode_payload(stream, Assembler(total_bytes, out, itemsize))

@@ -35,9 +35,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
-    """The manifest of ``model`` and its parameters and buffers as one flat float32 array."""
+    """The manifest of ``model`` and its parameters and buffers as one flat array."""
     manifest, tensors = models.state(model)
-    flat = torch.empty(manifest.numel, dtype=torch.float32)
+    flat = torch.empty(manifest.numel, dtype=manifest.torch_dtype)
     flatten_into(manifest, tensors, flat)
     return manifest, flat.numpy()
 
@@ -104,7 +104,7 @@ class ServerApp:
                 self.metrics.interceptor,
             ],
         )
-        self.shared = Attachments(manifest.total_bytes)
+        self.shared = Attachments(manifest.total_bytes, manifest.dtype)
         rewind = self.checkpointer.rewind if self.checkpointer and config.cuts else None
         stub.register(Servicer(self.coordinator, self.shared, rewind), self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().

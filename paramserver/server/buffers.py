@@ -42,7 +42,7 @@ class SharedBuffers:
         if not rows:
             return None
         stacked = np.stack(rows)
-        out = np.empty(self.size, np.float32)
+        out = np.empty(self.size, rows[0].dtype)
         out[: self.floats] = stacked[:, : self.floats].mean(axis=0, dtype=np.float64)
         out[self.floats :] = stacked[:, self.floats :].max(axis=0)
         return out

@@ -193,10 +193,10 @@ class Coordinator:
         for the round) and nothing is applied.
         """
         if grad is not None:
-            if grad.dtype != np.float32 or grad.size != self.manifest.numel:
+            if grad.dtype != self.manifest.np_dtype or grad.size != self.manifest.numel:
                 raise InvalidRequest(
                     f"A gradient of {grad.size} {grad.dtype} values does not match the model's "
-                    f"{self.manifest.numel} float32 values."
+                    f"{self.manifest.numel} {self.manifest.dtype} values."
                 )
             if samples < 0:
                 raise InvalidRequest(f"samples {samples} is negative.")

@@ -21,8 +21,10 @@ KEEP_BUFFERS = 4
 class Payloads:
     """Where the payloads of each worker travel."""
 
-    def __init__(self, shared: Attachments):
+    def __init__(self, shared: Attachments, dtype: np.dtype | None = None):
         self.shared = shared
+        # the flat buffer's, which a gradient is widened to
+        self.dtype = np.dtype(np.float32) if dtype is None else dtype
         self._lock = threading.Lock()
         self._free: list[np.ndarray] = []
 
@@ -38,10 +40,10 @@ class Payloads:
         elif h.empty:
             wire.expect_end(rest)
             yield None
-        elif compression.wire_dtype(h.dtype) != "float32":
-            yield wire.decode_gradient(rest, h.total_bytes, h.dtype)
+        elif compression.wire_dtype(h.dtype) != self.dtype.name:
+            yield wire.decode_gradient(rest, h.total_bytes, h.dtype).astype(self.dtype, copy=False)
         else:
-            buf = self._take(h.total_bytes // 4)
+            buf = self._take(h.total_bytes // self.dtype.itemsize)
             try:
                 yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf))
             finally:
@@ -52,7 +54,7 @@ class Payloads:
             for i, buf in enumerate(self._free):
                 if buf.size == numel:
                     return self._free.pop(i)
-        return np.empty(numel, np.float32)
+        return np.empty(numel, self.dtype)
 
     def _give(self, buf: np.ndarray) -> None:
         with self._lock:

@@ -62,7 +62,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
     ):
         self.c = coordinator
         self.shared = shared
-        self.payloads = Payloads(shared)
+        self.payloads = Payloads(shared, coordinator.manifest.np_dtype)
         self.rewind = rewind
 
     @_rpc

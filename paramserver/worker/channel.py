@@ -1,7 +1,7 @@
 """How one shard's payloads move: the PayloadChannel, and the one place that picks it.
 
 A channel carries the payloads of one server (shard) for one session: the gradient of a push
-from a staging slot, and the weights of a pull into a receive buffer, both float32 views of
+from a staging slot, and the weights of a pull into a receive buffer, both views (float32, or float64) of
 the shard's range of the model's flat buffer. Control (the headers) always goes over gRPC.
 
 - ``GrpcStreamChannel``: payloads stream in chunks (``codec.wire``), gradients optionally
@@ -143,8 +143,10 @@ class StreamBuffers:
     slot for the whole model (pinned for CUDA models), made on first use; each streaming
     channel gets views of its range."""
 
-    def __init__(self, numel: int, slots: int, device: torch.device):
-        self.numel, self.nslots = numel, slots
+    def __init__(
+        self, numel: int, slots: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ):
+        self.numel, self.nslots, self.dtype = numel, slots, dtype
         self.pinned = device.type == "cuda"
         self._buffers: list[torch.Tensor] = []
 
@@ -152,16 +154,16 @@ class StreamBuffers:
         """The receive buffer's and every slot's elements [lo, hi)."""
         if not self._buffers:
             self._buffers = [
-                torch.empty(self.numel, dtype=torch.float32, pin_memory=self.pinned)
+                torch.empty(self.numel, dtype=self.dtype, pin_memory=self.pinned)
                 for _ in range(1 + self.nslots)
             ]
         return self._buffers[0][lo:hi], [b[lo:hi] for b in self._buffers[1:]]
 
 
-def new_segment(nbytes: int, slots: int) -> shmem.Segment | None:
+def new_segment(nbytes: int, slots: int, dtype: str = "float32") -> shmem.Segment | None:
     """A fresh shared segment to offer a server, or None (logged) if none can be made."""
     try:
-        return shmem.Segment(nbytes, slots)
+        return shmem.Segment(nbytes, slots, dtype)
     except OSError as exc:
         log.warning("cannot create a shared-memory segment (%s); streaming over gRPC", exc)
         return None
@@ -190,12 +192,12 @@ def open_channel(
 
 
 def observe(
-    channel: grpc.Channel, total_bytes: int, timeout: float = 60.0
+    channel: grpc.Channel, total_bytes: int, timeout: float = 60.0, itemsize: int = 4
 ) -> tuple[pb.PullHeader, np.ndarray]:
     """The server's current weights without joining the run (for evaluation and checkpoints)."""
     try:
         return wire.decode_pull(
-            Stub(channel).Pull(pb.PullRequest(), timeout=timeout), None, total_bytes
+            Stub(channel).Pull(pb.PullRequest(), timeout=timeout), None, total_bytes, itemsize
         )
     except grpc.RpcError as err:
         raise from_rpc_error(err, "observer pull") from None

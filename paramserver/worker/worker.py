@@ -78,10 +78,13 @@ class Worker:
         shm: offer each server a shared-memory segment for the payloads (see
             ``paramserver.shm``); used only if the server shares this host's /dev/shm,
             otherwise payloads stream over gRPC. ``shm_active`` says which.
-        compress: "none", "fp16" or "bf16": the element type of gradients streamed over
-            gRPC (halves their bytes; the server widens them to float32 and keeps float32
-            weights). Pulls stay float32, and pushes through shared memory are not
-            compressed.
+        compress: "auto", "none", "fp16" or "bf16": the element type of gradients streamed
+            over gRPC (16 bits halve their bytes; the server widens them to its float32
+            master weights). "auto" (the default) pushes a float16 or bfloat16 model's
+            gradients in its own dtype and any other model's uncompressed (float32, or
+            float64 for a model with float64 tensors, whose master weights are float64).
+            Pulls carry the master weights (each worker rounds them to its parameters'
+            dtype), and pushes through shared memory are not compressed.
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
@@ -105,7 +108,7 @@ class Worker:
         security: Security | None = None,
         train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
         shm: bool = True,
-        compress: str = "none",
+        compress: str = compression.AUTO,
         push_every: int = 1,
         transport: Callable[[str], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -155,6 +158,11 @@ class Worker:
             self.model = model
             self._replica = Replica(model)
             self.device, self.manifest = self._replica.device, self._replica.manifest
+            self._codec = compression.by_name(
+                compress,
+                (s.dtype for s in self.manifest.tensors if s.role == "param"),
+                self.manifest.dtype,
+            )
             self.ranges = [
                 served_range(a, i, len(addresses), r, self.manifest)
                 for i, (a, r) in enumerate(zip(addresses, replies, strict=True))
@@ -163,7 +171,8 @@ class Worker:
             if callable(train_samples):
                 self.train_samples = train_samples(self.plan)
             self._slots = self.policy.max_inflight_pushes()
-            self._buffers = StreamBuffers(self.manifest.numel, self._slots, self.device)
+            self._buffers = StreamBuffers(self.manifest.numel, self._slots, self.device,
+                                          self.manifest.torch_dtype)  # fmt: skip
             for i in range(len(self.sessions)):
                 self._attach(i, retry=False)
         except BaseException:
@@ -203,7 +212,8 @@ class Worker:
         open its payload channel. ``retry``: a rejoin, retried while the server is away."""
         s = self.sessions[i]
         lo, hi = self.ranges[i]
-        segment = new_segment(4 * (hi - lo), self._slots) if self.shm else None
+        itemsize, dtype = self.manifest.itemsize, self.manifest.dtype
+        segment = new_segment(itemsize * (hi - lo), self._slots, dtype) if self.shm else None
         request = pb.JoinRequest(train_samples=self.train_samples if i == 0 else 0)
         if segment is not None:
             request.shm_name, request.shm_nonce = segment.name, segment.nonce

@@ -109,3 +109,43 @@ def test_launch_with_two_server_shards(tmp_path):
     state = checkpoint.load(run_dir / "checkpoint.pt")
     assert set(state["model_state_dict"]) == {n for n, _ in ps.models.parameters(
         ps.models.build("mlp"))}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shards_carry_buffers_and_float64_like_one_server(serve, dtype):
+    """A BatchNorm model with a large float buffer, split over 3 shards so that the last
+    holds buffers only: the same parameters and buffers as one server, bit for bit."""
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(784, 4), torch.nn.BatchNorm1d(4),
+        torch.nn.Linear(4, 10),
+    ).to(dtype)  # fmt: skip
+    start.register_buffer("seen", torch.zeros(8000, dtype=dtype))
+
+    def train(address) -> dict[str, torch.Tensor]:
+        model = replica(start)
+        ds = data.synthetic(train=6 * 32, test=32)
+        with ps.Worker(address, model) as w:
+            for i in range(6):
+                x, y = (
+                    ds.train_x[i * 32 : (i + 1) * 32].to(dtype),
+                    ds.train_y[i * 32 : (i + 1) * 32],
+                )
+                F.cross_entropy(model(x), y).backward()
+                model.seen += x.reshape(-1)[:8000]  # a buffer the user keeps up to date
+                w.step(samples=len(x))
+        return model.state_dict()
+
+    one = serve(replica(start), optimizer="sgd", lr=0.1, policy="sync", workers=1)
+    expected = train(one.address)
+    servers = [serve(replica(start), optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i,
+                     shards=3) for i in range(3)]  # fmt: skip
+    roles = [{s.role for s in srv.coordinator.manifest.tensors} for srv in servers]
+    assert roles[-1] == {"buffer", "count"}  # the last shard holds no parameter at all
+    got = train([s.address for s in servers])
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert expected["2.num_batches_tracked"].item() == 6 and expected["seen"].abs().sum() > 0
+    flat = np.concatenate([s.coordinator.store.weights for s in servers])
+    assert flat.dtype == np.dtype(str(dtype)[6:])
+    np.testing.assert_array_equal(flat, one.coordinator.store.weights)

@@ -65,7 +65,7 @@ def test_empty_manifest() -> None:
     assert m.total_bytes == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool])
 def test_parameters_of_other_dtypes_rejected(dtype: torch.dtype) -> None:
     with pytest.raises(ConfigError) as info:
         Manifest.from_tensors([("ok", torch.zeros(2)), ("bad", torch.zeros(2, dtype=dtype))])
@@ -425,8 +425,15 @@ def test_the_compression_registry_matches_the_proto_and_the_cli():
     assert tuple(worker_options["compress"].type.choices) == compression.CHOICES
     for name in compression.CHOICES:
         assert compression.by_dtype(compression.by_name(name).dtype) is compression.by_name(name)
-    with pytest.raises(ValueError, match="compress must be one of none, fp16, bf16"):
+    with pytest.raises(ValueError, match="compress must be one of auto, none, fp16, bf16"):
         compression.by_name("zstd")
+
+
+def test_auto_compression_pushes_in_the_parameters_own_16_bit_dtype():
+    assert compression.by_name("auto", ["bfloat16", "bfloat16"]) is compression.BFloat16
+    assert compression.by_name("auto", ["float16"]) is compression.Float16
+    assert compression.by_name("auto", ["float32", "bfloat16"]) is compression.Codec
+    assert compression.by_name("auto", []) is compression.Codec
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 7])

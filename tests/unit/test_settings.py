@@ -106,3 +106,25 @@ def test_a_launch_config_survives_argv_and_the_command_line():
     launch_kw = settings.values(LaunchConfig, kw)
     assert LaunchConfig(server=cli.server_config(kw, host="127.0.0.1", port=0), **launch_kw) == cfg
     assert kw == {}
+
+
+def test_a_built_in_model_brings_its_defaults_for_what_the_command_line_leaves_unset(
+    monkeypatch,
+):
+    from paramserver.config import MODEL_DEFAULTS
+
+    def parsed(command: str, args: list[str]) -> dict:
+        ctx = cli.cli.commands[command].make_context(command, args)
+        with ctx:
+            cli.model_defaults(ctx.params)
+        return ctx.params
+
+    recipe = MODEL_DEFAULTS["resnet"]
+    for command in ("launch", "server"):
+        kw = parsed(command, ["--model", "resnet"])
+        assert (kw["epochs"], kw["lr"]) == (recipe["epochs"], recipe["lr"])
+        kw = parsed(command, ["--model", "resnet", "--epochs", "3"])
+        assert (kw["epochs"], kw["lr"]) == (3, recipe["lr"])
+        assert parsed(command, ["--model", "mlp"])["epochs"] == 8  # no recipe: the default
+    monkeypatch.setenv("PARAMSERVER_LR", "0.5")  # the environment counts as given
+    assert parsed("launch", ["--model", "resnet"])["lr"] == 0.5
