@@ -161,7 +161,11 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
 class ServerConfig:
     """Everything a server needs: the model, optimizer, policy and the training plan."""
 
-    model: str = setting("mlp", "--model", "Model factory: mlp, cnn, resnet or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: --epochs 10, --lr 0.002).")
+    model: str = setting(
+        "mlp",
+        "--model",
+        "Model factory: mlp, cnn, resnet or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: --epochs 10, --lr 0.002).",
+    )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")  # fmt: skip
     workers: int = setting(1, "--workers", "Most workers live at once; training starts when --min-workers have joined.", cli_default=2)  # fmt: skip
