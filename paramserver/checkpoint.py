@@ -19,6 +19,8 @@ server needs to go on exactly where it stopped:
     sync_round        {sum, from, n}: the gradients of a sync round in progress
     buffers           {worker_id: tensor}: each worker's latest buffer values, whose mean
                       the model's buffers hold (``server/buffers.py``)
+    frozen            the names of the frozen parameters in ``model_state_dict`` (constants,
+                      so that it loads with ``load_state_dict(strict=True)``)
     counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
     saved_at          wall-clock time of writing (seconds since the epoch)
 
@@ -104,10 +106,12 @@ def list_cuts(directory: str | Path, shard: int, shards: int) -> dict[int, Path]
 def save_server(
     directory: str | Path, manifest: layout.Manifest, state: dict[str, Any], name: str = SERVER_FILE
 ) -> Path:
-    """Write a server state (``Coordinator.checkpoint_state``) to ``directory``."""
+    """Write a server state (``Coordinator.checkpoint_state``) to ``directory``: its
+    parameters and buffers, and its frozen parameters, as ``model_state_dict``."""
     state = dict(state)
-    weights = state.pop("weights")
-    return save(Path(directory) / name, layout.state_dict(manifest, weights), **state)
+    weights, frozen = state.pop("weights"), state.pop("frozen", {})
+    model_state_dict = {**layout.state_dict(manifest, weights), **frozen}
+    return save(Path(directory) / name, model_state_dict, frozen=sorted(frozen), **state)
 
 
 def load_server(
@@ -127,7 +131,8 @@ def load_server(
         raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
     if state.get("format") != FORMAT or "optimizer_state" not in state:
         raise ConfigError(f"{path} is not a paramserver server checkpoint.")
-    weights = state["model_state_dict"]
+    frozen = set(state.get("frozen", ()))
+    weights = {n: t for n, t in state["model_state_dict"].items() if n not in frozen}
     roles = {s.name: s.role for s in manifest.tensors}
     named = sorted(weights.items(), key=lambda kv: layout.ROLES.index(roles.get(kv[0], "param")))
     try:

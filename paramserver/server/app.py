@@ -61,6 +61,10 @@ def build_coordinator(
         manifest, flat = shard_manifest(manifest, offset, end), flat[offset:end].copy()
     coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer), now)
     coordinator.model_numel, coordinator.shard_offset = model_numel, offset
+    if config.shards == 1:  # so that a checkpoint's model_state_dict loads strictly
+        coordinator.frozen = {
+            n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad
+        }
     return coordinator
 
 

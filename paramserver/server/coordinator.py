@@ -89,6 +89,8 @@ class Coordinator:
         # The whole model's size and where this server's range starts (--shard I/S).
         self.model_numel = self.manifest.numel
         self.shard_offset = 0
+        # The frozen parameters, constants a checkpoint holds beside the run's state.
+        self.frozen: dict[str, Any] = {}
 
     def check_incarnation(self, incarnation: str) -> None:
         """A call meant for an earlier incarnation of the server (a restart, or a rewind to

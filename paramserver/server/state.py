@@ -36,6 +36,7 @@ def capture(c: Coordinator, cut: int) -> dict[str, Any]:
         "sync_round": c.round.state(),
         "buffers": c.buffers.state(),
         "counters": c.counters.state(),
+        "frozen": c.frozen,  # constants: not copied
     }
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver import data
+from paramserver import checkpoint, data
 from paramserver.codec import layout
 from tests.conftest import WorkerThread, replica
 
@@ -84,3 +84,31 @@ def test_sync_workers_share_batchnorm_statistics(serve):
     for final in finals:
         for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
             assert torch.equal(final[name], state[name]), name
+
+
+def test_a_server_checkpoint_loads_strictly_and_resumes(serve, tmp_path):
+    """Parameters, buffers and frozen parameters: the server's checkpoint is the model's
+    whole state dict, and a new server resumes from it."""
+    model = bn_model()
+    model[0].weight.requires_grad_(False)  # frozen: never sent, but in the checkpoint
+    ds = data.synthetic(train=4 * BATCH, test=16)
+    first = serve(replica(model), policy="async", workers=1, batch_size=BATCH,
+                  dataset="synthetic", checkpoint_dir=str(tmp_path))  # fmt: skip
+    local = replica(model)
+    with ps.Worker(first.address, local, train_samples=len(ds.train_x)) as w:
+        for _ in range(3):
+            x, y = _batch(ds, w.batch)
+            F.cross_entropy(local(x), y).backward()
+            w.step(samples=len(x))
+    first.stop()
+    saved = checkpoint.load(tmp_path / checkpoint.SERVER_FILE)
+    fresh = bn_model()
+    fresh.load_state_dict(saved["model_state_dict"], strict=True)
+    assert saved["frozen"] == ["0.weight"] and saved["version"] == 3
+    assert int(fresh[1].num_batches_tracked) == 3 and fresh[1].running_mean.abs().sum() > 0
+    for name, value in local.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    again = serve(replica(model), policy="async", workers=1, batch_size=BATCH,
+                  dataset="synthetic", checkpoint_dir=str(tmp_path))  # fmt: skip
+    assert again.coordinator.store.version == 3
+    assert again.coordinator.store.weights.tolist() == first.coordinator.store.weights.tolist()
