@@ -81,6 +81,48 @@ def replica(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
+Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sync_workers(
+    address: str, model: nn.Module, batch: Batch, steps: int, workers: int, train_samples: int
+) -> list[dict[str, torch.Tensor]]:
+    """``workers`` threads, each a replica of ``model`` taking ``steps`` cross-entropy steps
+    on ``batch(b)`` of the batches the server hands it; their final state dicts."""
+
+    def train() -> dict[str, torch.Tensor]:
+        local = replica(model)
+        with ps.Worker(address, local, train_samples=train_samples) as w:
+            for _ in range(steps):
+                assert w.batch is not None
+                x, y = batch(w.batch)
+                torch.nn.functional.cross_entropy(local(x), y).backward()
+                w.step(samples=len(x))
+        return {k: v.clone() for k, v in local.state_dict().items()}
+
+    threads = [WorkerThread(train, f"worker-{i}") for i in range(workers)]
+    for t in threads:
+        t.start()
+    return [t.result() for t in threads]
+
+
+def large_batch_reference(
+    model: nn.Module, optimizer: Callable[[list], torch.optim.Optimizer], batch: Batch,
+    steps: int, workers: int,
+) -> nn.Module:  # fmt: skip
+    """What ``sync`` with ``workers`` workers should equal: one process whose step t takes
+    the batches of round t together (the server hands batches out in order, so round t is
+    batches workers*t ... workers*t + workers - 1)."""
+    ref = replica(model)
+    opt = optimizer(list(ref.parameters()))
+    for step in range(steps):
+        xs, ys = zip(*(batch(workers * step + r) for r in range(workers)), strict=True)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return ref
+
+
 @pytest.fixture
 def children() -> Iterator[list[subprocess.Popen]]:
     """Child processes started by a test; every one is killed afterwards."""

@@ -12,7 +12,7 @@ from torch import nn
 import paramserver as ps
 from paramserver import checkpoint, data
 from paramserver.codec import layout
-from tests.conftest import WorkerThread, replica
+from tests.conftest import large_batch_reference, replica, sync_workers
 
 BATCH, STEPS, WORKERS, SHIFT = 32, 40, 2, 3.0
 
@@ -42,29 +42,12 @@ def test_sync_workers_share_batchnorm_statistics(serve):
     server = serve(replica(model), optimizer="sgd", lr=0.05, policy="sync", workers=WORKERS,
                    dataset="synthetic", batch_size=BATCH)  # fmt: skip
 
-    def train() -> dict[str, torch.Tensor]:
-        local = replica(model)
-        with ps.Worker(server.address, local, train_samples=len(ds.train_x)) as w:
-            for _ in range(STEPS):
-                x, y = _batch(ds, w.batch)
-                F.cross_entropy(local(x), y).backward()
-                w.step(samples=len(x))
-        return {k: v.clone() for k, v in local.state_dict().items()}
+    def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _batch(ds, b)
 
-    threads = [WorkerThread(train, f"worker-{i}") for i in range(WORKERS)]
-    for t in threads:
-        t.start()
-    finals = [t.result() for t in threads]
-
+    finals = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x))
     # The reference: one process, batch 2b made of each round's two batches.
-    ref = replica(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for step in range(STEPS):
-        xs, ys = zip(*(_batch(ds, WORKERS * step + r) for r in range(WORKERS)), strict=True)
-        opt.zero_grad()
-        F.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
-
+    ref = large_batch_reference(model, lambda p: torch.optim.SGD(p, lr=0.05), batch, STEPS, WORKERS)
     c = server.coordinator
     state = layout.state_dict(c.manifest, c.store.weights)
     assert set(state) == set(model.state_dict())  # parameters and buffers

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import paramserver as ps
 from paramserver import data
-from tests.conftest import WorkerThread, replica, tiny_model
+from tests.conftest import large_batch_reference, replica, sync_workers, tiny_model
 
 BATCH, STEPS, WORKERS = 16, 12, 2
 
@@ -27,30 +26,15 @@ def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
         dataset="synthetic", batch_size=BATCH,
     )  # fmt: skip
 
-    def train() -> dict[str, torch.Tensor]:
-        local = replica(model)
-        with ps.Worker(server.address, local, train_samples=len(ds.train_x)) as w:
-            for _ in range(STEPS):
-                assert w.batch is not None
-                x, y = _batch(ds, w.batch)
-                F.cross_entropy(local(x), y).backward()
-                w.step(samples=len(x))
-        return {k: v.clone() for k, v in local.state_dict().items()}
+    def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _batch(ds, b)
 
-    threads = [WorkerThread(train, f"worker-{i}") for i in range(WORKERS)]
-    for t in threads:
-        t.start()
-    results = [t.result() for t in threads]
-
-    # The reference: one process, batch 2b made of the round's two batches (the server hands
-    # out batches in order, so round t is batches 2t and 2t+1), same optimizer.
-    ref = replica(model)
-    opt = ps.store.build_optimizer(list(ref.parameters()), ps.OptimizerConfig(optimizer, lr))
-    for step in range(STEPS):
-        xs, ys = zip(*(_batch(ds, WORKERS * step + r) for r in range(WORKERS)), strict=True)
-        opt.zero_grad()
-        F.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
+    results = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x))
+    # The reference: one process, batch 2b made of the round's two batches, same optimizer.
+    ref = large_batch_reference(
+        model, lambda p: ps.store.build_optimizer(p, ps.OptimizerConfig(optimizer, lr)),
+        batch, STEPS, WORKERS,
+    )  # fmt: skip
 
     assert server.status()["version"] == STEPS
     for name, expected in ref.state_dict().items():
