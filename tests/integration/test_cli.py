@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from paramserver import checkpoint, models
 from tests.conftest import DEADLINE, paramserver_cmd
 
 
@@ -220,6 +221,27 @@ def test_launch_trains_on_a_users_data_set(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 3 * (512 // 64) * 64  # every batch of the user's set, once
     assert summary["test_accuracy"] > 0.5  # evaluated on the user's test set
+
+
+def test_launch_trains_the_resnet_with_its_buffers(tmp_path):
+    """The BatchNorm model through launch: its own defaults (10 epochs) unless --epochs is
+    given, an evaluation that uses the shared statistics, and a checkpoint that loads with
+    strict=True."""
+    out = run_cli(
+        "launch", "--model", "resnet", "--dataset", "synthetic", "--workers", "2", "--epochs",
+        "2", "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == 2 and summary["test_accuracy"] > 0.5
+    config = json.loads(
+        (tmp_path / os.path.basename(summary["run_dir"]) / "config.json").read_text()
+    )
+    assert config["server"]["optimizer"]["lr"] == 2e-3  # resnet's own default
+    state = checkpoint.load(tmp_path / os.path.basename(summary["run_dir"]) / "checkpoint.pt")
+    model = models.build("resnet")
+    model.load_state_dict(state["model_state_dict"], strict=True)
+    assert model[1].num_batches_tracked.item() > 0 and model[1].running_var.mean() != 1.0
 
 
 def test_a_users_data_set_that_cannot_load_is_one_line(tmp_path):
