@@ -128,6 +128,15 @@ class ServerApp:
             host = "127.0.0.1"
         return f"{host}:{self.port}"
 
+    @property
+    def bound(self) -> str:
+        """host:port the server listens on, as bound (0.0.0.0: every interface)."""
+        host = self.config.host
+        where = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        if self.address.split(":")[0] != host:
+            return f"{where}:{self.port} (every interface; dial {self.address} on this host)"
+        return f"{where}:{self.port}"
+
     def start(self) -> ServerApp:
         """Bind and serve; returns once the server accepts calls.
 
@@ -173,7 +182,7 @@ class ServerApp:
             c.model,
             self.coordinator.manifest.numel,
             self.coordinator.manifest.total_bytes / 2**20,
-            self.address,
+            self.bound,
             " (TLS)" if c.security.tls else "",
             self.coordinator.policy.name,
             c.optimizer.name,

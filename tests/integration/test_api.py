@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,3 +130,10 @@ def test_a_worker_whose_server_does_not_come_back_fails_after_server_timeout(ser
     with pytest.raises(ServerUnavailable, match="did not come back within 1s"):
         worker.step()
     worker.close_quietly()
+
+
+def test_the_log_names_the_address_the_server_is_bound_to(serve, caplog):
+    with caplog.at_level(logging.INFO, logger="paramserver.server.app"):
+        server = serve("mlp", host="0.0.0.0")
+    port = server.address.rsplit(":", 1)[1]
+    assert f"on 0.0.0.0:{port} (every interface; dial 127.0.0.1:{port} on this host)" in caplog.text

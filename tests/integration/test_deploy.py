@@ -80,6 +80,7 @@ def test_compose_topology(tmp_path):
     gpu = compose_config(tmp_path, BASE, GPU)["services"]["worker"]
     device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    assert device["count"] == 1  # an integer, as the engine wants, not the string '1'
     assert gpu["environment"]["PARAMSERVER_DEVICE"] == "cuda"
 
 
