@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -16,7 +18,7 @@ from typing import Any
 
 import click
 
-from paramserver import settings
+from paramserver import roles, settings
 from paramserver.config import (
     MODEL_DEFAULTS,
     LaunchConfig,
@@ -43,13 +45,18 @@ def security_config(kw: dict[str, Any]) -> Security:
     return Security(**settings.values(Security, kw))
 
 
-def model_defaults(kw: dict[str, Any]) -> None:
-    """Fill in ``kw`` what the model's ``MODEL_DEFAULTS`` say, where the command line (or its
-    environment variable) left the setting at its default."""
+def fill_defaults(kw: dict[str, Any], values: dict[str, Any]) -> None:
+    """Set in ``kw`` each of ``values`` (by click parameter name) that the command line and
+    its environment variable left at its default."""
     ctx = click.get_current_context()
-    for name, value in MODEL_DEFAULTS.get(kw["model"], {}).items():
+    for name, value in values.items():
         if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
             kw[name] = value
+
+
+def model_defaults(kw: dict[str, Any]) -> None:
+    """What the model's ``MODEL_DEFAULTS`` say, where the command line left it unset."""
+    fill_defaults(kw, MODEL_DEFAULTS.get(kw["model"], {}))
 
 
 def server_config(kw: dict[str, Any], **fixed: Any) -> ServerConfig:
@@ -117,14 +124,26 @@ def lr_schedule_option(default: str) -> Callable[[F], F]:
     env="SHARD",
     default="0/1",
     help="I/S: hold the I-th of S equal contiguous ranges of the flat parameters; run one "
-    "server per shard and give workers every address, in order (--server A,B,...).",
+    "server per shard and give workers every address, in order (--server A,B,...). auto: I "
+    "is the host name's ordinal (a StatefulSet pod's), S is PARAMSERVER_SHARDS.",
 )
 @apply(SECURITY_OPTIONS)
 def server(shard: str, **kw: Any) -> None:
-    """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint)."""
+    """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint).
+
+    Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "ps" task takes its shard, port and the
+    number of workers from it, unless given.
+    """
     from paramserver.procs import READY_MARKER
     from paramserver.server.app import ServerApp
 
+    task = roles.tf_config(os.environ)
+    if task is not None:
+        kw["shard"] = shard
+        fill_defaults(kw, roles.server_settings(task))
+        shard = kw.pop("shard")
+    if shard.strip() == "auto":
+        shard = roles.auto_shard(socket.gethostname(), os.environ)
     index, shards = parse_shard(shard)
     model_defaults(kw)
     cfg = server_config(kw, shard=index, shards=shards)
@@ -151,8 +170,8 @@ def server(shard: str, **kw: Any) -> None:
     "--server",
     "server_address",
     env="SERVER",
-    required=True,
-    help="The server's HOST:PORT; for sharded servers every shard's, in shard order: A,B,...",
+    help="The server's HOST:PORT; for sharded servers every shard's, in shard order: A,B,... "
+    "[default: from TF_CONFIG's cluster.ps]",
 )
 @settings.options(WorkerConfig)
 @opt(
@@ -163,55 +182,35 @@ def server(shard: str, **kw: Any) -> None:
     help="Worker processes to start on this host (one per GPU when there are several).",
 )
 @apply(SECURITY_OPTIONS)
-def worker(server_address: str, procs: int, **kw: Any) -> None:
-    """Join a server and train on the batches it hands out until the run is finished."""
+def worker(server_address: str | None, procs: int, **kw: Any) -> None:
+    """Join a server and train on the batches it hands out until the run is finished.
+
+    Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "worker" or "chief" task dials the ps
+    tasks, unless --server is given.
+    """
+    task = roles.tf_config(os.environ)
+    if task is not None:
+        kw["server_address"] = server_address
+        fill_defaults(kw, roles.worker_settings(task))
+        server_address = kw.pop("server_address")
+    if not server_address:
+        raise ConfigError(
+            "Give the server's address: --server HOST:PORT (or PARAMSERVER_SERVER, or a "
+            "TF_CONFIG that lists the ps tasks)."
+        )
     sec = security_config(kw)
     cfg = WorkerConfig(server=server_address, security=sec, **settings.values(WorkerConfig, kw))
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1; got {procs}.")
     if procs > 1:
-        sys.exit(_run_procs(cfg, procs))
+        from paramserver.launch import run_worker_procs
+
+        sys.exit(run_worker_procs(cfg, procs))
     from paramserver.worker.trainer import run
 
     log.info("worker configuration: %s", cfg)
     summary = run(cfg)
     click.echo(json.dumps(summary.__dict__))
-
-
-def _run_procs(cfg: WorkerConfig, procs: int) -> int:
-    """Start ``procs`` single-process workers here and wait for all of them."""
-    import dataclasses
-    import os
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    from paramserver.procs import Child, stop_all
-    from paramserver.worker.trainer import process_devices
-
-    devices = process_devices(cfg.device, procs, torch.cuda.device_count())
-    logdir = Path(tempfile.mkdtemp(prefix="paramserver-workers-"))
-    children = []
-    try:
-        for i in range(procs):
-            one = dataclasses.replace(
-                cfg, device=devices[i], name=f"{cfg.name or os.uname().nodename}-{i}"
-            )
-            args = ["worker", "--server", cfg.server, *settings.argv(one, exclude=("server",))]
-            # The token goes by the environment, which children inherit, never by argv.
-            env = settings.secrets(cfg) or None
-            children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log", env=env))
-        log.info("started %d worker processes; logs in %s", procs, logdir)
-        worst = 0
-        for child in children:
-            code = child.proc.wait()
-            if code != 0:
-                log.error("%s exited with code %d: %s", child.name, code, child.tail())
-                worst = worst or 1
-        return worst
-    finally:
-        stop_all(children)
 
 
 @cli.command()

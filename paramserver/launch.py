@@ -7,7 +7,9 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -273,3 +275,32 @@ def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:
     d = dataclasses.asdict(obj)
     d.pop(skip, None)
     return d
+
+
+def run_worker_procs(cfg: WorkerConfig, procs: int) -> int:
+    """``paramserver worker --procs N``: start ``procs`` single-process workers here and
+    wait for all of them; the exit status (1 if any failed)."""
+    from paramserver.worker.trainer import process_devices
+
+    devices = process_devices(cfg.device, procs, torch.cuda.device_count())
+    logdir = Path(tempfile.mkdtemp(prefix="paramserver-workers-"))
+    children = []
+    try:
+        for i in range(procs):
+            one = dataclasses.replace(
+                cfg, device=devices[i], name=f"{cfg.name or os.uname().nodename}-{i}"
+            )
+            args = ["worker", "--server", cfg.server, *settings.argv(one, exclude=("server",))]
+            # The token goes by the environment, which children inherit, never by argv.
+            env = settings.secrets(cfg) or None
+            children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log", env=env))
+        log.info("started %d worker processes; logs in %s", procs, logdir)
+        worst = 0
+        for child in children:
+            code = child.proc.wait()
+            if code != 0:
+                log.error("%s exited with code %d: %s", child.name, code, child.tail())
+                worst = worst or 1
+        return worst
+    finally:
+        stop_all(children)

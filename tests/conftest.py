@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 import subprocess
 import sys
 import threading
@@ -132,6 +133,13 @@ def children() -> Iterator[list[subprocess.Popen]]:
         if p.poll() is None:
             p.kill()
         p.wait(timeout=30)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a process that must be told its port up front)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def paramserver_cmd(*args: str) -> list[str]:
