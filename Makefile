@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The main job: a local cluster training on Fashion-MNIST.
 RUN_ARGS ?= --workers 2 --policy delay-1 --model mlp --epochs 8
 
-.PHONY: install data proto lint typecheck test run clean
+.PHONY: install data proto lint typecheck test run image clean
 
 install: $(VENV)/.installed data
 
@@ -52,6 +52,12 @@ test: install
 
 run: install
 	$(PY) -m paramserver launch $(RUN_ARGS)
+
+# The Docker image (deploy/build-image.sh): needs a running Docker daemon, and works offline
+# (a wheelhouse made here; a Debian base made with debootstrap when no registry answers).
+IMAGE ?= paramserver:cpu
+image: install
+	PYTHON=$(PY) deploy/build-image.sh $(IMAGE)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

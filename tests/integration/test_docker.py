@@ -1,0 +1,173 @@
+"""The image built for real (``make image``: deploy/build-image.sh, offline) and the compose
+cluster run with it: 2 workers train to the end, ``paramserver status`` answers through the
+published port, and a kill -9 of the server's process is survived: the restart policy brings
+it back from the checkpoint volume and every batch is applied exactly once.
+
+Needs a Docker engine: the test uses one that answers, or starts ``dockerd`` as root (with
+its own data root, removed afterwards) and stops it; it skips, saying why, only where none
+can start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, paramserver_cmd
+from tests.integration.test_deploy import BASE, COMPOSE
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER, DOCKERD = shutil.which("docker"), shutil.which("dockerd")
+IMAGE = "paramserver:ci"
+EPOCHS, BATCHES = 4, 4096 // 64  # synthetic data: 4096 samples, 64 batches an epoch
+
+
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.returncode == 0, f"{' '.join(args)}: {out.stderr[-3000:]}{out.stdout[-2000:]}"
+    return out.stdout
+
+
+def answers(env: dict[str, str]) -> bool:
+    probe = subprocess.run([DOCKER or "docker", "info"], capture_output=True, env=env, timeout=30)
+    return probe.returncode == 0
+
+
+def wait_for(what: str, check, deadline: float, every: float = 0.5):
+    end = time.monotonic() + deadline
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {deadline:.0f} s")
+        time.sleep(every)  # polling a daemon we do not control; the deadline bounds it
+
+
+@pytest.fixture(scope="module")
+def docker_env(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The environment that reaches a Docker engine: one already running, or one started here."""
+    if DOCKER is None or COMPOSE is None:
+        pytest.skip("docker and docker-compose are not installed (make installs docker-compose)")
+    env = dict(os.environ)
+    if answers(env):
+        yield env
+        return
+    if DOCKERD is None or os.geteuid() != 0:
+        pytest.skip("no Docker engine answers, and dockerd cannot be started (needs root)")
+    home = tmp_path_factory.mktemp("dockerd")
+    sock = home / "docker.sock"
+    env["DOCKER_HOST"] = f"unix://{sock}"
+    log = open(home / "dockerd.log", "wb")  # noqa: SIM115 - closed below
+    daemon = subprocess.Popen(
+        [DOCKERD, "--host", env["DOCKER_HOST"], "--data-root", str(home / "data"),
+         "--exec-root", str(home / "exec"), "--pidfile", str(home / "dockerd.pid")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + 60
+        while not answers(env):
+            if daemon.poll() is not None or time.monotonic() > end:
+                tail = (home / "dockerd.log").read_text(errors="replace")[-1500:]
+                pytest.skip(f"dockerd could not start: {tail}")
+            time.sleep(0.5)
+        yield env
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(30)
+        log.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def image(docker_env) -> Iterator[str]:
+    """``make image``'s script, tagged ``IMAGE``; removed afterwards (the base stays cached)."""
+    env = {**docker_env, "PYTHON": sys.executable}
+    started = time.monotonic()
+    out = subprocess.run([str(ROOT / "deploy/build-image.sh"), IMAGE], capture_output=True,
+                         text=True, env=env, timeout=1800)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    print(f"image built in {time.monotonic() - started:.0f} s: {out.stderr.strip()[-300:]}")
+    yield IMAGE
+    subprocess.run([DOCKER, "rmi", "-f", IMAGE], capture_output=True, env=docker_env, timeout=120)
+
+
+def test_the_image_runs_the_cli(docker_env, image):
+    out = run([DOCKER, "run", "--rm", image, "--version"], env=docker_env)
+    assert out.startswith("paramserver")
+    # Fashion-MNIST is in the image, where the workers look for it by default
+    run([DOCKER, "run", "--rm", "--entrypoint", "ls", image, "/usr/share/datasets/fashion-mnist"],
+        env=docker_env)  # fmt: skip
+
+
+def test_compose_cluster_trains_and_survives_kill_9_of_the_server(docker_env, image, tmp_path):
+    port, metrics = free_port(), free_port()
+    settings = {
+        "PARAMSERVER_IMAGE": image, "PARAMSERVER_DATASET": "synthetic", "PARAMSERVER_POLICY": "sync",
+        "PARAMSERVER_EPOCHS": str(EPOCHS), "PARAMSERVER_WORKERS": "2",
+        "PARAMSERVER_MIN_WORKERS": "2", "PARAMSERVER_CHECKPOINT_EVERY": "10",
+        "PARAMSERVER_STEP_DELAY": "0.05", "PARAMSERVER_PUBLISH_PORT": str(port),
+        "PARAMSERVER_METRICS_PUBLISH_PORT": str(metrics), "PARAMSERVER_LR": "0.003",
+    }  # fmt: skip
+    env = {k: v for k, v in docker_env.items() if not k.startswith("PARAMSERVER_")}
+    env.update(settings)
+    compose = [COMPOSE, "-p", f"pstest{os.getpid()}", "-f", str(BASE)]
+    address = f"127.0.0.1:{port}"
+
+    def status() -> dict | None:
+        out = subprocess.run(
+            paramserver_cmd("status", "--server", address, "--json", "--timeout", "2"),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def container(service: str, index: int = 1) -> dict:
+        name = run([*compose, "ps", "-q", service], env=env).split()[index - 1]
+        return json.loads(run([DOCKER, "inspect", name], env=env))[0]
+
+    started = time.monotonic()
+    try:
+        run([*compose, "up", "-d", "--no-build", "--scale", "worker=2"], env=env, timeout=300)
+        first = wait_for("training under way, past a checkpoint",
+                         lambda: (s := status()) and s.get("version", 0) >= 30 and s, 180)  # fmt: skip
+        up_after = time.monotonic() - started
+        server = container("server")
+        os.kill(server["State"]["Pid"], signal.SIGKILL)  # the host's view of its process
+        back = wait_for(
+            "the server back from its checkpoint",
+            lambda: (s := status()) and s["incarnation"] != first["incarnation"] and s, 180,
+        )  # fmt: skip
+        assert back["version"] >= 30  # it resumed, not started over
+        for i in (1, 2):
+            wait_for(f"worker {i} done",
+                     lambda i=i: container("worker", i)["State"]["Status"] == "exited", 300)  # fmt: skip
+            assert container("worker", i)["State"]["ExitCode"] == 0
+        final = status()
+        assert final is not None and container("server")["RestartCount"] >= 1
+        # every batch applied exactly once, across the kill
+        assert final["batches_done"] == EPOCHS * BATCHES
+        assert final["samples"] == EPOCHS * BATCHES * 64
+        assert final["version"] == EPOCHS * BATCHES // 2  # sync: one step per round of 2
+        print(f"compose: training after {up_after:.0f} s, all done after "
+              f"{time.monotonic() - started:.0f} s")  # fmt: skip
+    except BaseException:
+        logs = subprocess.run([*compose, "logs", "--no-color", "--tail", "40"], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        print(logs.stdout[-6000:])
+        raise
+    finally:
+        subprocess.run([*compose, "down", "-v", "--timeout", "10"], env=env,
+                       capture_output=True, timeout=180)  # fmt: skip
