@@ -40,9 +40,14 @@ class Network:
         self.addr = {h: f"10.213.0.{i + 1}" for i, h in enumerate(hosts)}
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []
+        self._forward = False
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
+            # A Docker engine (the image test starts one) sets iptables' FORWARD policy to
+            # DROP, and with br_netfilter that drops traffic across this bridge too: let it
+            # through, and take the rule out again in close().
+            self._forward = self._iptables("-I") == 0
             hosts_file = "127.0.0.1 localhost\n" + "".join(f"{self.addr[h]} {h}\n" for h in hosts)
             for i, (host, ns) in enumerate(self.ns.items()):
                 _ip("netns", "add", ns)
@@ -86,4 +91,13 @@ class Network:
         for ns in self._made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        if self._forward:
+            self._iptables("-D")
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def _iptables(self, action: str) -> int:
+        """Insert (-I) or delete (-D) the rule that accepts traffic across the bridge."""
+        if shutil.which("iptables") is None:
+            return 1
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        return subprocess.run(["iptables", action, *rule], capture_output=True).returncode

@@ -65,6 +65,12 @@ def docker_env(tmp_path_factory) -> Iterator[dict[str, str]]:
     if DOCKERD is None or os.geteuid() != 0:
         pytest.skip("no Docker engine answers, and dockerd cannot be started (needs root)")
     home = tmp_path_factory.mktemp("dockerd")
+    # dockerd rewrites iptables (FORWARD policy DROP, its chains): put them back afterwards.
+    saved = subprocess.run(["iptables-save"], capture_output=True, timeout=30) if shutil.which(
+        "iptables-save") else None  # fmt: skip
+    had_bridge = (
+        subprocess.run(["ip", "link", "show", "docker0"], capture_output=True).returncode == 0
+    )
     sock = home / "docker.sock"
     env["DOCKER_HOST"] = f"unix://{sock}"
     log = open(home / "dockerd.log", "wb")  # noqa: SIM115 - closed below
@@ -89,6 +95,11 @@ def docker_env(tmp_path_factory) -> Iterator[dict[str, str]]:
             daemon.kill()
             daemon.wait(30)
         log.close()
+        if not had_bridge:
+            subprocess.run(["ip", "link", "del", "docker0"], capture_output=True, timeout=30)
+        if saved is not None and saved.returncode == 0:
+            subprocess.run(["iptables-restore"], input=saved.stdout, capture_output=True,
+                           timeout=30)  # fmt: skip
         shutil.rmtree(home, ignore_errors=True)
 
 
