@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 BUILDS = ("base", "overlays/gpu", "overlays/one-shard")
 VERSIONS = ("1.30.0", "1.37.0")
 KUBECTL = shutil.which("kubectl")
-VALIDATE = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kubernetes-validate"
+# the dev dependency's script, beside the Python that runs the tests
+VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
 needs_kubectl = pytest.mark.skipif(
     KUBECTL is None, reason="kubectl (with kustomize) is not installed"
 )
