@@ -25,6 +25,7 @@ import grpc
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import (
+    ClusterFull,
     ParamServerError,
     ServerUnavailable,
     UnknownWorker,
@@ -96,11 +97,15 @@ class Session:
         except grpc.RpcError as err:
             raise from_rpc_error(err, f"{what} to {self.address}") from None
 
-    def retrying(self, what: str, call: Callable[[], T]) -> T:
-        """``call()``, retried with backoff while the server is unreachable.
+    def retrying(
+        self, what: str, call: Callable[[], T], also: tuple[type[Exception], ...] = ()
+    ) -> T:
+        """``call()``, retried with backoff while the server is unreachable (or raises one of
+        ``also``).
 
         Raises:
-            ServerUnavailable: the server did not come back within the backoff's budget.
+            ServerUnavailable: the server did not come back within the backoff's budget
+                (``also``: the last such error, once the budget is spent).
             WrongIncarnation, UnknownWorker: the session is LOST (and marked so).
             ParamServerError: any other failure, at once.
         """
@@ -113,11 +118,15 @@ class Session:
             if isinstance(exc, REJOIN):
                 self.lose(exc)
                 raise exc
-            if not isinstance(exc, ServerUnavailable) or self._stop.is_set():
+            if not isinstance(exc, (ServerUnavailable, *also)) or self._stop.is_set():
                 raise exc
             if since is None:
                 since = self.backoff.now()
                 log.warning("%s; retrying for up to %.0fs", exc, self.backoff.budget)
+            if self.backoff.expired(since) and not isinstance(exc, ServerUnavailable):
+                raise type(exc)(
+                    f"{exc} Still so after {self.backoff.budget:.0f}s (--server-timeout)."
+                ) from None
             if self.backoff.expired(since):
                 raise ServerUnavailable(
                     f"The server at {self.address} did not come back within "
@@ -133,12 +142,13 @@ class Session:
         """Join (or, with our id in ``request``, join again); LIVE once answered."""
         request.name = self.name
         request.worker_id = self.worker_id
-        if retry:
-            reply = self.retrying(
-                "rejoin", lambda: self.stub.Join(request, timeout=self.rpc_timeout)
-            )
-        else:
-            reply = self.call("join", self.stub.Join, request)
+        # A full cluster waits for a slot: a departed worker's lease runs out, or a requeued
+        # job's new workers meet the old ones restored from a checkpoint.
+        reply = self.retrying(
+            "rejoin" if retry else "join",
+            lambda: self.stub.Join(request, timeout=self.rpc_timeout),
+            also=(ClusterFull,),
+        )
         was = (self.worker_id, self.incarnation, self.clock)
         self.reply = reply
         self.worker_id = reply.worker_id

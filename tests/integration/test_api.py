@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 import paramserver as ps
 from paramserver import data
 from paramserver.worker.trainer import evaluate
-from tests.conftest import replica, tiny_model
+from tests.conftest import WorkerThread, replica, tiny_model
 
 
 def test_training_loop_through_the_api_learns(serve):
@@ -63,8 +64,31 @@ def test_a_model_that_does_not_match_is_refused_with_the_parameter_named(serve):
 
 def test_more_workers_than_the_server_admits_are_refused(serve):
     server = serve("mlp", workers=1)
-    with ps.Worker(server.address), pytest.raises(ps.ClusterFull, match="started for 1 workers"):
-        ps.Worker(server.address)
+    with (
+        ps.Worker(server.address),
+        pytest.raises(
+            ps.ClusterFull, match=r"started for 1 workers.*Still so after 1s \(--server-timeout\)"
+        ),
+    ):
+        ps.Worker(server.address, server_timeout=1.0)
+
+
+def test_a_worker_waits_for_a_slot_to_free(serve, caplog):
+    """A replacement that arrives while the cluster is full (a dead worker's lease still
+    running, a requeued job meeting its checkpointed workers) joins once a slot frees."""
+    server = serve("mlp", workers=1)
+    first = ps.Worker(server.address)
+    second = WorkerThread(lambda: ps.Worker(server.address, server_timeout=60.0))
+    with caplog.at_level(logging.WARNING, logger="paramserver.worker.session"):
+        second.start()
+        deadline = time.monotonic() + 30
+        while "retrying for up to 60s" not in caplog.text:  # it met the full cluster
+            assert time.monotonic() < deadline and second.is_alive(), caplog.text
+            time.sleep(0.01)  # polling the log of another thread; bounded by the deadline
+    first.close()
+    joined = second.result()
+    assert [w["name"] for w in server.status()["workers"]] == [joined.name]
+    joined.close()
 
 
 def test_unreachable_server_fails_fast_with_a_clear_error():
