@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Debian packages: Fashion-MNIST (dataset-fashion-mnist) for the main job; docker-compose
-# to validate deploy/ (`docker-compose config`, no engine needed) and iproute2 for the
-# network-namespace cluster test. Installed when run as root; otherwise say what is missing.
-DEB_PACKAGES := dataset-fashion-mnist docker-compose iproute2
+# (and with it docker.io) for deploy/ and its image test, iproute2 for the network-namespace
+# cluster test, Slurm and munge for the Slurm job's test (started by the test, not by
+# systemd). Installed when run as root; otherwise say what is missing.
+DEB_PACKAGES := dataset-fashion-mnist docker-compose docker.io iproute2 slurmctld slurmd slurm-client munge
 
 data:
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

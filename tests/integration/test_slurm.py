@@ -1,0 +1,102 @@
+"""deploy/slurm/paramserver.sbatch on a real Slurm (``tests/slurm.py``: munged, slurmctld and
+two slurmd started here, stopped afterwards): the heterogeneous job trains to the end and
+its shards write their last checkpoint; a requeued job resumes from it and applies every
+batch exactly once. Skips, saying why, only where the daemons cannot start."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from paramserver import checkpoint
+from tests import slurm
+
+SBATCH = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "paramserver.sbatch"
+BATCHES = 4096 // 64  # synthetic data, batch 64
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[slurm.Cluster]:
+    why = slurm.unavailable()
+    if why:
+        pytest.skip(why)
+    # Not pytest's tmp_path: its folders are private to root, and munged runs as munge.
+    home = Path(tempfile.mkdtemp(prefix="paramserver-slurm-"))
+    try:
+        c = slurm.Cluster(home)  # installed but failing to start: an error, not a skip
+        yield c
+        c.close()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def submit(cluster: slurm.Cluster, workdir: Path, **settings: str) -> str:
+    env = dict(cluster.env, PARAMSERVER_CMD=f"{sys.executable} -m paramserver",
+               PARAMSERVER_DATASET="synthetic", PARAMSERVER_DEVICE="cpu", **settings)  # fmt: skip
+    workdir.mkdir()
+    out = cluster.run_env(["sbatch", "--parsable", "--export=ALL", f"--chdir={workdir}",
+                           str(SBATCH)], env)  # fmt: skip
+    return out.strip().split(";")[0]
+
+
+def job(cluster: slurm.Cluster, jid: str) -> dict[str, str]:
+    """The leader component's fields (``scontrol show job``)."""
+    text = cluster.run(["scontrol", "show", "job", jid]).split("\n\n")[0]
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def wait(what: str, check, deadline: float):
+    end = time.monotonic() + deadline
+    while not (value := check()):
+        assert time.monotonic() < end, f"{what}: not within {deadline:.0f} s"
+        time.sleep(0.5)  # polling slurmctld; bounded by the deadline
+    return value
+
+
+def saved_version(directory: Path) -> int:
+    path = directory / checkpoint.SERVER_FILE
+    return int(checkpoint.load(path)["version"]) if path.exists() else -1
+
+
+def test_the_heterogeneous_job_trains_to_the_end(cluster, tmp_path):
+    started = time.monotonic()
+    jid = submit(cluster, tmp_path / "run", PARAMSERVER_EPOCHS="2")
+    state = wait("the job done", lambda: (j := job(cluster, jid))["JobState"] in
+                 ("COMPLETED", "FAILED", "CANCELLED") and j, 240)  # fmt: skip
+    log = (tmp_path / "run" / f"paramserver-{jid}.out").read_text()
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    assert "1 shard(s) at 127.0.0.1:50051, 2 worker(s)" in log
+    assert log.count("finished: 64 steps") == 2  # each worker half of 2 epochs of 64 batches
+    assert "SIGTERM received: stopping" in log  # the shard stopped cleanly...
+    assert saved_version(tmp_path / "run" / f"paramserver-{jid}") == 2 * BATCHES  # ...and saved
+    print(f"slurm job: {time.monotonic() - started:.1f} s from sbatch to COMPLETED")
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
+    jid = submit(cluster, tmp_path / "run", PARAMSERVER_EPOCHS="4", PARAMSERVER_STEP_DELAY="0.1",
+                 PARAMSERVER_CHECKPOINT_EVERY="10", PARAMSERVER_LEASE_TIMEOUT="5")  # fmt: skip
+    ckpt = tmp_path / "run" / f"paramserver-{jid}"
+    reached = wait("a checkpoint mid-run", lambda: (v := saved_version(ckpt)) >= 40 and v, 240)
+    assert reached < 4 * BATCHES
+    started = time.monotonic()
+    cluster.run(["scontrol", "requeue", jid])
+    state = wait("the requeued job done", lambda: (j := job(cluster, jid))["JobState"] in
+                 ("COMPLETED", "FAILED", "CANCELLED") and j["Restarts"] != "0" and j, 300)  # fmt: skip
+    log = (tmp_path / "run" / f"paramserver-{jid}.out").read_text()
+    assert state["JobState"] == "COMPLETED", log[-3000:]
+    assert "(restart 1)" in log and "resumed from incarnation" in log
+    saved = checkpoint.load(ckpt / checkpoint.SERVER_FILE)
+    # delay-1 applies every push: one optimizer step per batch, each batch exactly once
+    assert saved["version"] == 4 * BATCHES
+    assert saved["counters"]["samples"] == 4 * BATCHES * 64
+    print(
+        f"slurm requeue: resumed at version >= {reached}, done {time.monotonic() - started:.1f} s "
+        "after scontrol requeue"
+    )
