@@ -78,13 +78,10 @@ class Worker:
         shm: offer each server a shared-memory segment for the payloads (see
             ``paramserver.shm``); used only if the server shares this host's /dev/shm,
             otherwise payloads stream over gRPC. ``shm_active`` says which.
-        compress: "auto", "none", "fp16" or "bf16": the element type of gradients streamed
-            over gRPC (16 bits halve their bytes; the server widens them to its float32
-            master weights). "auto" (the default) pushes a float16 or bfloat16 model's
-            gradients in its own dtype and any other model's uncompressed (float32, or
-            float64 for a model with float64 tensors, whose master weights are float64).
-            Pulls carry the master weights (each worker rounds them to its parameters'
-            dtype), and pushes through shared memory are not compressed.
+        compress: "auto" (default: a float16/bfloat16 model's own dtype, else none),
+            "none", "fp16" or "bf16": the element type of gradients streamed over gRPC (16
+            bits halve their bytes; the server widens them to its master weights). Pulls
+            carry the master weights, and pushes through shared memory are not compressed.
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
