@@ -1,7 +1,9 @@
-"""Samples/s of 1, 2 and 4 workers under each policy, against one local process."""
+"""Samples/s of 1, 2 and 4 workers under each policy, against one local process (one torch
+thread, like each worker), and, for honesty, one local process with a thread per core."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,13 +18,18 @@ POLICIES = ("sync", "delay-1", "async")
 
 
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    local_all = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
     torch.set_num_threads(1)
     local = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
     counts = (1, 2) if quick else (1, 2, 4)
     warmup, window = (0.5, 1.0) if quick else (2.0, 8.0)
     figures: dict[str, Any] = {"batch": BATCH, "local_samples_per_s": local, "workers": list(counts),
-                               "window_s": window}  # fmt: skip
-    rows = [("one local process", f"{local:.0f} samples/s (mlp, batch {BATCH}, Adam, 1 thread)")]
+                               "window_s": window, "cores": cores,
+                               "local_all_cores_samples_per_s": local_all}  # fmt: skip
+    rows = [("one local process", f"{local:.0f} samples/s (mlp, batch {BATCH}, Adam, 1 thread)"),
+            (f"... with {cores} threads", f"{local_all:.0f} samples/s")]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         for policy in POLICIES:
             rates = [
@@ -31,6 +38,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             key = policy.replace("-", "")
             figures[f"{key}_samples_per_s"] = rates
             figures[f"{key}_vs_local"] = [r / local for r in rates]
+            figures[f"{key}_vs_local_all_cores"] = [r / local_all for r in rates]
             rows.append((policy, "  ".join(f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
                                            for n, r in zip(counts, rates, strict=True))))  # fmt: skip
     return rows, figures

@@ -23,7 +23,13 @@ KEYS = {
     ],
     "step": ["step_vs_local", "local_ms_64", "worker_ms_256", "worker_overlap_ms_256"],
     "straggler": ["ps_vs_ddp", "ddp_samples_per_s", "async_samples_per_s", "delay1_samples_per_s"],
-    "scaling": ["local_samples_per_s", "sync_samples_per_s", "async_vs_local"],
+    "scaling": [
+        "local_samples_per_s",
+        "sync_samples_per_s",
+        "async_vs_local",
+        "local_all_cores_samples_per_s",
+        "async_vs_local_all_cores",
+    ],
     "accuracy": ["time_to_target_s"],
 }
 
