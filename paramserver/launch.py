@@ -137,7 +137,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     scfg = cfg.server
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
-    manifest, _ = models.state(model)
+    manifest, tensors = models.state(model)  # refuses a model it cannot carry, before spawning
     per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
     if per_epoch < 1:
         raise ParamServerError(
@@ -191,7 +191,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                     run,
                     cluster,
                     model,
-                    manifest,
+                    (manifest, tensors),
                     dataset,
                     evaluated,
                     t0,
@@ -203,8 +203,8 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         bar.close()
         evaluated += 1
         # The checkpoint holds exactly the weights the last evaluation saw.
-        st, header, flat = _record_epoch(
-            run, cluster, model, manifest, dataset, evaluated, t0, None
+        st, header = _record_epoch(
+            run, cluster, model, (manifest, tensors), dataset, evaluated, t0, None
         )
         checkpoint.save(
             run.file("checkpoint.pt"), model.state_dict(),
@@ -239,16 +239,18 @@ def _record_epoch(
     run: RunDir,
     cluster: _Cluster,
     model: torch.nn.Module,
-    manifest: layout.Manifest,
+    state: tuple[layout.Manifest, list[torch.Tensor]],
     dataset: data.Data,
     epoch: int,
     t0: float,
     bar: tqdm | None,
-) -> tuple[pb.StatusResponse, pb.PullHeader, np.ndarray]:
-    """Evaluate the server's current weights, append a metrics line; returns what it read."""
+) -> tuple[pb.StatusResponse, pb.PullHeader]:
+    """Load the server's current weights and buffers into ``model`` (``state``: its
+    ``models.state``), evaluate it, append a metrics line; returns what it read."""
+    manifest, tensors = state
     st = cluster.status()
     header, flat = cluster.observe(manifest)
-    layout.unflatten_into(manifest, torch.from_numpy(flat), models.state(model)[1])
+    layout.unflatten_into(manifest, torch.from_numpy(flat), tensors)
     acc, loss = evaluate_batches(model, dataset.test_batches(2000))
     record = {
         "epoch": epoch,
@@ -268,7 +270,7 @@ def _record_epoch(
         bar.write(message, file=sys.stderr)
     else:
         log.info("%s", message)
-    return st, header, flat
+    return st, header
 
 
 def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:

@@ -77,9 +77,7 @@ class ParameterStore:
         if weights.size != self.manifest.numel:
             raise ValueError(f"{weights.size} weights for a model of {self.manifest.numel}.")
         with torch.no_grad():
-            self.flat.copy_(
-                torch.from_numpy(np.ascontiguousarray(weights, self.flat.numpy().dtype))
-            )
+            self.flat.copy_(torch.from_numpy(np.ascontiguousarray(weights, self.manifest.np_dtype)))
         self.optimizer.load_state_dict(optimizer_state)
         self.version = version
         self._snapshot = None

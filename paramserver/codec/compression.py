@@ -121,7 +121,8 @@ def by_name(
 ) -> type[Codec]:
     """The codec ``--compress name`` selects for a flat buffer of ``flat_dtype``; for
     "auto", the one whose wire dtype is that of every parameter in ``param_dtypes``
-    (float16, bfloat16), else none. None of a float64 buffer is ``Float64``.
+    (float16, bfloat16), else none. None sends the flat buffer's own elements (float32,
+    or ``Float64``).
 
     Raises:
         ValueError: no such codec (config turns it into a ConfigError).
@@ -131,7 +132,8 @@ def by_name(
         name = next((c.name for c in REGISTRY.values() if dtypes == {c.dtype}), "none")
     if name not in REGISTRY:
         raise ValueError(f"compress must be one of {', '.join(CHOICES)}; got {name!r}.")
-    return Float64 if REGISTRY[name] is Codec and flat_dtype == "float64" else REGISTRY[name]
+    codec = REGISTRY[name]
+    return BY_DTYPE[flat_dtype] if codec.raw else codec
 
 
 def by_dtype(name: str) -> type[Codec]:

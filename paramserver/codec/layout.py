@@ -206,7 +206,9 @@ def shard_manifest(model: Manifest, lo: int, hi: int) -> Manifest:
         n = min(b, hi) - max(a, lo)
         if n > 0:
             name, dtype = SHARD_TENSORS[role]
-            named.append((name, torch.empty(n, dtype=getattr(torch, dtype or model.dtype))))
+            # a meta tensor: its shape and dtype, and no memory
+            kind = getattr(torch, dtype or model.dtype)
+            named.append((name, torch.empty(n, dtype=kind, device="meta")))
             roles.append(role)
     return Manifest.from_tensors(named, roles, model.dtype)
 

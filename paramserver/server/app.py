@@ -34,6 +34,15 @@ HEALTH_SERVICES = ("", stub.SERVICE)
 MAX_MESSAGE_BYTES = 64 << 20
 
 
+# Hosts that bind every interface; clients on this machine dial 127.0.0.1 instead.
+EVERY_INTERFACE = ("0.0.0.0", "::", "[::]", "")
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 host in brackets, as host:port needs it."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
     """The manifest of ``model`` and its parameters and buffers as one flat array."""
     manifest, tensors = models.state(model)
@@ -123,19 +132,16 @@ class ServerApp:
     @property
     def address(self) -> str:
         """host:port that clients on this machine can dial."""
-        host = self.config.host
-        if host in ("0.0.0.0", "::", "[::]", ""):
-            host = "127.0.0.1"
+        host = "127.0.0.1" if self.config.host in EVERY_INTERFACE else self.config.host
         return f"{host}:{self.port}"
 
     @property
     def bound(self) -> str:
         """host:port the server listens on, as bound (0.0.0.0: every interface)."""
-        host = self.config.host
-        where = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        if self.address.split(":")[0] != host:
-            return f"{where}:{self.port} (every interface; dial {self.address} on this host)"
-        return f"{where}:{self.port}"
+        bound = f"{_bracketed(self.config.host)}:{self.port}"
+        if self.config.host in EVERY_INTERFACE:
+            return f"{bound} (every interface; dial {self.address} on this host)"
+        return bound
 
     def start(self) -> ServerApp:
         """Bind and serve; returns once the server accepts calls.
@@ -144,7 +150,7 @@ class ServerApp:
             ConfigError: the port cannot be bound.
         """
         host = self.config.host
-        bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        bind = _bracketed(host)
         creds = security.server_credentials(self.config.security)
         try:
             if creds is None:

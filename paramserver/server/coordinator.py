@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,7 +268,9 @@ class Coordinator:
             if cut is not None:
                 self.cuts.take(cut, self._state(cut))
 
-    def _share_buffers(self, workers: Any) -> None:
+    def _share_buffers(self, workers: Iterable[str]) -> None:
+        if not self.buffers.size:  # a model (or shard) without buffers: nothing to share
+            return
         values = self.buffers.combine(workers)
         if values is not None:
             self.store.set_buffers(values)
