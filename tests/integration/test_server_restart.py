@@ -22,6 +22,9 @@ from paramserver.worker.trainer import evaluate
 from tests.conftest import DEADLINE
 
 EPOCHS, BATCH, WORKERS = 3, 32, 2
+# Paces the run (192 rounds take at least 9.6 s) so that a status poll slowed by a loaded
+# machine still sees the server mid-run: unpaced, CI once saw round 97 when it waited for 30.
+STEP_DELAY = "0.05"
 
 
 def _server(tmp_path, port: int, ckpt, n: int) -> Child:
@@ -69,7 +72,7 @@ def test_workers_survive_a_server_restart_from_its_checkpoint(tmp_path):
         workers = [
             Child(f"worker-{i}",
                   ["worker", "--server", address, "--device", "cpu", "--name", f"w{i}",
-                   "--server-timeout", "120", "--rpc-timeout", "30"],
+                   "--server-timeout", "120", "--rpc-timeout", "30", "--step-delay", STEP_DELAY],
                   tmp_path / f"worker-{i}.log")
             for i in range(WORKERS)
         ]  # fmt: skip
