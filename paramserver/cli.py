@@ -367,7 +367,7 @@ def plot(run_dir: str, out: str | None) -> None:
     click.echo(str(path))
 
 
-BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy")
+BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy", "wakeup")
 
 
 @cli.command()

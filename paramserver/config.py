@@ -19,6 +19,7 @@ from paramserver.staleness import Policy
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
+SHM_CHOICES = ("on", "payloads", "off")
 DATASETS = ("fashion-mnist", "synthetic")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.
@@ -262,7 +263,7 @@ class WorkerConfig:
     step_delay: float = setting(0.0, "--step-delay", "Extra seconds per step: simulates a straggler.")  # fmt: skip
     name: str | None = setting(None, "--name", "Name shown in the server's status [default: host:pid].")  # fmt: skip
     overlap: str = setting("auto", "--overlap", "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU.", choices=("auto", "on", "off"))  # fmt: skip
-    shm: str = setting("on", "--shm", "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams).", choices=("on", "off"))  # fmt: skip
+    shm: str = setting("on", "--shm", "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams). on: each step's control also goes over the server's same-host socket; payloads: control over gRPC; off: no segment.", choices=SHM_CHOICES)  # fmt: skip
     compress: str = setting(compression.AUTO, "--compress", "Element type of gradients streamed over gRPC (fp16, bf16: half the bytes; the server keeps float32); auto: a float16 or bfloat16 model's own, else none. Not used through shared memory.", choices=compression.CHOICES)  # fmt: skip
     push_every: int = setting(1, "--push-every", "Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step.")  # fmt: skip
     server_timeout: float = setting(300.0, "--server-timeout", "Seconds to keep retrying (backoff with jitter) while the server is unreachable, e.g. restarting, before the worker gives up.")  # fmt: skip
@@ -325,8 +326,8 @@ def _check_compress(value: str) -> None:
 
 
 def _check_shm(value: str) -> None:
-    if value not in ("on", "off"):
-        raise ConfigError(f"--shm must be on or off; got {value!r}.")
+    if value not in SHM_CHOICES:
+        raise ConfigError(f"--shm must be one of {', '.join(SHM_CHOICES)}; got {value!r}.")
 
 
 def _check_overlap(value: str) -> None:

@@ -61,9 +61,12 @@ class _Regions:
     mapping: mmap.mmap
     weights: np.ndarray
     slots: list[np.ndarray]
+    nonce: bytes = b""
 
     @classmethod
-    def of(cls, mapping: mmap.mmap, total_bytes: int, slots: int, dtype: str) -> _Regions:
+    def of(
+        cls, mapping: mmap.mmap, total_bytes: int, slots: int, dtype: str, nonce: bytes = b""
+    ) -> _Regions:
         raw = np.frombuffer(mapping, np.uint8)
         step = _aligned(total_bytes)
 
@@ -71,7 +74,7 @@ class _Regions:
             start = _ALIGN + i * step
             return raw[start : start + total_bytes].view(dtype)
 
-        return cls(mapping, region(0), [region(1 + i) for i in range(slots)])
+        return cls(mapping, region(0), [region(1 + i) for i in range(slots)], nonce)
 
     def close(self) -> None:
         self.weights = np.empty(0, np.float32)
@@ -166,7 +169,9 @@ class Attachments:
             log.info("worker %s: %s holds another nonce; streaming", worker_id, path)
             return False
         with self._lock:
-            self._by_worker[worker_id] = _Regions.of(mapping, self.total_bytes, slots, self.dtype)
+            self._by_worker[worker_id] = _Regions.of(
+                mapping, self.total_bytes, slots, self.dtype, bytes(nonce)
+            )
         return True
 
     def detach(self, worker_id: str) -> None:
@@ -175,6 +180,12 @@ class Attachments:
             regions = self._by_worker.pop(worker_id, None)
         if regions is not None:
             regions.close()
+
+    def authenticates(self, worker_id: str, nonce: bytes) -> bool:
+        """Whether ``worker_id``'s mapped segment holds ``nonce`` (the control socket's hello)."""
+        with self._lock:
+            regions = self._by_worker.get(worker_id)
+        return regions is not None and hmac.compare_digest(regions.nonce, nonce)
 
     def has(self, worker_id: str) -> bool:
         with self._lock:
@@ -190,9 +201,9 @@ class Attachments:
             )
         return regions
 
-    def write_weights(self, worker_id: str, weights: np.ndarray) -> None:
-        """Copy ``weights`` into the worker's weights region."""
-        np.copyto(self._get(worker_id).weights, weights)
+    def weights(self, worker_id: str) -> np.ndarray:
+        """The worker's weights region, for a pull to write into."""
+        return self._get(worker_id).weights
 
     def gradient(self, worker_id: str, slot: int) -> np.ndarray:
         """A view of the gradient the worker wrote into ``slot``."""

@@ -266,6 +266,8 @@ def unflatten_into(
     with torch.no_grad():
         for t, a, b, at, whole in _pieces(manifest, tensors, lo, hi):
             src = flat[at : at + b - a]
+            if whole and t.data_ptr() == src.data_ptr() and t.device == src.device:
+                continue  # the tensor is a view of the buffer (``views_of``): in place already
             if whole:
                 t.copy_(src.view(t.shape), non_blocking=True)
             elif t.is_contiguous():
@@ -274,6 +276,16 @@ def unflatten_into(
                 part = t.reshape(-1).clone()
                 part[a:b].copy_(src)
                 t.copy_(part.view(t.shape))
+
+
+def views_of(
+    manifest: Manifest, flat: torch.Tensor, tensors: Sequence[torch.Tensor], lo: int, hi: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each contiguous tensor wholly inside elements [lo, hi), of ``flat``'s dtype and
+    device, with the view of ``flat`` (the range's buffer) that holds it, in its shape."""
+    for t, a, b, at, whole in _pieces(manifest, tensors, lo, hi):
+        if whole and t.dtype == flat.dtype and t.device == flat.device and t.is_contiguous():
+            yield t, flat[at : at + b - a].view(t.shape)
 
 
 def state_dict(manifest: Manifest, flat: np.ndarray) -> dict[str, torch.Tensor]:

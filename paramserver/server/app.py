@@ -21,7 +21,8 @@ from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
-from paramserver.server.metrics import Metrics
+from paramserver.server.doorbell import Doorbell
+from paramserver.server.metrics import SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.shm import Attachments
 from paramserver.store import ParameterStore
@@ -119,7 +120,11 @@ class ServerApp:
         )
         self.shared = Attachments(manifest.total_bytes, manifest.dtype)
         rewind = self.checkpointer.rewind if self.checkpointer and config.cuts else None
-        stub.register(Servicer(self.coordinator, self.shared, rewind), self._grpc)
+        servicer = Servicer(self.coordinator, self.shared, rewind)
+        self._servicer = servicer
+        self.doorbell = Doorbell(servicer.steps, self.shared, self.coordinator.notify,
+                                 self.metrics.latency.labels(SOCKET_METHOD).observe)  # fmt: skip
+        stub.register(servicer, self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = health.HealthServicer()
         for service in HEALTH_SERVICES:
@@ -165,6 +170,7 @@ class ServerApp:
                 f"Cannot listen on {host}:{self.config.port}: the port is in use or the "
                 "address is not on this machine."
             )
+        self._servicer.control = self.doorbell.start()
         self._grpc.start()
         if self.config.metrics_port is not None:
             try:
@@ -226,7 +232,7 @@ class ServerApp:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         done = self._grpc.stop(grace)
-        self.coordinator.notify()  # wake pulls blocked on a barrier so they see the end
+        self.doorbell.close()  # and wakes pulls blocked on a barrier so they see the end
         done.wait()
         if self.checkpointer is not None:
             self.checkpointer.stop()

@@ -44,7 +44,7 @@ class PushResult:
 class PullResult:
     version: int
     staleness: int
-    weights: np.ndarray  # read-only snapshot
+    weights: np.ndarray  # a read-only snapshot, or the pull's ``out``, written
     batches: tuple[int, ...] = ()  # the global batches to compute; none: nothing for now
     finished: bool = False  # every batch of the run is applied
 
@@ -290,6 +290,7 @@ class Coordinator:
         is_active: Callable[[], bool] = lambda: True,
         batches: int = 1,
         incarnation: str = "",
+        out: np.ndarray | None = None,
     ) -> PullResult:
         """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
         the policy allows; an empty id observes.
@@ -297,6 +298,9 @@ class Coordinator:
         Under ``ssp:K`` and ``async`` a worker that finds no batch left waits for one (a
         batch given back by a dead worker) or for the end of the run; under ``sync`` it gets
         batch -1 and pushes an empty gradient, so the round does not wait for it.
+
+        ``out`` (a worker's shared segment) receives the weights, copied under the lock;
+        without it the result holds a snapshot shared by the pulls of one version.
 
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
@@ -308,7 +312,7 @@ class Coordinator:
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
-                return self._answer(None)
+                return self._answer(None, out=out)
             member = self.membership.touch(worker_id)
             if iteration > member.clock + max(self.policy.max_inflight_pushes(), 1):
                 raise OutOfOrder(
@@ -325,13 +329,13 @@ class Coordinator:
                 while True:
                     if self.queue is not None and self.queue.finished:
                         # nothing left to compute: no staleness to speak of
-                        return self._answer(None, finished=True)
+                        return self._answer(None, finished=True, out=out)
                     if self._pull_ready(iteration):
                         if self.queue is None:
-                            return self._answer(iteration)
+                            return self._answer(iteration, out=out)
                         taken = self.queue.take(worker_id, iteration, batches)
                         if taken or self.policy.synchronous:
-                            return self._answer(iteration, tuple(taken))
+                            return self._answer(iteration, tuple(taken), out=out)
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
                         raise Timeout(self._wait_message(worker_id, iteration, timeout))
@@ -350,9 +354,15 @@ class Coordinator:
         return self.policy.pull_ready(iteration, low, self.rounds)
 
     def _answer(
-        self, iteration: int | None, batches: tuple[int, ...] = (), finished: bool = False
+        self,
+        iteration: int | None,
+        batches: tuple[int, ...] = (),
+        finished: bool = False,
+        out: np.ndarray | None = None,
     ) -> PullResult:
-        weights = self.store.snapshot()
+        if out is not None:
+            np.copyto(out, self.store.weights)
+        weights = self.store.snapshot() if out is None else out
         self.counters.bytes_out += weights.nbytes
         lag = 0
         if iteration is not None:

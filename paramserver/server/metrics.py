@@ -140,6 +140,9 @@ class LatencyInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
 
+SOCKET_METHOD = "SocketPushPull"  # the method label of steps on the control socket
+
+
 class Metrics:
     """The registry of one server, its latency interceptor and its HTTP endpoint."""
 
@@ -147,7 +150,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "paramserver_rpc_seconds",
-            "Time to serve an RPC, by method (Push: receive and apply; Pull: wait and send).",
+            "Time to serve an RPC, by method (Push: receive and apply; Pull: wait and send; "
+            f"{SOCKET_METHOD}: a step on the same-host control socket).",
             ["method"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,

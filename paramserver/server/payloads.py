@@ -61,13 +61,22 @@ class Payloads:
             if len(self._free) < KEEP_BUFFERS:
                 self._free.append(buf)
 
+    def destination(self, request: pb.PullRequest) -> np.ndarray | None:
+        """Where the pull's weights go: the worker's segment (the coordinator writes them
+        there, one copy), or None (a snapshot, streamed).
+
+        Raises:
+            InvalidRequest: a pull through shared memory from a worker without a segment
+                (before the pull takes a batch).
+        """
+        return self.shared.weights(request.worker_id) if request.shm else None
+
     def weights(
         self, request: pb.PullRequest, header: pb.PullHeader, weights: np.ndarray
     ) -> memoryview:
-        """The bytes to stream after ``header``: none when the weights went into the
-        worker's segment (``header.shm`` says so)."""
+        """The bytes to stream after ``header``: none when the weights are in the worker's
+        segment already (``header.shm`` says so)."""
         if request.shm:
-            self.shared.write_weights(request.worker_id, weights)
             header.shm = True
             return memoryview(b"")
         return compression.as_bytes(weights)

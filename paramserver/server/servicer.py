@@ -11,10 +11,11 @@ import grpc
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
-from paramserver.codec import compression, wire
-from paramserver.errors import InvalidRequest, OutOfOrder, ParamServerError, to_status
+from paramserver.codec import wire
+from paramserver.errors import OutOfOrder, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
+from paramserver.server.steps import Steps
 from paramserver.shm import Attachments
 
 log = logging.getLogger(__name__)
@@ -51,19 +52,23 @@ def _guard_stream(stream: Iterator[Any], context: grpc.ServicerContext) -> Itera
 
 
 class Servicer(pb_grpc.ParameterServerServicer):
-    """Maps the six RPCs of the wire contract onto a Coordinator (payloads of workers on
-    this host through their shared-memory segments, the others' through the codec)."""
+    """Maps the RPCs of the wire contract onto a Coordinator; a step's push and pull go
+    through ``Steps`` (payloads of workers on this host through their shared-memory
+    segments, the others' through the codec). ``control``: the same-host control socket's
+    name, offered to workers whose segment was mapped."""
 
     def __init__(
         self,
         coordinator: Coordinator,
         shared: Attachments,
         rewind: Callable[[int, str], None] | None = None,
+        control: str = "",
     ):
         self.c = coordinator
         self.shared = shared
-        self.payloads = Payloads(shared, coordinator.manifest.np_dtype)
+        self.steps = Steps(coordinator, Payloads(shared, coordinator.manifest.np_dtype))
         self.rewind = rewind
+        self.control = control
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
@@ -92,6 +97,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             chunk_bytes=cfg.chunk_bytes,
             incarnation=self.c.incarnation,
             shm=shm,
+            shm_control=self.control if shm else "",
             shard=cfg.shard,
             shards=cfg.shards,
             model_numel=self.c.model_numel,
@@ -101,68 +107,8 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def _pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> tuple[pb.PullHeader, memoryview]:
-        context.add_callback(self.c.notify)
-        remaining = context.time_remaining()
-        timeout = self.c.config.barrier_timeout
-        if remaining is not None:
-            timeout = min(timeout, remaining)
-        self.c.check_incarnation(request.incarnation)
-        result = self.c.pull(
-            request.worker_id,
-            request.iteration,
-            timeout,
-            context.is_active,
-            request.batches or 1,
-            request.incarnation,
-        )
-        header = pb.PullHeader(
-            version=result.version,
-            staleness=result.staleness,
-            batch=result.batch,
-            batches=result.batches,
-            finished=result.finished,
-        )
-        return header, self.payloads.weights(request, header, result.weights)
-
-    def _check_push_header(self, h: pb.PushHeader) -> None:
-        """The header's own consistency: its shard, element type and byte count."""
-        itemsize = compression.wire_itemsize(h.dtype)
-        shard = self.c.config.shard
-        if h.shard != shard:
-            raise InvalidRequest(f"A push for shard {h.shard} reached shard {shard} of the server.")
-        numel = self.c.manifest.numel
-        expected = 0 if h.empty or h.shm else numel * itemsize
-        if h.total_bytes != expected:
-            why = (
-                " (an empty push carries none)."
-                if h.empty
-                else " (a push through shared memory streams none)."
-                if h.shm
-                else "."
-            )
-            raise InvalidRequest(
-                f"A push of {h.total_bytes} bytes does not match the model's "
-                f"{numel * itemsize} bytes of {compression.wire_dtype(h.dtype)}{why}"
-            )
-        if h.iteration < 0:
-            raise InvalidRequest(f"Iteration {h.iteration} is negative.")
-
-    def _push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
-        self.c.check_incarnation(header.incarnation)
-        self._check_push_header(header)
-        self.c.accept_header(header.worker_id)
-        with self.payloads.gradient(header, rest) as grad:
-            result = self.c.push(
-                header.worker_id,
-                header.iteration,
-                grad,
-                header.samples,
-                header.loss,
-                header.incarnation,
-            )
-        return pb.PushResponse(
-            version=result.version, clock=result.clock, duplicate=result.duplicate
-        )
+        context.add_callback(self.c.notify)  # a pull waiting for the policy ends with its call
+        return self.steps.pull(request, context.time_remaining(), context.is_active)
 
     @_rpc
     def Pull(
@@ -175,20 +121,14 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def Push(
         self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext
     ) -> pb.PushResponse:
-        return self._push(wire.decode_push_header(request_iterator), request_iterator)
+        return self.steps.push(wire.decode_push_header(request_iterator), request_iterator)
 
     @_rpc
     def PushPull(
         self, request: pb.PushPullRequest, context: grpc.ServicerContext
     ) -> pb.PushPullResponse:
-        asks_pull = request.HasField("pull")
-        if not request.push.shm or (asks_pull and not request.pull.shm):
-            raise InvalidRequest("PushPull carries its payloads in shared memory only.")
-        push = self._push(request.push, iter(()))
-        if not asks_pull:
-            return pb.PushPullResponse(push=push)
-        pull, _ = self._pull(request.pull, context)
-        return pb.PushPullResponse(push=push, pull=pull)
+        context.add_callback(self.c.notify)
+        return self.steps.push_pull(request, context.time_remaining(), context.is_active)
 
     @_rpc
     def Rewind(self, request: pb.RewindRequest, context: grpc.ServicerContext) -> pb.RewindResponse:

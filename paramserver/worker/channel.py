@@ -7,7 +7,10 @@ the shard's range of the model's flat buffer. Control (the headers) always goes 
 - ``GrpcStreamChannel``: payloads stream in chunks (``codec.wire``), gradients optionally
   compressed (``codec.compression``): for any server, on any host.
 - ``ShmChannel``: payloads go through the worker's shared-memory segment that the server
-  mapped at Join (``paramserver.shm``); a push and the next pull are one unary PushPull.
+  mapped at Join (``paramserver.shm``); a push and the next pull are one PushPull, carried
+  by the server's same-host control socket when it offered one (``ControlSocket``), else by
+  a gRPC call. A control socket that fails (the server died, a deadline passed) is dropped
+  and that session's steps go over gRPC, whose retries and rejoins take over.
 
 ``open_channel`` chooses: shared memory when the server mapped the segment, else streams.
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import abc
 import logging
+import socket
+import threading
 
 import grpc
 import numpy as np
@@ -23,7 +28,7 @@ import torch
 
 from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import compression, wire
+from paramserver.codec import compression, records, wire
 from paramserver.errors import from_rpc_error
 from paramserver.stub import Stub
 
@@ -55,6 +60,11 @@ class PayloadChannel(abc.ABC):
     ) -> pb.PullHeader:
         """``push``, then ``pull``: one round trip where the channel can."""
 
+    @property
+    @abc.abstractmethod
+    def description(self) -> str:
+        """How the payloads and the steps travel, for the log."""
+
     def close(self) -> None:  # noqa: B027 - only a shared segment has anything to release
         """Release what the channel holds (a shared segment)."""
 
@@ -77,6 +87,10 @@ class GrpcStreamChannel(PayloadChannel):
         self.slots = slots
         self.codec = codec
         self.chunk_bytes = chunk_bytes
+
+    @property
+    def description(self) -> str:
+        return f"streamed over gRPC (gradients in {self.codec.dtype})"
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         payload = memoryview(b"")
@@ -101,23 +115,86 @@ class GrpcStreamChannel(PayloadChannel):
         return self.pull(request, timeout)
 
 
+class ControlSocket:
+    """The worker's end of a server's same-host control socket (``server/doorbell.py``):
+    one PushPull a frame (``codec/records.py``), answered or failed as a gRPC call is."""
+
+    MARGIN = 5.0  # seconds past the call's deadline before the server is deemed stuck
+
+    def __init__(self, name: str, worker_id: str, nonce: bytes, timeout: float):
+        self.busy = threading.Lock()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect("\0" + name)
+            records.send(self.sock, records.Frame(nonce + worker_id.encode()))
+            self._reply()
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _reply(self) -> bytes:
+        frame = records.recv(self.sock)
+        if frame is None:
+            raise ConnectionError("the server closed its control socket")
+        return records.raise_for(frame)
+
+    def push_pull(self, request: pb.PushPullRequest, timeout: float) -> pb.PushPullResponse:
+        self.sock.settimeout(timeout + self.MARGIN)
+        records.send(self.sock, records.Frame(request.SerializeToString(), seconds=timeout))
+        return pb.PushPullResponse.FromString(self._reply())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def open_control(name: str, worker_id: str, nonce: bytes, timeout: float) -> ControlSocket | None:
+    """A connection to the control socket ``name``, or None (logged): steps go over gRPC."""
+    if not name:
+        return None
+    try:
+        return ControlSocket(name, worker_id, nonce, timeout)
+    except (OSError, grpc.RpcError) as exc:
+        log.warning("cannot use the server's control socket (%s); steps go over gRPC", exc)
+        return None
+
+
 class ShmChannel(PayloadChannel):
-    """Payloads in the worker's segment, mapped by the server: headers alone on the wire."""
+    """Payloads in the worker's segment, mapped by the server: headers alone on the wire,
+    through the control socket if there is one."""
 
     shm = True
 
-    def __init__(self, stub: Stub, segment: shmem.Segment):
+    def __init__(self, stub: Stub, segment: shmem.Segment, control: ControlSocket | None = None):
         self.stub = stub
         self.segment = segment
+        self.control = control
         self.weights = torch.from_numpy(segment.weights)
         self.slots = [torch.from_numpy(a) for a in segment.slots]
 
+    @property
+    def description(self) -> str:
+        via = "the control socket" if self.control is not None else "gRPC"
+        return f"in shared memory, steps over {via}"
+
+    def _push_pull(self, request: pb.PushPullRequest, timeout: float) -> pb.PushPullResponse:
+        control = self.control
+        # One call at a time on the socket; another at the same moment goes over gRPC.
+        if control is not None and control.busy.acquire(blocking=False):
+            try:
+                return control.push_pull(request, timeout)
+            except OSError as exc:  # EOF, reset, timeout: the server is gone or stuck
+                log.warning("the control socket failed (%s); steps go over gRPC", exc)
+                control.close()
+                self.control = None
+            finally:
+                control.busy.release()
+        reply: pb.PushPullResponse = self.stub.PushPull(request, timeout=timeout)
+        return reply
+
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         header.shm, header.shm_slot = True, slot
-        reply: pb.PushPullResponse = self.stub.PushPull(
-            pb.PushPullRequest(push=header), timeout=timeout
-        )
-        return reply.push
+        return self._push_pull(pb.PushPullRequest(push=header), timeout).push
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
         request.shm = True
@@ -129,12 +206,11 @@ class ShmChannel(PayloadChannel):
         self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
     ) -> pb.PullHeader:
         header.shm, header.shm_slot, request.shm = True, slot, True
-        reply: pb.PushPullResponse = self.stub.PushPull(
-            pb.PushPullRequest(push=header, pull=request), timeout=timeout
-        )
-        return reply.pull
+        return self._push_pull(pb.PushPullRequest(push=header, pull=request), timeout).pull
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
         self.segment.close()
 
 
@@ -172,23 +248,29 @@ def new_segment(nbytes: int, slots: int, dtype: str = "float32") -> shmem.Segmen
 def open_channel(
     stub: Stub,
     segment: shmem.Segment | None,
-    mapped: bool,
+    reply: pb.JoinResponse,
     private: tuple[torch.Tensor, list[torch.Tensor]],
     codec: compression.Codec,
-    chunk_bytes: int,
+    control: bool = True,
+    timeout: float = 60.0,
 ) -> PayloadChannel:
-    """The channel for a session that offered ``segment`` (or none) at Join: shared memory
-    if the server ``mapped`` it, else streams over ``private`` (weights, slots) buffers.
+    """The channel for a session that offered ``segment`` (or none) at Join and got
+    ``reply``: shared memory if the server mapped it (steps over its control socket if it
+    offered one and ``control``; ``timeout`` bounds the connect), else streams over
+    ``private`` (weights, slots) buffers.
 
     The segment's name is unlinked either way: the server holds its mapping, or declined.
     """
     if segment is not None:
         segment.unlink()
-        if mapped:
-            return ShmChannel(stub, segment)
+        if reply.shm:
+            name = reply.shm_control if control else ""
+            return ShmChannel(
+                stub, segment, open_control(name, reply.worker_id, segment.nonce, timeout)
+            )
         segment.close()
     weights, slots = private
-    return GrpcStreamChannel(stub, weights, slots, codec, chunk_bytes)
+    return GrpcStreamChannel(stub, weights, slots, codec, reply.chunk_bytes)
 
 
 def observe(

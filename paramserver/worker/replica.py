@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from paramserver import models
-from paramserver.codec.layout import flatten_into, unflatten_into
+from paramserver.codec.layout import flatten_into, unflatten_into, views_of
 
 
 def sync(device: torch.device) -> None:
@@ -28,6 +28,7 @@ class Replica:
         self.params = self.tensors[: sum(s.role == "param" for s in self.manifest.tensors)]
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
+        self.bound = 0  # tensors that are views of the weights' buffers (``bind``)
 
     def stage(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Copy the gradients (zeros where a parameter has none), then the buffers' values,
@@ -41,6 +42,18 @@ class Replica:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def bind(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Make each tensor that lies wholly in one ``(lo, hi, buffer)`` of received weights
+        a view of it, its value copied there first: a pull then writes the model in place and
+        ``load`` skips it. Only where nothing computes while a pull lands (blocking steps)."""
+        self.bound = 0
+        with torch.no_grad():
+            for lo, hi, buffer in parts:
+                for t, view in views_of(self.manifest, buffer, self.tensors, lo, hi):
+                    view.copy_(t)
+                    t.data = view
+                    self.bound += 1
 
     def load(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Copy each ``(lo, hi, buffer)`` of weights and buffers into the tensors it covers."""

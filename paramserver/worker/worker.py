@@ -11,7 +11,8 @@ It is also the public API for a user's own training loop::
 One session per server shard (``session``), each with a payload channel (``channel``) over
 the shard's range of the model's flat buffer; a step stages the gradients once into every
 range (one copy), moves them as ``pipeline`` says, and loads every range's weights back into
-the model (one copy).
+the model (one copy; none for blocking steps through shared memory, where the model's
+tensors live in the segments: ``Replica.bind``).
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ class Worker:
             its own data and ignores batches.
         overlap: push in the background while the next step computes (as far as the policy
             allows), instead of waiting for the push before pulling. None: on for CUDA
-            models, off on CPU, where compute and communication share the same cores and
-            waiting lets each worker read its own last update (measured: same throughput,
-            about 1.5 points better test accuracy after one epoch of Fashion-MNIST).
+            models, off on CPU (``docs/api.md`` says why).
         shm: offer each server a shared-memory segment for the payloads (see
             ``paramserver.shm``); used only if the server shares this host's /dev/shm,
-            otherwise payloads stream over gRPC. ``shm_active`` says which.
+            otherwise payloads stream over gRPC. ``shm_active`` says which. ``shm_control``:
+            with shared memory, carry each step's control over the server's same-host
+            control socket instead of a gRPC call (``control_active`` says if it does).
         compress: "auto" (default: a float16/bfloat16 model's own dtype, else none),
             "none", "fp16" or "bf16": the element type of gradients streamed over gRPC (16
             bits halve their bytes; the server widens them to its master weights). Pulls
@@ -105,6 +106,7 @@ class Worker:
         security: Security | None = None,
         train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
         shm: bool = True,
+        shm_control: bool = True,
         compress: str = compression.AUTO,
         push_every: int = 1,
         transport: Callable[[str], Any] | None = None,
@@ -126,6 +128,7 @@ class Worker:
         self.compress = compress
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.shm = shm and shmem.available()
+        self.shm_control = shm_control
         self._stop = threading.Event()
         self._closed = False
         make_stub = transport or (lambda a: Stub(connect(a, connect_timeout, security)))
@@ -177,25 +180,17 @@ class Worker:
             raise
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._pipe = Pipeline(self.sessions, self._slots, rpc_timeout, barrier_timeout)
+        self._bind()
         self.version = 0
         self.last_staleness = 0
         self.batch: int | None = None  # the batch to compute next, when the server hands them out
         self.batches: list[int] = []  # all of them, with push_every > 1
         self.finished = False  # the server has applied every batch of the run
         self._heartbeats = Heartbeats(self.sessions, self._stop).start()
-        log.info(
-            "joined %s as %s (rank %d of %d) at clock %d under %s; %s; payloads %s",
-            self.address,
-            self.worker_id,
-            self.rank,
-            self.plan.world_size,
-            self.clock,
-            self.policy.name,
-            f"steps {self.mode.value}",
-            "in shared memory"
-            if self.shm_active
-            else f"streamed over gRPC (gradients in {self._codec.dtype})",
-        )
+        log.info("joined %s as %s (rank %d of %d) at clock %d under %s; steps %s; payloads %s",
+                 self.address, self.worker_id, self.rank, self.plan.world_size, self.clock,
+                 self.policy.name, self.mode.value,
+                 getattr(self.sessions[0].channel, "description", ""))  # fmt: skip
         try:
             self.pull()
         except BaseException:
@@ -225,19 +220,20 @@ class Worker:
             if segment is not None:
                 segment.close()
             raise
-        old, s.channel = (
-            s.channel,
-            open_channel(
-                s.stub,
-                segment,
-                reply.shm,
-                self._buffers.views(lo, hi),
-                self._codec(hi - lo),
-                reply.chunk_bytes,
-            ),
-        )
+        old, s.channel = s.channel, open_channel(s.stub, segment, reply, self._buffers.views(lo, hi),
+                                                 self._codec(hi - lo), self.shm_control,
+                                                 s.rpc_timeout)  # fmt: skip
         if old is not None:
             old.close()
+
+    def _bind(self) -> None:
+        """Blocking steps through shared memory: the model's tensors live in the segments'
+        weights, so a pull writes them in place (no copy into the model)."""
+        if self.mode is StepMode.BLOCKING:
+            parts = self._parts()
+            self._replica.bind(
+                [(lo, hi, s.channel.weights) for s, (lo, hi) in parts if s.channel.shm]
+            )
 
     def _rejoin_lost(self) -> None:
         """Join every lost session again, once the pushes in flight have ended; after a
@@ -248,6 +244,7 @@ class Worker:
             was = [self.sessions[i].incarnation for i in lost]
             for i in lost:
                 self._attach(i, retry=True)
+            self._bind()  # into the new segments
             restarted = any(
                 self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)
             )
@@ -285,6 +282,11 @@ class Worker:
     def shm_active(self) -> bool:
         """Whether every shard's payloads go through a shared segment its server mapped."""
         return all(s.channel is not None and s.channel.shm for s in self.sessions)
+
+    @property
+    def control_active(self) -> bool:
+        """Whether every shard's steps go over its server's same-host control socket."""
+        return all(getattr(s.channel, "control", None) for s in self.sessions)
 
     @property
     def mode(self) -> StepMode:

@@ -21,7 +21,15 @@ KEYS = {
         "pull_grpc_gbps",
         "push_grpc_2shards_gbps",
     ],
-    "step": ["step_vs_local", "local_ms_64", "worker_ms_256", "worker_overlap_ms_256"],
+    "step": [
+        "step_vs_local",
+        "local_ms_64",
+        "worker_ms_256",
+        "worker_overlap_ms_256",
+        "worker_ms_64_grpc",
+        "worker_overlap_ms_64_grpc",
+    ],
+    "wakeup": ["unix_socket_us", "grpc_unary_us", "futex_us", "eventfd_us"],
     "straggler": ["ps_vs_ddp", "ddp_samples_per_s", "async_samples_per_s", "delay1_samples_per_s"],
     "scaling": [
         "local_samples_per_s",

@@ -16,6 +16,7 @@ import paramserver as ps
 from paramserver import data
 from paramserver import shm as shm_module
 from paramserver.stub import Stub, connect
+from paramserver.worker.channel import ControlSocket
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 
 
@@ -56,12 +57,35 @@ class DropPushReplies(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientIn
         return self._maybe_drop(outcome)
 
 
+class DropSocketReplies(DropPushReplies):
+    """The same losses on the same-host control socket: the server answered, the worker
+    hears nothing (the session retries on the same socket)."""
+
+    def wrap(self, push_pull):  # type: ignore[no-untyped-def]
+        def lossy(socket, request, timeout):  # type: ignore[no-untyped-def]
+            reply = push_pull(socket, request, timeout)
+            self._maybe_drop(Answered(reply))
+            return reply
+
+        return lossy
+
+
+class Answered:
+    def __init__(self, value):  # type: ignore[no-untyped-def]
+        self.value = value
+
+    def result(self):  # type: ignore[no-untyped-def]
+        return self.value
+
+
 def _train(
-    address: str, model: nn.Module, steps: int, shm: bool, transport=None
+    address: str, model: nn.Module, steps: int, shm: str, transport=None
 ) -> dict[str, torch.Tensor]:
     ds = data.synthetic(train=256, test=16)
-    with ps.Worker(address, model, shm=shm, transport=transport) as w:
-        assert w.shm_active is (shm and shm_module.available())
+    kw = {"shm": shm != "streamed", "shm_control": shm == "control-socket"}
+    with ps.Worker(address, model, transport=transport, **kw) as w:
+        assert w.shm_active is (kw["shm"] and shm_module.available())
+        assert w.control_active is (kw["shm_control"] and shm_module.available())
         for step in range(steps):
             idx = data.batch_indices(len(ds.train_x), 0, 16, step)
             F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
@@ -69,15 +93,18 @@ def _train(
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["streamed", "shared-memory"])
+@pytest.mark.parametrize("shm", ["streamed", "shared-memory", "control-socket"])
 @pytest.mark.parametrize("policy", ["sync", "delay-1"])
-def test_a_push_whose_reply_is_lost_is_applied_once(serve, policy, shm):
+def test_a_push_whose_reply_is_lost_is_applied_once(serve, policy, shm, monkeypatch):
     steps = 20
     start = tiny_model()
     clean = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
     expected = _train(clean.address, replica(start), steps, shm)
 
     dropper = DropPushReplies(every=3)
+    if shm == "control-socket":
+        dropper = DropSocketReplies(every=3)
+        monkeypatch.setattr(ControlSocket, "push_pull", dropper.wrap(ControlSocket.push_pull))
     lossy = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
     got = _train(
         lossy.address,

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from paramserver.config import Security, WorkerConfig
+from paramserver.server.metrics import SOCKET_METHOD
 from paramserver.worker.trainer import run
 from tests.conftest import WorkerThread
 
@@ -75,11 +76,13 @@ def test_metrics_follow_a_training_run(serve, tmp_path):
     # every pull's staleness is in the histogram; under delay-1 none is above 1
     assert one(after, "paramserver_staleness_count") == status["pulls_answered"]
     assert one(after, "paramserver_staleness_bucket", le="1.0") == status["pulls_answered"]
-    # latency of every RPC, by method; workers on this host push (and pull) with PushPull
+    # latency of every RPC, by method; workers on this host push (and pull) with PushPull,
+    # on the same-host control socket
     calls = {lab["method"]: v for lab, v in after["paramserver_rpc_seconds_count"]}
-    assert calls.get("Push", 0) + calls.get("PushPull", 0) >= 64
-    assert calls.get("Pull", 0) + calls.get("PushPull", 0) >= 64
-    method = "PushPull" if "PushPull" in calls else "Push"
+    steps = calls.get("PushPull", 0) + calls.get(SOCKET_METHOD, 0)
+    assert calls.get("Push", 0) + steps >= 64
+    assert calls.get("Pull", 0) + steps >= 64
+    method = next(m for m in (SOCKET_METHOD, "PushPull", "Push") if m in calls)
     assert one(after, "paramserver_rpc_seconds_sum", method=method) > 0
 
     server.stop()

@@ -101,7 +101,11 @@ def test_workers_survive_a_server_restart_from_its_checkpoint(tmp_path):
 
         for w in workers:
             assert w.proc.wait(DEADLINE) == 0, w.tail(20)
-            assert "rejoined" in w.log_path.read_text()
+            log = w.log_path.read_text()
+            assert "rejoined" in log
+            # same host: steps went over the control socket, whose end the kill -9 showed
+            assert "steps over the control socket" in log
+            assert "the control socket failed" in log
         final = _status(address)
         # Exactly once across the restart: one applied gradient per batch of the run.
         assert final.batches_done == total

@@ -35,22 +35,32 @@ def _train(server: ps.ServerApp, model: torch.nn.Module, steps: int, **worker_kw
     return worker
 
 
+# how a worker's steps travel: the payloads, and the control of each step
+PATHS = {
+    "segment, control socket": {"shm": True, "shm_control": True},
+    "segment, gRPC control": {"shm": True, "shm_control": False},
+    "gRPC streams": {"shm": False},
+}
+
+
 @pytest.mark.parametrize("policy", ["sync", "delay-1", "async"])
 def test_shared_memory_gives_the_same_weights_as_streaming(serve, policy):
     results = {}
-    for use_shm in (True, False):
+    for path, kw in PATHS.items():
         model = tiny_model()
         server = serve(replica(model), optimizer="adam", policy=policy, workers=1)
         before = _segments()
-        worker = _train(server, model, 12, shm=use_shm)
+        worker = _train(server, model, 12, **kw)
         try:
-            assert worker.shm_active is use_shm
+            assert worker.shm_active is kw["shm"]
+            assert worker.control_active is kw.get("shm_control", False)
             assert _segments() == before  # the name is gone once the server mapped it
             assert server.status()["version"] == 12
-            results[use_shm] = server.coordinator.store.weights.copy()
+            results[path] = server.coordinator.store.weights.copy()
         finally:
             worker.close()
-    np.testing.assert_array_equal(results[True], results[False])
+    for path in PATHS:
+        np.testing.assert_array_equal(results[path], results["gRPC streams"])
 
 
 def test_prefetching_trains_within_the_bound_and_applies_every_push(serve):
@@ -98,7 +108,7 @@ def test_the_server_refuses_a_segment_that_is_not_the_workers(tmp_path):
         assert att.attach("w1", seg.name, seg.nonce, 2)
         seg.slots[1][:] = 7.0
         assert float(att.gradient("w1", 1)[0]) == 7.0
-        att.write_weights("w1", np.full(256, 3.0, np.float32))
+        np.copyto(att.weights("w1"), np.full(256, 3.0, np.float32))
         assert float(seg.weights[255]) == 3.0
         with pytest.raises(ps.ParamServerError, match="slot 2"):
             att.gradient("w1", 2)
@@ -177,3 +187,32 @@ def test_a_prefetching_worker_dropped_by_the_server_joins_again_and_goes_on(serv
     # every push but the one or two in flight when it was dropped
     assert 27 <= applied <= 30, applied
     assert server.status()["workers"] == []
+
+
+def test_blocking_steps_pull_into_the_model_in_place_and_rebind_after_a_rejoin(serve):
+    model = tiny_model()
+    server = serve(replica(model), optimizer="sgd", lr=0.01, policy="async", workers=1)
+    with ps.Worker(server.address, model) as worker:
+        assert worker.mode.value == "blocking"
+
+        def in_segment() -> bool:
+            weights = worker.sessions[0].channel.weights
+            span = (weights.data_ptr(), weights.data_ptr() + weights.nbytes)
+            return all(span[0] <= p.data_ptr() < span[1] for p in model.parameters())
+
+        assert worker._replica.bound == len(list(model.parameters())) and in_segment()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        worker.step(samples=1)
+        # the pull wrote the server's weights into the model itself
+        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        np.testing.assert_array_equal(got, server.coordinator.store.weights)
+        server.coordinator.leave(worker.worker_id)  # dropped: the next step joins again
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        worker.step(samples=1)
+        assert worker.rejoins == 1 and in_segment()  # the new segment's
+        got = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        np.testing.assert_array_equal(got, server.coordinator.store.weights)
+    with ps.Worker(server.address, replica(model), overlap=True) as ahead:
+        assert ahead.prefetching and ahead._replica.bound == 0  # pulls land while it computes

@@ -303,7 +303,7 @@ def test_observer_pull_never_waits(clock: FakeClock) -> None:
 def test_push_headers_are_checked_by_the_servicer_before_the_payload(clock: FakeClock) -> None:
     c = make("async", 1, clock)
     a = c.join("a")
-    check = Servicer(c, Attachments(NBYTES))._check_push_header
+    check = Servicer(c, Attachments(NBYTES)).steps.check_push_header
 
     def header(**kw) -> pb.PushHeader:
         return pb.PushHeader(**{"worker_id": a.worker_id, "total_bytes": NBYTES, **kw})

@@ -1,0 +1,105 @@
+"""A worker's step as the server answers it, whichever door it came in by: the checks of a
+push's header, its payload, the coordinator's push and pull, and the answer's header.
+
+The gRPC servicer and the same-host control socket (``server/doorbell.py``) both call it, so
+both paths keep the same semantics: incarnations, staleness bound, exactly once, leases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import compression
+from paramserver.errors import InvalidRequest
+from paramserver.server.coordinator import Coordinator
+from paramserver.server.payloads import Payloads
+
+
+class Steps:
+    def __init__(self, coordinator: Coordinator, payloads: Payloads):
+        self.c = coordinator
+        self.payloads = payloads
+
+    def pull(
+        self, request: pb.PullRequest, remaining: float | None, is_active: Callable[[], bool]
+    ) -> tuple[pb.PullHeader, memoryview]:
+        """The pull's header and the bytes to stream after it (none through a segment);
+        waits at most ``remaining`` seconds (the caller's deadline) for the policy."""
+        timeout = self.c.config.barrier_timeout
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        self.c.check_incarnation(request.incarnation)
+        result = self.c.pull(
+            request.worker_id,
+            request.iteration,
+            timeout,
+            is_active,
+            request.batches or 1,
+            request.incarnation,
+            self.payloads.destination(request),
+        )
+        header = pb.PullHeader(
+            version=result.version,
+            staleness=result.staleness,
+            batch=result.batch,
+            batches=result.batches,
+            finished=result.finished,
+        )
+        return header, self.payloads.weights(request, header, result.weights)
+
+    def check_push_header(self, h: pb.PushHeader) -> None:
+        """The header's own consistency: its shard, element type and byte count."""
+        itemsize = compression.wire_itemsize(h.dtype)
+        shard = self.c.config.shard
+        if h.shard != shard:
+            raise InvalidRequest(f"A push for shard {h.shard} reached shard {shard} of the server.")
+        numel = self.c.manifest.numel
+        expected = 0 if h.empty or h.shm else numel * itemsize
+        if h.total_bytes != expected:
+            why = (
+                " (an empty push carries none)."
+                if h.empty
+                else " (a push through shared memory streams none)."
+                if h.shm
+                else "."
+            )
+            raise InvalidRequest(
+                f"A push of {h.total_bytes} bytes does not match the model's "
+                f"{numel * itemsize} bytes of {compression.wire_dtype(h.dtype)}{why}"
+            )
+        if h.iteration < 0:
+            raise InvalidRequest(f"Iteration {h.iteration} is negative.")
+
+    def push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
+        self.c.check_incarnation(header.incarnation)
+        self.check_push_header(header)
+        self.c.accept_header(header.worker_id)
+        with self.payloads.gradient(header, rest) as grad:
+            result = self.c.push(
+                header.worker_id,
+                header.iteration,
+                grad,
+                header.samples,
+                header.loss,
+                header.incarnation,
+            )
+        return pb.PushResponse(
+            version=result.version, clock=result.clock, duplicate=result.duplicate
+        )
+
+    def push_pull(
+        self,
+        request: pb.PushPullRequest,
+        remaining: float | None,
+        is_active: Callable[[], bool],
+    ) -> pb.PushPullResponse:
+        """A push through the worker's segment, then (if asked) a pull into it."""
+        asks_pull = request.HasField("pull")
+        if not request.push.shm or (asks_pull and not request.pull.shm):
+            raise InvalidRequest("PushPull carries its payloads in shared memory only.")
+        push = self.push(request.push, iter(()))
+        if not asks_pull:
+            return pb.PushPullResponse(push=push)
+        pull, _ = self.pull(request.pull, remaining, is_active)
+        return pb.PushPullResponse(push=push, pull=pull)

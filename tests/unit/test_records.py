@@ -1,0 +1,63 @@
+"""The control records of the same-host path: frames survive the socket, a peer's close is
+told apart between and inside frames, and a failure comes back as the gRPC status it was."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+
+from paramserver.codec import records
+from paramserver.errors import InvalidRequest, UnknownWorker, WrongIncarnation, from_rpc_error
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_frames_round_trip_in_order(pair):
+    a, b = pair
+    frames = [records.Frame(b"x" * n, code, seconds) for n, code, seconds in
+              [(0, 0, 0.0), (1, 5, 1.5), (70_000, 10, 60.0)]]  # fmt: skip
+    for f in frames:
+        records.send(a, f)
+    assert [records.recv(b) for _ in frames] == frames
+
+
+def test_a_close_between_frames_is_the_end_and_inside_one_an_error(pair):
+    a, b = pair
+    records.send(a, records.Frame(b"one"))
+    a.sendall(records.HEADER.pack(10, 0, 0.0) + b"half")
+    a.shutdown(socket.SHUT_WR)
+    assert records.recv(b) == records.Frame(b"one")
+    with pytest.raises(ConnectionError, match="inside a frame"):
+        records.recv(b)
+    c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.close()
+    assert records.recv(d) is None
+    d.close()
+
+
+def test_an_oversized_frame_is_refused_before_its_payload_is_read(pair):
+    a, b = pair
+    a.sendall(records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0))
+    with pytest.raises(InvalidRequest, match="control frame"):
+        records.recv(b)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [(grpc.StatusCode.NOT_FOUND, UnknownWorker), (grpc.StatusCode.ABORTED, WrongIncarnation)],
+)
+def test_a_failure_is_raised_as_the_rpc_error_it_was(code, cls):
+    frame = records.Frame(b"why it failed", records.number(code))
+    with pytest.raises(grpc.RpcError) as err:
+        records.raise_for(frame)
+    assert err.value.code() == code and err.value.details() == "why it failed"
+    assert isinstance(from_rpc_error(err.value, "push"), cls)
+    assert records.raise_for(records.Frame(b"payload")) == b"payload"
