@@ -42,7 +42,7 @@ class Dataset:
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The training samples at ``idx``: inputs and labels."""
-        return self.train_x[idx], self.train_y[idx]
+        return self.train_x.index_select(0, idx), self.train_y.index_select(0, idx)
 
     def test_batches(self, size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, len(self.test_x), size):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +39,20 @@ def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
 def server_process(cfg: ServerConfig, timeout: float = 120.0) -> Iterator[str]:
     """A ``paramserver server`` child with ``cfg`` on a free loopback port; yields its
     address."""
+    with server_child(cfg, timeout) as (address, _):
+        yield address
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) of process ``pid`` so far, threads that ended included
+    (Linux /proc, in clock ticks: measure over seconds, not milliseconds)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def server_child(cfg: ServerConfig, timeout: float = 120.0) -> Iterator[tuple[str, Child]]:
+    """``server_process``, yielding its address and the child (for its pid)."""
     cfg = dataclasses.replace(cfg, host="127.0.0.1", port=0)
     args = server_args(cfg)
     if cfg.shards > 1:
@@ -51,17 +66,23 @@ def server_process(cfg: ServerConfig, timeout: float = 120.0) -> Iterator[str]:
         )
         try:
             line = child.wait_for_line(READY_MARKER, timeout)
-            yield line.rsplit(" ", 1)[-1]
+            yield line.rsplit(" ", 1)[-1], child
         finally:
             child.stop()
 
 
 def cluster_rate(
-    policy: str, delays: list[float], batch: int, warmup: float, window: float, logs: Path
+    policy: str,
+    delays: list[float],
+    batch: int,
+    warmup: float,
+    window: float,
+    logs: Path,
+    shm: str = "on",
 ) -> tuple[float, list[float]]:
     """Samples/s of a server and one worker process per entry of ``delays`` (its injected
-    per-step sleep), measured from the server's counters over ``window`` seconds once all
-    have started: the total, and each worker's."""
+    per-step sleep, ``shm`` its --shm), measured from the server's counters over ``window``
+    seconds once all have started: the total, and each worker's."""
     cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy=policy,
                        workers=len(delays), dataset="synthetic", batch_size=batch, epochs=100000,
                        lease_seconds=30)  # fmt: skip
@@ -69,9 +90,9 @@ def cluster_rate(
         children = [
             Child(f"worker-{i}",
                   ["worker", "--server", address, *settings.argv(WorkerConfig(
-                      address, device="cpu", threads=1, name=f"w{i}", step_delay=delay),
-                      exclude=("server",))],
-                  logs / f"{policy}-{len(delays)}-worker-{i}.log")
+                      address, device="cpu", threads=1, name=f"w{i}", step_delay=delay,
+                      shm=shm), exclude=("server",))],
+                  logs / f"{policy}-{len(delays)}-{shm}-worker-{i}.log")
             for i, delay in enumerate(delays)
         ]  # fmt: skip
         channel = connect(address, 60)

@@ -57,6 +57,8 @@ class Replica:
 
     def load(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Copy each ``(lo, hi, buffer)`` of weights and buffers into the tensors it covers."""
+        if self.bound == len(self.tensors):
+            return  # every tensor is a view of its range's buffer: the pull wrote them
         for lo, hi, buffer in parts:
             unflatten_into(self.manifest, buffer.to(self.device, non_blocking=True),
                            self.tensors, lo, hi)  # fmt: skip

@@ -37,6 +37,7 @@ KEYS = {
         "async_vs_local",
         "local_all_cores_samples_per_s",
         "async_vs_local_all_cores",
+        "async_grpc_samples_per_s",
     ],
     "accuracy": ["time_to_target_s"],
 }
