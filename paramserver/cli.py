@@ -385,6 +385,8 @@ def bench(name: str, as_json: bool, quick: bool) -> None:
     scaling: samples/s of 1, 2 and 4 workers under each policy, against one local process.
     accuracy: wall time to 88% Fashion-MNIST test accuracy per policy, against one local
     process and DDP.
+    wakeup: a round trip between two processes through each candidate for the same-host
+    control path (gRPC call, Unix socket, pipe, eventfd, semaphore, futex).
     """
     import importlib
 
