@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from paramserver import models
-from paramserver.bench.common import median_seconds, server_process
+from paramserver.bench.common import cpu_seconds, median_seconds, server_child
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.store import build_optimizer
 from paramserver.worker.worker import Worker
@@ -57,13 +57,13 @@ TARGETS = {64: 1.3, 256: 1.25}  # x a local step, with default settings (overlap
 
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     torch.set_num_threads(1)
-    reps = 20 if quick else 200
+    reps = 20 if quick else 400
     figures: dict[str, Any] = {"threads": 1, "reps": reps, "model": "mlp", "optimizer": "adam"}
     rows = [("model", f"mlp, Adam, 1 torch thread, median of {reps} steps; payloads in shared "
                       "memory, control over the same-host socket or gRPC")]  # fmt: skip
     cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy="async",
                        workers=1, lease_seconds=600)  # fmt: skip
-    with server_process(cfg) as address:
+    with server_child(cfg) as (address, server):
         for batch in (64, 256):
             local = local_step_seconds(batch, reps)
             figures[f"local_ms_{batch}"] = 1000 * local
@@ -71,15 +71,20 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             for path, control in PATHS.items():
                 # overlap off (the CPU default): push, then pull, in one round trip; overlap
                 # on: that round trip runs while the next batch computes (prefetch).
+                cpu = cpu_seconds(server.proc.pid)
                 waiting = worker_step_seconds(address, batch, reps, False, control)
+                # the server's CPU per blocking step (clock ticks: about 10% resolution)
+                server_ms = 1000 * (cpu_seconds(server.proc.pid) - cpu) / (reps + 5)
                 ahead = worker_step_seconds(address, batch, reps, True, control)
                 suffix = "" if control else "_grpc"
+                figures[f"server_cpu_ms_{batch}{suffix}"] = server_ms
                 figures[f"worker_ms_{batch}{suffix}"] = 1000 * waiting
                 figures[f"worker_overlap_ms_{batch}{suffix}"] = 1000 * ahead
                 figures[f"step_vs_local_{batch}{suffix}"] = waiting / local
                 figures[f"step_vs_local_overlap_{batch}{suffix}"] = ahead / local
                 rows.append((f"  {path} control", f"worker {1000 * waiting:.2f} ms "
-                                                 f"({waiting / local:.2f} x local), with --overlap "
+                                                 f"({waiting / local:.2f} x local; server CPU "
+                                                 f"{server_ms:.2f} ms), with --overlap "
                                                  f"on {1000 * ahead:.2f} ms ({ahead / local:.2f} x local)"))  # fmt: skip
     figures["step_vs_local"] = {str(b): figures[f"step_vs_local_{b}"] for b in (64, 256)}
     figures["targets"] = {str(b): t for b, t in TARGETS.items()}

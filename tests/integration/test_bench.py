@@ -64,6 +64,8 @@ def test_bench_quick_json(name):
         assert all(v > 0 for v in values), (key, value)
     if name == "step":
         assert set(figures["step_vs_local"]) == {"64", "256"}
+        # clock ticks over a quick run's few steps: may round to 0
+        assert figures["server_cpu_ms_64"] >= 0 and figures["server_cpu_ms_64_grpc"] >= 0
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
     if name == "accuracy":

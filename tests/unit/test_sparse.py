@@ -1,0 +1,182 @@
+"""The server's side of sparse tables (paramserver/sparse): the id index against a dict,
+the shard and initial-row functions, the row optimizers against torch's sparse training,
+and bad requests that change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paramserver.errors import InvalidRequest
+from paramserver.sparse.index import RowIndex
+from paramserver.sparse.optim import RowOptimizerConfig
+from paramserver.sparse.rows import initial_rows, shard_of, table_key
+from paramserver.sparse.table import ShardTable, TableSpec
+
+ROWS, DIM = 500, 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10**12), max_size=200), max_size=8))
+def test_the_index_agrees_with_a_dict(batches):
+    index, expected = RowIndex(capacity=16), {}
+    for batch in batches:
+        ids = np.array(batch, np.int64)
+        found = index.find(ids)
+        assert found.tolist() == [expected.get(i, -1) for i in batch]
+        new = np.unique(ids[found < 0])
+        for i, slot in zip(new.tolist(), index.insert(new).tolist(), strict=True):
+            expected[i] = slot
+        assert len(index) == len(expected) and 2 * len(index) <= index.capacity
+    ids = np.array(sorted(expected), np.int64)
+    assert index.find(ids).tolist() == [expected[i] for i in ids.tolist()]
+    held, slots = index.items()
+    assert slots.tolist() == list(range(len(expected)))
+    assert dict(zip(held.tolist(), slots.tolist(), strict=True)) == expected
+
+
+def test_rows_spread_over_shards_and_start_the_same_whatever_the_sharding():
+    ids = np.arange(100_000)
+    counts = np.bincount(shard_of(ids, 4), minlength=4)
+    assert counts.min() > 0.24 * len(ids) and counts.max() < 0.26 * len(ids)
+    key = table_key(7, "user")
+    whole = initial_rows(key, ids[:4000], 16)
+    parts = [initial_rows(key, ids[i : i + 1000][::-1], 16)[::-1] for i in range(0, 4000, 1000)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts))
+    assert abs(whole.mean()) < 0.02 and abs(whole.std() - 1) < 0.02  # N(0, 1), like nn.Embedding
+    assert not np.array_equal(whole, initial_rows(table_key(8, "user"), ids[:4000], 16))
+    assert not np.array_equal(whole, initial_rows(table_key(7, "item"), ids[:4000], 16))
+
+
+def _torch_twin(table: ShardTable, name: str, lr: float):
+    emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(table.read(np.arange(ROWS)))
+    params = [emb.weight]
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=lr),
+           "adagrad": lambda: torch.optim.Adagrad(params, lr=lr),
+           "adam": lambda: torch.optim.SparseAdam(params, lr=lr)}[name]()  # fmt: skip
+    return emb, opt
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's Adagrad, inside
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_row_optimizers_train_a_table_as_torch_trains_a_sparse_embedding(name):
+    lr = 0.05
+    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=3,
+                       capacity=16)  # fmt: skip
+    emb, opt = _torch_twin(table, name, lr)
+    rng = np.random.default_rng(0)
+    touched: set[int] = set()
+    for step in range(30):
+        batch = rng.zipf(1.3, size=64) % ROWS  # skewed, with repeats, as real ids are
+        touched |= set(batch.tolist())
+        rows = table.pull(batch)
+        # sgd and adagrad bit for bit; lazy adam to an ulp or so (torch's sparse ops order)
+        torch.testing.assert_close(rows, emb(torch.from_numpy(batch)).detach(),
+                                   rtol=1e-6, atol=1e-6)  # fmt: skip
+        ids = np.unique(batch)
+        grads = torch.from_numpy(rng.standard_normal((len(ids), DIM)).astype(np.float32))
+        table.push(ids, grads)
+        opt.zero_grad()
+        emb.weight.grad = torch.sparse_coo_tensor(torch.from_numpy(ids)[None], grads,
+                                                  (ROWS, DIM), check_invariants=True)  # fmt: skip
+        opt.step()
+        if step == 10:
+            table.push(np.array([], np.int64), torch.empty(0, DIM))  # an empty push is a step
+            emb.weight.grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long),
+                                                      torch.empty(0, DIM), (ROWS, DIM),
+                                                      check_invariants=True)  # fmt: skip
+            opt.step()
+    torch.testing.assert_close(table.read(np.arange(ROWS)), emb.weight.detach(),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    assert table.held == len(touched) < ROWS  # untouched rows were never created
+
+
+def test_a_sharded_table_is_the_unsharded_one():
+    cfg = RowOptimizerConfig("adam", 0.01)
+    whole = ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=1)
+    shards = [ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=1, shard=i, shards=3)
+              for i in range(3)]  # fmt: skip
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        ids = np.unique(rng.integers(0, ROWS, 50))
+        grads = torch.from_numpy(rng.standard_normal((len(ids), DIM)).astype(np.float32))
+        whole.push(ids, grads)
+        owner = shard_of(ids, 3)
+        for i, table in enumerate(shards):  # every shard steps, touched or not (adam's count)
+            table.push(ids[owner == i], grads[torch.from_numpy(owner == i)])
+    ids = np.arange(ROWS)
+    owner = shard_of(ids, 3)
+    got = torch.empty(ROWS, DIM)
+    for i, table in enumerate(shards):
+        got[torch.from_numpy(owner == i)] = table.read(ids[owner == i])
+    torch.testing.assert_close(got, whole.read(ids), rtol=0, atol=0)
+
+
+def test_bad_requests_are_refused_and_change_nothing():
+    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig("adagrad", 0.1),
+                       shard=1, shards=2)  # fmt: skip
+    mine = np.arange(ROWS)[shard_of(np.arange(ROWS), 2) == 1]
+    table.push(mine[:5], torch.ones(5, DIM))
+    before = table.state_dict()
+    other = np.arange(ROWS)[shard_of(np.arange(ROWS), 2) == 0][:1]
+    bad = [
+        ((np.array([-1]), torch.ones(1, DIM)), "outside"),
+        ((np.array([ROWS]), torch.ones(1, DIM)), "outside"),
+        ((np.array([1.5]), torch.ones(1, DIM)), "integers"),
+        ((mine[:4].reshape(2, 2), torch.ones(4, DIM)), "1-D"),
+        ((other, torch.ones(1, DIM)), "belongs to shard 0"),
+        ((np.array([mine[0], mine[0]]), torch.ones(2, DIM)), "twice"),
+        ((mine[:2], torch.ones(2, DIM + 1)), "expected"),
+        ((mine[:2], torch.ones(2, DIM, dtype=torch.float64)), "expected"),
+        ((mine[:2], torch.ones(3, DIM)), "expected"),
+        ((mine[:2], torch.tensor([[float("nan")] * DIM] * 2)), "NaN"),
+    ]
+    for (ids, grads), why in bad:
+        with pytest.raises(InvalidRequest, match=why):
+            table.push(ids, grads)
+    for ids in (np.array([-3]), other, np.array(["a"])):
+        with pytest.raises(InvalidRequest):
+            table.pull(ids)
+    after = table.state_dict()
+    assert after["steps"] == before["steps"] == 1
+    for key in ("ids", "values"):
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0)
+    torch.testing.assert_close(after["state"][0], before["state"][0], rtol=0, atol=0)
+
+
+def test_a_saved_table_restores_and_trains_on_identically():
+    cfg = RowOptimizerConfig("adam", 0.02)
+    a = ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=5)
+    rng = np.random.default_rng(2)
+
+    def step(table: ShardTable, r: np.random.Generator) -> None:
+        ids = np.unique(r.integers(0, ROWS, 40))
+        table.push(ids, torch.from_numpy(r.standard_normal((len(ids), DIM)).astype(np.float32)))
+
+    for _ in range(5):
+        step(a, rng)
+    b = ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=5)
+    b.load_state_dict(a.state_dict())
+    for _ in range(5):
+        state = rng.bit_generator.state
+        step(a, rng)
+        rng2 = np.random.default_rng()
+        rng2.bit_generator.state = state
+        step(b, rng2)
+    ids = np.arange(ROWS)
+    torch.testing.assert_close(b.read(ids), a.read(ids), rtol=0, atol=0)
+    assert b.held == a.held
+
+
+def test_a_huge_table_costs_only_the_rows_touched():
+    table = ShardTable(TableSpec("big", 10**12, 64), RowOptimizerConfig("sgd", 0.1))
+    ids = np.array([0, 5, 10**12 - 1, 123_456_789_012])
+    rows = table.pull(ids)
+    assert rows.shape == (4, 64) and table.held == 4
+    assert table.values.numel() * 4 < 2**20  # a MiB at most, for a table of 256 TB
+    torch.testing.assert_close(table.read(ids), rows, rtol=0, atol=0)
