@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from torch import nn
 
+from paramserver.codec.records import ControlError
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.app import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
@@ -20,17 +21,8 @@ from paramserver.server.servicer import Servicer
 from paramserver.shm import Attachments
 from tests.conftest import FakeClock
 
-
-class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+# a failed call as the stub raises it: the control socket's error is one already
+FakeRpcError = ControlError
 
 
 class FakeContext:
