@@ -183,6 +183,7 @@ class ServerConfig:
     min_workers: int | None = setting(None, "--min-workers", "Workers that must join before training starts [default: --workers]; more may join later.", type=int)  # fmt: skip
     checkpoint_dir: str | None = setting(None, "--checkpoint-dir", "Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one.")  # fmt: skip
     checkpoint_every: str = setting("60s", "--checkpoint-every", "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); shards: every N iterations, a consistent cut.")  # fmt: skip
+    optimizer_thread: bool = setting(False, "--optimizer-thread", "Apply every push on one optimizer thread that the request threads hand pushes to (measured slower on CPU: see docs/BENCHMARKS.md).", is_flag=True)  # fmt: skip
     skip_nonfinite: bool = setting(False, "--skip-nonfinite", "Skip and count gradients holding NaN or Inf instead of failing the push.", is_flag=True)  # fmt: skip
     security: Security = field(default_factory=Security)
     shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)

@@ -79,13 +79,15 @@ def cluster_rate(
     window: float,
     logs: Path,
     shm: str = "on",
+    optimizer_thread: bool = False,
 ) -> tuple[float, list[float]]:
-    """Samples/s of a server and one worker process per entry of ``delays`` (its injected
-    per-step sleep, ``shm`` its --shm), measured from the server's counters over ``window``
-    seconds once all have started: the total, and each worker's."""
+    """Samples/s of a server (``optimizer_thread`` its --optimizer-thread) and one worker
+    process per entry of ``delays`` (its injected per-step sleep, ``shm`` its --shm),
+    measured from the server's counters over ``window`` seconds once all have started: the
+    total, and each worker's."""
     cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy=policy,
                        workers=len(delays), dataset="synthetic", batch_size=batch, epochs=100000,
-                       lease_seconds=30)  # fmt: skip
+                       lease_seconds=30, optimizer_thread=optimizer_thread)  # fmt: skip
     with server_process(cfg) as address:
         children = [
             Child(f"worker-{i}",

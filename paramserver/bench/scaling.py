@@ -44,6 +44,12 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
                 rows.append((f"{policy}{', gRPC control' if suffix else ''}",
                              "  ".join(f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
                                        for n, r in zip(counts, rates, strict=True))))  # fmt: skip
+        # the server's optimizer on its own thread (--optimizer-thread), 2 workers
+        rate = cluster_rate("async", [0.0, 0.0], BATCH, warmup, window, Path(tmp),
+                            optimizer_thread=True)[0]  # fmt: skip
+        figures["async_optimizer_thread_samples_per_s"] = rate
+        figures["async_optimizer_thread_vs_local"] = rate / local
+        rows.append(("async, --optimizer-thread", f"2 workers: {rate:.0f} ({rate / local:.2f} x local)"))  # fmt: skip
     two = counts.index(2)
     best = max(figures[f"{p.replace('-', '')}_vs_local"][two] for p in POLICIES)
     figures["target_2_workers_vs_local"] = 1.3

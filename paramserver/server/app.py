@@ -234,6 +234,7 @@ class ServerApp:
         done = self._grpc.stop(grace)
         self.doorbell.close()  # and wakes pulls blocked on a barrier so they see the end
         done.wait()
+        self._servicer.steps.close()  # the optimizer's thread, where it has one
         if self.checkpointer is not None:
             self.checkpointer.stop()
         self.shared.close()

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.errors import InvalidRequest
+from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
 
@@ -20,6 +21,9 @@ class Steps:
     def __init__(self, coordinator: Coordinator, payloads: Payloads):
         self.c = coordinator
         self.payloads = payloads
+        # where a push's coordinator call runs: here, or on the optimizer's own thread
+        self.applier = Applier() if coordinator.config.optimizer_thread else None
+        self._apply = self.applier.run if self.applier is not None else call
 
     def pull(
         self, request: pb.PullRequest, remaining: float | None, is_active: Callable[[], bool]
@@ -76,7 +80,8 @@ class Steps:
         self.check_push_header(header)
         self.c.accept_header(header.worker_id)
         with self.payloads.gradient(header, rest) as grad:
-            result = self.c.push(
+            result = self._apply(
+                self.c.push,
                 header.worker_id,
                 header.iteration,
                 grad,
@@ -87,6 +92,10 @@ class Steps:
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
         )
+
+    def close(self) -> None:
+        if self.applier is not None:
+            self.applier.close()
 
     def push_pull(
         self,

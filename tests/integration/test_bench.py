@@ -38,6 +38,7 @@ KEYS = {
         "local_all_cores_samples_per_s",
         "async_vs_local_all_cores",
         "async_grpc_samples_per_s",
+        "async_optimizer_thread_samples_per_s",
     ],
     "accuracy": ["time_to_target_s"],
 }

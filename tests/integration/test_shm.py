@@ -35,9 +35,15 @@ def _train(server: ps.ServerApp, model: torch.nn.Module, steps: int, **worker_kw
     return worker
 
 
-# how a worker's steps travel: the payloads, and the control of each step
+# how a worker's steps travel: the payloads, and the control of each step (and, for one, the
+# server's settings)
 PATHS = {
     "segment, control socket": {"shm": True, "shm_control": True},
+    "segment, control socket, optimizer thread": {
+        "shm": True,
+        "shm_control": True,
+        "server": {"optimizer_thread": True},
+    },
     "segment, gRPC control": {"shm": True, "shm_control": False},
     "gRPC streams": {"shm": False},
 }
@@ -47,8 +53,10 @@ PATHS = {
 def test_shared_memory_gives_the_same_weights_as_streaming(serve, policy):
     results = {}
     for path, kw in PATHS.items():
+        kw = dict(kw)
         model = tiny_model()
-        server = serve(replica(model), optimizer="adam", policy=policy, workers=1)
+        server = serve(replica(model), optimizer="adam", policy=policy, workers=1,
+                       **kw.pop("server", {}))  # fmt: skip
         before = _segments()
         worker = _train(server, model, 12, **kw)
         try:
