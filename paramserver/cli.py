@@ -261,7 +261,8 @@ def launch(as_json: bool, progress: bool, **kw: Any) -> None:
         click.echo(
             f"{summary['policy']}, {summary['workers']} workers, {summary['epochs']} epochs: "
             f"test accuracy {100 * summary['test_accuracy']:.2f}%, "
-            f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
+            + (f"test AUC {summary['test_auc']:.4f}, " if "test_auc" in summary else "")
+            + f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
             f"max staleness {summary['max_staleness']}; run folder {summary['run_dir']}"
         )
     if summary["failed_workers"]:

@@ -20,14 +20,17 @@ from paramserver.staleness import Policy
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
 SHM_CHOICES = ("on", "payloads", "off")
-DATASETS = ("fashion-mnist", "synthetic")
+DATASETS = ("fashion-mnist", "synthetic", "clicks")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.
 MAX_PUSH_EVERY = 1024
 # What a built-in model brings on the command line (``server``, ``launch``) for settings left
 # at their defaults: the run that reaches the accuracy docs/RESULTS.md reports. Keys are the
 # click parameters' names.
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"resnet": {"epochs": 10, "lr": 2e-3}}
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "resnet": {"epochs": 10, "lr": 2e-3},
+    "dlrm": {"dataset": "clicks", "epochs": 2, "batch_size": 256, "lr": 1e-2},
+}
 
 
 def _positive(name: str, value: float) -> None:
@@ -165,12 +168,12 @@ class ServerConfig:
     model: str = setting(
         "mlp",
         "--model",
-        "Model factory: mlp, cnn, resnet or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: --epochs 10, --lr 0.002).",
+        "Model factory: mlp, cnn, resnet, dlrm (a click model for --dataset clicks) or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: --epochs 10, --lr 0.002; dlrm: the clicks data set, 2 epochs, batches of 256, lr 0.01).",
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")  # fmt: skip
     workers: int = setting(1, "--workers", "Most workers live at once; training starts when --min-workers have joined.", cli_default=2)  # fmt: skip
-    dataset: str = setting("fashion-mnist", "--dataset", "Training data: fashion-mnist, synthetic, or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.")  # fmt: skip
+    dataset: str = setting("fashion-mnist", "--dataset", "Training data: fashion-mnist, synthetic, clicks (a synthetic click log, for --model dlrm), or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.")  # fmt: skip
     batch_size: int = setting(64, "--batch-size", "Batch size of each worker.")
     epochs: int = setting(1, "--epochs", "Passes over the training set.", cli_default=8)
     seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")

@@ -1,4 +1,5 @@
-"""Data sets (Fashion-MNIST from IDX files, a seeded synthetic one) and the shared sharding."""
+"""Data sets (Fashion-MNIST from IDX files, a seeded synthetic one, the synthetic click log,
+users' own) and the shared sharding."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from paramserver import models
+from paramserver import clicks, models
 from paramserver.errors import ConfigError, DataUnavailable
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -29,7 +30,8 @@ _MEAN, _STD = 0.2860, 0.3530
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images as float32 (N, 1, 28, 28) and labels as int64 (N,)."""
+    """Inputs (images as float32 (N, 1, 28, 28); click logs' ids as int64 (N, fields)) and
+    labels as int64 (N,)."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -185,6 +187,8 @@ def train_size(name: str, data_dir: str | Path | None = None) -> int:
     """
     if name == "synthetic":
         return SYNTHETIC_TRAIN
+    if name == "clicks":
+        return clicks.TRAIN
     if ":" in name:
         return load_user(name).train_size
     root = Path(data_dir) if data_dir else default_data_dir()
@@ -201,16 +205,20 @@ def train_size(name: str, data_dir: str | Path | None = None) -> int:
 
 
 def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Data:
-    """The data set named ``fashion-mnist``, ``synthetic`` or ``module:function``."""
+    """The data set named ``fashion-mnist``, ``synthetic``, ``clicks`` or
+    ``module:function``."""
     if ":" in name:
         return load_user(name)
     return load_builtin(name, data_dir, seed)
 
 
 def load_builtin(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Dataset:
-    """``fashion-mnist`` (or MNIST from ``data_dir``) or ``synthetic``, as tensors."""
+    """``fashion-mnist`` (or MNIST from ``data_dir``), ``synthetic`` or ``clicks``, as
+    tensors."""
     if name == "synthetic":
         return synthetic(seed=seed)
+    if name == "clicks":
+        return Dataset(*clicks.make(seed=seed))
     return load_idx_folder(data_dir)
 
 

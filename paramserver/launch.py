@@ -22,11 +22,11 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
 from paramserver.config import WORKER_SETTINGS, LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
+from paramserver.evaluation import evaluate_batches
 from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.rundir import RunDir
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import observe
-from paramserver.worker.trainer import evaluate_batches
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         "model": scfg.model,
         "test_accuracy": last["test_accuracy"],
         "test_loss": last["test_loss"],
+        **({"test_auc": last["test_auc"]} if "test_auc" in last else {}),
         "samples": st.samples,
         "samples_per_s": st.samples / st.train_seconds if st.train_seconds > 0 else 0.0,
         "train_s": st.train_seconds,
@@ -251,11 +252,12 @@ def _record_epoch(
     st = cluster.status()
     header, flat = cluster.observe(manifest)
     layout.unflatten_into(manifest, torch.from_numpy(flat), tensors)
-    acc, loss = evaluate_batches(model, dataset.test_batches(2000))
+    acc, loss, area = evaluate_batches(model, dataset.test_batches(2000))
     record = {
         "epoch": epoch,
         "test_accuracy": acc,
         "test_loss": loss,
+        **({"test_auc": area} if area is not None else {}),
         "train_loss": st.train_loss if math.isfinite(st.train_loss) else None,
         "samples": st.samples,
         "version": header.version,
@@ -265,7 +267,9 @@ def _record_epoch(
         "train_s": st.train_seconds,  # first applied push to the last one before this line
     }
     run.append_metrics(record)
-    message = f"epoch {epoch}: test accuracy {100 * acc:.2f}%, test loss {loss:.4f}, version {header.version}"
+    auc_text = f", test AUC {area:.4f}" if area is not None else ""
+    message = (f"epoch {epoch}: test accuracy {100 * acc:.2f}%{auc_text}, test loss {loss:.4f}, "
+               f"version {header.version}")  # fmt: skip
     if bar is not None:
         bar.write(message, file=sys.stderr)
     else:

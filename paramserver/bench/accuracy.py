@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from paramserver import data, models
 from paramserver.bench.ddp import run_ranks
 from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig
+from paramserver.evaluation import evaluate
 from paramserver.launch import launch_args, planned_optimizer_steps
 from paramserver.store import build_optimizer
-from paramserver.worker.trainer import evaluate
 
 BATCH = 64
 POLICIES = ("sync", "delay-1", "async")
@@ -66,7 +66,7 @@ def local_curve(dataset: str, epochs: int) -> list[tuple[float, float]]:
         started = time.perf_counter()
         _epoch(model, opt, cfg, ds, epoch)
         seconds += time.perf_counter() - started
-        curve.append((seconds, evaluate(model, ds.test_x, ds.test_y)[0]))
+        curve.append((seconds, evaluate(model, ds.test_x, ds.test_y).accuracy))
     return curve
 
 
@@ -93,7 +93,7 @@ def ddp_main(argv: list[str]) -> None:
         dist.barrier()
         seconds += time.perf_counter() - started
         if rank == 0:
-            curve.append((seconds, evaluate(model.module, ds.test_x, ds.test_y)[0]))
+            curve.append((seconds, evaluate(model.module, ds.test_x, ds.test_y).accuracy))
     write_result(out, curve)  # rank 0's curve; the others write []
     finish()
 

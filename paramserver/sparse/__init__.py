@@ -9,7 +9,10 @@ Built so far, the server's side of one table, tested against torch's own sparse 
 - ``table``: one shard's rows of a table: created on first touch, pulled and pushed by id,
   checked before anything changes, saved and restored.
 
+Built beside it: ``--dataset clicks`` (``paramserver/clicks.py``, Zipf ids and a hidden
+teacher, with AUC) and ``--model dlrm`` (``models.DLRM``), which train today with their
+tables as dense parameters.
+
 Not yet: the wire (tables in the manifest, row pulls and pushes), the worker's row cache,
-the coordinator's clocks over sparse pushes, checkpoints, metrics, ``--model dlrm``,
-``--dataset clicks`` and ``bench sparse``.
+the coordinator's clocks over sparse pushes, checkpoints, metrics, and ``bench sparse``.
 """

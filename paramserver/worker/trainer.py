@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from paramserver import data
 from paramserver._proto import paramserver_pb2 as pb
@@ -52,33 +50,6 @@ def process_devices(spec: str, procs: int, gpus: int) -> list[str]:
     if spec in ("auto", "cuda") and gpus > 0:
         return [f"cuda:{i % gpus}" for i in range(procs)]
     return [spec] * procs
-
-
-def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000
-) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``."""
-    return evaluate_batches(model, ((x[i : i + batch], y[i : i + batch])
-                                    for i in range(0, len(x), batch)))  # fmt: skip
-
-
-@torch.no_grad()
-def evaluate_batches(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of ``model`` over ``batches`` of (inputs, labels)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    correct, loss, n = 0, 0.0, 0
-    for x, y in batches:
-        out = model(x.to(device))
-        target = y.to(device)
-        loss += F.cross_entropy(out, target, reduction="sum").item()
-        correct += (out.argmax(1) == target).sum().item()
-        n += len(target)
-    model.train(was_training)
-    return correct / max(n, 1), loss / max(n, 1)
 
 
 @dataclass(frozen=True)

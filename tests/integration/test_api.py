@@ -12,7 +12,7 @@ from torch import nn
 
 import paramserver as ps
 from paramserver import data
-from paramserver.worker.trainer import evaluate
+from paramserver.evaluation import evaluate
 from tests.conftest import WorkerThread, replica, tiny_model
 
 
@@ -20,7 +20,7 @@ def test_training_loop_through_the_api_learns(serve):
     ds = data.synthetic(train=2048, test=512)
     model = tiny_model()
     server = serve(replica(model), optimizer="adam", lr=3e-3, policy="delay-1", workers=1)
-    before, _ = evaluate(model, ds.test_x, ds.test_y)
+    before = evaluate(model, ds.test_x, ds.test_y).accuracy
     with ps.Worker(server.address, model) as worker:
         for _epoch in range(3):
             for i in range(0, 2048, 64):
@@ -29,7 +29,7 @@ def test_training_loop_through_the_api_learns(serve):
                 loss.backward()
                 worker.step(samples=len(x), loss=loss.item())
         assert worker.clock == 3 * 32
-    after, _ = evaluate(model, ds.test_x, ds.test_y)
+    after = evaluate(model, ds.test_x, ds.test_y).accuracy
     status = server.status()
     assert status["pushes_applied"] == 96
     assert status["samples"] == 96 * 64

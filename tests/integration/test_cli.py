@@ -249,3 +249,21 @@ def test_a_users_data_set_that_cannot_load_is_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("paramserver: error: Dataset factory 'tests.user_data:broken' failed")
+
+
+def test_launch_trains_dlrm_on_the_click_log_and_reports_auc(tmp_path):
+    """``--model dlrm`` alone brings ``--dataset clicks`` and its other defaults; launch
+    reports the test AUC per epoch and in the summary."""
+    out = run_cli(
+        "launch", "--model", "dlrm", "--workers", "2", "--epochs", "1", "--device", "cpu",
+        "--json", "--no-progress", "--runs-dir", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == (200_000 // 256) * 256  # every batch of the log, once
+    assert summary["test_auc"] > 0.7  # an untrained model scores 0.5
+    run_dir = tmp_path / os.path.basename(summary["run_dir"])
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["server"]["dataset"] == "clicks" and config["server"]["batch_size"] == 256
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert epochs[-1]["test_auc"] == summary["test_auc"]

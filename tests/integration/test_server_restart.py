@@ -15,10 +15,10 @@ from paramserver import data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import layout
+from paramserver.evaluation import evaluate
 from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.stub import connect
 from paramserver.worker.channel import observe
-from paramserver.worker.trainer import evaluate
 from tests.conftest import DEADLINE
 
 EPOCHS, BATCH, WORKERS = 3, 32, 2
@@ -122,7 +122,7 @@ def test_workers_survive_a_server_restart_from_its_checkpoint(tmp_path):
             manifest, torch.from_numpy(flat.copy()), [p for _, p in models.parameters(model)]
         )
         ds = data.synthetic()
-        accuracy, _ = evaluate(model, ds.test_x, ds.test_y)
+        accuracy = evaluate(model, ds.test_x, ds.test_y).accuracy
         print(f"test accuracy after the restart: {accuracy:.4f}")
         assert accuracy >= 0.85
 
