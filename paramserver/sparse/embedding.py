@@ -1,0 +1,192 @@
+"""The worker's side of a table: ``TableEmbedding`` stands in for an ``nn.Embedding`` or
+``nn.EmbeddingBag`` with ``sparse=True`` whose rows the servers hold.
+
+- **Rows on demand.** A forward pass takes the distinct ids of its input, fetches the ones
+  missing from the cache (one request per shard, ``client.Tables``), and computes on a copy
+  of those rows that autograd treats as a leaf. So backward leaves one gradient row per
+  distinct id, already coalesced: ``gradients()`` hands them to the push.
+- **A bounded cache** (``RowCache``): ids to local slots, at most ``cache_rows`` rows,
+  however large the table. ``prefetch(ids)`` fetches the next batch's rows ahead of time;
+  a forward pass counts each distinct id found in the cache as a hit.
+- **Exact blocking steps.** After a push, the rows this worker pushed are dropped from the
+  cache (the server's copy now holds the update), so the next forward pass re-fetches
+  them. Rows prefetched and not pushed stay: they may miss other workers' pushes since,
+  as the dense weights of a prefetching step do, within the policy's bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paramserver.sparse.client import Tables
+from paramserver.sparse.index import RowIndex
+from paramserver.sparse.table import TableSpec
+
+DEFAULT_CACHE_ROWS = 1 << 16
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    fetched: int = 0
+
+
+class RowCache:
+    """At most ``capacity`` rows of one table, by id."""
+
+    def __init__(self, dim: int, capacity: int, dtype: torch.dtype):
+        if capacity < 1:
+            raise ValueError(f"A row cache holds at least one row; got {capacity}.")
+        self.capacity = capacity
+        self.values = torch.empty((capacity, dim), dtype=dtype)
+        self.index = RowIndex(16)
+        self.counters = CacheCounters()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _keep(self, keep: np.ndarray) -> None:
+        """Hold only the rows ``keep`` (a mask over ``index.items()``), compacted."""
+        held, slots = self.index.items()
+        rows = self.values[torch.from_numpy(slots[keep])].clone()
+        self.index = RowIndex(max(16, 2 * int(keep.sum())))
+        self.values[torch.from_numpy(self.index.insert(held[keep]))] = rows
+
+    def slots(self, ids: np.ndarray, fetch: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+        """The slots of ``ids`` (distinct), fetching the rows not held; when they do not all
+        fit, every other row is dropped first."""
+        if len(ids) > self.capacity:
+            raise ValueError(f"{len(ids)} distinct rows do not fit a cache of {self.capacity}; "
+                             "give the table a larger cache.")  # fmt: skip
+        found = self.index.find(ids)
+        missing = found < 0
+        if missing.any():
+            if len(self.index) + int(missing.sum()) > self.capacity:
+                held, _ = self.index.items()
+                self._keep(np.isin(held, ids))
+                found = self.index.find(ids)
+                missing = found < 0
+            fresh = ids[missing]
+            new = self.index.insert(fresh)
+            self.values[torch.from_numpy(new)] = fetch(fresh).to(self.values.dtype)
+            self.counters.fetched += len(fresh)
+            found[missing] = new
+        return torch.from_numpy(found)
+
+    def drop(self, ids: np.ndarray) -> None:
+        """Forget rows ``ids`` (those held)."""
+        if len(self.index) and len(ids):
+            held, _ = self.index.items()
+            self._keep(~np.isin(held, ids))
+
+
+class TableEmbedding(nn.Module):
+    """An embedding (``bag`` None) or embedding bag (``bag`` its mode) over ``table``, a
+    table that ``tables`` serves."""
+
+    def __init__(self, table: str, tables: Tables, cache_rows: int = DEFAULT_CACHE_ROWS,
+                 bag: str | None = None):  # fmt: skip
+        super().__init__()
+        self.table, self.tables, self.bag = table, tables, bag
+        self.spec = tables.spec(table)
+        self.cache = RowCache(self.spec.dim, cache_rows, getattr(torch, self.spec.dtype))
+        self._used: list[tuple[np.ndarray, torch.Tensor]] = []
+
+    def _fetch(self, ids: np.ndarray) -> torch.Tensor:
+        return self.tables.pull(self.table, ids)
+
+    def prefetch(self, ids: torch.Tensor | np.ndarray) -> None:
+        """Fetch the rows ``ids`` touch now, for a forward pass to come."""
+        self.cache.slots(np.unique(np.asarray(ids, dtype=np.int64)), self._fetch)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        distinct = unique.cpu().numpy().astype(np.int64, copy=False)
+        before = self.cache.counters.fetched
+        slots = self.cache.slots(distinct, self._fetch)
+        fetched = self.cache.counters.fetched - before
+        self.cache.counters.misses += fetched
+        self.cache.counters.hits += len(distinct) - fetched
+        rows = self.cache.values[slots].to(ids.device).requires_grad_(self.training)
+        if self.training:
+            self._used.append((distinct, rows))
+        if self.bag is None:
+            return F.embedding(inverse, rows)
+        return F.embedding_bag(inverse, rows, offsets, mode=self.bag)
+
+    def gradients(self) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The distinct ids the forward passes since the last call touched and the sum of
+        their gradients (one row each), or None when no gradient reached them."""
+        used, self._used = self._used, []
+        used = [(ids, rows.grad) for ids, rows in used if rows.grad is not None]
+        if not used:
+            return None
+        if len(used) == 1:
+            return used[0][0], used[0][1]
+        ids = np.concatenate([i for i, _ in used])
+        unique, inverse = np.unique(ids, return_inverse=True)
+        first = used[0][1]
+        grads = torch.zeros((len(unique), self.spec.dim), dtype=first.dtype, device=first.device)
+        grads.index_add_(0, torch.from_numpy(inverse.reshape(-1)).to(grads.device),
+                         torch.cat([g for _, g in used]))  # fmt: skip
+        return unique, grads
+
+    def push(self) -> int:
+        """Push the gradients of the rows used since the last push; those rows leave the
+        cache. Returns the rows pushed."""
+        got = self.gradients()
+        if got is None:
+            return 0
+        ids, grads = got
+        self.tables.push(self.table, ids, grads)
+        self.cache.drop(ids)
+        return len(ids)
+
+
+def table_specs(model: nn.Module, dtype: str = "float32") -> list[TableSpec]:
+    """A ``TableSpec`` for each sparse embedding of ``model``, named by its module path."""
+    return [TableSpec(name, m.num_embeddings, m.embedding_dim, dtype)
+            for name, m in _sparse_embeddings(model)]  # fmt: skip
+
+
+def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse:
+            unsupported = [what for what, value in (("padding_idx", m.padding_idx),
+                                                    ("max_norm", m.max_norm)) if value is not None]  # fmt: skip
+            if isinstance(m, nn.EmbeddingBag) and m.include_last_offset:
+                unsupported.append("include_last_offset")
+            if unsupported:
+                raise ValueError(f"Embedding {name!r}: a table cannot take "
+                                 f"{', '.join(unsupported)} yet.")  # fmt: skip
+            found.append((name, m))
+    return found
+
+
+def attach_tables(
+    model: nn.Module, tables: Tables, cache_rows: int = DEFAULT_CACHE_ROWS
+) -> dict[str, TableEmbedding]:
+    """Replace each sparse embedding of ``model`` by a ``TableEmbedding`` of the table of
+    the same name; returns them by name. The replaced modules' weights are freed."""
+    attached: dict[str, TableEmbedding] = {}
+    for name, m in _sparse_embeddings(model):
+        if not name:
+            raise ValueError("A sparse embedding that is the whole model: wrap it in a module.")
+        spec = tables.spec(name)
+        if (spec.rows, spec.dim) != (m.num_embeddings, m.embedding_dim):
+            raise ValueError(f"Embedding {name!r} is {m.num_embeddings} x {m.embedding_dim}; "
+                             f"its table is {spec.rows} x {spec.dim}.")  # fmt: skip
+        bag = m.mode if isinstance(m, nn.EmbeddingBag) else None
+        replacement = TableEmbedding(name, tables, cache_rows, bag)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
+        attached[name] = replacement
+    return attached
