@@ -46,7 +46,7 @@ def evaluate_batches(
         n += len(target)
         if out.shape[1] == 2:
             scores.append((out[:, 1] - out[:, 0]).float().cpu().numpy())
-            labels.append(y.numpy())
+            labels.append(y.cpu().numpy())
     model.train(was_training)
     area = auc(np.concatenate(scores), np.concatenate(labels)) if scores else None
     return Evaluation(correct / max(n, 1), loss / max(n, 1), area)
