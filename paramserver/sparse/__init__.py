@@ -7,7 +7,10 @@ Built so far, the server's side of one table, tested against torch's own sparse 
 - ``optim``: row-wise sgd, adagrad and lazy adam (torch's SGD, Adagrad and SparseAdam on
   the touched rows);
 - ``table``: one shard's rows of a table: created on first touch, pulled and pushed by id,
-  checked before anything changes, saved and restored.
+  checked before anything changes, saved and restored;
+- ``tableset``: every table a shard holds, as the coordinator will use them: a push's rows
+  checked whole before any table changes, the sync round's row gradients averaged like the
+  dense part's, the tables' optimizer chosen from the server's;
 
 and the worker's side, tested against in-process shards:
 - ``client``: ``Tables`` (pull and push rows by id, one request per shard that holds

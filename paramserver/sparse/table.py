@@ -89,7 +89,8 @@ class ShardTable:
                 )
         return arr
 
-    def _check_push(self, ids: Any, grads: Any) -> tuple[np.ndarray, torch.Tensor]:
+    def check_push(self, ids: Any, grads: Any) -> tuple[np.ndarray, torch.Tensor]:
+        """``ids`` and ``grads`` as a push applies them, or InvalidRequest; changes nothing."""
         arr = self.check_ids(ids, "A push")
         if len(np.unique(arr)) != len(arr):
             raise InvalidRequest(f"A push of table {self.spec.name!r} names an id twice; "
@@ -145,9 +146,12 @@ class ShardTable:
 
     def push(self, ids: Any, grads: Any) -> None:
         """One optimizer step on rows ``ids`` (distinct) with ``grads`` (one row each)."""
-        arr, g = self._check_push(ids, grads)
-        slots = self._slots(arr)  # may grow (replace) self.values and self.state: first
-        self.optimizer.step(self.values, self.state, slots, g)
+        self.apply(*self.check_push(ids, grads))
+
+    def apply(self, ids: np.ndarray, grads: torch.Tensor) -> None:
+        """``push`` of what ``check_push`` returned."""
+        slots = self._slots(ids)  # may grow (replace) self.values and self.state: first
+        self.optimizer.step(self.values, self.state, slots, grads)
 
     def read(self, ids: Any) -> torch.Tensor:
         """The current values of rows ``ids`` without creating any (untouched rows: their

@@ -1,0 +1,142 @@
+"""Every table one server shard holds, as the coordinator will use them: decisions and
+bookkeeping only, no I/O.
+
+- ``TableSet``: the shard's ``ShardTable`` of each table. A push's row gradients (any
+  number of tables) are checked whole by ``check`` before ``apply`` changes anything, so a
+  push with one bad table, or a bad dense part, changes nothing.
+- ``RowRound``: under ``sync``, the round's row gradients summed per table and id; at the
+  round's end the mean is their sum over the ``n`` non-empty pushes, as for the dense
+  part (``server/rounds.py``), so sync stays large-batch SGD for the tables too.
+- ``row_optimizer``: the tables' optimizer for the server's ``--optimizer``: adam and
+  adamw give lazy adam (torch's SparseAdam; weight decay is not applied to rows), sgd and
+  momentum give sgd, at the same learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from paramserver.errors import InvalidRequest
+from paramserver.sparse.optim import RowOptimizerConfig
+from paramserver.sparse.table import ShardTable, TableSpec
+
+
+@dataclass(frozen=True)
+class RowGradients:
+    """One table's part of a push: distinct ``ids`` and one gradient row each."""
+
+    table: str
+    ids: np.ndarray
+    grads: torch.Tensor
+
+
+def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
+    """The tables' optimizer for the server's ``--optimizer name`` and ``--lr``."""
+    rows = {"adam": "adam", "adamw": "adam", "sgd": "sgd", "momentum": "sgd"}.get(name)
+    if rows is None:
+        raise ValueError(f"No row-wise optimizer stands for {name!r}.")
+    return RowOptimizerConfig(rows, lr)
+
+
+class TableSet:
+    """Shard ``shard`` of ``shards`` of every table in ``specs``."""
+
+    def __init__(self, specs: Sequence[TableSpec], optimizer: RowOptimizerConfig,
+                 seed: int = 0, shard: int = 0, shards: int = 1):  # fmt: skip
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Two tables share a name: {names}.")
+        self.tables = {s.name: ShardTable(s, optimizer, seed, shard, shards) for s in specs}
+        self.rows_pulled = 0
+        self.rows_pushed = 0
+
+    @property
+    def specs(self) -> list[TableSpec]:
+        return [t.spec for t in self.tables.values()]
+
+    @property
+    def held(self) -> int:
+        """Rows created so far, over every table."""
+        return sum(t.held for t in self.tables.values())
+
+    def table(self, name: str) -> ShardTable:
+        table = self.tables.get(name)
+        if table is None:
+            known = ", ".join(sorted(self.tables)) or "none"
+            raise InvalidRequest(f"No table {name!r} is held here (tables: {known}).")
+        return table
+
+    def pull(self, name: str, ids: Any) -> torch.Tensor:
+        rows = self.table(name).pull(ids)
+        self.rows_pulled += len(rows)
+        return rows
+
+    def check(self, pushes: Iterable[RowGradients]) -> list[RowGradients]:
+        """The pushes as ``apply`` takes them, or InvalidRequest; changes nothing."""
+        checked, seen = [], set()
+        for push in pushes:
+            if push.table in seen:
+                raise InvalidRequest(f"A push names table {push.table!r} twice; send its rows "
+                                     "once, coalesced.")  # fmt: skip
+            seen.add(push.table)
+            ids, grads = self.table(push.table).check_push(push.ids, push.grads)
+            checked.append(RowGradients(push.table, ids, grads))
+        return checked
+
+    def apply(self, checked: Iterable[RowGradients]) -> None:
+        """One optimizer step on each checked push's rows."""
+        for push in checked:
+            self.tables[push.table].apply(push.ids, push.grads)
+            self.rows_pushed += len(push.ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: t.state_dict() for name, t in self.tables.items()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if set(saved) != set(self.tables):
+            raise ValueError(f"The saved tables {sorted(saved)} are not this run's "
+                             f"{sorted(self.tables)}.")  # fmt: skip
+        for name, table in self.tables.items():
+            table.load_state_dict(saved[name])
+
+
+class RowRound:
+    """The row gradients of the sync round in progress, summed per table."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[RowGradients]] = {}
+
+    def add(self, checked: Iterable[RowGradients]) -> None:
+        for push in checked:
+            self._parts.setdefault(push.table, []).append(push)
+
+    def take_mean(self, n: int) -> list[RowGradients]:
+        """Per table, each touched id's gradient summed over the round and divided by ``n``
+        (the round's non-empty pushes); starts the next round."""
+        parts, self._parts = self._parts, {}
+        return [_coalesce(table, pushes, n) for table, pushes in sorted(parts.items())]
+
+    def state(self) -> dict[str, Any]:
+        return {table: [(torch.from_numpy(p.ids.copy()), p.grads.clone()) for p in pushes]
+                for table, pushes in self._parts.items()}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RowRound:
+        r = cls()
+        for table, pushes in state.items():
+            r._parts[table] = [RowGradients(table, ids.numpy(), grads) for ids, grads in pushes]
+        return r
+
+
+def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
+    ids = np.concatenate([p.ids for p in pushes])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    first = pushes[0].grads
+    total = torch.zeros((len(unique), first.shape[1]), dtype=first.dtype)
+    total.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([p.grads for p in pushes]))
+    return RowGradients(table, unique, total / n)

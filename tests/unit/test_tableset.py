@@ -1,0 +1,104 @@
+"""The tables of one server shard as the coordinator will use them (sparse/tableset.py):
+pushes checked whole before anything changes, and the sync round's row gradients averaged
+so that a round equals one large-batch step of torch's sparse training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paramserver.errors import InvalidRequest
+from paramserver.sparse.rows import shard_of
+from paramserver.sparse.table import TableSpec
+from paramserver.sparse.tableset import RowGradients, RowRound, TableSet, row_optimizer
+
+ROWS, DIM = 200, 4
+SPECS = [TableSpec("a", ROWS, DIM), TableSpec("b", ROWS, DIM)]
+
+
+def _rows(n: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(ROWS, generator=g)[:n].numpy()
+    return ids, torch.randn(n, DIM, generator=g)
+
+
+def test_a_push_with_one_bad_table_changes_no_table():
+    tables = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=1)
+    before = {name: tables.table(name).read(np.arange(ROWS)) for name in ("a", "b")}
+    good = RowGradients("a", *_rows(5, 0))
+    bad_pushes = [
+        [good, RowGradients("b", np.array([1, 1]), torch.zeros(2, DIM))],  # duplicate id
+        [good, RowGradients("b", np.array([ROWS]), torch.zeros(1, DIM))],  # out of range
+        [good, RowGradients("b", np.array([3]), torch.zeros(1, DIM + 1))],  # wrong dim
+        [good, RowGradients("b", np.array([3]), torch.full((1, DIM), float("nan")))],
+        [good, RowGradients("c", np.array([3]), torch.zeros(1, DIM))],  # no such table
+        [good, good],  # a table twice
+    ]
+    for pushes in bad_pushes:
+        with pytest.raises(InvalidRequest):
+            tables.apply(tables.check(pushes))
+    for name in ("a", "b"):
+        torch.testing.assert_close(tables.table(name).read(np.arange(ROWS)), before[name])
+    assert tables.held == 0 and tables.rows_pushed == 0
+    with pytest.raises(InvalidRequest, match="No table 'c' is held here"):
+        tables.pull("c", [0])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_sync_round_of_row_gradients_is_one_large_batch_step(optimizer):
+    """Two workers' half batches through a round and its mean equal torch's sparse
+    embedding trained on the whole batch (the mean loss over both halves)."""
+    lr, steps = 0.05, 4
+    tables = TableSet([SPECS[0]], row_optimizer(optimizer, lr), seed=2)
+    emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(tables.table("a").read(np.arange(ROWS)))
+    opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.SparseAdam)([emb.weight], lr=lr)
+    g = torch.Generator().manual_seed(5)
+    target = torch.randn(ROWS, DIM, generator=g)
+    rnd = RowRound()
+    for _ in range(steps):
+        batch = torch.randint(0, ROWS, (32,), generator=g)
+        opt.zero_grad()
+        F.mse_loss(emb(batch), target[batch]).backward()
+        opt.step()
+        pushes = []
+        for half in (batch[:16], batch[16:]):  # each worker's own mean loss
+            ids, inverse = torch.unique(half, return_inverse=True)
+            rows = tables.pull("a", ids.numpy()).requires_grad_()
+            F.mse_loss(F.embedding(inverse, rows), target[half]).backward()
+            pushes.append(tables.check([RowGradients("a", ids.numpy(), rows.grad)]))
+        for checked in pushes:
+            rnd.add(checked)
+        rnd = RowRound.from_state(rnd.state())  # a round survives a checkpoint
+        tables.apply(rnd.take_mean(2))
+    torch.testing.assert_close(tables.table("a").read(np.arange(ROWS)), emb.weight.detach(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert rnd.take_mean(2) == []  # the round started afresh
+
+
+def test_tables_save_and_restore_and_refuse_another_runs_tables():
+    tables = TableSet(SPECS, row_optimizer("adamw", 0.01), seed=3, shard=1, shards=2)
+    ids = np.array([i for i in range(ROWS) if _shard(i) == 1][:6])  # shard 1's rows
+    tables.apply(tables.check([RowGradients("a", ids, torch.ones(len(ids), DIM))]))
+    copy = TableSet(SPECS, row_optimizer("adam", 0.01), seed=3, shard=1, shards=2)
+    copy.load_state_dict(tables.state_dict())
+    torch.testing.assert_close(copy.table("a").read(ids), tables.table("a").read(ids))
+    assert copy.held == tables.held == len(ids)
+    with pytest.raises(ValueError, match="not this run's"):
+        TableSet(SPECS[:1], row_optimizer("sgd", 0.1)).load_state_dict(tables.state_dict())
+
+
+def _shard(i: int) -> int:
+    return int(shard_of(np.array([i]), 2)[0])
+
+
+def test_row_optimizers_follow_the_servers_optimizer():
+    assert row_optimizer("adamw", 0.1).name == "adam"
+    assert row_optimizer("momentum", 0.1).name == "sgd"
+    with pytest.raises(ValueError, match="No row-wise optimizer"):
+        row_optimizer("lbfgs", 0.1)
+    with pytest.raises(ValueError, match="share a name"):
+        TableSet([SPECS[0], SPECS[0]], row_optimizer("sgd", 0.1))
