@@ -25,6 +25,9 @@ from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.evaluation import evaluate_batches
 from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.rundir import RunDir
+from paramserver.sparse.embedding import TableEmbedding, attach_tables
+from paramserver.sparse.remote import Observer, RemoteTables
+from paramserver.sparse.table import TableSpec
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import observe
 
@@ -90,6 +93,7 @@ class _Cluster:
         token = os.environ.get("PARAMSERVER_TOKEN") or None
         for a in addresses:
             self.channels.append(connect(a, self.cfg.startup_timeout, Security(token=token)))
+        self.addresses = addresses
         self.stub = Stub(self.channels[0])  # shard 0 hands out the batches: its status is the run's
         for i in range(self.cfg.server.workers):
             args = worker_args(self.cfg, address, f"worker-{i}")
@@ -103,6 +107,18 @@ class _Cluster:
     @property
     def workers(self) -> list[Child]:
         return self.children[self.cfg.servers :]
+
+    def tables(self, model: torch.nn.Module, specs: list[TableSpec]) -> RemoteTables | None:
+        """The servers' tables read by an observer, in place of ``model``'s sparse
+        embeddings (none: None)."""
+        if not specs:
+            return None
+        observers = [
+            Observer(Stub(c), a) for c, a in zip(self.channels, self.addresses, strict=True)
+        ]
+        remote = RemoteTables(observers, specs, rpc_timeout=60)
+        attach_tables(model, remote)
+        return remote
 
     def observe(self, manifest: layout.Manifest) -> tuple[pb.PullHeader, np.ndarray]:
         """The current weights, gathered from every shard (shard 0's header)."""
@@ -138,6 +154,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
     manifest, tensors = models.state(model)  # refuses a model it cannot carry, before spawning
+    specs = models.table_specs(model)
     per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
     if per_epoch < 1:
         raise ParamServerError(
@@ -151,6 +168,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     try:
         address = cluster.start()
         log.info("server at %s; %d workers started", address, scfg.workers)
+        tables = cluster.tables(model, specs)
         total = scfg.epochs * per_epoch * scfg.batch_size
         bar = tqdm(
             total=total,
@@ -206,8 +224,12 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         st, header = _record_epoch(
             run, cluster, model, (manifest, tensors), dataset, evaluated, t0, None
         )
+        state = model.state_dict()
+        for spec in specs:  # the tables, read whole from the servers
+            assert tables is not None
+            state[f"{spec.name}.weight"] = tables.read_all(spec.name)
         checkpoint.save(
-            run.file("checkpoint.pt"), model.state_dict(),
+            run.file("checkpoint.pt"), state,
             version=header.version, policy=st.policy, model=scfg.model,
         )  # fmt: skip
     finally:
@@ -252,6 +274,9 @@ def _record_epoch(
     st = cluster.status()
     header, flat = cluster.observe(manifest)
     layout.unflatten_into(manifest, torch.from_numpy(flat), tensors)
+    for module in model.modules():
+        if isinstance(module, TableEmbedding):
+            module.forget()  # so that the evaluation reads the tables' current rows
     acc, loss, area = evaluate_batches(model, dataset.test_batches(2000))
     record = {
         "epoch": epoch,

@@ -11,6 +11,7 @@ from torch import nn
 
 from paramserver.codec.layout import Manifest
 from paramserver.errors import ConfigError
+from paramserver.sparse.table import TableSpec
 
 
 def mlp() -> nn.Module:
@@ -170,10 +171,11 @@ def build(spec: str, seed: int | None = None) -> nn.Module:
 def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The trainable parameters, in the order that defines the flat buffer. Frozen ones
     (``requires_grad=False``) are left out: never pushed, never updated, no bytes on the wire.
+    So are the weights of sparse embeddings (``sparse=True``): the servers hold them as
+    tables, row by row (``table_specs``).
 
     Raises:
-        ConfigError: a parameter is not floating-point, or an embedding makes sparse
-            gradients, which the flat buffer cannot carry.
+        ConfigError: a parameter is not floating-point.
     """
     for name, p in model.named_parameters():
         if not p.is_floating_point():
@@ -182,15 +184,28 @@ def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 "paramserver carries floating-point parameters only. Register it as a buffer "
                 "(module.register_buffer) instead."
             )
-    for name, module in model.named_modules():
-        sparse = isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse
-        if sparse and module.weight.requires_grad:
-            raise ConfigError(
-                f"Parameter {name + '.weight'!r} belongs to an {type(module).__name__} with "
-                "sparse=True, whose sparse gradients paramserver cannot carry yet: build it "
-                "with sparse=False (dense gradients), or freeze it (requires_grad=False)."
-            )
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    tables = {f"{name}.weight".lstrip(".") for name, _ in _sparse_embeddings(model)}
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in tables]
+
+
+def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+            and m.weight.requires_grad]  # fmt: skip
+
+
+def table_specs(model: nn.Module) -> list[TableSpec]:
+    """The tables of ``model``: one per trainable sparse embedding, named by its module path.
+
+    Raises:
+        ConfigError: an embedding a table cannot stand in for (the message names it).
+    """
+    from paramserver.sparse.embedding import table_specs as specs
+
+    try:
+        return specs(model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def buffers(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:

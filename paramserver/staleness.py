@@ -19,7 +19,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, OutOfOrder
 
 _SSP = re.compile(r"^(?:ssp:|delay-)([0-9]+)$")
 
@@ -115,3 +115,14 @@ def push_action(iteration: int, clock: int, window: int = 1) -> PushAction:
 def round_complete(contributors: Collection[str], live: Collection[str]) -> bool:
     """A sync round is complete when every live worker has contributed (and someone has)."""
     return bool(contributors) and all(w in contributors for w in live)
+
+
+def check_pull_iteration(worker_id: str, iteration: int, clock: int, window: int) -> None:
+    """A worker may pull iterations within ``window`` of its clock (its pushes in flight
+    ahead, a retry behind); any other is OutOfOrder."""
+    if iteration > clock + window:
+        raise OutOfOrder(f"Worker {worker_id} asked for iteration {iteration} but its clock "
+                         f"is {clock}.")  # fmt: skip
+    if iteration < clock - window:
+        raise OutOfOrder(f"Worker {worker_id} asked for iteration {iteration} but its clock "
+                         f"is already {clock}.")  # fmt: skip

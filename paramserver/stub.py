@@ -76,6 +76,7 @@ _UNARY: dict[str, tuple[Any, Any]] = {
     "Leave": (pb.LeaveRequest, pb.LeaveResponse),
     "Status": (pb.StatusRequest, pb.StatusResponse),
     "Rewind": (pb.RewindRequest, pb.RewindResponse),
+    "PullRows": (pb.RowsRequest, pb.RowsResponse),
 }
 
 

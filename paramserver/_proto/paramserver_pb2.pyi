@@ -23,14 +23,56 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "total_bytes", "dtype")
+    __slots__ = ("tensors", "total_bytes", "dtype", "tables")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     dtype: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "rows", "dim", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    dim: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class RowGradients(_message.Message):
+    __slots__ = ("table", "ids", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    values: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class RowsRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "table", "ids")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    table: str
+    ids: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class RowsResponse(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: bytes
+    def __init__(self, values: _Optional[bytes] = ...) -> None: ...
 
 class TrainingPlan(_message.Message):
     __slots__ = ("model", "dataset", "batch_size", "epochs", "seed", "world_size")
@@ -139,7 +181,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot")
+    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +193,7 @@ class PushHeader(_message.Message):
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SHM_SLOT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     total_bytes: int
@@ -162,7 +205,8 @@ class PushHeader(_message.Message):
     shard: int
     shm: bool
     shm_slot: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[RowGradients]
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

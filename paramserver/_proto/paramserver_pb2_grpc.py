@@ -74,6 +74,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_paramserver__pb2.RewindRequest.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RewindResponse.FromString,
                 _registered_method=True)
+        self.PullRows = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/PullRows',
+                request_serializer=paramserver_dot_v1_dot_paramserver__pb2.RowsRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RowsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -139,6 +144,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullRows(self, request, context):
+        """Rows of a sparse table this shard holds (Manifest.tables), by id; created on first touch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +193,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Rewind,
                     request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RewindRequest.FromString,
                     response_serializer=paramserver_dot_v1_dot_paramserver__pb2.RewindResponse.SerializeToString,
+            ),
+            'PullRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RowsRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_paramserver__pb2.RowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +416,33 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/Rewind',
             paramserver_dot_v1_dot_paramserver__pb2.RewindRequest.SerializeToString,
             paramserver_dot_v1_dot_paramserver__pb2.RewindResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/PullRows',
+            paramserver_dot_v1_dot_paramserver__pb2.RowsRequest.SerializeToString,
+            paramserver_dot_v1_dot_paramserver__pb2.RowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

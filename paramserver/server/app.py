@@ -25,6 +25,7 @@ from paramserver.server.doorbell import Doorbell
 from paramserver.server.metrics import SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.shm import Attachments
+from paramserver.sparse.tableset import TableSet, row_optimizer
 from paramserver.store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ def build_coordinator(
         manifest, flat = shard_manifest(manifest, offset, end), flat[offset:end].copy()
     coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer), now)
     coordinator.model_numel, coordinator.shard_offset = model_numel, offset
+    specs = models.table_specs(model)
+    if specs:  # this shard's rows of every sparse table
+        optimizer = row_optimizer(config.optimizer.name, config.optimizer.lr)
+        coordinator.tables = TableSet(specs, optimizer, config.seed, config.shard, config.shards)
     if config.shards == 1:  # so that a checkpoint's model_state_dict loads strictly
         coordinator.frozen = {
             n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad

@@ -23,10 +23,12 @@ from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.membership import Member, Membership
 from paramserver.server.buffers import SharedBuffers
+from paramserver.server.checks import check_gradient
 from paramserver.server.cuts import Cuts
 from paramserver.server.rounds import SyncRound
 from paramserver.server.state import capture, restore_into
 from paramserver.server.status import Counters, ServerStatus, server_status
+from paramserver.sparse.tableset import RowGradients, RowRound, TableSet
 from paramserver.staleness import Policy, PushAction
 from paramserver.store import ParameterStore
 
@@ -91,6 +93,9 @@ class Coordinator:
         self.shard_offset = 0
         # The frozen parameters, constants a checkpoint holds beside the run's state.
         self.frozen: dict[str, Any] = {}
+        # The model's sparse tables (this shard's rows), and the sync round's row gradients.
+        self.tables: TableSet | None = None
+        self.row_round = RowRound()
 
     def check_incarnation(self, incarnation: str) -> None:
         """A call meant for an earlier incarnation of the server (a restart, or a rewind to
@@ -188,27 +193,17 @@ class Coordinator:
         samples: int,
         loss: float,
         incarnation: str = "",
+        rows: Iterable[RowGradients] = (),
     ) -> PushResult:
-        """Apply (or, under sync, accumulate) one gradient; exactly once per (worker, iteration).
+        """Apply (or, under sync, accumulate) one gradient and its tables' ``rows``; exactly
+        once per (worker, iteration).
 
         ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
         for the round) and nothing is applied.
         """
-        if grad is not None:
-            if grad.dtype != self.manifest.np_dtype or grad.size != self.manifest.numel:
-                raise InvalidRequest(
-                    f"A gradient of {grad.size} {grad.dtype} values does not match the model's "
-                    f"{self.manifest.numel} {self.manifest.dtype} values."
-                )
-            if samples < 0:
-                raise InvalidRequest(f"samples {samples} is negative.")
-        finite = grad is None or bool(np.isfinite(grad).all())
-        if not finite and not self.config.skip_nonfinite:
-            raise InvalidRequest(
-                f"The gradient of worker {worker_id} for iteration {iteration} holds NaN or Inf; "
-                "it was not applied (start the server with --skip-nonfinite to skip and count "
-                "such pushes instead)."
-            )
+        checked = self._tables("A push").check(rows) if rows else []
+        finite = check_gradient(grad, samples, self.manifest, self.config.skip_nonfinite,
+                                f"The gradient of worker {worker_id} for iteration {iteration}")  # fmt: skip
         with self._cond:
             self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
             member = self.membership.get(worker_id)
@@ -233,15 +228,18 @@ class Coordinator:
                 self.counters.skipped += 1
                 log.warning("skipped the non-finite gradient of worker %s for iteration %d",
                             worker_id, iteration)  # fmt: skip
-                grad = None
+                grad, checked = None, []
             if grad is not None:
                 self.counters.bytes_in += grad.nbytes
                 self.buffers.record(worker_id, grad[self._params_end :])
                 grad = grad[: self._params_end]
             if self.policy.synchronous:
                 self.round.add(worker_id, grad)
+                self.row_round.add(checked)
             elif grad is not None:
                 self.store.apply(grad)
+                if checked:
+                    self._tables("A push").apply(checked)
                 self._share_buffers(self.membership.live_ids())
             if self.queue is not None:
                 self.queue.complete(worker_id, iteration)
@@ -260,9 +258,12 @@ class Coordinator:
             return
         if self.round.complete(self.membership.live_ids()):
             self._share_buffers(self.round.givers)
+            n = self.round.n
             mean = self.round.take_mean()
             if mean is not None:
                 self.store.apply(mean)
+            if self.tables is not None and n:
+                self.tables.apply(self.row_round.take_mean(n))
             self.rounds += 1
             cut = self.cuts.after_round(self.rounds)
             if cut is not None:
@@ -280,7 +281,23 @@ class Coordinator:
         if cut is not None:
             self.cuts.take(cut, self._state(cut))
 
+    def _tables(self, what: str) -> TableSet:
+        if self.tables is None:
+            raise InvalidRequest(f"{what} names sparse tables, but this model has none.")
+        return self.tables
+
     # --- pull -------------------------------------------------------------------------
+
+    def pull_rows(self, worker_id: str, incarnation: str, table: str, ids: np.ndarray) -> Any:
+        """Rows ``ids`` of ``table`` (this shard's), created on first touch; an empty id
+        observes (evaluation, checkpoints): it reads, creating no row."""
+        tables = self._tables("A row pull")
+        with self._cond:
+            self.check_incarnation(incarnation)
+            if not worker_id:
+                return tables.table(table).read(ids)
+            self.membership.touch(worker_id)
+            return tables.pull(table, ids)
 
     def pull(
         self,
@@ -314,16 +331,8 @@ class Coordinator:
             if not worker_id:
                 return self._answer(None, out=out)
             member = self.membership.touch(worker_id)
-            if iteration > member.clock + max(self.policy.max_inflight_pushes(), 1):
-                raise OutOfOrder(
-                    f"Worker {worker_id} asked for iteration {iteration} but its clock is "
-                    f"{member.clock}."
-                )
-            if iteration < member.clock - max(self.policy.max_inflight_pushes(), 1):
-                raise OutOfOrder(
-                    f"Worker {worker_id} asked for iteration {iteration} but its clock is "
-                    f"already {member.clock}."
-                )
+            window = max(self.policy.max_inflight_pushes(), 1)
+            staleness.check_pull_iteration(worker_id, iteration, member.clock, window)
             waited_from = self._now()
             try:
                 while True:

@@ -83,7 +83,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             worker_id=member.worker_id,
             rank=member.rank,
             clock=member.clock,
-            manifest=self.c.manifest.to_proto(),
+            manifest=self.steps.manifest(),
             plan=pb.TrainingPlan(
                 model=cfg.model,
                 dataset=cfg.dataset,
@@ -129,6 +129,10 @@ class Servicer(pb_grpc.ParameterServerServicer):
     ) -> pb.PushPullResponse:
         context.add_callback(self.c.notify)
         return self.steps.push_pull(request, context.time_remaining(), context.is_active)
+
+    @_rpc
+    def PullRows(self, request: pb.RowsRequest, context: grpc.ServicerContext) -> pb.RowsResponse:
+        return self.steps.pull_rows(request)
 
     @_rpc
     def Rewind(self, request: pb.RewindRequest, context: grpc.ServicerContext) -> pb.RewindResponse:

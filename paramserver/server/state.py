@@ -12,6 +12,7 @@ import numpy as np
 from paramserver.dataplan import BatchQueue
 from paramserver.membership import Membership
 from paramserver.server.rounds import SyncRound
+from paramserver.sparse.tableset import RowRound
 
 if TYPE_CHECKING:
     from paramserver.server.coordinator import Coordinator
@@ -37,6 +38,8 @@ def capture(c: Coordinator, cut: int) -> dict[str, Any]:
         "buffers": c.buffers.state(),
         "counters": c.counters.state(),
         "frozen": c.frozen,  # constants: not copied
+        "tables": c.tables.state_dict() if c.tables is not None else None,
+        "row_round": c.row_round.state(),
     }
 
 
@@ -64,6 +67,11 @@ def restore_into(c: Coordinator, state: dict[str, Any], weights: np.ndarray) -> 
     live = c.membership.live_ids()
     if c.policy.synchronous:
         c.round = SyncRound.from_state(state["sync_round"], live)
+        c.row_round = RowRound.from_state(state.get("row_round") or {})
+    if c.tables is not None:
+        if state.get("tables") is None:
+            raise ValueError("The checkpoint holds no sparse tables, but this model has some.")
+        c.tables.load_state_dict(state["tables"])
     c.counters.load(state["counters"])
     c.buffers.load(state.get("buffers"), live)
     log.info("resumed from incarnation %s at version %d with %d workers",

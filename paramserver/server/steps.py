@@ -15,6 +15,8 @@ from paramserver.errors import InvalidRequest
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
+from paramserver.sparse import wire as sparse_wire
+from paramserver.sparse.tableset import RowGradients
 
 
 class Steps:
@@ -79,6 +81,7 @@ class Steps:
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
         self.c.accept_header(header.worker_id)
+        rows = self._rows(header)
         with self.payloads.gradient(header, rest) as grad:
             result = self._apply(
                 self.c.push,
@@ -88,10 +91,33 @@ class Steps:
                 header.samples,
                 header.loss,
                 header.incarnation,
+                rows,
             )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
         )
+
+    # --- sparse tables ------------------------------------------------------------------
+
+    def manifest(self) -> pb.Manifest:
+        """The manifest a join answers: the flat buffer's layout, and the tables."""
+        msg = self.c.manifest.to_proto()
+        if self.c.tables is not None:
+            msg.tables.extend(sparse_wire.spec_to_proto(t) for t in self.c.tables.specs)
+        return msg
+
+    def _rows(self, header: pb.PushHeader) -> list[RowGradients]:
+        if not header.rows:
+            return []
+        if header.empty:
+            raise InvalidRequest("An empty push carries no rows.")
+        specs = {t.name: t for t in self.c.tables.specs} if self.c.tables is not None else {}
+        return sparse_wire.gradients_from_proto(header.rows, specs)
+
+    def pull_rows(self, request: pb.RowsRequest) -> pb.RowsResponse:
+        ids = sparse_wire.ids_from_bytes(request.ids, f"A row pull of table {request.table!r}")
+        rows = self.c.pull_rows(request.worker_id, request.incarnation, request.table, ids)
+        return pb.RowsResponse(values=sparse_wire.rows_to_bytes(rows))
 
     def close(self) -> None:
         if self.applier is not None:

@@ -8,10 +8,11 @@
 - **A bounded cache** (``RowCache``): ids to local slots, at most ``cache_rows`` rows,
   however large the table. ``prefetch(ids)`` fetches the next batch's rows ahead of time;
   a forward pass counts each distinct id found in the cache as a hit.
-- **Exact blocking steps.** After a push, the rows this worker pushed are dropped from the
-  cache (the server's copy now holds the update), so the next forward pass re-fetches
-  them. Rows prefetched and not pushed stay: they may miss other workers' pushes since,
-  as the dense weights of a prefetching step do, within the policy's bound.
+- **Exact blocking steps.** After a push the cache keeps only the rows prefetched since the
+  previous push that this push did not touch; everything else (the rows pushed, whose
+  update is on the server now, and rows fetched earlier) is fetched again when next used.
+  Rows prefetched and kept may miss other workers' pushes since, as the dense weights of a
+  prefetching step do: at most one step, within the policy's bound.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class RowCache:
         self.values = torch.empty((capacity, dim), dtype=dtype)
         self.index = RowIndex(16)
         self.counters = CacheCounters()
+        self._ahead: list[np.ndarray] = []  # ids prefetched since the last end_step
 
     def __len__(self) -> int:
         return len(self.index)
@@ -80,11 +82,18 @@ class RowCache:
             found[missing] = new
         return torch.from_numpy(found)
 
-    def drop(self, ids: np.ndarray) -> None:
-        """Forget rows ``ids`` (those held)."""
-        if len(self.index) and len(ids):
+    def prefetched(self, ids: np.ndarray) -> None:
+        """Note ``ids`` as fetched ahead for the next step (kept by ``end_step``)."""
+        self._ahead.append(ids)
+
+    def end_step(self, pushed: np.ndarray) -> None:
+        """A push of rows ``pushed`` went out: keep only the rows prefetched since the last
+        call that it did not touch."""
+        ahead, self._ahead = self._ahead, []
+        if len(self.index):
             held, _ = self.index.items()
-            self._keep(~np.isin(held, ids))
+            keep = np.isin(held, np.concatenate(ahead)) if ahead else np.zeros(len(held), bool)
+            self._keep(keep & ~np.isin(held, pushed))
 
 
 class TableEmbedding(nn.Module):
@@ -104,7 +113,9 @@ class TableEmbedding(nn.Module):
 
     def prefetch(self, ids: torch.Tensor | np.ndarray) -> None:
         """Fetch the rows ``ids`` touch now, for a forward pass to come."""
-        self.cache.slots(np.unique(np.asarray(ids, dtype=np.int64)), self._fetch)
+        distinct = np.unique(np.asarray(ids, dtype=np.int64))
+        self.cache.slots(distinct, self._fetch)
+        self.cache.prefetched(distinct)
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -146,20 +157,28 @@ class TableEmbedding(nn.Module):
             return 0
         ids, grads = got
         self.tables.push(self.table, ids, grads)
-        self.cache.drop(ids)
+        self.cache.end_step(ids)
         return len(ids)
 
+    def forget(self) -> None:
+        """Drop every cached row (and any gradient not pushed): the next forward pass
+        fetches the servers' current rows, e.g. for an evaluation."""
+        self._used = []
+        self.cache.end_step(np.empty(0, np.int64))
 
-def table_specs(model: nn.Module, dtype: str = "float32") -> list[TableSpec]:
-    """A ``TableSpec`` for each sparse embedding of ``model``, named by its module path."""
-    return [TableSpec(name, m.num_embeddings, m.embedding_dim, dtype)
+
+def table_specs(model: nn.Module) -> list[TableSpec]:
+    """A ``TableSpec`` for each trainable sparse embedding of ``model``, named by its module
+    path, in its weight's dtype."""
+    return [TableSpec(name, m.num_embeddings, m.embedding_dim,
+                      str(m.weight.dtype).removeprefix("torch."))
             for name, m in _sparse_embeddings(model)]  # fmt: skip
 
 
 def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
     found = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse:
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
             unsupported = [what for what, value in (("padding_idx", m.padding_idx),
                                                     ("max_norm", m.max_norm)) if value is not None]  # fmt: skip
             if isinstance(m, nn.EmbeddingBag) and m.include_last_offset:

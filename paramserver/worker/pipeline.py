@@ -23,8 +23,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.worker.session import REJOIN, Session
@@ -58,6 +58,7 @@ class StagedPush:
     samples: int = 0
     loss: float = math.nan
     empty: bool = False
+    rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # per shard: its tables' rows
 
 
 class Pipeline:
@@ -134,7 +135,8 @@ class Pipeline:
     # --- calls ------------------------------------------------------------------------
 
     def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
-        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty)
+        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
+                               staged.rows.get(s.reply.shard, ()))  # fmt: skip
         assert s.channel is not None
         channel = s.channel
         return s.retrying(
@@ -154,7 +156,8 @@ class Pipeline:
     def _push_pull(
         self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
     ) -> pb.PullHeader:
-        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty)
+        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
+                               staged.rows.get(s.reply.shard, ()))  # fmt: skip
         request = s.pull_request(pull, batches)
         assert s.channel is not None
         channel = s.channel

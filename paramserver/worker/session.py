@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -194,7 +194,8 @@ class Session:
 
     # --- payload requests ---------------------------------------------------------------
 
-    def push_header(self, iteration: int, samples: int, loss: float, empty: bool) -> pb.PushHeader:
+    def push_header(self, iteration: int, samples: int, loss: float, empty: bool,
+                    rows: Iterable[pb.RowGradients] = ()) -> pb.PushHeader:  # fmt: skip
         return pb.PushHeader(
             worker_id=self.worker_id,
             iteration=iteration,
@@ -203,6 +204,7 @@ class Session:
             incarnation=self.incarnation,
             empty=empty,
             shard=self.reply.shard,
+            rows=rows,
         )
 
     def pull_request(self, iteration: int, batches: int) -> pb.PullRequest:

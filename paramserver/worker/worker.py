@@ -35,6 +35,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.config import MAX_PUSH_EVERY, Security
 from paramserver.errors import ConfigError, ParamServerError
+from paramserver.sparse.remote import attach_remote, stage_rows
 from paramserver.staleness import Policy
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import StreamBuffers, new_segment, open_channel
@@ -50,9 +51,10 @@ log = logging.getLogger(__name__)
 class Worker:
     """A member of a parameter-server run, wrapped around a local model.
 
-    Joining loads the servers' weights into ``model``. Each ``step()`` pushes the gradients
-    in ``model``'s ``.grad`` fields (in the background as far as the policy allows) and
-    loads the weights for the next iteration.
+    Joining loads the servers' weights into ``model`` and makes its sparse embeddings the
+    servers' tables (``tables``: rows fetched on demand). Each ``step()`` pushes the gradients
+    in ``model``'s ``.grad`` fields and the rows touched (in the background as far as the
+    policy allows) and loads the weights for the next iteration.
 
     Args:
         address: the server's host:port, or every shard's in shard order (a list, or
@@ -122,15 +124,11 @@ class Worker:
             self._codec = compression.by_name(compress)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.address = ",".join(addresses)
-        self.addresses = addresses
-        self.push_every = push_every
-        self.compress = compress
+        self.address, self.addresses = ",".join(addresses), addresses
+        self.push_every, self.compress = push_every, compress
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.shm = shm and shmem.available()
-        self.shm_control = shm_control
-        self._stop = threading.Event()
-        self._closed = False
+        self.shm, self.shm_control = shm and shmem.available(), shm_control
+        self._stop, self._closed = threading.Event(), False
         make_stub = transport or (lambda a: Stub(connect(a, connect_timeout, security)))
         backoff = Backoff(server_timeout, now=clock)
         self.sessions: list[Session] = []
@@ -156,6 +154,7 @@ class Worker:
                 # the server's seed: parameters it never sends (frozen ones) start the same
                 model = models.build(self.plan.model, seed=self.plan.seed).to(device or "cpu")
             self.model = model
+            self.tables = attach_remote(model, replies[0].manifest, self.sessions, rpc_timeout)
             self._replica = Replica(model)
             self.device, self.manifest = self._replica.device, self._replica.manifest
             self._codec = compression.by_name(
@@ -181,8 +180,7 @@ class Worker:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._pipe = Pipeline(self.sessions, self._slots, rpc_timeout, barrier_timeout)
         self._bind()
-        self.version = 0
-        self.last_staleness = 0
+        self.version, self.last_staleness = 0, 0
         self.batch: int | None = None  # the batch to compute next, when the server hands them out
         self.batches: list[int] = []  # all of them, with push_every > 1
         self.finished = False  # the server has applied every batch of the run
@@ -305,7 +303,9 @@ class Worker:
         slot = self._pipe.take_slot()
         if not empty:
             self._replica.stage([(lo, hi, s.channel.slots[slot]) for s, (lo, hi) in self._parts()])
-        staged = StagedPush(slot, tuple(s.clock for s in self.sessions), samples, loss, empty)
+        rows = stage_rows(self.tables, self.shards) if self.tables and not empty else {}
+        clocks = tuple(s.clock for s in self.sessions)
+        staged = StagedPush(slot, clocks, samples, loss, empty, rows)
         for s in self.sessions:
             s.clock += 1
         self._replica.zero_grad()

@@ -11,8 +11,10 @@ import math
 
 import grpc
 import numpy as np
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
@@ -29,11 +31,36 @@ PUSH_FAULTS = [
     "header_bytes", "short_stream", "long_stream", "odd_bytes", "dtype", "non_finite",
     "unknown_worker", "ahead", "past", "negative_iteration", "incarnation", "shard", "no_header",
     "empty_stream", "two_headers", "empty_with_data",
+    # the rows of a sparse table that ride with the push
+    "rows_unknown_table", "rows_ids_bytes", "rows_values_bytes", "rows_out_of_range",
+    "rows_duplicate", "rows_non_finite", "rows_table_twice", "rows_with_empty",
 ]  # fmt: skip
 OTHER_FAULTS = [
     "pull_unknown_worker", "pull_incarnation", "pull_ahead", "heartbeat_unknown",
     "heartbeat_incarnation", "join_negative_samples", "rewind",
+    "pull_rows_unknown_table", "pull_rows_ids_bytes", "pull_rows_out_of_range",
+    "pull_rows_incarnation", "pull_rows_unknown_worker",
 ]  # fmt: skip
+ROWS, DIM = 100, 4  # the probed model's sparse table "emb"
+
+
+class WithTable(nn.Module):
+    """The tiny MLP beside a sparse table, so that the server holds one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = tiny_model()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def _rows(ids: list[int], values: np.ndarray | None = None, table: str = "emb") -> pb.RowGradients:
+    if values is None:
+        values = np.full((len(ids), DIM), 0.5, np.float32)
+    return pb.RowGradients(table=table, ids=np.array(ids, "<i8").tobytes(),
+                           values=values.astype("<f4").tobytes())  # fmt: skip
 
 
 class Target:
@@ -58,9 +85,10 @@ class Target:
         payload = memoryview(_payload(self.nbytes))
         return self.stub.Push(wire.encode_push(h, payload, 4096), timeout=10)
 
-    def state(self) -> tuple[bytes, int]:
-        store = self.server.coordinator.store
-        return store.snapshot().tobytes(), store.version
+    def state(self) -> tuple[bytes, int, bytes, int]:
+        store, tables = self.server.coordinator.store, self.server.coordinator.tables
+        rows = tables.table("emb").read(np.arange(ROWS)).numpy().tobytes()
+        return store.snapshot().tobytes(), store.version, rows, tables.held
 
 
 def _payload(n: int, fill: float = 0.01) -> bytes:
@@ -107,6 +135,32 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         h.shard = data.draw(st.integers(1, 1 << 30))
     elif fault == "empty_with_data":
         h.empty, h.total_bytes = True, 0
+    elif fault == "rows_unknown_table":
+        h.rows.append(_rows([1], table=data.draw(st.text(max_size=8).filter(lambda s: s != "emb"))))
+    elif fault == "rows_ids_bytes":
+        h.rows.append(_rows([1, 2]))
+        h.rows[0].ids += b"\0" * data.draw(st.integers(1, 7))
+    elif fault == "rows_values_bytes":
+        h.rows.append(_rows([1, 2]))
+        cut = data.draw(st.integers(1, len(h.rows[0].values)))
+        h.rows[0].values = h.rows[0].values[:-cut]
+    elif fault == "rows_out_of_range":
+        bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
+        h.rows.append(_rows([3, bad]))
+    elif fault == "rows_duplicate":
+        i = data.draw(st.integers(0, ROWS - 1))
+        h.rows.append(_rows([i, (i + 1) % ROWS, i]))
+    elif fault == "rows_non_finite":
+        values = np.full((2, DIM), 0.5, np.float32)
+        values[data.draw(st.integers(0, 1)), data.draw(st.integers(0, DIM - 1))] = data.draw(
+            st.sampled_from([math.nan, math.inf, -math.inf]))  # fmt: skip
+        h.rows.append(_rows([4, 5], values))
+    elif fault == "rows_table_twice":
+        h.rows.extend([_rows([1]), _rows([2])])
+    elif fault == "rows_with_empty":
+        h.empty, h.total_bytes = True, 0
+        h.rows.append(_rows([1]))
+        body = b""
     chunk = data.draw(st.sampled_from([1024, 4096, 1 << 16, 1 << 20]))
     chunks = [pb.PushChunk(data=body[i : i + chunk]) for i in range(0, len(body), chunk)]
     if fault == "empty_with_data":
@@ -142,6 +196,21 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
                              incarnation=incarnation, worker_id=t.worker_id),
             timeout=10,
         )  # fmt: skip
+    elif fault.startswith("pull_rows"):
+        request = pb.RowsRequest(worker_id=t.worker_id, incarnation=t.incarnation, table="emb",
+                                 ids=np.array([1, 2], "<i8").tobytes())  # fmt: skip
+        if fault == "pull_rows_unknown_table":
+            request.table = wrong
+        elif fault == "pull_rows_ids_bytes":
+            request.ids += b"\0" * data.draw(st.integers(1, 7))
+        elif fault == "pull_rows_out_of_range":
+            bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
+            request.ids = np.array([1, bad], "<i8").tobytes()
+        elif fault == "pull_rows_incarnation":
+            request.incarnation = wrong
+        else:
+            request.worker_id = wrong
+        t.stub.PullRows(request, timeout=10)
     elif fault == "join_negative_samples":
         t.stub.Join(
             pb.JoinRequest(name="x", train_samples=data.draw(st.integers(-(1 << 62), -1))),
@@ -150,7 +219,7 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
 
 
 def test_a_thousand_malformed_requests_change_nothing(serve):
-    server = serve(tiny_model(), optimizer="sgd", lr=0.1, policy="async", lease_seconds=600)
+    server = serve(WithTable(), optimizer="sgd", lr=0.1, policy="async", lease_seconds=600)
     target = Target(server)
     before = target.state()
     seen: dict[str, int] = {}
@@ -174,7 +243,7 @@ def test_a_thousand_malformed_requests_change_nothing(serve):
     probe()
     assert sum(seen.values()) >= 1000
     assert set(seen) == set(PUSH_FAULTS + OTHER_FAULTS)
-    assert target.state() == before, "a malformed request changed the weights or version"
+    assert target.state() == before, "a malformed request changed the weights, version or rows"
 
     # The server still serves a correct push and pull.
     clock = target.CLOCK
@@ -187,4 +256,11 @@ def test_a_thousand_malformed_requests_change_nothing(serve):
     expected = np.frombuffer(before[0], np.float32) - np.float32(0.1) * np.float32(0.01)
     assert header.version == clock + 1
     np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)
+    # and a correct row pull: the table's seeded rows, untouched by the faults
+    rows = target.stub.PullRows(pb.RowsRequest(worker_id=target.worker_id, table="emb",
+                                               incarnation=target.incarnation,
+                                               ids=np.array([1, 2], "<i8").tobytes()),
+                                timeout=10)  # fmt: skip
+    initial = np.frombuffer(before[2], np.float32).reshape(ROWS, DIM)[[1, 2]]
+    np.testing.assert_array_equal(np.frombuffer(rows.values, "<f4").reshape(2, DIM), initial)
     target.channel.close()

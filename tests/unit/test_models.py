@@ -43,17 +43,18 @@ def test_bad_model_specs_are_clear(spec, message):
         models.build(spec)
 
 
-def test_a_sparse_embedding_is_refused_with_what_to_do():
+def test_sparse_embeddings_are_tables_outside_the_flat_buffer():
     from torch import nn
 
     from paramserver import models
     from paramserver.errors import ConfigError
 
-    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
-    with pytest.raises(ConfigError, match=r"'0.weight'.*sparse=True.*sparse=False.*freeze"):
-        models.parameters(model)
-    model[0].requires_grad_(False)  # frozen, it sends nothing: fine
-    assert [n for n, _ in models.parameters(model)] == ["1.weight", "1.bias"]
-    bag = nn.EmbeddingBag(10, 4, sparse=True)
-    with pytest.raises(ConfigError, match="EmbeddingBag"):
-        models.parameters(nn.Sequential(bag))
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2),
+                          nn.EmbeddingBag(7, 3, sparse=True), nn.Embedding(5, 2))  # fmt: skip
+    assert [n for n, _ in models.parameters(model)] == ["1.weight", "1.bias", "3.weight"]
+    assert [(t.name, t.rows, t.dim) for t in models.table_specs(model)] == [
+        ("0", 10, 4), ("2", 7, 3)]  # fmt: skip
+    model[0].requires_grad_(False)  # frozen: a constant, neither a table nor pushed
+    assert [t.name for t in models.table_specs(model)] == ["2"]
+    with pytest.raises(ConfigError, match="padding_idx"):
+        models.table_specs(nn.Sequential(nn.Embedding(10, 4, sparse=True, padding_idx=0)))

@@ -1,0 +1,208 @@
+"""Sparse tables through real servers (issue 12): a model whose embeddings have
+``sparse=True`` trains with only the touched rows on the wire, and ends as torch trains the
+same model locally, over one server or two shards, through each step path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import paramserver as ps
+from paramserver import checkpoint, clicks
+from paramserver.evaluation import evaluate
+from paramserver.sparse.embedding import TableEmbedding
+from paramserver.sparse.rows import shard_of
+from tests.conftest import DEADLINE, WorkerThread, paramserver_cmd
+from tests.sparse_models import dlrm_sparse
+
+ROWS, DIM, FIELDS, BATCH = 500, 8, 3, 16
+
+
+class Clicky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+        self.head = nn.Linear(FIELDS * DIM + DIM, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bag = self.bag(x.flatten(), torch.arange(0, x.numel(), FIELDS))
+        return self.head(torch.cat([self.emb(x).flatten(1), bag], 1))
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.rand(steps, BATCH, FIELDS, generator=g) ** 2 * ROWS).long()
+    return [(ids[i], ids[i].sum(1) % 2) for i in range(steps)]
+
+
+def _table(servers: list[ps.ServerApp], name: str) -> torch.Tensor:
+    """The whole table ``name``, read from the shards that hold its rows."""
+    ids = np.arange(ROWS)
+    out = torch.empty(ROWS, DIM)
+    owner = shard_of(ids, len(servers))
+    for i, server in enumerate(servers):
+        mine = ids[owner == i]
+        out[torch.from_numpy(mine)] = server.coordinator.tables.table(name).read(mine)
+    return out
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_model_with_tables_trains_as_torch_trains_it_locally(serve, shards, shm):
+    torch.manual_seed(0)
+    model = Clicky()
+    servers = [serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1,
+                     shard=i, shards=shards) for i in range(shards)]  # fmt: skip
+    local = Clicky()
+    local.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the tables start from the servers' seeded rows
+        local.emb.weight.copy_(_table(servers, "emb"))
+        local.bag.weight.copy_(_table(servers, "bag"))
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+
+    worker = ps.Worker([s.address for s in servers], model, shm=shm)
+    try:
+        assert isinstance(model.emb, TableEmbedding) and isinstance(model.bag, TableEmbedding)
+        assert [n for n, _ in model.named_parameters()] == ["head.weight", "head.bias"]
+        for x, y in _batches(10):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+            opt.zero_grad()
+            F.cross_entropy(local(x), y).backward()
+            opt.step()
+    finally:
+        worker.close()
+    torch.testing.assert_close(_table(servers, "emb"), local.emb.weight.detach())
+    torch.testing.assert_close(_table(servers, "bag"), local.bag.weight.detach())
+    torch.testing.assert_close(model.head.weight, local.head.weight)
+    touched = len(torch.cat([x.flatten() for x, _ in _batches(10)]).unique())
+    held = sum(s.coordinator.tables.held for s in servers)
+    assert held == 2 * touched  # only the rows touched exist, in each of the two tables
+
+
+def test_two_sync_workers_are_one_large_batch(serve):
+    """Two workers, each half of every batch, under sync: the tables end as one local model
+    trained on the whole batches (mean of the halves' mean losses)."""
+    torch.manual_seed(1)
+    model = Clicky()
+    server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=2)
+    local = Clicky()
+    local.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        local.emb.weight.copy_(_table([server], "emb"))
+        local.bag.weight.copy_(_table([server], "bag"))
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    batches = _batches(6)
+
+    def run(half: int) -> None:
+        replica = Clicky()
+        replica.load_state_dict(model.state_dict())
+        with ps.Worker(server.address, replica) as worker:
+            for x, y in batches:
+                part = slice(half * BATCH // 2, (half + 1) * BATCH // 2)
+                F.cross_entropy(replica(x[part]), y[part]).backward()
+                worker.step(samples=BATCH // 2)
+
+    threads = [WorkerThread(lambda h=h: run(h), name=f"w{h}") for h in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.result(timeout=60)
+    for x, y in batches:
+        opt.zero_grad()
+        halves = [F.cross_entropy(local(x[p]), y[p]) for p in (slice(0, 8), slice(8, 16))]
+        (sum(halves) / 2).backward()
+        opt.step()
+    torch.testing.assert_close(_table([server], "emb"), local.emb.weight.detach())
+    torch.testing.assert_close(_table([server], "bag"), local.bag.weight.detach())
+
+
+def test_a_worker_whose_embeddings_are_not_the_servers_tables_is_refused(serve):
+    server = serve(Clicky(), optimizer="sgd", workers=1)
+    dense = Clicky()
+    dense.emb = nn.Embedding(ROWS, DIM)  # sparse=False: a dense parameter here
+    with pytest.raises(ps.ConfigError):
+        ps.Worker(server.address, dense)
+
+
+def test_launch_trains_a_model_with_tables_and_checkpoints_them(tmp_path):
+    """``launch`` with a model whose embeddings are sparse tables: the workers push rows,
+    the evaluation reads the servers' current rows, and the checkpoint holds the whole
+    tables, so it loads strictly into the model and scores what launch reported."""
+    out = subprocess.run(
+        paramserver_cmd(
+            "launch", "--model", "tests.sparse_models:dlrm_sparse", "--dataset", "clicks",
+            "--epochs", "1", "--batch-size", "256", "--lr", "0.01", "--workers", "2",
+            "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
+        ),
+        capture_output=True, text=True, timeout=DEADLINE,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["test_auc"] > 0.7
+    state = checkpoint.load(tmp_path / os.path.basename(summary["run_dir"]) / "checkpoint.pt")
+    model = dlrm_sparse()
+    model.load_state_dict(state["model_state_dict"], strict=True)
+    _, _, test_x, test_y = clicks.make()
+    assert evaluate(model, test_x, test_y).auc == pytest.approx(summary["test_auc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_rows_of_a_push_whose_reply_is_lost_are_applied_once(serve, shm, monkeypatch):
+    """The rows ride with the dense push: a retried push is a duplicate for both."""
+    from paramserver.stub import Stub, connect
+    from paramserver.worker.channel import ControlSocket
+    from tests.integration.test_exactly_once import DropPushReplies, DropSocketReplies
+
+    torch.manual_seed(2)
+    start = Clicky()
+
+    def train(transport=None) -> tuple[ps.ServerApp, torch.Tensor]:
+        model = Clicky()
+        model.load_state_dict(start.state_dict())
+        server = serve(model, optimizer="sgd", lr=0.1, policy="delay-1", workers=1)
+        with ps.Worker(server.address, model, shm=shm, transport=transport) as worker:
+            for x, y in _batches(12):
+                F.cross_entropy(model(x), y).backward()
+                worker.step(samples=len(x))
+        return server, _table([server], "emb")
+
+    _, expected = train()
+    dropper = DropSocketReplies(every=3) if shm else DropPushReplies(every=3)
+    if shm:
+        monkeypatch.setattr(ControlSocket, "push_pull", dropper.wrap(ControlSocket.push_pull))
+    lossy, got = train(lambda a: Stub(grpc.intercept_channel(connect(a, DEADLINE), dropper)))
+    assert dropper.dropped >= 4
+    assert lossy.status()["duplicates"] == dropper.dropped
+    assert torch.equal(got, expected)
+
+
+def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
+    torch.manual_seed(3)
+    model = Clicky()
+    start = Clicky()
+    start.load_state_dict(model.state_dict())
+    server = serve(model, optimizer="adam", lr=0.05, policy="async", workers=1,
+                   checkpoint_dir=str(tmp_path))  # fmt: skip
+    with ps.Worker(server.address, model) as worker:
+        for x, y in _batches(5):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+    trained = _table([server], "emb")
+    held = server.coordinator.tables.held
+    server.stop()  # writes a last checkpoint
+    resumed = serve(start, optimizer="adam", lr=0.05, policy="async", workers=1,
+                    checkpoint_dir=str(tmp_path))  # fmt: skip
+    assert resumed.coordinator.tables.held == held
+    torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
+    saved = resumed.coordinator.tables.table("emb").state_dict()
+    assert saved["steps"] == 5 and len(saved["state"]) == 2  # lazy adam's moments came back
