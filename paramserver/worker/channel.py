@@ -179,8 +179,10 @@ class ShmChannel(PayloadChannel):
 
     def _push_pull(self, request: pb.PushPullRequest, timeout: float) -> pb.PushPullResponse:
         control = self.control
-        # One call at a time on the socket; another at the same moment goes over gRPC.
-        if control is not None and control.busy.acquire(blocking=False):
+        # One call at a time on the socket; another at the same moment goes over gRPC, and
+        # so does a request larger than a frame (a push with many table rows).
+        fits = control is not None and request.ByteSize() <= records.MAX_PAYLOAD
+        if control is not None and fits and control.busy.acquire(blocking=False):
             try:
                 return control.push_pull(request, timeout)
             except OSError as exc:  # EOF, reset, timeout: the server is gone or stuck

@@ -206,3 +206,25 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
     saved = resumed.coordinator.tables.table("emb").state_dict()
     assert saved["steps"] == 5 and len(saved["state"]) == 2  # lazy adam's moments came back
+
+
+def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(serve):
+    from paramserver import shm as shm_module
+    from paramserver.codec import records
+
+    if not shm_module.available():
+        pytest.skip("no writable /dev/shm here")
+    wide = 4096  # 300 rows x 4096 float32 = 4.9 MB of row gradients, above one frame
+    model = nn.Sequential(nn.EmbeddingBag(1000, wide, mode="sum", sparse=True),
+                          nn.Linear(wide, 2))  # fmt: skip
+    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1)
+    with ps.Worker(server.address, model) as worker:
+        assert worker.control_active
+        for step in range(3):
+            ids = torch.arange(300) + 300 * step
+            assert 300 * wide * 4 > records.MAX_PAYLOAD
+            F.cross_entropy(model(ids.view(1, -1)), torch.tensor([step % 2])).backward()
+            worker.step(samples=1)
+        assert worker.control_active  # the socket stayed in use for the small requests
+    assert server.coordinator.tables.held == 900
+    assert server.status()["version"] == 3
