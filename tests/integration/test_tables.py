@@ -20,22 +20,15 @@ from paramserver import checkpoint, clicks
 from paramserver.evaluation import evaluate
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
+from tests import sparse_models
 from tests.conftest import DEADLINE, WorkerThread, paramserver_cmd
 from tests.sparse_models import dlrm_sparse
 
 ROWS, DIM, FIELDS, BATCH = 500, 8, 3, 16
 
 
-class Clicky(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(ROWS, DIM, sparse=True)
-        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
-        self.head = nn.Linear(FIELDS * DIM + DIM, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bag = self.bag(x.flatten(), torch.arange(0, x.numel(), FIELDS))
-        return self.head(torch.cat([self.emb(x).flatten(1), bag], 1))
+def Clicky() -> nn.Module:  # noqa: N802 - stands for the class
+    return sparse_models.Clicky(ROWS, DIM, FIELDS, bag_mode="sum")
 
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

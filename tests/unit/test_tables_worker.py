@@ -14,22 +14,13 @@ from paramserver.sparse.client import LocalTables
 from paramserver.sparse.embedding import TableEmbedding, attach_tables, table_specs
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.table import ShardTable, TableSpec
+from tests import sparse_models
 
 ROWS, DIM, FIELDS = 300, 8, 3
 
 
-class Clicky(nn.Module):
-    """Two tables (one an embedding bag) and a dense head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fields = nn.Embedding(ROWS, DIM, sparse=True)
-        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="mean", sparse=True)
-        self.head = nn.Linear(FIELDS * DIM + DIM, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bag = self.bag(x.flatten(), torch.arange(0, x.numel(), FIELDS))
-        return self.head(torch.cat([self.fields(x).flatten(1), bag], 1))
+def Clicky() -> nn.Module:  # noqa: N802 - stands for the class
+    return sparse_models.Clicky(ROWS, DIM, FIELDS, bag_mode="mean")
 
 
 def _shards(specs: list[TableSpec], shards: int, optimizer: RowOptimizerConfig) -> LocalTables:
@@ -52,14 +43,14 @@ def test_tables_train_the_model_as_torch_trains_its_sparse_embeddings(prefetch):
     remote.load_state_dict(local.state_dict())
     tables = _shards(table_specs(remote), 3, RowOptimizerConfig("adam", 0.05))
     with torch.no_grad():  # both start from the tables' seeded rows
-        for name in ("fields", "bag"):
+        for name in ("emb", "bag"):
             whole = torch.cat([tables.pull(name, np.arange(ROWS))])
             getattr(local, name).weight.copy_(whole)
     attached = attach_tables(remote, tables, cache_rows=200)
-    assert set(attached) == {"fields", "bag"} and isinstance(remote.fields, TableEmbedding)
+    assert set(attached) == {"emb", "bag"} and isinstance(remote.emb, TableEmbedding)
     assert [n for n, _ in remote.named_parameters()] == ["head.weight", "head.bias"]
 
-    sparse_opt = torch.optim.SparseAdam([local.fields.weight, local.bag.weight], lr=0.05)
+    sparse_opt = torch.optim.SparseAdam([local.emb.weight, local.bag.weight], lr=0.05)
     dense_local = torch.optim.Adam(local.head.parameters(), lr=0.01)
     dense_remote = torch.optim.Adam(remote.head.parameters(), lr=0.01)
     batches = _batches(12)
@@ -79,11 +70,11 @@ def test_tables_train_the_model_as_torch_trains_its_sparse_embeddings(prefetch):
         dense_remote.step()
         dense_remote.zero_grad()
 
-    for name in ("fields", "bag"):
+    for name in ("emb", "bag"):
         torch.testing.assert_close(tables.pull(name, np.arange(ROWS)),
                                    getattr(local, name).weight.detach(), rtol=1e-5, atol=1e-6)  # fmt: skip
     torch.testing.assert_close(remote.head.weight, local.head.weight)
-    counters = attached["fields"].cache.counters
+    counters = attached["emb"].cache.counters
     if prefetch:
         assert counters.hits > 0  # rows prefetched and not pushed since
     assert counters.hits + counters.misses == sum(len(x.unique()) for x, _ in batches)
