@@ -175,7 +175,8 @@ def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     tables, row by row (``table_specs``).
 
     Raises:
-        ConfigError: a parameter is not floating-point.
+        ConfigError: a parameter is not floating-point, or a sparse embedding a table cannot
+            stand in for.
     """
     for name, p in model.named_parameters():
         if not p.is_floating_point():
@@ -184,14 +185,8 @@ def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
                 "paramserver carries floating-point parameters only. Register it as a buffer "
                 "(module.register_buffer) instead."
             )
-    tables = {f"{name}.weight".lstrip(".") for name, _ in _sparse_embeddings(model)}
+    tables = {f"{t.name}.weight".lstrip(".") for t in table_specs(model)}
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in tables]
-
-
-def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
-            and m.weight.requires_grad]  # fmt: skip
 
 
 def table_specs(model: nn.Module) -> list[TableSpec]:

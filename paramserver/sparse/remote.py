@@ -4,8 +4,9 @@ step's ``TableEmbedding``s into each shard's part of its push header, where they
 the dense gradient under the same clock.
 
 A row pull is retried while its server is unreachable, like every call of a session. A
-server that restarted (or forgot the worker) fails the pull loudly, and the worker's next
-step joins it again.
+server that restarted (or forgot the worker) fails the pull, and so the forward pass that
+asked for it, loudly: the session is marked lost, but nothing joins it again in the middle
+of a forward pass yet.
 """
 
 from __future__ import annotations
