@@ -22,6 +22,12 @@ server needs to go on exactly where it stopped:
     frozen            the names of the frozen parameters in ``model_state_dict`` (constants,
                       so that it loads with ``load_state_dict(strict=True)``)
     counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
+    tables            sparse tables: {name: {ids, values, state, steps}}, the rows this
+                      server holds and their optimizer state; None without tables
+    table_layouts     {name: {rows, dim, dtype, key, shards}}; a single server's
+                      ``model_state_dict`` also holds each table whole ("NAME.weight",
+                      untouched rows at their seeded initial values) up to 1 GiB a table
+    row_round         sync: the row gradients of the round in progress
     saved_at          wall-clock time of writing (seconds since the epoch)
 
 A sharded run also keeps consistent cuts (``cut_file``, ``server/cuts.py``): every shard
@@ -107,11 +113,27 @@ def save_server(
     directory: str | Path, manifest: layout.Manifest, state: dict[str, Any], name: str = SERVER_FILE
 ) -> Path:
     """Write a server state (``Coordinator.checkpoint_state``) to ``directory``: its
-    parameters and buffers, and its frozen parameters, as ``model_state_dict``."""
+    parameters and buffers, its frozen parameters and, on a single server, its sparse tables
+    whole (``whole_tables``), as ``model_state_dict``."""
     state = dict(state)
-    weights, frozen = state.pop("weights"), state.pop("frozen", {})
-    model_state_dict = {**layout.state_dict(manifest, weights), **frozen}
+    model_state_dict = server_model_state_dict(manifest, state)
+    del state["weights"]
+    frozen = state.pop("frozen", {})
     return save(Path(directory) / name, model_state_dict, frozen=sorted(frozen), **state)
+
+
+def server_model_state_dict(
+    manifest: layout.Manifest, state: dict[str, Any], table_limit: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The ``model_state_dict`` of a server state: parameters and buffers, frozen
+    parameters, and sparse tables whole (``whole_tables``; tables over ``table_limit``
+    bytes left out, by default 1 GiB)."""
+    from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, whole_tables
+
+    tables = whole_tables(state.get("table_layouts") or {}, state.get("tables") or {},
+                          WHOLE_TABLE_BYTES if table_limit is None else table_limit)  # fmt: skip
+    frozen = state.get("frozen", {})
+    return {**layout.state_dict(manifest, state["weights"]), **frozen, **tables}
 
 
 def load_server(
@@ -131,7 +153,7 @@ def load_server(
         raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
     if state.get("format") != FORMAT or "optimizer_state" not in state:
         raise ConfigError(f"{path} is not a paramserver server checkpoint.")
-    frozen = set(state.get("frozen", ()))
+    frozen = set(state.get("frozen", ())) | {f"{t}.weight" for t in state.get("tables") or {}}
     weights = {n: t for n, t in state["model_state_dict"].items() if n not in frozen}
     roles = {s.name: s.role for s in manifest.tensors}
     named = sorted(weights.items(), key=lambda kv: layout.ROLES.index(roles.get(kv[0], "param")))

@@ -17,6 +17,8 @@ from paramserver.errors import ConfigError
 from paramserver.settings import setting
 from paramserver.staleness import Policy
 
+DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
 SHM_CHOICES = ("on", "payloads", "off")
@@ -270,6 +272,7 @@ class WorkerConfig:
     shm: str = setting("on", "--shm", "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams). on: each step's control also goes over the server's same-host socket; payloads: control over gRPC; off: no segment.", choices=SHM_CHOICES)  # fmt: skip
     compress: str = setting(compression.AUTO, "--compress", "Element type of gradients streamed over gRPC (fp16, bf16: half the bytes; the server keeps float32); auto: a float16 or bfloat16 model's own, else none. Not used through shared memory.", choices=compression.CHOICES)  # fmt: skip
     push_every: int = setting(1, "--push-every", "Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step.")  # fmt: skip
+    cache_rows: int = setting(DEFAULT_CACHE_ROWS, "--cache-rows", "Sparse tables: the most rows each table keeps on a worker (a batch's distinct ids must fit).")  # fmt: skip
     server_timeout: float = setting(300.0, "--server-timeout", "Seconds to keep retrying (backoff with jitter) while the server is unreachable, e.g. restarting, before the worker gives up.")  # fmt: skip
     security: Security = field(default_factory=Security)
 
@@ -286,6 +289,7 @@ class WorkerConfig:
         _check_shm(self.shm)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
+        _positive("--cache-rows", self.cache_rows)
         _positive("--server-timeout", self.server_timeout)
 
     @property
@@ -346,7 +350,7 @@ def _as_in_worker(name: str) -> Any:
 
 
 WORKER_SETTINGS = ("device", "threads", "data_dir", "step_delay", "overlap", "shm", "compress",
-                   "push_every")  # fmt: skip
+                   "push_every", "cache_rows")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,7 @@ class LaunchConfig:
     shm: str = _as_in_worker("shm")
     compress: str = _as_in_worker("compress")
     push_every: int = _as_in_worker("push_every")
+    cache_rows: int = _as_in_worker("cache_rows")
     servers: int = setting(1, "--servers", "Server processes, each holding one shard of the parameters (--shard I/S).", type=int)  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ class Member:
     samples: int = 0
     joined_at: float = 0.0  # when this server admitted it (its clock)
     samples_at_join: int = 0  # samples it had then (non-zero after a resume)
+    row_cache: tuple[int, int] = (0, 0)  # its tables' cache hits and misses, as last pushed
 
 
 @dataclass

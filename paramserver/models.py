@@ -87,12 +87,17 @@ class DLRM(nn.Module):
 
     The tables keep ``nn.Embedding``'s N(0, 1) initialisation; their rows are scaled by
     1/sqrt(dim) in the forward pass so that the dot products start near unit variance.
+    ``shared``: one table of ``fields * rows`` rows, field f's ids at ``f * rows`` on (one
+    large table, as ``bench sparse`` measures).
     """
 
     def __init__(self, fields: int, rows: int, dim: int = 16, hidden: int = 64,
-                 sparse: bool = False):  # fmt: skip
+                 sparse: bool = False, shared: bool = False):  # fmt: skip
         super().__init__()
-        self.tables = nn.ModuleList(nn.Embedding(rows, dim, sparse=sparse) for _ in range(fields))
+        self.fields, self.rows, self.shared = fields, rows, shared
+        self.tables = nn.ModuleList(nn.Embedding(rows * (fields if shared else 1), dim,
+                                                 sparse=sparse)
+                                    for _ in range(1 if shared else fields))  # fmt: skip
         self.scale = dim**-0.5
         pairs = fields * (fields - 1) // 2
         self.register_buffer("_left", torch.triu_indices(fields, fields, 1)[0], persistent=False)
@@ -101,8 +106,21 @@ class DLRM(nn.Module):
             nn.Linear(fields * dim + pairs, hidden), nn.ReLU(), nn.Linear(hidden, 2)
         )
 
+    def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ids each table looks up for input ``x``: the worker daemon prefetches a batch's
+        rows with them (any model may define this)."""
+        if self.shared:
+            return {"tables.0": self._offset(x).flatten()}
+        return {f"tables.{f}": x[:, f] for f in range(len(self.tables))}
+
+    def _offset(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(self.fields, device=x.device) * self.rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = torch.stack([t(x[:, f]) for f, t in enumerate(self.tables)], dim=1) * self.scale
+        if self.shared:
+            e = self.tables[0](self._offset(x)) * self.scale
+        else:
+            e = torch.stack([t(x[:, f]) for f, t in enumerate(self.tables)], dim=1) * self.scale
         dots = (e[:, self._left] * e[:, self._right]).sum(-1)
         return self.top(torch.cat([e.flatten(1), dots], dim=1))  # type: ignore[no-any-return]
 

@@ -18,10 +18,10 @@ def as_json(st: pb.StatusResponse) -> str:
     for key in ("version", "pushes_applied", "bytes_in", "bytes_out", "max_staleness",
                 "samples", "workers_joined", "workers_expired", "batches_done",
                 "batches_total", "pushes_skipped", "duplicates", "checkpoint_version",
-                "rounds", "pulls_answered"):  # fmt: skip
+                "rounds", "pulls_answered", "rows_held", "rows_pulled", "rows_pushed"):  # fmt: skip
         d[key] = int(d[key])
     for w in d["workers"]:
-        for key in ("clock", "samples", "lag"):
+        for key in ("clock", "samples", "lag", "row_cache_hits", "row_cache_misses"):
             w[key] = int(w[key])
     d["staleness_histogram"] = {int(k): int(v) for k, v in d["staleness_histogram"].items()}
     return json.dumps(d, sort_keys=True)
@@ -59,6 +59,12 @@ def render(st: pb.StatusResponse, address: str) -> str:
         )
     if not st.workers:
         lines.append("  (no live workers)")
+    if st.rows_held:
+        hits = sum(w.row_cache_hits for w in st.workers)
+        looked = hits + sum(w.row_cache_misses for w in st.workers)
+        lines.append(f"tables: {st.rows_held} rows held, {st.rows_pulled} pulled, "
+                     f"{st.rows_pushed} pushed; live workers' row caches "
+                     f"{100 * hits / max(looked, 1):.1f}% hits")  # fmt: skip
     hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
     lines.append(f"staleness histogram {{{hist}}}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import nn
 
-from paramserver import models, security, stub
+from paramserver import checkpoint, models, security, stub
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
@@ -217,6 +217,22 @@ class ServerApp:
         while not self._stopped.wait(interval):
             for member in self.coordinator.expire_leases():
                 self.shared.detach(member.worker_id)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers as this server holds them now, with its sparse
+        tables whole (untouched rows at their seeded initial values), for
+        ``model.load_state_dict``.
+
+        Raises:
+            ConfigError: this server is one shard of several (it holds a part of the model;
+                ``launch`` writes the whole model into its run folder's checkpoint.pt).
+        """
+        if self.config.shards > 1:
+            raise ConfigError(f"Shard {self.config.shard} of {self.config.shards} holds a part "
+                              "of the model; read every shard (launch's checkpoint.pt does).")  # fmt: skip
+        return checkpoint.server_model_state_dict(
+            self.coordinator.manifest, self.coordinator.checkpoint_state(), table_limit=1 << 62
+        )
 
     def status(self) -> dict[str, Any]:
         """The same figures as the Status RPC, as a dict."""

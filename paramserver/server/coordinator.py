@@ -175,15 +175,15 @@ class Coordinator:
 
     # --- push -------------------------------------------------------------------------
 
-    def accept_header(self, worker_id: str) -> None:
+    def accept_header(self, worker_id: str, row_cache: tuple[int, int] = (0, 0)) -> None:
         """A push header the servicer found well-formed renews the lease before its payload
-        is read: a large payload takes a while.
+        is read (a large payload takes a while), and notes the worker's row cache.
 
         Raises:
             UnknownWorker: ``worker_id`` holds no lease.
         """
         with self._cond:
-            self.membership.touch(worker_id)
+            self.membership.touch(worker_id).row_cache = row_cache
 
     def push(
         self,

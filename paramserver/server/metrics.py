@@ -57,6 +57,19 @@ class StatusCollector(Collector):
         if s.checkpoint_age_seconds >= 0:
             yield _gauge("checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
                          s.checkpoint_age_seconds)  # fmt: skip
+        yield _gauge("rows_held", "Sparse table rows held (created on first touch).", s.rows_held)
+        yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)
+        yield _counter("rows_pushed", "Sparse table row gradients applied.", s.rows_pushed)
+        cache = GaugeMetricFamily(
+            "paramserver_worker_row_cache",
+            "Distinct ids a worker's forward passes found in its row caches (hit) or fetched "
+            "(miss), so far, as its last push said.",
+            labels=["worker_id", "name", "rank", "result"],
+        )
+        for w in s.workers:
+            for result, value in (("hit", w.row_cache_hits), ("miss", w.row_cache_misses)):
+                cache.add_metric([w.worker_id, w.name, str(w.rank), result], value)
+        yield cache
         lag = GaugeMetricFamily(
             "paramserver_worker_clock_lag",
             "Iterations a worker is behind the fastest live worker.",

@@ -39,6 +39,7 @@ def capture(c: Coordinator, cut: int) -> dict[str, Any]:
         "counters": c.counters.state(),
         "frozen": c.frozen,  # constants: not copied
         "tables": c.tables.state_dict() if c.tables is not None else None,
+        "table_layouts": c.tables.layouts() if c.tables is not None else None,
         "row_round": c.row_round.state(),
     }
 

@@ -25,6 +25,8 @@ class WorkerStatus:
     samples: int
     samples_per_second: float  # since it joined
     lag: int  # the fastest live clock minus this one
+    row_cache_hits: int = 0
+    row_cache_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class ServerStatus:
     rounds: int
     pulls_answered: int
     barrier_wait_seconds: float
+    rows_held: int = 0
+    rows_pulled: int = 0
+    rows_pushed: int = 0
 
     def to_proto(self) -> pb.StatusResponse:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -136,6 +141,8 @@ def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
             samples=m.samples,
             samples_per_second=c.membership.rate(m),
             lag=fastest - m.clock,
+            row_cache_hits=m.row_cache[0],
+            row_cache_misses=m.row_cache[1],
         )
         for m in members
     )
@@ -171,4 +178,7 @@ def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
         rounds=c.rounds,
         pulls_answered=n.pulls,
         barrier_wait_seconds=n.barrier_wait_seconds,
+        rows_held=c.tables.held if c.tables is not None else 0,
+        rows_pulled=c.tables.rows_pulled if c.tables is not None else 0,
+        rows_pushed=c.tables.rows_pushed if c.tables is not None else 0,
     )

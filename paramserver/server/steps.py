@@ -80,7 +80,7 @@ class Steps:
     def push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
-        self.c.accept_header(header.worker_id)
+        self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
         rows = self._rows(header)
         with self.payloads.gradient(header, rest) as grad:
             result = self._apply(

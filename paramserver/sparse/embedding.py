@@ -8,6 +8,8 @@
 - **A bounded cache** (``RowCache``): ids to local slots, at most ``cache_rows`` rows,
   however large the table. ``prefetch(ids)`` fetches the next batch's rows ahead of time;
   a forward pass counts each distinct id found in the cache as a hit.
+- **Thread-safe.** A background prefetch (the daemon's, ``worker/rows.py``) may run while
+  a forward pass computes: each holds the table's lock while it uses the cache.
 - **Exact blocking steps.** After a push the cache keeps only the rows prefetched since the
   previous push that this push did not touch; everything else (the rows pushed, whose
   update is on the server now, and rows fetched earlier) is fetched again when next used.
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,18 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramserver.config import DEFAULT_CACHE_ROWS
 from paramserver.sparse.client import Tables
 from paramserver.sparse.index import RowIndex
 from paramserver.sparse.table import TableSpec
 
-DEFAULT_CACHE_ROWS = 1 << 16
-
 
 @dataclass
 class CacheCounters:
-    hits: int = 0
-    misses: int = 0
-    fetched: int = 0
+    hits: int = 0  # distinct ids of a forward pass found in the cache
+    misses: int = 0  # and not found (fetched then)
+    fetched: int = 0  # rows fetched, prefetches included
+    pushed: int = 0  # row gradients pushed
 
 
 class RowCache:
@@ -107,6 +110,7 @@ class TableEmbedding(nn.Module):
         self.spec = tables.spec(table)
         self.cache = RowCache(self.spec.dim, cache_rows, getattr(torch, self.spec.dtype))
         self._used: list[tuple[np.ndarray, torch.Tensor]] = []
+        self.lock = threading.Lock()  # the cache, between a forward pass and a prefetch
 
     def _fetch(self, ids: np.ndarray) -> torch.Tensor:
         return self.tables.pull(self.table, ids)
@@ -114,18 +118,21 @@ class TableEmbedding(nn.Module):
     def prefetch(self, ids: torch.Tensor | np.ndarray) -> None:
         """Fetch the rows ``ids`` touch now, for a forward pass to come."""
         distinct = np.unique(np.asarray(ids, dtype=np.int64))
-        self.cache.slots(distinct, self._fetch)
-        self.cache.prefetched(distinct)
+        with self.lock:
+            self.cache.slots(distinct, self._fetch)
+            self.cache.prefetched(distinct)
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
         distinct = unique.cpu().numpy().astype(np.int64, copy=False)
-        before = self.cache.counters.fetched
-        slots = self.cache.slots(distinct, self._fetch)
-        fetched = self.cache.counters.fetched - before
-        self.cache.counters.misses += fetched
-        self.cache.counters.hits += len(distinct) - fetched
-        rows = self.cache.values[slots].to(ids.device).requires_grad_(self.training)
+        with self.lock:
+            before = self.cache.counters.fetched
+            slots = self.cache.slots(distinct, self._fetch)
+            fetched = self.cache.counters.fetched - before
+            self.cache.counters.misses += fetched
+            self.cache.counters.hits += len(distinct) - fetched
+            rows = self.cache.values[slots].to(ids.device)
+        rows.requires_grad_(self.training)
         if self.training:
             self._used.append((distinct, rows))
         if self.bag is None:
@@ -157,14 +164,20 @@ class TableEmbedding(nn.Module):
             return 0
         ids, grads = got
         self.tables.push(self.table, ids, grads)
-        self.cache.end_step(ids)
+        self.end_step(ids)
         return len(ids)
+
+    def end_step(self, pushed: np.ndarray) -> None:
+        """Rows ``pushed`` went to the servers: see ``RowCache.end_step``."""
+        with self.lock:
+            self.cache.counters.pushed += len(pushed)
+            self.cache.end_step(pushed)
 
     def forget(self) -> None:
         """Drop every cached row (and any gradient not pushed): the next forward pass
         fetches the servers' current rows, e.g. for an evaluation."""
         self._used = []
-        self.cache.end_step(np.empty(0, np.int64))
+        self.end_step(np.empty(0, np.int64))
 
 
 def table_specs(model: nn.Module) -> list[TableSpec]:

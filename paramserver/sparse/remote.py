@@ -4,9 +4,9 @@ step's ``TableEmbedding``s into each shard's part of its push header, where they
 the dense gradient under the same clock.
 
 A row pull is retried while its server is unreachable, like every call of a session. A
-server that restarted (or forgot the worker) fails the pull, and so the forward pass that
-asked for it, loudly: the session is marked lost, but nothing joins it again in the middle
-of a forward pass yet.
+server that restarted (or forgot the worker) marks the session lost; ``rejoin`` (the
+worker's, ``worker/rows.py``) joins it again and the pull is made again. Without one (an
+observer, or a background prefetch) the pull fails with the server's error.
 """
 
 from __future__ import annotations
@@ -20,14 +20,20 @@ import torch
 from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.errors import ConfigError, from_rpc_error
+from paramserver.errors import ConfigError, UnknownWorker, WrongIncarnation, from_rpc_error
 from paramserver.sparse import wire
 from paramserver.sparse.client import split_by_shard
-from paramserver.sparse.embedding import TableEmbedding, attach_tables, table_specs
+from paramserver.sparse.embedding import (
+    DEFAULT_CACHE_ROWS,
+    TableEmbedding,
+    attach_tables,
+    table_specs,
+)
 from paramserver.sparse.table import TableSpec
 from paramserver.sparse.tableset import RowGradients
 
 T = TypeVar("T")
+PULL_BYTES = 16 << 20  # a row pull's values at most: larger pulls go as several requests
 
 
 class Observer:
@@ -48,12 +54,15 @@ class Observer:
 
 
 class RemoteTables:
-    """The tables in ``specs``, served by ``sessions`` (shard i by session i)."""
+    """The tables in ``specs``, served by ``sessions`` (shard i by session i). ``rejoin()``
+    joins a lost session again and says whether it did (so the pull is made again)."""
 
-    def __init__(self, sessions: Sequence[Any], specs: Sequence[TableSpec], rpc_timeout: float):
+    def __init__(self, sessions: Sequence[Any], specs: Sequence[TableSpec], rpc_timeout: float,
+                 rejoin: Callable[[], bool] | None = None):  # fmt: skip
         self.sessions = sessions
         self.specs = {s.name: s for s in specs}
         self.rpc_timeout = rpc_timeout
+        self.rejoin = rejoin
         self.rows_pulled = 0
 
     def spec(self, table: str) -> TableSpec:
@@ -73,12 +82,25 @@ class RemoteTables:
         return out
 
     def _pull_shard(self, s: Any, spec: TableSpec, ids: np.ndarray) -> torch.Tensor:
+        per = max(1, PULL_BYTES // (spec.dim * np.dtype(spec.dtype).itemsize))
+        if len(ids) <= per:
+            return self._pull_part(s, spec, ids)
+        return torch.cat([self._pull_part(s, spec, ids[i : i + per])
+                          for i in range(0, len(ids), per)])  # fmt: skip
+
+    def _pull_part(self, s: Any, spec: TableSpec, ids: np.ndarray) -> torch.Tensor:
         def call() -> pb.RowsResponse:
             request = pb.RowsRequest(worker_id=s.worker_id, incarnation=s.incarnation,
                                      table=spec.name, ids=wire.ids_to_bytes(ids))  # fmt: skip
             return s.stub.PullRows(request, timeout=self.rpc_timeout)  # type: ignore[no-any-return]
 
-        reply = s.retrying(f"row pull of table {spec.name!r}", call)
+        while True:
+            try:
+                reply = s.retrying(f"row pull of table {spec.name!r}", call)
+                break
+            except (WrongIncarnation, UnknownWorker):
+                if self.rejoin is None or not self.rejoin():
+                    raise
         return wire.rows_from_bytes(reply.values, len(ids), spec, "A row pull")
 
     def read_all(self, table: str, chunk: int = 1 << 16) -> torch.Tensor:
@@ -98,7 +120,7 @@ def stage_rows(tables: dict[str, TableEmbedding], shards: int) -> dict[int, tupl
     by_shard: dict[int, list[pb.RowGradients]] = {}
     for name, table in tables.items():
         got = table.gradients()
-        table.cache.end_step(got[0] if got is not None else np.empty(0, np.int64))
+        table.end_step(got[0] if got is not None else np.empty(0, np.int64))
         if got is None:
             continue
         ids, grads = got
@@ -110,10 +132,15 @@ def stage_rows(tables: dict[str, TableEmbedding], shards: int) -> dict[int, tupl
 
 
 def attach_remote(
-    model: nn.Module, manifest: pb.Manifest, sessions: Sequence[Any], rpc_timeout: float
+    model: nn.Module,
+    manifest: pb.Manifest,
+    sessions: Sequence[Any],
+    rpc_timeout: float,
+    cache_rows: int = DEFAULT_CACHE_ROWS,
+    rejoin: Callable[[], bool] | None = None,
 ) -> dict[str, TableEmbedding]:
     """Replace ``model``'s sparse embeddings by the tables ``manifest`` names, served by
-    ``sessions``; none: {}.
+    ``sessions``, each with a cache of ``cache_rows`` rows; none: {}.
 
     Raises:
         ConfigError: the model's sparse embeddings are not the servers' tables.
@@ -124,6 +151,8 @@ def attach_remote(
         if mine != {t.name for t in specs}:
             raise ConfigError(f"The model's sparse embeddings {sorted(mine)} are not the "
                               f"servers' tables {sorted(t.name for t in specs)}.")  # fmt: skip
-        return attach_tables(model, RemoteTables(sessions, specs, rpc_timeout)) if specs else {}
+        if not specs:
+            return {}
+        return attach_tables(model, RemoteTables(sessions, specs, rpc_timeout, rejoin), cache_rows)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

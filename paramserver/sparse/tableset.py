@@ -23,6 +23,7 @@ import torch
 
 from paramserver.errors import InvalidRequest
 from paramserver.sparse.optim import RowOptimizerConfig
+from paramserver.sparse.rows import initial_rows
 from paramserver.sparse.table import ShardTable, TableSpec
 
 
@@ -97,6 +98,13 @@ class TableSet:
     def state_dict(self) -> dict[str, Any]:
         return {name: t.state_dict() for name, t in self.tables.items()}
 
+    def layouts(self) -> dict[str, dict[str, Any]]:
+        """What ``whole_tables`` needs besides the rows: each table's size, dtype and key,
+        and the shard count (plain values, for a checkpoint)."""
+        return {name: {"rows": t.spec.rows, "dim": t.spec.dim, "dtype": t.spec.dtype,
+                       "key": int(t.key), "shards": t.shards}
+                for name, t in self.tables.items()}  # fmt: skip
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if set(saved) != set(self.tables):
             raise ValueError(f"The saved tables {sorted(saved)} are not this run's "
@@ -140,3 +148,29 @@ def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
     total = torch.zeros((len(unique), first.shape[1]), dtype=first.dtype)
     total.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([p.grads for p in pushes]))
     return RowGradients(table, unique, total / n)
+
+
+WHOLE_TABLE_BYTES = 1 << 30  # larger tables are not written whole into a model_state_dict
+
+
+def whole_tables(layouts: dict[str, dict[str, Any]], saved: dict[str, Any],
+                 limit: int = WHOLE_TABLE_BYTES) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``{"NAME.weight": the whole table}`` from one server's ``state_dict`` (``saved``):
+    its rows where touched, the seeded initial values elsewhere. Empty for a shard of
+    several (it holds a part of each table) and for tables over ``limit`` bytes."""
+    out = {}
+    for name, lay in layouts.items():
+        rows, dim = lay["rows"], lay["dim"]
+        if lay["shards"] != 1 or rows * dim * np.dtype(lay["dtype"]).itemsize > limit:
+            continue
+        table = torch.empty((rows, dim), dtype=getattr(torch, lay["dtype"]))
+        step = max(1, (1 << 20) // dim)  # initial values a chunk at a time: bounded temporaries
+        for lo in range(0, rows, step):
+            ids = np.arange(lo, min(lo + step, rows))
+            table[lo : lo + len(ids)] = torch.from_numpy(
+                initial_rows(np.uint64(lay["key"]), ids, dim, lay["dtype"])
+            )
+        held = saved[name]
+        table[held["ids"]] = held["values"].to(table.dtype)
+        out[f"{name}.weight"] = table
+    return out

@@ -59,6 +59,7 @@ class StagedPush:
     loss: float = math.nan
     empty: bool = False
     rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # per shard: its tables' rows
+    row_cache: tuple[int, int] = (0, 0)  # the tables' cache hits and misses so far
 
 
 class Pipeline:
@@ -136,7 +137,7 @@ class Pipeline:
 
     def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
         header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
-                               staged.rows.get(s.reply.shard, ()))  # fmt: skip
+                               staged.rows.get(s.reply.shard, ()), staged.row_cache)  # fmt: skip
         assert s.channel is not None
         channel = s.channel
         return s.retrying(
@@ -157,7 +158,7 @@ class Pipeline:
         self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
     ) -> pb.PullHeader:
         header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
-                               staged.rows.get(s.reply.shard, ()))  # fmt: skip
+                               staged.rows.get(s.reply.shard, ()), staged.row_cache)  # fmt: skip
         request = s.pull_request(pull, batches)
         assert s.channel is not None
         channel = s.channel
@@ -218,6 +219,10 @@ class Pipeline:
         self._ahead = futures
         if staged is not None:
             self._inflight.append((staged.slot, futures))  # type: ignore[arg-type]
+
+    def ahead_first(self) -> Future[pb.PullHeader | None] | None:
+        """Shard 0's prefetch in flight (its header names the batches to come), if any."""
+        return self._ahead[0] if self._ahead else None
 
     def wait_ahead(self) -> list[pb.PullHeader] | None:
         """The prefetch in flight, landed: every shard's header (weights in its buffer), or

@@ -195,7 +195,8 @@ class Session:
     # --- payload requests ---------------------------------------------------------------
 
     def push_header(self, iteration: int, samples: int, loss: float, empty: bool,
-                    rows: Iterable[pb.RowGradients] = ()) -> pb.PushHeader:  # fmt: skip
+                    rows: Iterable[pb.RowGradients] = (),
+                    row_cache: tuple[int, int] = (0, 0)) -> pb.PushHeader:  # fmt: skip
         return pb.PushHeader(
             worker_id=self.worker_id,
             iteration=iteration,
@@ -205,6 +206,8 @@ class Session:
             empty=empty,
             shard=self.reply.shard,
             rows=rows,
+            row_cache_hits=row_cache[0],
+            row_cache_misses=row_cache[1],
         )
 
     def pull_request(self, iteration: int, batches: int) -> pb.PullRequest:

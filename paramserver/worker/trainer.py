@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class WorkerSummary:
     samples: int
     seconds: float
     rejoins: int = 0
+    row_cache_hits: int = 0  # sparse tables: distinct ids found in the row caches
+    row_cache_misses: int = 0  # and fetched on demand
 
 
 def run(cfg: WorkerConfig) -> WorkerSummary:
@@ -83,6 +86,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         shm_control=cfg.shm == "on",
         compress=cfg.compress,
         push_every=cfg.push_every,
+        cache_rows=cfg.cache_rows,
         server_timeout=cfg.server_timeout,
         security=cfg.security,
         train_samples=load,
@@ -103,7 +107,27 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
             plan.epochs,
             device,
         )
-        perm_epoch, perm = -1, torch.empty(0, dtype=torch.long)
+        perms: dict[int, torch.Tensor] = {}  # this epoch's, and a prefetch's next one
+        perms_lock = threading.Lock()  # the training thread and the row prefetch's
+
+        def rows_of(batch: int) -> torch.Tensor:
+            epoch, position = divmod(batch, per_epoch)
+            with perms_lock:
+                if epoch not in perms:
+                    for old in [e for e in perms if e < epoch - 1]:
+                        del perms[old]
+                    perms[epoch] = data.epoch_permutation(n, epoch, plan.seed)
+                perm = perms[epoch]
+            return perm[position * plan.batch_size : (position + 1) * plan.batch_size]
+
+        table_ids = getattr(model, "table_ids", None)  # the daemon's row prefetch (if any)
+
+        def ids_of(batches: list[int]) -> dict[str, object] | None:
+            return table_ids(torch.cat([dataset.batch(rows_of(b))[0] for b in batches]))  # type: ignore[misc]
+
+        prefetch = ids_of if callable(table_ids) and worker.tables else None
+        if prefetch:
+            worker.prefetch_next(prefetch)
         while not worker.finished:
             if cfg.max_steps is not None and steps >= cfg.max_steps:
                 log.info("rank %d: --max-steps %d reached; leaving", worker.rank, cfg.max_steps)
@@ -118,10 +142,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
             batches = worker.batches or [worker.batch]
             taken, losses = 0, 0.0
             for batch in batches:
-                epoch, position = divmod(batch, per_epoch)
-                if epoch != perm_epoch:
-                    perm, perm_epoch = data.epoch_permutation(n, epoch, plan.seed), epoch
-                idx = perm[position * plan.batch_size : (position + 1) * plan.batch_size]
+                idx = rows_of(batch)
                 x, y = dataset.batch(idx)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = F.cross_entropy(model(x), y)
@@ -131,6 +152,8 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
             worker.step(samples=taken, loss=losses / len(batches))
+            if prefetch:
+                worker.prefetch_next(prefetch)
             steps += 1
             samples += taken
         worker.close()
@@ -138,6 +161,10 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         worker.close_quietly()
         raise
     seconds = time.perf_counter() - started
+    cache = worker.tables.counters
+    if worker.tables:
+        log.info("rank %d: row caches %d hits, %d misses (%d rows fetched in all)",
+                 worker.rank, cache.hits, cache.misses, cache.fetched)  # fmt: skip
     log.info(
         "rank %d finished: %d steps (%d empty), %d samples in %.1fs, %d rejoins",
         worker.rank,
@@ -147,4 +174,5 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         seconds,
         worker.rejoins,
     )
-    return WorkerSummary(worker.rank, steps, samples, seconds, worker.rejoins)
+    return WorkerSummary(worker.rank, steps, samples, seconds, worker.rejoins, cache.hits,
+                         cache.misses)  # fmt: skip

@@ -35,24 +35,27 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.config import MAX_PUSH_EVERY, Security
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.sparse.remote import attach_remote, stage_rows
+from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS
 from paramserver.staleness import Policy
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import StreamBuffers, new_segment, open_channel
-from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode, step_mode
+from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode
 from paramserver.worker.replica import Replica
 from paramserver.worker.retry import Backoff
+from paramserver.worker.rows import IdsByTable, WorkerTables
 from paramserver.worker.session import REJOIN, Heartbeats, Session
 from paramserver.worker.shards import check_tiling, rewind_ahead, served_range
+from paramserver.worker.view import WorkerView
 
 log = logging.getLogger(__name__)
 
 
-class Worker:
+class Worker(WorkerView):
     """A member of a parameter-server run, wrapped around a local model.
 
     Joining loads the servers' weights into ``model`` and makes its sparse embeddings the
-    servers' tables (``tables``: rows fetched on demand). Each ``step()`` pushes the gradients
+    servers' tables (``tables``, ``worker/rows.py``: rows fetched on demand, or ahead with
+    ``prefetch``). Each ``step()`` pushes the gradients
     in ``model``'s ``.grad`` fields and the rows touched (in the background as far as the
     policy allows) and loads the weights for the next iteration.
 
@@ -88,6 +91,7 @@ class Worker:
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
+        cache_rows: the most rows each sparse table keeps on this worker.
         transport: makes the stub for an address (default: a gRPC channel with
             ``security``, connected within ``connect_timeout``); tests pass in-process ones.
         clock, sleep: the monotonic clock and the wait between retries (tests pass fakes).
@@ -111,6 +115,7 @@ class Worker:
         shm_control: bool = True,
         compress: str = compression.AUTO,
         push_every: int = 1,
+        cache_rows: int = DEFAULT_CACHE_ROWS,
         transport: Callable[[str], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], bool] | None = None,
@@ -154,7 +159,8 @@ class Worker:
                 # the server's seed: parameters it never sends (frozen ones) start the same
                 model = models.build(self.plan.model, seed=self.plan.seed).to(device or "cpu")
             self.model = model
-            self.tables = attach_remote(model, replies[0].manifest, self.sessions, rpc_timeout)
+            self.tables = WorkerTables(model, replies[0].manifest, self.sessions, rpc_timeout,
+                                       cache_rows, self._rejoin_lost)  # fmt: skip
             self._replica = Replica(model)
             self.device, self.manifest = self._replica.device, self._replica.manifest
             self._codec = compression.by_name(
@@ -249,52 +255,6 @@ class Worker:
             if restarted and self.shards > 1:
                 rewind_ahead(self.sessions)
 
-    # --- state ------------------------------------------------------------------------
-
-    @property
-    def worker_id(self) -> str:
-        return self.sessions[0].worker_id
-
-    @property
-    def rank(self) -> int:
-        return self.sessions[0].rank
-
-    @property
-    def clock(self) -> int:
-        """The iteration this worker computes next (shard 0's clock)."""
-        return self.sessions[0].clock
-
-    @property
-    def incarnation(self) -> str:
-        return self.sessions[0].incarnation
-
-    @property
-    def shards(self) -> int:
-        return len(self.sessions)
-
-    @property
-    def rejoins(self) -> int:
-        return sum(s.rejoins for s in self.sessions)
-
-    @property
-    def shm_active(self) -> bool:
-        """Whether every shard's payloads go through a shared segment its server mapped."""
-        return all(s.channel is not None and s.channel.shm for s in self.sessions)
-
-    @property
-    def control_active(self) -> bool:
-        """Whether every shard's steps go over its server's same-host control socket."""
-        return all(getattr(s.channel, "control", None) for s in self.sessions)
-
-    @property
-    def mode(self) -> StepMode:
-        return step_mode(self.overlap, self.shm_active, self.policy.synchronous)
-
-    @property
-    def prefetching(self) -> bool:
-        """Whether the next weights are fetched while the model computes."""
-        return self.mode is StepMode.PREFETCHING
-
     # --- steps ------------------------------------------------------------------------
 
     def _stage(self, samples: int, loss: float, empty: bool) -> StagedPush:
@@ -303,9 +263,10 @@ class Worker:
         slot = self._pipe.take_slot()
         if not empty:
             self._replica.stage([(lo, hi, s.channel.slots[slot]) for s, (lo, hi) in self._parts()])
-        rows = stage_rows(self.tables, self.shards) if self.tables and not empty else {}
+        rows = self.tables.stage(self.shards) if self.tables and not empty else {}
         clocks = tuple(s.clock for s in self.sessions)
-        staged = StagedPush(slot, clocks, samples, loss, empty, rows)
+        cache = self.tables.counters
+        staged = StagedPush(slot, clocks, samples, loss, empty, rows, (cache.hits, cache.misses))
         for s in self.sessions:
             s.clock += 1
         self._replica.zero_grad()
@@ -386,6 +347,27 @@ class Worker:
         if pull:
             self.pull()
 
+    def prefetch(self, ids: IdsByTable) -> None:
+        """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) now, for the
+        next forward pass; rows it still lacks then are fetched on demand."""
+        self.tables.prefetch(ids)
+
+    def prefetch_next(self, ids_of: Callable[[list[int]], IdsByTable | None]) -> None:
+        """Prefetching steps: once the weights for the step after this one have come, fetch
+        the rows of that step's batches (``ids_of(batches)`` names them) in the background,
+        while this step computes. Otherwise nothing: the forward pass fetches them."""
+        first = self._pipe.ahead_first()
+        if first is None or not self.tables:
+            return
+
+        def ids() -> IdsByTable | None:
+            header = first.result()
+            if header is None or header.batch < 0:
+                return None
+            return ids_of(list(header.batches) or [header.batch])
+
+        self.tables.prefetch_later(ids)
+
     def _raise_background_error(self) -> None:
         if self._pipe.error is not None:
             raise self._pipe.error
@@ -429,6 +411,7 @@ class Worker:
             self._stop.set()
             self._heartbeats.join(timeout=60)
             self._pipe.shutdown(wait=False)
+            self.tables.close()
             self._close_sessions()
 
     def close_quietly(self) -> None:

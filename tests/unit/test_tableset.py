@@ -102,3 +102,19 @@ def test_row_optimizers_follow_the_servers_optimizer():
         row_optimizer("lbfgs", 0.1)
     with pytest.raises(ValueError, match="share a name"):
         TableSet([SPECS[0], SPECS[0]], row_optimizer("sgd", 0.1))
+
+
+def test_whole_tables_are_the_held_rows_over_the_seeded_initial_values():
+    from paramserver.sparse.rows import initial_rows
+    from paramserver.sparse.tableset import whole_tables
+
+    spec = TableSpec("t", 50, 4)
+    tables = TableSet([spec], row_optimizer("sgd", 0.5), seed=3)
+    tables.apply(tables.check([RowGradients("t", np.array([7, 2]), torch.ones(2, 4))]))
+    whole = whole_tables(tables.layouts(), tables.state_dict())["t.weight"]
+    expected = torch.from_numpy(initial_rows(tables.table("t").key, np.arange(50), 4))
+    expected[[7, 2]] -= 0.5
+    torch.testing.assert_close(whole, expected, rtol=0, atol=0)
+    assert whole_tables(tables.layouts(), tables.state_dict(), limit=50 * 4 * 4 - 1) == {}
+    sharded = TableSet([spec], row_optimizer("sgd", 0.5), shard=0, shards=2)
+    assert whole_tables(sharded.layouts(), sharded.state_dict()) == {}

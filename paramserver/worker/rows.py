@@ -1,0 +1,122 @@
+"""A worker's sparse tables (issue 12): the model's ``TableEmbedding``s over the servers'
+rows, their prefetch, and what a step pushes of them.
+
+- **Attach.** At join the model's sparse embeddings become ``TableEmbedding``s over
+  ``RemoteTables`` (``sparse/remote.py``), each with a cache of ``cache_rows`` rows.
+- **Prefetch.** ``prefetch({table: ids})`` fetches rows now, for a forward pass to come
+  (a user's loop names its next batch's ids). ``prefetch_later(fn)`` does it on a
+  background thread, ``fn`` giving the ids: the daemon's prefetch of the next batch while
+  this one computes. A step waits for it before staging its push, and rows prefetched and
+  not pushed since are kept at most one step, within the policy's bound (see
+  ``sparse/embedding.py``). A background prefetch that fails only logs: the forward pass
+  fetches what is missing on demand, and raises there.
+- **A restarted server.** A row pull that meets a server that restarted or dropped this
+  worker joins it again (``rejoin``, the worker's) and pulls again, in the training thread;
+  a background prefetch leaves that to the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS, CacheCounters, TableEmbedding
+from paramserver.sparse.remote import attach_remote, stage_rows
+
+log = logging.getLogger(__name__)
+
+IdsByTable = Mapping[str, Any]
+
+
+class WorkerTables:
+    """The tables of ``model`` that ``manifest`` names, served by ``sessions``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        manifest: pb.Manifest,
+        sessions: Sequence[Any],
+        rpc_timeout: float,
+        cache_rows: int = DEFAULT_CACHE_ROWS,
+        rejoin: Callable[[], None] | None = None,
+    ):
+        self._background = threading.local()
+        self.modules: dict[str, TableEmbedding] = attach_remote(
+            model, manifest, sessions, rpc_timeout, cache_rows, self._rejoin_hook(rejoin)
+        )
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ps-rows") if self.modules else None
+        self._ahead: Future[None] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def _rejoin_hook(self, rejoin: Callable[[], None] | None) -> Callable[[], bool]:
+        def hook() -> bool:
+            if rejoin is None or getattr(self._background, "active", False):
+                return False
+            rejoin()
+            return True
+
+        return hook
+
+    # --- prefetch -----------------------------------------------------------------------
+
+    def prefetch(self, ids: IdsByTable) -> None:
+        """Fetch the rows ``ids[table]`` name now, for a forward pass to come."""
+        for name, table_ids in ids.items():
+            table = self.modules.get(name)
+            if table is None:
+                raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
+            table.prefetch(np.asarray(table_ids, dtype=np.int64).ravel())
+
+    def prefetch_later(self, ids: Callable[[], IdsByTable | None]) -> None:
+        """``prefetch(ids())`` on the background thread (``ids()`` None: nothing to fetch)."""
+        if self._pool is None:
+            return
+        self.wait()
+
+        def run() -> None:
+            self._background.active = True
+            try:
+                wanted = ids()
+                if wanted:
+                    self.prefetch(wanted)
+            except Exception as exc:  # noqa: BLE001 - the forward pass fetches on demand
+                log.info("background row prefetch failed (%s); fetching on demand", exc)
+
+        self._ahead = self._pool.submit(run)
+
+    def wait(self) -> None:
+        """Wait for the background prefetch in flight, if any."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
+
+    # --- steps --------------------------------------------------------------------------
+
+    def stage(self, shards: int) -> dict[int, tuple[Any, ...]]:
+        """Each shard's row gradients of this step (``stage_rows``), once the background
+        prefetch has landed."""
+        self.wait()
+        return stage_rows(self.modules, shards)
+
+    @property
+    def counters(self) -> CacheCounters:
+        """Cache hits and misses, rows fetched and pushed, over every table."""
+        total = CacheCounters()
+        for t in self.modules.values():
+            for f in dataclasses.fields(CacheCounters):
+                setattr(total, f.name, getattr(total, f.name) + getattr(t.cache.counters, f.name))
+        return total
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

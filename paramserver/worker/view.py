@@ -1,0 +1,58 @@
+"""What a ``Worker`` says about itself: its id, rank, clock and incarnation (shard 0's),
+its shards and rejoins, and how its steps move (``StepMode``)."""
+
+from __future__ import annotations
+
+from paramserver.staleness import Policy
+from paramserver.worker.pipeline import StepMode, step_mode
+from paramserver.worker.session import Session
+
+
+class WorkerView:
+    sessions: list[Session]
+    overlap: bool
+    policy: Policy
+
+    @property
+    def worker_id(self) -> str:
+        return self.sessions[0].worker_id
+
+    @property
+    def rank(self) -> int:
+        return self.sessions[0].rank
+
+    @property
+    def clock(self) -> int:
+        """The iteration this worker computes next (shard 0's clock)."""
+        return self.sessions[0].clock
+
+    @property
+    def incarnation(self) -> str:
+        return self.sessions[0].incarnation
+
+    @property
+    def shards(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def rejoins(self) -> int:
+        return sum(s.rejoins for s in self.sessions)
+
+    @property
+    def shm_active(self) -> bool:
+        """Whether every shard's payloads go through a shared segment its server mapped."""
+        return all(s.channel is not None and s.channel.shm for s in self.sessions)
+
+    @property
+    def control_active(self) -> bool:
+        """Whether every shard's steps go over its server's same-host control socket."""
+        return all(getattr(s.channel, "control", None) for s in self.sessions)
+
+    @property
+    def mode(self) -> StepMode:
+        return step_mode(self.overlap, self.shm_active, self.policy.synchronous)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether the next weights are fetched while the model computes."""
+        return self.mode is StepMode.PREFETCHING

@@ -1,0 +1,146 @@
+"""Sparse tables (issue 12): rows fetched ahead (``Worker.prefetch`` in a user's loop, the
+daemon's background prefetch), the row figures in the servers' status and metrics, and a
+row pull that meets a restarted server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver import shm as shm_module
+from paramserver.config import WorkerConfig
+from paramserver.server.metrics import StatusCollector
+from paramserver.worker import trainer
+from tests.integration.test_tables import BATCH, Clicky, _batches, _table
+
+
+def _distinct(x: torch.Tensor) -> int:
+    return len(np.unique(x.numpy()))
+
+
+def test_rows_named_ahead_are_fetched_before_the_forward_pass_and_counted(serve):
+    """A user's loop names the next batch's ids after each step: every forward pass but the
+    first finds all its rows cached, the training is still exactly torch's, and the servers'
+    status and metrics count the rows."""
+    torch.manual_seed(4)
+    model = Clicky()
+    server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1)
+    local = Clicky()
+    local.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        local.emb.weight.copy_(_table([server], "emb"))
+        local.bag.weight.copy_(_table([server], "bag"))
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    batches = _batches(8)
+    with ps.Worker(server.address, model) as worker:
+        for i, (x, y) in enumerate(batches):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+            if i + 1 < len(batches):
+                ahead = batches[i + 1][0]
+                worker.prefetch({"emb": ahead, "bag": ahead})
+            opt.zero_grad()
+            F.cross_entropy(local(x), y).backward()
+            opt.step()
+        counters = worker.tables.counters
+        status = server.status()
+        scraped = {m.name: m for m in StatusCollector(server.coordinator.status).collect()}
+    torch.testing.assert_close(_table([server], "emb"), local.emb.weight.detach())
+    torch.testing.assert_close(_table([server], "bag"), local.bag.weight.detach())
+    assert counters.misses == 2 * _distinct(batches[0][0])  # two tables, the first batch
+    assert counters.hits == 2 * sum(_distinct(x) for x, _ in batches[1:])
+    touched = _distinct(torch.cat([x.flatten() for x, _ in batches]))
+    assert status["rows_held"] == 2 * touched
+    assert status["rows_pushed"] == 2 * sum(_distinct(x) for x, _ in batches)
+    assert status["rows_pulled"] >= 2 * touched
+    # the last push said what the caches had done before it (the last step's counts)
+    (w,) = status["workers"]
+    assert w["row_cache_hits"] == counters.hits
+    assert w["row_cache_misses"] == counters.misses
+    assert scraped["paramserver_rows_held"].samples[0].value == 2 * touched
+    cache = {s.labels["result"]: s.value for s in scraped["paramserver_worker_row_cache"].samples}
+    assert cache == {"hit": counters.hits, "miss": counters.misses}
+    assert len(batches[0][0]) == BATCH
+
+
+def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path):
+    """The server restarts from its checkpoint between two steps: the next forward pass's
+    row pull finds a new incarnation, joins it again and trains on."""
+    torch.manual_seed(5)
+    model = Clicky()
+    start = Clicky()
+    start.load_state_dict(model.state_dict())
+    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1,
+                   checkpoint_dir=str(tmp_path))  # fmt: skip
+    port = int(server.address.rsplit(":", 1)[1])
+    batches = _batches(6)
+    with ps.Worker(server.address, model, server_timeout=60) as worker:
+        for x, y in batches[:3]:
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+        server.stop()  # writes a last checkpoint, at version 3
+        resumed = serve(start, optimizer="sgd", lr=0.1, policy="async", workers=1,
+                        checkpoint_dir=str(tmp_path), port=port)  # fmt: skip
+        assert resumed.status()["version"] == 3
+        for x, y in batches[3:]:
+            F.cross_entropy(model(x), y).backward()  # its rows: pulled from the new server
+            worker.step(samples=len(x))
+        assert worker.rejoins == 1
+    status = resumed.status()
+    assert status["version"] == 6 and status["pushes_applied"] == 6
+    assert status["rows_pushed"] == 2 * sum(_distinct(x) for x, _ in batches[3:])
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_the_daemon_prefetches_the_next_batchs_rows_while_this_one_computes(serve, overlap):
+    """With prefetching steps (overlap on, shared memory, async) the daemon fetches the rows
+    of the batch after next in the background; blocking steps fetch them on demand, so
+    their caches never hit (the rows pushed leave the cache)."""
+    if not shm_module.available():
+        pytest.skip("prefetching steps need a writable /dev/shm")
+    server = serve("tests.sparse_models:dlrm_sparse", optimizer="adam", lr=0.01,
+                   policy="async", workers=1, dataset="clicks", batch_size=256, epochs=1)  # fmt: skip
+    summary = trainer.run(WorkerConfig(server.address, device="cpu", overlap=overlap,
+                                       max_steps=30))  # fmt: skip
+    assert summary.steps == 30
+    if overlap == "on":
+        assert summary.row_cache_hits > 0
+    else:
+        assert summary.row_cache_hits == 0
+    assert summary.row_cache_misses > 0
+    assert server.status()["rows_pushed"] > 0
+
+
+def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, monkeypatch):
+    """``ServerApp.model_state_dict()`` and a single server's checkpoint load strictly into
+    the model, tables whole; a shard of several says it holds a part. Row pulls larger than
+    a request's share (here 3 rows) go as several requests."""
+    from paramserver import checkpoint
+    from paramserver.sparse import remote
+
+    monkeypatch.setattr(remote, "PULL_BYTES", 3 * 8 * 4)  # 3 rows of DIM 8 float32
+    torch.manual_seed(6)
+    model = Clicky()
+    server = serve(model, optimizer="adam", lr=0.05, policy="async", workers=1,
+                   checkpoint_dir=str(tmp_path))  # fmt: skip
+    with ps.Worker(server.address, model) as worker:
+        for x, y in _batches(4):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+    state = server.model_state_dict()
+    fresh = Clicky()
+    fresh.load_state_dict(state, strict=True)
+    torch.testing.assert_close(fresh.emb.weight.detach(), _table([server], "emb"), rtol=0, atol=0)
+    torch.testing.assert_close(fresh.bag.weight.detach(), _table([server], "bag"), rtol=0, atol=0)
+    torch.testing.assert_close(fresh.head.weight, model.head.weight)
+    server.stop()  # writes a last checkpoint
+    saved = checkpoint.load(tmp_path / checkpoint.SERVER_FILE)
+    again = Clicky()
+    again.load_state_dict(saved["model_state_dict"], strict=True)
+    torch.testing.assert_close(again.emb.weight, fresh.emb.weight, rtol=0, atol=0)
+    shard = serve(Clicky(), optimizer="sgd", workers=1, shard=0, shards=2)
+    with pytest.raises(ps.ConfigError, match="holds a part"):
+        shard.model_state_dict()
