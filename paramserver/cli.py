@@ -368,7 +368,7 @@ def plot(run_dir: str, out: str | None) -> None:
     click.echo(str(path))
 
 
-BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy", "wakeup")
+BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy", "wakeup", "sparse")
 
 
 @cli.command()
@@ -388,6 +388,8 @@ def bench(name: str, as_json: bool, quick: bool) -> None:
     process and DDP.
     wakeup: a round trip between two processes through each candidate for the same-host
     control path (gRPC call, Unix socket, pipe, eventfd, semaphore, futex).
+    sparse: a DLRM with a 1M x 64 table as server rows, against the same table dense, one
+    local process and DDP; then a table of which 2 GB of rows exist on the server.
     """
     import importlib
 

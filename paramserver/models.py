@@ -121,7 +121,7 @@ class DLRM(nn.Module):
             e = self.tables[0](self._offset(x)) * self.scale
         else:
             e = torch.stack([t(x[:, f]) for f, t in enumerate(self.tables)], dim=1) * self.scale
-        dots = (e[:, self._left] * e[:, self._right]).sum(-1)
+        dots = torch.bmm(e, e.transpose(1, 2))[:, self._left, self._right]  # type: ignore[index]
         return self.top(torch.cat([e.flatten(1), dots], dim=1))  # type: ignore[no-any-return]
 
 
@@ -132,8 +132,15 @@ def dlrm() -> nn.Module:
     return DLRM(clicks.FIELDS, clicks.ROWS)
 
 
+def dlrm_sparse() -> nn.Module:
+    """``dlrm`` with its tables as sparse tables: the servers hold their rows."""
+    from paramserver import clicks
+
+    return DLRM(clicks.FIELDS, clicks.ROWS, sparse=True)
+
+
 FACTORIES: dict[str, Callable[[], nn.Module]] = {
-    "mlp": mlp, "cnn": cnn, "resnet": resnet, "dlrm": dlrm,
+    "mlp": mlp, "cnn": cnn, "resnet": resnet, "dlrm": dlrm, "dlrm-sparse": dlrm_sparse,
 }  # fmt: skip
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paramserver import clicks, models
+from paramserver import clicks, data, models
+
+dlrm_sparse = models.dlrm_sparse  # the built-in ``dlrm-sparse``, by its test-module name
 
 
-def dlrm_sparse() -> nn.Module:
-    """The built-in DLRM with its embeddings as sparse tables."""
-    return models.DLRM(clicks.FIELDS, clicks.ROWS, sparse=True)
+def small_clicks() -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """The click log cut to the synthetic set's size (``--dataset tests.sparse_models:
+    small_clicks``): as many batches as ``--dataset synthetic``."""
+    from torch.utils.data import TensorDataset
+
+    train_x, train_y, test_x, test_y = clicks.make(train=data.SYNTHETIC_TRAIN, test=512)
+    return TensorDataset(train_x, train_y), TensorDataset(test_x, test_y)
 
 
 class Clicky(nn.Module):

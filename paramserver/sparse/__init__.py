@@ -20,10 +20,10 @@ touches them.
 - ``embedding``: ``TableEmbedding`` in place of a sparse ``nn.Embedding`` or
   ``nn.EmbeddingBag`` (rows on demand, gradients coalesced per id, a bounded cache of rows,
   ``prefetch``), and ``attach_tables`` that swaps them into a model;
-- ``remote``: ``RemoteTables`` over a worker's sessions (``PullRows``), and ``stage_rows``:
-  a step's row gradients for each shard's push header.
+- ``remote``: ``RemoteTables`` over a worker's sessions (``PullRows``, joining a restarted
+  server again), and ``stage_rows``: a step's row gradients for each shard's push header;
+- ``memory``: the worker's glibc mmap threshold, so large row buffers are not kept.
 
-Not yet: one request for every table's rows of a step (today one per table and shard), the
-daemon's prefetch, tables in the servers' ``model_state_dict``, row metrics, and ``bench
-sparse``.
+The worker's side of them is ``worker/rows.py`` (attach, prefetch, a step's rows).
+Not yet: one request for every table's rows of a step (today one per table and shard).
 """

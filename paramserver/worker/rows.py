@@ -10,9 +10,13 @@ rows, their prefetch, and what a step pushes of them.
   not pushed since are kept at most one step, within the policy's bound (see
   ``sparse/embedding.py``). A background prefetch that fails only logs: the forward pass
   fetches what is missing on demand, and raises there.
+- **Memory.** A worker with tables fixes glibc's mmap threshold (``sparse/memory.py``), so
+  the large row buffers of each step do not stay in its heap.
 - **A restarted server.** A row pull that meets a server that restarted or dropped this
   worker joins it again (``rejoin``, the worker's) and pulls again, in the training thread;
-  a background prefetch leaves that to the forward pass.
+  a background prefetch leaves that to the forward pass. The worker then drops that step's
+  work, as when a push meets a restarted server: after the rejoin its clock, and so its
+  batch, may be another (a sharded run rewinds every shard to the restarted one's cut).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS, CacheCounters, TableEmbedding
+from paramserver.sparse.memory import fix_mmap_threshold
 from paramserver.sparse.remote import attach_remote, stage_rows
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ class WorkerTables:
             model, manifest, sessions, rpc_timeout, cache_rows, self._rejoin_hook(rejoin)
         )
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ps-rows") if self.modules else None
+        if self.modules:
+            fix_mmap_threshold()  # row buffers back to the system when freed (sparse/memory.py)
         self._ahead: Future[None] | None = None
 
     def __bool__(self) -> bool:
@@ -107,6 +114,12 @@ class WorkerTables:
         prefetch has landed."""
         self.wait()
         return stage_rows(self.modules, shards)
+
+    def forget(self) -> None:
+        """Drop every table's cached rows and the gradients not pushed (a dropped step)."""
+        self.wait()
+        for table in self.modules.values():
+            table.forget()
 
     @property
     def counters(self) -> CacheCounters:

@@ -159,8 +159,9 @@ class Worker(WorkerView):
                 # the server's seed: parameters it never sends (frozen ones) start the same
                 model = models.build(self.plan.model, seed=self.plan.seed).to(device or "cpu")
             self.model = model
+            self._drop_step = False  # a row pull rejoined a server during this step
             self.tables = WorkerTables(model, replies[0].manifest, self.sessions, rpc_timeout,
-                                       cache_rows, self._rejoin_lost)  # fmt: skip
+                                       cache_rows, self._rejoin_mid_step)  # fmt: skip
             self._replica = Replica(model)
             self.device, self.manifest = self._replica.device, self._replica.manifest
             self._codec = compression.by_name(
@@ -238,6 +239,12 @@ class Worker(WorkerView):
             self._replica.bind(
                 [(lo, hi, s.channel.weights) for s, (lo, hi) in parts if s.channel.shm]
             )
+
+    def _rejoin_mid_step(self) -> None:
+        """A row pull of this step met a restarted server: join again now; ``step()`` drops
+        this step's work (its batch and clock may be another's after the rejoin)."""
+        self._rejoin_lost()
+        self._drop_step = True
 
     def _rejoin_lost(self) -> None:
         """Join every lost session again, once the pushes in flight have ended; after a
@@ -323,6 +330,12 @@ class Worker(WorkerView):
             ParamServerError: this or an earlier background push failed.
         """
         self._raise_background_error()
+        if self._drop_step:  # as when a push meets a restarted server: drop it, pull again
+            self._drop_step = False
+            self._replica.zero_grad()
+            self.tables.forget()
+            self.pull()
+            return
         mode = self.mode
         ready = self._pipe.wait_ahead() if mode is StepMode.PREFETCHING else None
         staged = self._stage(samples, float(loss), empty)

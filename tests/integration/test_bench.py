@@ -41,6 +41,17 @@ KEYS = {
         "async_optimizer_thread_samples_per_s",
     ],
     "accuracy": ["time_to_target_s"],
+    "sparse": [
+        "sparse_vs_dense",
+        "sparse_vs_ddp",
+        "auc",
+        "auc_local",
+        "bytes_per_step_sparse",
+        "bytes_per_step_dense",
+        "big_table_mb",
+        "big_worker_rss_mb",
+        "samples_per_s",
+    ],
 }
 
 
@@ -67,6 +78,11 @@ def test_bench_quick_json(name):
         assert set(figures["step_vs_local"]) == {"64", "256"}
         # clock ticks over a quick run's few steps: may round to 0
         assert figures["server_cpu_ms_64"] >= 0 and figures["server_cpu_ms_64_grpc"] >= 0
+    if name == "sparse":
+        # the table's rows move, not the table: fewer bytes a step than the dense table's
+        assert figures["bytes_per_step_sparse"] < figures["bytes_per_step_dense"]
+        assert 0.5 < figures["auc"] < 1 and 0.5 < figures["auc_local"] < 1
+        assert figures["big_table_mb"] <= figures["big_table_declared_mb"]
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
     if name == "accuracy":

@@ -1,8 +1,8 @@
 """A sharded run survives kill -9 of a shard as one model: the restarted shard resumes from
 its newest consistent cut, the other shard rewinds to the same cut, every batch after the
 cut is computed again, once. Under sync the run ends with the weights of an uninterrupted
-run; under async (whose order of updates differs from run to run) both shards end holding
-exactly one update per batch."""
+run, sparse tables included; under async (whose order of updates differs from run to run)
+both shards end holding exactly one update per batch."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from paramserver import data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
 from paramserver.procs import READY_MARKER, Child, stop_all
+from paramserver.sparse.remote import Observer, RemoteTables
 from paramserver.stub import Stub, connect
 from paramserver.worker.channel import observe
 from tests.conftest import DEADLINE
@@ -26,13 +27,17 @@ EPOCHS, BATCH, WORKERS, SHARDS, CUT_EVERY = 3, 64, 2, 2, 5
 ROUNDS = EPOCHS * data.batches_per_epoch(data.SYNTHETIC_TRAIN, BATCH) // WORKERS
 
 
-def _shard(tmp_path, tag: str, i: int, port: int, n: int, policy: str) -> Child:
+MLP = ("mlp", "synthetic")
+TABLES = ("tests.sparse_models:dlrm_sparse", "tests.sparse_models:small_clicks")
+
+
+def _shard(tmp_path, tag: str, i: int, port: int, n: int, policy: str, what=MLP) -> Child:
     return Child(
         f"{tag}-shard{i}-{n}",
         ["server", "--host", "127.0.0.1", "--port", str(port), "--shard", f"{i}/{SHARDS}",
-         "--policy", policy, "--workers", str(WORKERS), "--dataset", "synthetic",
+         "--policy", policy, "--workers", str(WORKERS), "--dataset", what[1],
          "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--optimizer", "sgd",
-         "--lr", "0.05", "--model", "mlp", "--seed", "3", "--lease-timeout", "5",
+         "--lr", "0.05", "--model", what[0], "--seed", "3", "--lease-timeout", "5",
          "--checkpoint-dir", str(tmp_path / tag), "--checkpoint-every", str(CUT_EVERY)],
         tmp_path / f"{tag}-shard{i}-{n}.log",
         capture_stdout=True,
@@ -63,11 +68,12 @@ def _wait(address: str, what: str, predicate) -> pb.StatusResponse:
 
 
 def _run(
-    tmp_path, tag: str, crash: bool, policy: str = "sync"
+    tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP
 ) -> tuple[np.ndarray, list[pb.StatusResponse]]:
+    """The run's flat weights (and its tables' rows after them), and each shard's status."""
     procs: list[Child] = []
     try:
-        shards = [_shard(tmp_path, tag, i, 0, 1, policy) for i in range(SHARDS)]
+        shards = [_shard(tmp_path, tag, i, 0, 1, policy, what) for i in range(SHARDS)]
         procs += shards
         addresses = [s.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1] for s in shards]
         workers = [
@@ -86,23 +92,28 @@ def _run(
             os.kill(shards[1].proc.pid, signal.SIGKILL)
             shards[1].proc.wait(DEADLINE)
             port = int(addresses[1].rsplit(":", 1)[1])
-            again = _shard(tmp_path, tag, 1, port, 2, policy)
+            again = _shard(tmp_path, tag, 1, port, 2, policy, what)
             procs.append(again)
             again.wait_for_line(READY_MARKER, DEADLINE)
         for w in workers:
             assert w.proc.wait(DEADLINE) == 0, w.tail(30)
-        model = models.build("mlp")
+        model = models.resolve(what[0])()
         manifest = layout.Manifest.from_tensors(models.parameters(model))
         parts, statuses = [], []
-        for i, address in enumerate(addresses):
+        channels = [connect(address, DEADLINE) for address in addresses]
+        for i, (address, channel) in enumerate(zip(addresses, channels, strict=True)):
             lo, hi = layout.shard_range(manifest.numel, i, SHARDS)
-            channel = connect(address, DEADLINE)
             _, part = observe(channel, 4 * (hi - lo))
-            channel.close()
             parts.append(part.copy())
             st = _status(address)
             assert st is not None
             statuses.append(st)
+        observers = [Observer(Stub(c), a) for c, a in zip(channels, addresses, strict=True)]
+        specs = models.table_specs(model)
+        tables = RemoteTables(observers, specs, rpc_timeout=30)
+        parts += [tables.read_all(s.name).numpy().ravel() for s in specs]
+        for channel in channels:
+            channel.close()
         if crash:
             assert any("rewinding" in w.log_path.read_text() for w in workers)
             # shard 0 went back to the round shard 1 resumed from: its newest cut, written
@@ -138,3 +149,15 @@ def test_a_sharded_async_run_whose_shard_is_killed_applies_every_batch_once_on_b
     assert statuses[0].batches_done == batches
     for st in statuses:  # both ranges hold the same updates: one per batch of the run
         assert st.pushes_applied == st.version == batches
+
+
+def test_a_sharded_run_with_tables_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_path):
+    """The cuts hold each shard's rows of the tables and their sync round: after the crash
+    and the rewind, the dense part and every table end as in the uninterrupted run."""
+    clean, _ = _run(tmp_path, "tables-clean", crash=False, what=TABLES)
+    crashed, statuses = _run(tmp_path, "tables-crash", crash=True, what=TABLES)
+    for st in statuses:
+        assert st.rounds == ROUNDS
+        assert st.rows_held > 0
+    assert statuses[0].batches_done == ROUNDS * WORKERS
+    np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)

@@ -68,7 +68,8 @@ def test_rows_named_ahead_are_fetched_before_the_forward_pass_and_counted(serve)
 
 def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path):
     """The server restarts from its checkpoint between two steps: the next forward pass's
-    row pull finds a new incarnation, joins it again and trains on."""
+    row pull finds a new incarnation and joins it again; that step's work is dropped (as a
+    push that meets a restarted server is), and the next steps train on."""
     torch.manual_seed(5)
     model = Clicky()
     start = Clicky()
@@ -90,8 +91,8 @@ def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path
             worker.step(samples=len(x))
         assert worker.rejoins == 1
     status = resumed.status()
-    assert status["version"] == 6 and status["pushes_applied"] == 6
-    assert status["rows_pushed"] == 2 * sum(_distinct(x) for x, _ in batches[3:])
+    assert status["version"] == 5 and status["pushes_applied"] == 5
+    assert status["rows_pushed"] == 2 * sum(_distinct(x) for x, _ in batches[4:])
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])

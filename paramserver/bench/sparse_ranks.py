@@ -1,0 +1,217 @@
+"""The processes of ``bench sparse``: the cases, the model, and each way of training it.
+
+- ``python -m paramserver.bench.sparse_ranks RANK WORLD PORT ps ADDRESS CASE SPARSE STEPS
+  DATA OUT`` (PORT unused; DATA: the case's training samples, saved by the bench):
+  a paramserver worker (the Python API, ``ps.Worker``) that trains batches RANK, RANK+WORLD,
+  ... of the case's click log (at most STEPS of them; 0: all), its table as server rows
+  (SPARSE 1) or as a dense parameter (0), and writes its figures to OUT: samples, seconds,
+  rows fetched and pushed, the flat buffer's size, and its peak resident memory.
+- ``python -m paramserver.bench.sparse_ranks RANK WORLD PORT CASE OUT`` (``run_ranks``'s
+  form): one rank of torch DDP (gloo) with the table as a sparse embedding (its gradients
+  all-reduced sparse) under SparseAdam, the rest under Adam; rank 0 also writes the AUC.
+- ``local_run``: the same model and samples in one process, the same optimizers.
+
+The model is ``models.DLRM`` with one shared table of ``fields x rows`` rows (``shared``).
+Workers build it without touching the table's pages (``build_model``), so a table larger
+than a worker's memory never takes its memory there: the worker's table is the servers'
+rows and a bounded cache.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paramserver import clicks, models
+from paramserver.evaluation import evaluate
+
+LR = 0.01
+
+
+@dataclass(frozen=True)
+class Case:
+    """One table of ``fields * rows`` rows x ``dim``, trained for one epoch of ``train``
+    samples in batches of ``batch``; ids Zipf(``zipf``) per field (0: uniform)."""
+
+    name: str
+    fields: int
+    rows: int  # per field
+    dim: int
+    train: int
+    test: int
+    batch: int
+    zipf: float = clicks.ZIPF
+    optimizer: str = "adam"  # the servers' (and the baselines') optimizer
+    dense_steps: int = 0  # steps per worker of the same table as a dense parameter (0: none)
+    cache_rows: int = 1 << 16
+
+    @property
+    def table_rows(self) -> int:
+        return self.fields * self.rows
+
+    @property
+    def table_mb(self) -> float:
+        return self.table_rows * self.dim * 4 / 2**20
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * 4 + 8  # its values and its id on the wire
+
+
+CASES = {
+    c.name: c
+    for c in (
+        # 1M rows x 64 (256 MB): tables against the same table dense, local and DDP
+        Case("main", 8, 125_000, 64, 200_000, 20_000, 256, dense_steps=8),
+        # 4M rows x 256 (3.9 GB declared), uniform ids: about 2.7 GB of rows come to exist
+        Case(
+            "big",
+            8,
+            500_000,
+            256,
+            600_000,
+            5_000,
+            2048,
+            zipf=0.0,
+            optimizer="sgd",
+            cache_rows=1 << 15,
+        ),  # fmt: skip
+        Case("quick-main", 4, 500, 8, 8_192, 2_048, 256, dense_steps=4),
+        Case("quick-big", 4, 4_000, 32, 8_192, 1_024, 512, zipf=0.0, optimizer="sgd"),
+    )
+}
+
+
+def data(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return clicks.make(case.train, case.test, seed=0, fields=case.fields, rows=case.rows,
+                       zipf=case.zipf)  # fmt: skip
+
+
+def build_model(case: Case, sparse: bool) -> nn.Module:
+    """The case's DLRM, seeded. Its table's storage is ``torch.empty``, pages untouched, where
+    it is a server table (the worker replaces it, the server creates rows on first touch);
+    a dense table is initialised N(0, 1)."""
+    torch.manual_seed(0)
+    model = models.DLRM(case.fields, 1, case.dim, sparse=sparse, shared=True)
+    weight = torch.empty(case.table_rows, case.dim)
+    if not sparse:
+        nn.init.normal_(weight)
+    model.rows = case.rows  # field f's ids start at f * rows
+    model.tables[0] = nn.Embedding(case.table_rows, case.dim, sparse=sparse, _weight=weight)
+    return model
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM), in MiB."""
+    found = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(found.group(1)) / 1024 if found else float("nan")
+
+
+def optimizers(model: nn.Module, case: Case) -> list[torch.optim.Optimizer]:
+    """What the servers do, locally: the table row-wise (lazy adam or sgd), the rest dense."""
+    table = [p for n, p in model.named_parameters() if n.startswith("tables.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
+    if case.optimizer == "adam":
+        return [torch.optim.SparseAdam(table, lr=LR), torch.optim.Adam(rest, lr=LR)]
+    return [torch.optim.SGD(table + rest, lr=LR)]
+
+
+def auc(model: nn.Module, test_x: torch.Tensor, test_y: torch.Tensor) -> float:
+    return float(evaluate(model, test_x, test_y).auc or float("nan"))
+
+
+def local_run(case: Case) -> dict[str, Any]:
+    """One process, every batch of the epoch in order: samples/s and test AUC."""
+    torch.set_num_threads(1)
+    train_x, train_y, test_x, test_y = data(case)
+    torch.manual_seed(0)
+    model = models.DLRM(case.fields, case.rows, case.dim, sparse=True, shared=True)
+    opts = optimizers(model, case)
+    batches = case.train // case.batch
+    started = time.perf_counter()
+    for b in range(batches):
+        part = slice(b * case.batch, (b + 1) * case.batch)
+        F.cross_entropy(model(train_x[part]), train_y[part]).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    seconds = time.perf_counter() - started
+    return {"samples": batches * case.batch, "seconds": seconds,
+            "auc": auc(model, test_x, test_y)}  # fmt: skip
+
+
+def ps_main(argv: list[str]) -> None:
+    import paramserver as ps
+    from paramserver.bench.ddp import write_result
+
+    rank, world, address, name = int(argv[0]), int(argv[1]), argv[4], argv[5]
+    sparse, max_steps, saved, out = argv[6] == "1", int(argv[7]), argv[8], argv[9]
+    torch.set_num_threads(1)
+    case = CASES[name]
+    train_x, train_y = torch.load(saved)
+    model = build_model(case, sparse)
+    mine = list(range(rank, case.train // case.batch, world))[: max_steps or None]
+    with ps.Worker(address, model, cache_rows=case.cache_rows, name=f"bench-{rank}") as worker:
+        started = time.perf_counter()
+        for b in mine:
+            part = slice(b * case.batch, (b + 1) * case.batch)
+            F.cross_entropy(model(train_x[part]), train_y[part]).backward()
+            worker.step(samples=case.batch)
+        worker.flush()
+        seconds = time.perf_counter() - started
+        counters = worker.tables.counters
+        numel = worker.manifest.numel
+    write_result(out, {"rank": rank, "steps": len(mine), "samples": len(mine) * case.batch,
+                       "seconds": seconds, "rows_fetched": counters.fetched,
+                       "rows_pushed": counters.pushed, "dense_numel": numel,
+                       "peak_rss_mb": peak_rss_mb()})  # fmt: skip
+
+
+def ddp_main(argv: list[str]) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from paramserver.bench.ddp import finish, write_result
+
+    rank, world, port = (int(a) for a in argv[:3])
+    case, out = CASES[argv[3]], argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(minutes=5))  # fmt: skip
+    train_x, train_y, test_x, test_y = data(case)
+    torch.manual_seed(0)
+    model = models.DLRM(case.fields, case.rows, case.dim, sparse=True, shared=True)
+    ddp = DistributedDataParallel(model)
+    opts = optimizers(ddp.module, case)
+    usable = case.train // case.batch // world * world
+    dist.barrier()
+    started = time.perf_counter()
+    for b in range(rank, usable, world):
+        part = slice(b * case.batch, (b + 1) * case.batch)
+        F.cross_entropy(ddp(train_x[part]), train_y[part]).backward()  # all-reduce
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    dist.barrier()
+    seconds = time.perf_counter() - started
+    result = {"samples": usable // world * case.batch, "seconds": seconds}
+    if rank == 0:
+        result["auc"] = auc(model, test_x, test_y)
+    write_result(out, result)
+    finish()
+
+
+if __name__ == "__main__":
+    if sys.argv[4] == "ps":
+        ps_main(sys.argv[1:])
+    else:
+        ddp_main(sys.argv[1:])
