@@ -190,6 +190,7 @@ class ServerConfig:
     checkpoint_dir: str | None = setting(None, "--checkpoint-dir", "Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one.")  # fmt: skip
     checkpoint_every: str = setting("60s", "--checkpoint-every", "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); shards: every N iterations, a consistent cut.")  # fmt: skip
     optimizer_thread: bool = setting(False, "--optimizer-thread", "Apply every push on one optimizer thread that the request threads hand pushes to (measured slower on CPU: see docs/BENCHMARKS.md).", is_flag=True)  # fmt: skip
+    table_rows: int = setting(0, "--table-rows", "Also hold as a sparse table on the servers every trainable nn.Embedding or nn.EmbeddingBag of at least this many rows, built with sparse=True or not (0: only those built with sparse=True).")  # fmt: skip
     skip_nonfinite: bool = setting(False, "--skip-nonfinite", "Skip and count gradients holding NaN or Inf instead of failing the push.", is_flag=True)  # fmt: skip
     security: Security = field(default_factory=Security)
     shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)
@@ -222,6 +223,7 @@ class ServerConfig:
                 f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."
             )
         _positive("--lease-timeout", self.lease_seconds)
+        _non_negative("--table-rows", self.table_rows)
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
             raise ConfigError(
                 f"--chunk-bytes must be a multiple of 4 and at least 4096; got {self.chunk_bytes}."

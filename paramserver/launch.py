@@ -25,7 +25,7 @@ from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.evaluation import evaluate_batches
 from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.rundir import RunDir
-from paramserver.sparse.embedding import TableEmbedding, attach_tables
+from paramserver.sparse.embedding import TableEmbedding, attach_tables, make_tables
 from paramserver.sparse.remote import Observer, RemoteTables
 from paramserver.sparse.table import TableSpec
 from paramserver.stub import Stub, connect
@@ -153,6 +153,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     scfg = cfg.server
     dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
     model = models.build(scfg.model)
+    make_tables(model, scfg.table_rows)  # as the servers do
     manifest, tensors = models.state(model)  # refuses a model it cannot carry, before spawning
     specs = models.table_specs(model)
     per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)

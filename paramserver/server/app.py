@@ -25,6 +25,7 @@ from paramserver.server.doorbell import Doorbell
 from paramserver.server.metrics import SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.shm import Attachments
+from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import TableSet, row_optimizer
 from paramserver.store import ParameterStore
 
@@ -60,6 +61,7 @@ def build_coordinator(
     built with ``config.seed``), or this shard's range of them, and the optimizer."""
     if model is None:
         model = models.build(config.model, seed=config.seed)
+    make_tables(model, config.table_rows)  # --table-rows: large dense embeddings too
     manifest, flat = initial_weights(model)
     model_numel, offset = manifest.numel, 0
     if config.shards > 1:  # this server holds one contiguous range of the flat buffer

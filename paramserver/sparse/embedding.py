@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,6 +186,22 @@ def table_specs(model: nn.Module) -> list[TableSpec]:
     return [TableSpec(name, m.num_embeddings, m.embedding_dim,
                       str(m.weight.dtype).removeprefix("torch."))
             for name, m in _sparse_embeddings(model)]  # fmt: skip
+
+
+def make_tables(model: nn.Module, min_rows: int = 0, names: Iterable[str] = ()) -> list[str]:
+    """Make tables of ``model``'s trainable dense embeddings that have at least ``min_rows``
+    rows (0: none by size) or are named in ``names`` (the servers' tables, at join): they
+    become ``sparse=True`` in place, so ``table_specs`` and ``models.parameters`` see them as
+    tables. Returns their names."""
+    wanted, made = set(names), []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding | nn.EmbeddingBag) or m.sparse:
+            continue
+        chosen = name in wanted or (min_rows > 0 and m.num_embeddings >= min_rows)
+        if m.weight.requires_grad and chosen:
+            m.sparse = True
+            made.append(name)
+    return made
 
 
 def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:

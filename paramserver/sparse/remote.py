@@ -27,6 +27,7 @@ from paramserver.sparse.embedding import (
     DEFAULT_CACHE_ROWS,
     TableEmbedding,
     attach_tables,
+    make_tables,
     table_specs,
 )
 from paramserver.sparse.table import TableSpec
@@ -147,6 +148,7 @@ def attach_remote(
     """
     specs = [wire.spec_from_proto(t) for t in manifest.tables]
     try:
+        make_tables(model, names=[t.name for t in specs])  # --table-rows: dense ones too
         mine = {t.name for t in table_specs(model)}
         if mine != {t.name for t in specs}:
             raise ConfigError(f"The model's sparse embeddings {sorted(mine)} are not the "

@@ -145,3 +145,45 @@ def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, mo
     shard = serve(Clicky(), optimizer="sgd", workers=1, shard=0, shards=2)
     with pytest.raises(ps.ConfigError, match="holds a part"):
         shard.model_state_dict()
+
+
+def test_table_rows_makes_a_large_dense_embedding_a_table(serve):
+    """``--table-rows N``: a dense embedding of at least N rows is a table too (the worker
+    learns it from the manifest) and trains as torch's SGD trains it locally; a smaller
+    one stays in the flat buffer."""
+    from torch import nn
+
+    def build() -> nn.Module:
+        torch.manual_seed(7)
+        return nn.ModuleDict({"big": nn.Embedding(300, 4), "small": nn.Embedding(20, 4),
+                              "head": nn.Linear(8, 2)})  # fmt: skip
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = build()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.m["head"](torch.cat([self.m["big"](x), self.m["small"](x % 20)], 1))
+
+    server = serve(Two(), optimizer="sgd", lr=0.1, policy="sync", workers=1, table_rows=100)
+    assert [t.name for t in server.coordinator.tables.specs] == ["m.big"]
+    model, local = Two(), Two()  # dense, as built: the worker makes "m.big" a table at join
+    with torch.no_grad():
+        rows = server.coordinator.tables.table("m.big").read(np.arange(300))
+        local.m["big"].weight.copy_(rows)
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with ps.Worker(server.address, model) as worker:
+        assert set(worker.tables.modules) == {"m.big"}
+        for _ in range(5):
+            x = torch.randint(0, 300, (16,), generator=g)
+            y = x % 2
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=16)
+            opt.zero_grad()
+            F.cross_entropy(local(x), y).backward()
+            opt.step()
+    state = server.model_state_dict()
+    torch.testing.assert_close(state["m.big.weight"], local.m["big"].weight.detach())
+    torch.testing.assert_close(state["m.small.weight"], local.m["small"].weight.detach())
