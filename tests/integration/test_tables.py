@@ -48,6 +48,16 @@ def _table(servers: list[ps.ServerApp], name: str) -> torch.Tensor:
     return out
 
 
+def _local_twin(model: nn.Module, servers: list[ps.ServerApp]) -> nn.Module:
+    """A local copy of ``model`` whose tables start from the servers' seeded rows."""
+    local = Clicky()
+    local.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        local.emb.weight.copy_(_table(servers, "emb"))
+        local.bag.weight.copy_(_table(servers, "bag"))
+    return local
+
+
 @pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_model_with_tables_trains_as_torch_trains_it_locally(serve, shards, shm):
@@ -55,11 +65,7 @@ def test_a_model_with_tables_trains_as_torch_trains_it_locally(serve, shards, sh
     model = Clicky()
     servers = [serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1,
                      shard=i, shards=shards) for i in range(shards)]  # fmt: skip
-    local = Clicky()
-    local.load_state_dict(model.state_dict())
-    with torch.no_grad():  # the tables start from the servers' seeded rows
-        local.emb.weight.copy_(_table(servers, "emb"))
-        local.bag.weight.copy_(_table(servers, "bag"))
+    local = _local_twin(model, servers)
     opt = torch.optim.SGD(local.parameters(), lr=0.1)
 
     worker = ps.Worker([s.address for s in servers], model, shm=shm)
@@ -88,11 +94,7 @@ def test_two_sync_workers_are_one_large_batch(serve):
     torch.manual_seed(1)
     model = Clicky()
     server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=2)
-    local = Clicky()
-    local.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        local.emb.weight.copy_(_table([server], "emb"))
-        local.bag.weight.copy_(_table([server], "bag"))
+    local = _local_twin(model, [server])
     opt = torch.optim.SGD(local.parameters(), lr=0.1)
     batches = _batches(6)
 

@@ -14,7 +14,7 @@ from paramserver import shm as shm_module
 from paramserver.config import WorkerConfig
 from paramserver.server.metrics import StatusCollector
 from paramserver.worker import trainer
-from tests.integration.test_tables import BATCH, Clicky, _batches, _table
+from tests.integration.test_tables import BATCH, Clicky, _batches, _local_twin, _table
 
 
 def _distinct(x: torch.Tensor) -> int:
@@ -28,11 +28,7 @@ def test_rows_named_ahead_are_fetched_before_the_forward_pass_and_counted(serve)
     torch.manual_seed(4)
     model = Clicky()
     server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1)
-    local = Clicky()
-    local.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        local.emb.weight.copy_(_table([server], "emb"))
-        local.bag.weight.copy_(_table([server], "bag"))
+    local = _local_twin(model, [server])
     opt = torch.optim.SGD(local.parameters(), lr=0.1)
     batches = _batches(8)
     with ps.Worker(server.address, model) as worker:
