@@ -73,6 +73,11 @@ class BatchQueue:
             mine[iteration] = batches
         return batches
 
+    def holds_before(self, worker_id: str, iteration: int) -> bool:
+        """Whether ``worker_id`` holds batches of an iteration before ``iteration`` that it
+        has not pushed (a prefetching worker pulls t+1 before it pushes t)."""
+        return any(t < iteration for t in self.taken.get(worker_id, {}))
+
     def complete(self, worker_id: str, iteration: int) -> list[int]:
         """The push of ``iteration`` was applied: its batches are done. Returns them."""
         batches = self.taken.get(worker_id, {}).pop(iteration, [])

@@ -267,7 +267,7 @@ class Coordinator:
             self.rounds += 1
             cut = self.cuts.after_round(self.rounds)
             if cut is not None:
-                self.cuts.take(cut, self._state(cut))
+                self.cuts.take(cut, capture(self, cut))
 
     def _share_buffers(self, workers: Iterable[str]) -> None:
         if not self.buffers.size:  # a model (or shard) without buffers: nothing to share
@@ -279,7 +279,7 @@ class Coordinator:
     def _maybe_cut(self) -> None:
         cut = self.cuts.reached(self.membership.min_clock())
         if cut is not None:
-            self.cuts.take(cut, self._state(cut))
+            self.cuts.take(cut, capture(self, cut))
 
     def _tables(self, what: str) -> TableSet:
         if self.tables is None:
@@ -313,8 +313,9 @@ class Coordinator:
         the policy allows; an empty id observes.
 
         Under ``ssp:K`` and ``async`` a worker that finds no batch left waits for one (a
-        batch given back by a dead worker) or for the end of the run; under ``sync`` it gets
-        batch -1 and pushes an empty gradient, so the round does not wait for it.
+        batch given back by a dead worker) or for the end of the run, unless it holds an
+        earlier batch not pushed yet (a prefetch: the end would wait for it); then, as under
+        ``sync``, it gets batch -1 and pushes an empty gradient.
 
         ``out`` (a worker's shared segment) receives the weights, copied under the lock;
         without it the result holds a snapshot shared by the pulls of one version.
@@ -343,7 +344,8 @@ class Coordinator:
                         if self.queue is None:
                             return self._answer(iteration, out=out)
                         taken = self.queue.take(worker_id, iteration, batches)
-                        if taken or self.policy.synchronous:
+                        wait = not self.policy.synchronous  # for a batch, or the end
+                        if taken or not wait or self.queue.holds_before(worker_id, iteration):
                             return self._answer(iteration, tuple(taken), out=out)
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
@@ -405,7 +407,7 @@ class Coordinator:
     def checkpoint_state(self) -> dict[str, Any]:
         """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
         with self._cond:
-            return self._state()
+            return capture(self, self.cuts.last)
 
     @property
     def cuts_pending(self) -> bool:
@@ -423,10 +425,6 @@ class Coordinator:
             self.incarnation = uuid.uuid4().hex[:12]
             self.cuts.drain()
             self.restore(state, weights)
-
-    def _state(self, cut: int | None = None) -> dict[str, Any]:
-        """Everything a resumed server needs; the caller holds the lock."""
-        return capture(self, self.cuts.last if cut is None else cut)
 
     def restore(self, saved: dict[str, Any], weights: np.ndarray) -> None:
         """Take over the state of a checkpoint (``weights``: its flat parameters and

@@ -183,3 +183,23 @@ def test_table_rows_makes_a_large_dense_embedding_a_table(serve):
     state = server.model_state_dict()
     torch.testing.assert_close(state["m.big.weight"], local.m["big"].weight.detach())
     torch.testing.assert_close(state["m.small.weight"], local.m["small"].weight.detach())
+
+
+@pytest.mark.parametrize("policy", ["async", "delay-1"])
+def test_a_prefetching_daemon_runs_to_the_end_of_the_servers_batches(serve, policy):
+    """A prefetching worker pulls iteration t+1 before it pushes t: at the end of the run its
+    last pull must not wait for the end, which waits for its own last batch. It gets no
+    batch, pushes an empty step and finishes."""
+    from tests.conftest import DEADLINE, WorkerThread
+
+    if not shm_module.available():
+        pytest.skip("prefetching steps need a writable /dev/shm")
+    server = serve("mlp", policy=policy, workers=1, dataset="synthetic", batch_size=256,
+                   epochs=1)  # fmt: skip
+    run = WorkerThread(lambda: trainer.run(WorkerConfig(server.address, device="cpu",
+                                                        overlap="on")))  # fmt: skip
+    run.start()
+    summary = run.result(timeout=DEADLINE)
+    status = server.status()
+    assert status["batches_done"] == status["batches_total"] == 16
+    assert summary.samples == 16 * 256

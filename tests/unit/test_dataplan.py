@@ -74,3 +74,12 @@ def test_any_interleaving_applies_each_batch_at_most_once_and_loses_none(ops) ->
     assert b == []
     assert sorted(applied) == list(range(q.total))
     assert q.finished
+
+
+def test_a_worker_holds_a_batch_before_an_iteration_until_it_pushes_it():
+    q = BatchQueue(per_epoch=2, epochs=1)
+    assert q.take("a", 0) == [0]
+    assert q.holds_before("a", 1) and not q.holds_before("a", 0)
+    assert not q.holds_before("b", 5)
+    q.complete("a", 0)
+    assert not q.holds_before("a", 1)
