@@ -35,16 +35,20 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "rows", "dim", "dtype")
+    __slots__ = ("name", "rows", "dim", "dtype", "optimizer", "lr")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     dim: int
     dtype: str
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    optimizer: str
+    lr: float
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class RowGradients(_message.Message):
     __slots__ = ("table", "ids", "values")

@@ -237,9 +237,9 @@ class Coordinator:
                 self.round.add(worker_id, grad)
                 self.row_round.add(checked)
             elif grad is not None:
+                if checked:  # at this step's rate (--lr-schedule), as the dense part
+                    self._tables("A push").apply(checked, self.store.lr)
                 self.store.apply(grad)
-                if checked:
-                    self._tables("A push").apply(checked)
                 self._share_buffers(self.membership.live_ids())
             if self.queue is not None:
                 self.queue.complete(worker_id, iteration)
@@ -260,10 +260,10 @@ class Coordinator:
             self._share_buffers(self.round.givers)
             n = self.round.n
             mean = self.round.take_mean()
+            if self.tables is not None and n:
+                self.tables.apply(self.row_round.take_mean(n), self.store.lr)
             if mean is not None:
                 self.store.apply(mean)
-            if self.tables is not None and n:
-                self.tables.apply(self.row_round.take_mean(n))
             self.rounds += 1
             cut = self.cuts.after_round(self.rounds)
             if cut is not None:

@@ -103,7 +103,9 @@ class Steps:
         """The manifest a join answers: the flat buffer's layout, and the tables."""
         msg = self.c.manifest.to_proto()
         if self.c.tables is not None:
-            msg.tables.extend(sparse_wire.spec_to_proto(t) for t in self.c.tables.specs)
+            for t in self.c.tables.tables.values():
+                rows = t.optimizer.config
+                msg.tables.append(sparse_wire.spec_to_proto(t.spec, rows.name, rows.lr))
         return msg
 
     def _rows(self, header: pb.PushHeader) -> list[RowGradients]:

@@ -12,6 +12,7 @@ The same operations in the same order as torch, so a table trained here equals a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -59,11 +60,13 @@ class RowOptimizer:
         state: list[torch.Tensor],
         slots: torch.Tensor,
         grads: torch.Tensor,
+        lr: float | None = None,
     ) -> None:
-        """Update rows ``values[slots]`` with ``grads`` (one row each, slots distinct).
-        An empty push still counts as a step (adam's bias correction)."""
+        """Update rows ``values[slots]`` with ``grads`` (one row each, slots distinct) at
+        ``lr`` (None: the config's; the server passes its schedule's). An empty push still
+        counts as a step (adam's bias correction)."""
         self.steps += 1
-        cfg = self.config
+        cfg = self.config if lr is None else dataclasses.replace(self.config, lr=lr)
         if cfg.name == "sgd":
             values.index_add_(0, slots, grads, alpha=-cfg.lr)
         elif cfg.name == "adagrad":

@@ -148,10 +148,10 @@ class ShardTable:
         """One optimizer step on rows ``ids`` (distinct) with ``grads`` (one row each)."""
         self.apply(*self.check_push(ids, grads))
 
-    def apply(self, ids: np.ndarray, grads: torch.Tensor) -> None:
-        """``push`` of what ``check_push`` returned."""
+    def apply(self, ids: np.ndarray, grads: torch.Tensor, lr: float | None = None) -> None:
+        """``push`` of what ``check_push`` returned (at ``lr``; None: the optimizer's)."""
         slots = self._slots(ids)  # may grow (replace) self.values and self.state: first
-        self.optimizer.step(self.values, self.state, slots, grads)
+        self.optimizer.step(self.values, self.state, slots, grads, lr)
 
     def read(self, ids: Any) -> torch.Tensor:
         """The current values of rows ``ids`` without creating any (untouched rows: their

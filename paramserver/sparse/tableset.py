@@ -9,7 +9,8 @@ bookkeeping only, no I/O.
   part (``server/rounds.py``), so sync stays large-batch SGD for the tables too.
 - ``row_optimizer``: the tables' optimizer for the server's ``--optimizer``: adam and
   adamw give lazy adam (torch's SparseAdam; weight decay is not applied to rows), sgd and
-  momentum give sgd, at the same learning rate.
+  momentum give sgd, at the same learning rate and schedule (the coordinator passes each
+  step's rate to ``apply``).
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ class TableSet:
             checked.append(RowGradients(push.table, ids, grads))
         return checked
 
-    def apply(self, checked: Iterable[RowGradients]) -> None:
-        """One optimizer step on each checked push's rows."""
+    def apply(self, checked: Iterable[RowGradients], lr: float | None = None) -> None:
+        """One optimizer step on each checked push's rows, at ``lr`` (the server's schedule;
+        None: the row optimizer's own)."""
         for push in checked:
-            self.tables[push.table].apply(push.ids, push.grads)
+            self.tables[push.table].apply(push.ids, push.grads, lr)
             self.rows_pushed += len(push.ids)
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,8 +17,9 @@ from paramserver.sparse.tableset import RowGradients
 IDS = np.dtype("<i8")
 
 
-def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
-    return pb.TableSpec(name=spec.name, rows=spec.rows, dim=spec.dim, dtype=spec.dtype)
+def spec_to_proto(spec: TableSpec, optimizer: str = "", lr: float = 0.0) -> pb.TableSpec:
+    return pb.TableSpec(name=spec.name, rows=spec.rows, dim=spec.dim, dtype=spec.dtype,
+                        optimizer=optimizer, lr=lr)  # fmt: skip
 
 
 def spec_from_proto(msg: pb.TableSpec) -> TableSpec:

@@ -122,11 +122,22 @@ def test_two_sync_workers_are_one_large_batch(serve):
 
 
 def test_a_worker_whose_embeddings_are_not_the_servers_tables_is_refused(serve):
-    server = serve(Clicky(), optimizer="sgd", workers=1)
+    """The servers' manifest decides which embeddings are tables: a worker's dense one of
+    the same name and size becomes the table; a sparse one the servers do not hold, or one
+    of another size, is refused."""
+    server = serve(Clicky(), optimizer="sgd", workers=3, min_workers=1)
     dense = Clicky()
-    dense.emb = nn.Embedding(ROWS, DIM)  # sparse=False: a dense parameter here
-    with pytest.raises(ps.ConfigError):
-        ps.Worker(server.address, dense)
+    dense.emb = nn.Embedding(ROWS, DIM)  # sparse=False here: made the servers' table
+    with ps.Worker(server.address, dense) as worker:
+        assert set(worker.tables.modules) == {"emb", "bag"}
+        extra = Clicky()
+        extra.more = nn.Embedding(ROWS, DIM, sparse=True)  # no such table on the servers
+        with pytest.raises(ps.ConfigError, match="not the servers' tables"):
+            ps.Worker(server.address, extra)
+        smaller = Clicky()
+        smaller.emb = nn.Embedding(ROWS - 1, DIM, sparse=True)
+        with pytest.raises(ps.ConfigError, match="its table is"):
+            ps.Worker(server.address, smaller)
 
 
 def test_launch_trains_a_model_with_tables_and_checkpoints_them(tmp_path):

@@ -203,3 +203,31 @@ def test_a_prefetching_daemon_runs_to_the_end_of_the_servers_batches(serve, poli
     status = server.status()
     assert status["batches_done"] == status["batches_total"] == 16
     assert summary.samples == 16 * 256
+
+
+def test_the_tables_follow_the_servers_learning_rate_schedule(serve):
+    """With --lr-schedule cosine the rows are stepped at each step's rate, as the dense
+    part is; the manifest names the tables' optimizer and base rate."""
+    from paramserver.config import OptimizerConfig
+
+    torch.manual_seed(8)
+    model = Clicky()
+    steps = 5
+    server = serve(model, optimizer="sgd", lr=0.2, lr_schedule="cosine", lr_total_steps=steps,
+                   policy="async", workers=1)  # fmt: skip
+    (spec,) = [t for t in server._servicer.steps.manifest().tables if t.name == "emb"]
+    assert (spec.optimizer, spec.lr) == ("sgd", pytest.approx(0.2))
+    local = _local_twin(model, [server])
+    opt = torch.optim.SGD(local.parameters(), lr=0.2)
+    schedule = OptimizerConfig("sgd", 0.2, schedule="cosine", total_steps=steps)
+    with ps.Worker(server.address, model) as worker:
+        for i, (x, y) in enumerate(_batches(steps)):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+            for group in opt.param_groups:
+                group["lr"] = schedule.lr_at(i)
+            opt.zero_grad()
+            F.cross_entropy(local(x), y).backward()
+            opt.step()
+    torch.testing.assert_close(_table([server], "emb"), local.emb.weight.detach())
+    torch.testing.assert_close(_table([server], "bag"), local.bag.weight.detach())
