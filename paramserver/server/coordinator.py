@@ -201,9 +201,10 @@ class Coordinator:
         ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
         for the round) and nothing is applied.
         """
-        checked = self._tables("A push").check(rows) if rows else []
-        finite = check_gradient(grad, samples, self.manifest, self.config.skip_nonfinite,
-                                f"The gradient of worker {worker_id} for iteration {iteration}")  # fmt: skip
+        skip = self.config.skip_nonfinite  # NaN or Inf anywhere, rows too: skipped, counted
+        checked = self._tables("A push").check(rows, skip) if rows else []
+        finite = check_gradient(grad, samples, self.manifest, skip,
+                                f"The gradient of worker {worker_id} for iteration {iteration}", checked)  # fmt: skip
         with self._cond:
             self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
             member = self.membership.get(worker_id)

@@ -89,8 +89,11 @@ class ShardTable:
                 )
         return arr
 
-    def check_push(self, ids: Any, grads: Any) -> tuple[np.ndarray, torch.Tensor]:
-        """``ids`` and ``grads`` as a push applies them, or InvalidRequest; changes nothing."""
+    def check_push(
+        self, ids: Any, grads: Any, nonfinite: bool = False
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """``ids`` and ``grads`` as a push applies them, or InvalidRequest; changes nothing.
+        ``nonfinite``: NaN or Inf passes (the server skips the push, ``--skip-nonfinite``)."""
         arr = self.check_ids(ids, "A push")
         if len(np.unique(arr)) != len(arr):
             raise InvalidRequest(f"A push of table {self.spec.name!r} names an id twice; "
@@ -102,7 +105,7 @@ class ShardTable:
                 f"for {len(arr)} ids; expected {self.values.dtype} "
                 f"({len(arr)}, {self.spec.dim})."
             )
-        if not bool(torch.isfinite(g).all()):
+        if not nonfinite and not bool(torch.isfinite(g).all()):
             raise InvalidRequest(f"A push of table {self.spec.name!r} holds NaN or Inf.")
         return arr, g
 

@@ -78,15 +78,16 @@ class TableSet:
         self.rows_pulled += len(rows)
         return rows
 
-    def check(self, pushes: Iterable[RowGradients]) -> list[RowGradients]:
-        """The pushes as ``apply`` takes them, or InvalidRequest; changes nothing."""
+    def check(self, pushes: Iterable[RowGradients], nonfinite: bool = False) -> list[RowGradients]:
+        """The pushes as ``apply`` takes them, or InvalidRequest; changes nothing.
+        ``nonfinite``: rows with NaN or Inf pass (see ``finite``), for ``--skip-nonfinite``."""
         checked, seen = [], set()
         for push in pushes:
             if push.table in seen:
                 raise InvalidRequest(f"A push names table {push.table!r} twice; send its rows "
                                      "once, coalesced.")  # fmt: skip
             seen.add(push.table)
-            ids, grads = self.table(push.table).check_push(push.ids, push.grads)
+            ids, grads = self.table(push.table).check_push(push.ids, push.grads, nonfinite)
             checked.append(RowGradients(push.table, ids, grads))
         return checked
 
@@ -113,6 +114,11 @@ class TableSet:
                              f"{sorted(self.tables)}.")  # fmt: skip
         for name, table in self.tables.items():
             table.load_state_dict(saved[name])
+
+
+def finite(checked: Iterable[RowGradients]) -> bool:
+    """Whether every row gradient of a push is finite."""
+    return all(bool(torch.isfinite(p.grads).all()) for p in checked)
 
 
 class RowRound:

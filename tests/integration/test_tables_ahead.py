@@ -231,3 +231,28 @@ def test_the_tables_follow_the_servers_learning_rate_schedule(serve):
             opt.step()
     torch.testing.assert_close(_table([server], "emb"), local.emb.weight.detach())
     torch.testing.assert_close(_table([server], "bag"), local.bag.weight.detach())
+
+
+def test_skip_nonfinite_skips_a_push_whose_rows_hold_nan(serve):
+    """With --skip-nonfinite a push whose row gradients hold NaN is skipped and counted, as
+    a dense one is: neither its rows nor its dense gradient are applied; the next push is."""
+    torch.manual_seed(9)
+    model = Clicky()
+    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1,
+                   skip_nonfinite=True)  # fmt: skip
+    (x, y), (x2, y2) = _batches(2)
+    with ps.Worker(server.address, model) as worker:
+        before = _table([server], "emb")
+        head = server.model_state_dict()["head.weight"]
+        F.cross_entropy(model(x), y).backward()
+        _, rows = model.emb._used[0]
+        rows.grad[0, 0] = float("nan")  # one row of one table
+        worker.step(samples=len(x))
+        status = server.status()
+        assert status["pushes_skipped"] == 1 and status["rows_pushed"] == 0
+        torch.testing.assert_close(_table([server], "emb"), before, rtol=0, atol=0)
+        torch.testing.assert_close(server.model_state_dict()["head.weight"], head, rtol=0, atol=0)
+        F.cross_entropy(model(x2), y2).backward()
+        worker.step(samples=len(x2))
+    assert server.status()["rows_pushed"] > 0
+    assert not torch.equal(_table([server], "emb"), before)
