@@ -64,7 +64,6 @@ class RemoteTables:
         self.specs = {s.name: s for s in specs}
         self.rpc_timeout = rpc_timeout
         self.rejoin = rejoin
-        self.rows_pulled = 0
 
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
@@ -79,7 +78,6 @@ class RemoteTables:
         for s, where in zip(self.sessions, split_by_shard(ids, len(self.sessions)), strict=True):
             if len(where):
                 out[torch.from_numpy(where)] = self._pull_shard(s, spec, ids[where])
-        self.rows_pulled += len(ids)
         return out
 
     def _pull_shard(self, s: Any, spec: TableSpec, ids: np.ndarray) -> torch.Tensor:
