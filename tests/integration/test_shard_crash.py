@@ -14,7 +14,7 @@ import time
 import grpc
 import numpy as np
 
-from paramserver import data, models
+from paramserver import checkpoint, data, models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
 from paramserver.procs import READY_MARKER, Child, stop_all
@@ -57,16 +57,6 @@ def _status(address: str) -> pb.StatusResponse | None:
         channel.close()
 
 
-def _wait(address: str, what: str, predicate) -> pb.StatusResponse:
-    deadline = time.monotonic() + DEADLINE
-    while time.monotonic() < deadline:
-        st = _status(address)
-        if st is not None and predicate(st):
-            return st
-        time.sleep(0.02)  # polling another process's status; bounded by the deadline
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _run(
     tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP
 ) -> tuple[np.ndarray, list[pb.StatusResponse]]:
@@ -87,10 +77,8 @@ def _run(
         procs += workers
         if crash:
             # Past the cut at round 10, before the end: kill -9 shard 1, no last checkpoint.
-            before = _wait(addresses[1], "clock 13", lambda s: _clock(s) >= 13)
-            assert _clock(before) < ROUNDS // 2, "the run went too fast to crash it mid-run"
-            os.kill(shards[1].proc.pid, signal.SIGKILL)
-            shards[1].proc.wait(DEADLINE)
+            killed_at = _kill_past_a_cut(shards[1], tmp_path / tag, addresses[0])
+            assert killed_at < ROUNDS // 2, "the run went too fast to crash it mid-run"
             port = int(addresses[1].rsplit(":", 1)[1])
             again = _shard(tmp_path, tag, 1, port, 2, policy, what)
             procs.append(again)
@@ -116,16 +104,41 @@ def _run(
             channel.close()
         if crash:
             assert any("rewinding" in w.log_path.read_text() for w in workers)
-            # shard 0 went back to the round shard 1 resumed from: its newest cut, written
-            # after the status we read and before the kill landed
+            # shard 0 went back from where it was to the round shard 1 resumed from: its
+            # newest cut on disk when it was killed
             rewound = re.search(r"rewound from round (\d+) to the cut at round (\d+)",
                                 shards[0].log_path.read_text())  # fmt: skip
             assert rewound is not None, shards[0].tail(30)
-            cut = int(rewound[2])
-            assert cut % CUT_EVERY == 0 and _clock(before) - CUT_EVERY < cut <= int(rewound[1])
+            assert int(rewound[2]) == killed_at < int(rewound[1])
         return np.concatenate(parts), statuses
     finally:
         stop_all(procs)
+
+
+def _kill_past_a_cut(shard: Child, directory, other: str) -> int:
+    """kill -9 shard 1 at a moment when shard 0 is past shard 1's newest cut on disk (round
+    10 or later), so that the restarted shard 1 must bring shard 0 back to that cut. Each
+    look stops shard 1 (SIGSTOP) so that it cannot write a newer cut meanwhile; when shard 0
+    is not past the cut yet, shard 1 goes on (SIGCONT) and the test looks again. Returns the
+    cut."""
+    channel = connect(other, DEADLINE)  # one channel: a connect takes about 0.2 s
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:
+            if _clock(Stub(channel).Status(pb.StatusRequest(), timeout=10)) < 13:
+                time.sleep(0.01)  # polling another process; bounded by the deadline
+                continue
+            os.kill(shard.proc.pid, signal.SIGSTOP)
+            cut = max(checkpoint.list_cuts(directory, 1, SHARDS), default=0)
+            if cut >= 10 and _clock(Stub(channel).Status(pb.StatusRequest(), timeout=10)) > cut:
+                os.kill(shard.proc.pid, signal.SIGKILL)
+                shard.proc.wait(DEADLINE)
+                return cut
+            os.kill(shard.proc.pid, signal.SIGCONT)
+            time.sleep(0.01)  # let the run go on a little
+    finally:
+        channel.close()
+    raise AssertionError("shard 0 never got past shard 1's newest cut")
 
 
 def _clock(st: pb.StatusResponse) -> int:
