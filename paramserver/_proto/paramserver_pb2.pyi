@@ -185,7 +185,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses")
+    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class PushHeader(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ROW_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    ROW_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     total_bytes: int
@@ -214,15 +215,18 @@ class PushHeader(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[RowGradients]
     row_cache_hits: int
     row_cache_misses: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ...) -> None: ...
+    row_chunks: int
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "rows")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    rows: RowGradients
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., rows: _Optional[_Union[RowGradients, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "clock", "duplicate")

@@ -6,7 +6,7 @@ receiver writes the chunks straight into a buffer allocated once for the whole p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -152,10 +152,18 @@ def _first_header(stream: Iterator[Any], what: str) -> Any:
 
 
 def encode_push(
-    header: pb.PushHeader, payload: memoryview, chunk_bytes: int
+    header: pb.PushHeader,
+    payload: memoryview,
+    chunk_bytes: int,
+    rows: Sequence[pb.RowGradients] = (),
 ) -> Iterator[pb.PushChunk]:
-    """A push stream: the header, then the payload in chunks."""
-    return _encode(pb.PushChunk, header, payload, chunk_bytes)
+    """A push stream: the header, its ``header.row_chunks`` row chunks (``rows``), then the
+    payload in chunks."""
+    stream = _encode(pb.PushChunk, header, payload, chunk_bytes)
+    yield next(stream)
+    for msg in rows:
+        yield pb.PushChunk(rows=msg)
+    yield from stream
 
 
 def encode_pull(
@@ -170,13 +178,29 @@ def decode_push_header(stream: Iterator[pb.PushChunk]) -> pb.PushHeader:
     return _first_header(stream, "push")
 
 
+def decode_push_rows(
+    header: pb.PushHeader, stream: Iterator[pb.PushChunk]
+) -> list[pb.RowGradients]:
+    """The ``header.row_chunks`` row chunks that follow a push's header."""
+    rows = []
+    for i in range(header.row_chunks):
+        msg = next(stream, None)
+        if msg is None or msg.WhichOneof("kind") != "rows":
+            got = "its end" if msg is None else f"a {msg.WhichOneof('kind')} chunk"
+            raise InvalidRequest(f"A push announced {header.row_chunks} row chunks after its "
+                                 f"header; chunk {i + 1} is {got}.")  # fmt: skip
+        rows.append(msg.rows)
+    return rows
+
+
 def decode_payload(
     stream: Iterable[pb.PushChunk | pb.PullChunk], assembler: Assembler
 ) -> np.ndarray:
     """Read the data chunks that follow a header into ``assembler``."""
     for msg in stream:
         if msg.WhichOneof("kind") != "data":
-            raise InvalidRequest("Only data chunks may follow the header of a stream.")
+            raise InvalidRequest("Only data chunks may follow the header (and the row chunks "
+                                 "it announces) of a stream.")  # fmt: skip
         assembler.add(msg.data)
     return assembler.finish()
 

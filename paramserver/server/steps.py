@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import compression
+from paramserver.codec import compression, wire
 from paramserver.errors import InvalidRequest
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
@@ -81,7 +81,7 @@ class Steps:
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
         self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
-        rows = self._rows(header)
+        rows = self._rows(header, rest)
         with self.payloads.gradient(header, rest) as grad:
             result = self._apply(
                 self.c.push,
@@ -108,13 +108,17 @@ class Steps:
                 msg.tables.append(sparse_wire.spec_to_proto(t.spec, rows.name, rows.lr))
         return msg
 
-    def _rows(self, header: pb.PushHeader) -> list[RowGradients]:
-        if not header.rows:
+    def _rows(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> list[RowGradients]:
+        """The push's rows: in its header, or in the row chunks that follow it."""
+        if not header.rows and not header.row_chunks:
             return []
         if header.empty:
             raise InvalidRequest("An empty push carries no rows.")
+        if header.rows and header.row_chunks:
+            raise InvalidRequest("A push carries rows in its header or after it, not both.")
+        chunks = wire.decode_push_rows(header, rest)
         specs = {t.name: t for t in self.c.tables.specs} if self.c.tables is not None else {}
-        return sparse_wire.gradients_from_proto(header.rows, specs)
+        return sparse_wire.gradients_from_proto(header.rows, specs, chunks)
 
     def pull_rows(self, request: pb.RowsRequest) -> pb.RowsResponse:
         ids = sparse_wire.ids_from_bytes(request.ids, f"A row pull of table {request.table!r}")

@@ -4,7 +4,7 @@ its table is refused (``InvalidRequest``) before anything reads it as rows."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from paramserver.sparse.table import TableSpec
 from paramserver.sparse.tableset import RowGradients
 
 IDS = np.dtype("<i8")
+# A push's row gradients larger than this follow its header as several messages (gRPC
+# refuses a message over 64 MiB).
+ROWS_IN_HEADER = 8 << 20
 
 
 def spec_to_proto(spec: TableSpec, optimizer: str = "", lr: float = 0.0) -> pb.TableSpec:
@@ -54,11 +57,46 @@ def gradients_to_proto(push: RowGradients) -> pb.RowGradients:
                            values=rows_to_bytes(push.grads))  # fmt: skip
 
 
+def split_rows(
+    header: pb.PushHeader, limit: int | None = None
+) -> tuple[pb.PushHeader, list[pb.RowGradients]]:
+    """The header to send and the row chunks to send after it: none when its rows fit in
+    ``limit`` bytes, else a copy of the header without rows and its rows in pieces of at
+    most ``limit`` bytes (at least one row each). ``header`` is not changed (a retry sends
+    it again). ``limit`` defaults to ``ROWS_IN_HEADER``."""
+    limit = ROWS_IN_HEADER if limit is None else limit
+    if not header.rows or header.ByteSize() <= limit:
+        return header, []
+    out = pb.PushHeader()
+    out.CopyFrom(header)
+    del out.rows[:]
+    chunks = [piece for msg in header.rows for piece in _pieces(msg, limit)]
+    out.row_chunks = len(chunks)
+    return out, chunks
+
+
+def _pieces(msg: pb.RowGradients, limit: int) -> list[pb.RowGradients]:
+    n = len(msg.ids) // IDS.itemsize
+    if n == 0:
+        return [msg]
+    size = len(msg.values) // n  # one row's values
+    framing = pb.RowGradients(table=msg.table).ByteSize() + 2 * 11  # the name, two lengths
+    step = max(1, (limit - framing) // (IDS.itemsize + size))  # rows a piece
+    return [pb.RowGradients(table=msg.table, ids=msg.ids[lo * IDS.itemsize : hi * IDS.itemsize],
+                            values=msg.values[lo * size : hi * size])
+            for lo, hi in ((lo, lo + step) for lo in range(0, n, step))]  # fmt: skip
+
+
 def gradients_from_proto(
-    messages: Iterable[pb.RowGradients], specs: dict[str, TableSpec]
+    messages: Iterable[pb.RowGradients],
+    specs: dict[str, TableSpec],
+    chunks: Sequence[pb.RowGradients] = (),
 ) -> list[RowGradients]:
-    """The rows of a push header, or InvalidRequest (an unknown table, bytes that do not
-    fit it)."""
+    """The rows of a push: its header's ``messages`` (a table once each), or the row
+    ``chunks`` that followed it (a table's rows may span several); InvalidRequest for an
+    unknown table or bytes that do not fit it."""
+    if chunks:
+        messages = _merged(chunks)
     out = []
     for msg in messages:
         spec = specs.get(msg.table)
@@ -68,3 +106,15 @@ def gradients_from_proto(
         out.append(RowGradients(msg.table, ids, rows_from_bytes(msg.values, len(ids), spec,
                                                                  "A push")))  # fmt: skip
     return out
+
+
+def _merged(chunks: Sequence[pb.RowGradients]) -> list[pb.RowGradients]:
+    """One message a table, its chunks' ids and values in order (duplicate ids across
+    chunks are then refused as duplicates within one message are)."""
+    ids: dict[str, list[bytes]] = {}
+    values: dict[str, list[bytes]] = {}
+    for c in chunks:
+        ids.setdefault(c.table, []).append(c.ids)
+        values.setdefault(c.table, []).append(c.values)
+    return [pb.RowGradients(table=t, ids=b"".join(ids[t]), values=b"".join(values[t]))
+            for t in ids]  # fmt: skip

@@ -30,6 +30,7 @@ from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, records, wire
 from paramserver.errors import from_rpc_error
+from paramserver.sparse import wire as sparse_wire
 from paramserver.stub import Stub
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class GrpcStreamChannel(PayloadChannel):
         if not header.empty:
             payload = self.codec.encode(self.slots[slot])
             header.dtype = self.codec.dtype
+        header, rows = sparse_wire.split_rows(header)
         response: pb.PushResponse = self.stub.Push(
-            wire.encode_push(header, payload, self.chunk_bytes), timeout=timeout
+            wire.encode_push(header, payload, self.chunk_bytes, rows), timeout=timeout
         )
         return response
 
@@ -196,6 +198,13 @@ class ShmChannel(PayloadChannel):
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         header.shm, header.shm_slot = True, slot
+        sent, rows = sparse_wire.split_rows(header)
+        if rows:  # too many rows for one message: a Push stream carries them after the header
+            response: pb.PushResponse = self.stub.Push(
+                wire.encode_push(sent, memoryview(b""), wire.DEFAULT_CHUNK_BYTES, rows),
+                timeout=timeout,
+            )
+            return response
         return self._push_pull(pb.PushPullRequest(push=header), timeout).push
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
@@ -208,6 +217,9 @@ class ShmChannel(PayloadChannel):
         self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
     ) -> pb.PullHeader:
         header.shm, header.shm_slot, request.shm = True, slot, True
+        if sparse_wire.split_rows(header)[1]:
+            self.push(header, slot, timeout)
+            return self.pull(request, timeout)
         return self._push_pull(pb.PushPullRequest(push=header, pull=request), timeout).pull
 
     def close(self) -> None:

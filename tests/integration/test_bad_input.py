@@ -34,6 +34,9 @@ PUSH_FAULTS = [
     # the rows of a sparse table that ride with the push
     "rows_unknown_table", "rows_ids_bytes", "rows_values_bytes", "rows_out_of_range",
     "rows_duplicate", "rows_non_finite", "rows_table_twice", "rows_with_empty",
+    # rows that follow the header as row chunks (PushHeader.row_chunks)
+    "row_chunks_short", "row_chunks_duplicate", "row_chunks_and_header_rows",
+    "row_chunks_unannounced", "row_chunks_out_of_range",
 ]  # fmt: skip
 OTHER_FAULTS = [
     "pull_unknown_worker", "pull_incarnation", "pull_ahead", "heartbeat_unknown",
@@ -101,6 +104,10 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         incarnation=t.incarnation,
     )  # fmt: skip
     body = _payload(t.nbytes)
+    row_chunks: list[pb.RowGradients] = []
+    if fault.startswith("row_chunks"):  # two chunks of the table, then the faults' changes
+        row_chunks = [_rows([1, 2]), _rows([3])]
+        h.row_chunks = len(row_chunks)
     if fault == "header_bytes":
         h.total_bytes = data.draw(st.integers(0, 1 << 40).filter(lambda n: n != t.nbytes))
     elif fault == "short_stream":
@@ -157,6 +164,19 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         h.rows.append(_rows([4, 5], values))
     elif fault == "rows_table_twice":
         h.rows.extend([_rows([1]), _rows([2])])
+    elif fault == "row_chunks_short":  # announces more chunks than follow the header
+        h.row_chunks += data.draw(st.integers(1, 1 << 20))
+    elif fault == "row_chunks_duplicate":  # an id in two chunks of the table
+        row_chunks.append(_rows([data.draw(st.sampled_from([1, 2, 3]))]))
+        h.row_chunks = len(row_chunks)
+    elif fault == "row_chunks_and_header_rows":
+        h.rows.append(_rows([7]))
+    elif fault == "row_chunks_unannounced":
+        h.row_chunks = data.draw(st.integers(0, len(row_chunks) - 1))
+    elif fault == "row_chunks_out_of_range":
+        bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
+        row_chunks.append(_rows([bad]))
+        h.row_chunks = len(row_chunks)
     elif fault == "rows_with_empty":
         h.empty, h.total_bytes = True, 0
         h.rows.append(_rows([1]))
@@ -171,7 +191,7 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         return []
     if fault == "two_headers":
         return [pb.PushChunk(header=h), pb.PushChunk(header=h), *chunks]
-    return [pb.PushChunk(header=h), *chunks]
+    return [pb.PushChunk(header=h), *(pb.PushChunk(rows=r) for r in row_chunks), *chunks]
 
 
 def _other(t: Target, fault: str, data: st.DataObject) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 import paramserver as ps
 from paramserver import checkpoint, clicks
 from paramserver.evaluation import evaluate
+from paramserver.sparse import wire as sparse_wire
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
 from tests import sparse_models
@@ -61,6 +62,30 @@ def _local_twin(model: nn.Module, servers: list[ps.ServerApp]) -> nn.Module:
 @pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_model_with_tables_trains_as_torch_trains_it_locally(serve, shards, shm):
+    _trains_as_torch(serve, shards, shm)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_rows_too_many_for_one_message_follow_the_header_in_chunks(serve, shm, monkeypatch):
+    """A push's rows above ``ROWS_IN_HEADER`` (8 MiB; 200 bytes here) go as row chunks
+    after the header, a table's rows over several; training is unchanged."""
+    monkeypatch.setattr(sparse_wire, "ROWS_IN_HEADER", 200)
+    split = sparse_wire.split_rows
+    chunks: list[int] = []
+
+    def spy(header, limit=None):
+        sent, rows = split(header, limit)
+        assert not rows or (not sent.rows and sent.row_chunks == len(rows))
+        assert all(r.ByteSize() <= 200 for r in rows)
+        chunks.append(len(rows))
+        return sent, rows
+
+    monkeypatch.setattr(sparse_wire, "split_rows", spy)
+    _trains_as_torch(serve, 2, shm)
+    assert chunks and min(chunks) > 2  # every push went as chunks, its tables in pieces
+
+
+def _trains_as_torch(serve, shards: int, shm: bool) -> None:
     torch.manual_seed(0)
     model = Clicky()
     servers = [serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1,
@@ -234,3 +259,18 @@ def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(
         assert worker.control_active  # the socket stayed in use for the small requests
     assert server.coordinator.tables.held == 900
     assert server.status()["version"] == 3
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_push_of_rows_larger_than_a_grpc_message_is_applied(serve, shm):
+    """17,000 rows x 1024 float32 = 70 MB of row gradients, above gRPC's 64 MiB message
+    limit: they follow the header in chunks, and every row is applied."""
+    wide, n = 1024, 17_000
+    model = nn.Sequential(nn.EmbeddingBag(n, wide, mode="sum", sparse=True), nn.Linear(wide, 2))
+    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1)
+    with ps.Worker(server.address, model, shm=shm) as worker:
+        assert n * wide * 4 > 64 << 20
+        F.cross_entropy(model(torch.arange(n).view(1, -1)), torch.tensor([1])).backward()
+        worker.step(samples=1)
+    assert server.coordinator.tables.held == n
+    assert server.status()["rows_pushed"] == n

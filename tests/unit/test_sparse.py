@@ -180,3 +180,34 @@ def test_a_huge_table_costs_only_the_rows_touched():
     assert rows.shape == (4, 64) and table.held == 4
     assert table.values.numel() * 4 < 2**20  # a MiB at most, for a table of 256 TB
     torch.testing.assert_close(table.read(ids), rows, rtol=0, atol=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=3), limit=st.integers(1, 600))
+def test_rows_split_into_chunks_read_back_as_the_header_held_them(sizes, limit):
+    """``split_rows`` cuts a header's rows into chunks of at most ``limit`` bytes (a row
+    each at least), and the server reads the chunks back as the same rows, a table each."""
+    from paramserver._proto import paramserver_pb2 as pb
+    from paramserver.sparse import wire
+    from paramserver.sparse.tableset import RowGradients
+
+    specs = {f"t{i}": TableSpec(f"t{i}", 1000, 3) for i in range(len(sizes))}
+    g = torch.Generator().manual_seed(sum(sizes))
+    pushes = [RowGradients(f"t{i}", np.arange(n, dtype=np.int64) * 7, torch.randn(n, 3, generator=g))
+              for i, n in enumerate(sizes)]  # fmt: skip
+    header = pb.PushHeader(worker_id="w", rows=[wire.gradients_to_proto(p) for p in pushes])
+    before = header.SerializeToString()
+    sent, chunks = wire.split_rows(header, limit)
+    assert header.SerializeToString() == before  # a retry sends the header as it was
+    if header.ByteSize() <= limit:
+        assert sent is header and chunks == []
+        got = wire.gradients_from_proto(sent.rows, specs)
+    else:
+        assert not sent.rows and sent.row_chunks == len(chunks) >= len(sizes)
+        row = pb.RowGradients(table="t0", ids=b"\0" * 8, values=b"\0" * 12).ByteSize()
+        assert all(c.ByteSize() <= max(limit, row) for c in chunks)
+        got = wire.gradients_from_proto((), specs, chunks)
+    for want, have in zip(pushes, got, strict=True):
+        assert have.table == want.table
+        np.testing.assert_array_equal(have.ids, want.ids)
+        torch.testing.assert_close(have.grads, want.grads, rtol=0, atol=0)
