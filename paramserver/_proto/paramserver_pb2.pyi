@@ -61,22 +61,34 @@ class RowGradients(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "table", "ids")
+    __slots__ = ("worker_id", "incarnation", "table", "ids", "more")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     table: str
     ids: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[TableIds]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
+
+class TableIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsResponse(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "more")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     values: bytes
-    def __init__(self, values: _Optional[bytes] = ...) -> None: ...
+    more: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, values: _Optional[bytes] = ..., more: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TrainingPlan(_message.Message):
     __slots__ = ("model", "dataset", "batch_size", "epochs", "seed", "world_size")

@@ -289,16 +289,16 @@ class Coordinator:
 
     # --- pull -------------------------------------------------------------------------
 
-    def pull_rows(self, worker_id: str, incarnation: str, table: str, ids: np.ndarray) -> Any:
-        """Rows ``ids`` of ``table`` (this shard's), created on first touch; an empty id
-        observes (evaluation, checkpoints): it reads, creating no row."""
+    def pull_rows(self, worker_id: str, incarnation: str, wanted: list[tuple[str, Any]]) -> Any:
+        """The rows of each ``(table, ids)`` (this shard's), created on first touch (none if
+        any is bad); an empty id observes (evaluation, checkpoints), creating no row."""
         tables = self._tables("A row pull")
         with self._cond:
             self.check_incarnation(incarnation)
             if not worker_id:
-                return tables.table(table).read(ids)
+                return [tables.table(table).read(ids) for table, ids in wanted]
             self.membership.touch(worker_id)
-            return tables.pull(table, ids)
+            return tables.pull_many(wanted)
 
     def pull(
         self,

@@ -121,9 +121,17 @@ class Steps:
         return sparse_wire.gradients_from_proto(header.rows, specs, chunks)
 
     def pull_rows(self, request: pb.RowsRequest) -> pb.RowsResponse:
-        ids = sparse_wire.ids_from_bytes(request.ids, f"A row pull of table {request.table!r}")
-        rows = self.c.pull_rows(request.worker_id, request.incarnation, request.table, ids)
-        return pb.RowsResponse(values=sparse_wire.rows_to_bytes(rows))
+        """The rows of the request's table, and of its ``more`` tables; every table's ids are
+        checked before any row is read (or created)."""
+        wanted = [(t.table, t.ids) for t in (request, *request.more)]
+        if len({table for table, _ in wanted}) < len(wanted):
+            raise InvalidRequest("A row pull names a table twice; ask for its rows once.")
+        ids = [sparse_wire.ids_from_bytes(data, f"A row pull of table {table!r}")
+               for table, data in wanted]  # fmt: skip
+        rows = self.c.pull_rows(request.worker_id, request.incarnation,
+                                [(table, i) for (table, _), i in zip(wanted, ids, strict=True)])  # fmt: skip
+        values = [sparse_wire.rows_to_bytes(r) for r in rows]
+        return pb.RowsResponse(values=values[0], more=values[1:])
 
     def close(self) -> None:
         if self.applier is not None:

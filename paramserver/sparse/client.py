@@ -8,7 +8,7 @@ rows pulled and pushed, and requests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +24,10 @@ class Tables(Protocol):
 
     def pull(self, table: str, ids: np.ndarray) -> torch.Tensor:
         """Rows ``ids`` (distinct) of ``table``: (len(ids), dim)."""
+        ...
+
+    def pull_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """``pull`` of several tables at once."""
         ...
 
     def push(self, table: str, ids: np.ndarray, grads: torch.Tensor) -> None:
@@ -68,6 +72,9 @@ class LocalTables:
                 self.traffic.requests += 1
         self.traffic.rows_pulled += len(ids)
         return out
+
+    def pull_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {table: self.pull(table, ids) for table, ids in wanted.items()}
 
     def push(self, table: str, ids: np.ndarray, grads: torch.Tensor) -> None:
         parts = self.shards[table]

@@ -115,12 +115,22 @@ class TableEmbedding(nn.Module):
     def _fetch(self, ids: np.ndarray) -> torch.Tensor:
         return self.tables.pull(self.table, ids)
 
-    def prefetch(self, ids: torch.Tensor | np.ndarray) -> None:
-        """Fetch the rows ``ids`` touch now, for a forward pass to come."""
+    def prefetch(
+        self, ids: torch.Tensor | np.ndarray, fetched: tuple[np.ndarray, torch.Tensor] | None = None
+    ) -> None:
+        """Fetch the rows ``ids`` touch now, for a forward pass to come. ``fetched``: rows
+        already pulled (sorted distinct ids, their rows), used for those it holds."""
+        distinct = np.unique(np.asarray(ids, dtype=np.int64))
+        fetch = self._fetch if fetched is None else _served_from(fetched, self._fetch)
+        with self.lock:
+            self.cache.slots(distinct, fetch)
+            self.cache.prefetched(distinct)
+
+    def missing(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
+        """The distinct ids of ``ids`` that the cache does not hold, sorted."""
         distinct = np.unique(np.asarray(ids, dtype=np.int64))
         with self.lock:
-            self.cache.slots(distinct, self._fetch)
-            self.cache.prefetched(distinct)
+            return distinct[self.cache.index.find(distinct) < 0]
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -178,6 +188,25 @@ class TableEmbedding(nn.Module):
         fetches the servers' current rows, e.g. for an evaluation."""
         self._used = []
         self.end_step(np.empty(0, np.int64))
+
+
+def _served_from(
+    fetched: tuple[np.ndarray, torch.Tensor], fetch: Callable[[np.ndarray], torch.Tensor]
+) -> Callable[[np.ndarray], torch.Tensor]:
+    """A fetch that takes rows from ``fetched`` (sorted ids, rows), and the rest from ``fetch``."""
+    have, rows = fetched
+
+    def serve(ids: np.ndarray) -> torch.Tensor:
+        pos = np.minimum(np.searchsorted(have, ids), max(len(have) - 1, 0))
+        found = have[pos] == ids if len(have) else np.zeros(len(ids), bool)
+        if found.all():
+            return rows[torch.from_numpy(pos)]
+        out = torch.empty((len(ids), rows.shape[1]), dtype=rows.dtype)
+        out[torch.from_numpy(found)] = rows[torch.from_numpy(pos[found])]
+        out[torch.from_numpy(~found)] = fetch(ids[~found])
+        return out
+
+    return serve
 
 
 def table_specs(model: nn.Module) -> list[TableSpec]:

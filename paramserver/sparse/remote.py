@@ -1,5 +1,6 @@
 """A worker's tables over the wire: ``RemoteTables`` pulls rows from the servers that hold
-them (``PullRows``, one request per shard), and ``stage_rows`` turns the gradients of a
+them (``PullRows``, one request per shard, for one table or several at once:
+``pull_many``), and ``stage_rows`` turns the gradients of a
 step's ``TableEmbedding``s into each shard's part of its push header, where they ride with
 the dense gradient under the same clock.
 
@@ -11,7 +12,7 @@ observer, or a background prefetch) the pull fails with the server's error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -73,34 +74,74 @@ class RemoteTables:
         return spec
 
     def pull(self, table: str, ids: np.ndarray) -> torch.Tensor:
-        spec = self.spec(table)
-        out = torch.empty((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
-        for s, where in zip(self.sessions, split_by_shard(ids, len(self.sessions)), strict=True):
-            if len(where):
-                out[torch.from_numpy(where)] = self._pull_shard(s, spec, ids[where])
+        return self.pull_many({table: ids})[table]
+
+    def pull_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The rows ``wanted[table]`` of each table: one request per shard for all of them
+        (several when their values pass ``PULL_BYTES``)."""
+        specs = [self.spec(name) for name in wanted]
+        out = {spec.name: torch.empty((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
+               for spec, ids in zip(specs, wanted.values(), strict=True)}  # fmt: skip
+        where = {name: split_by_shard(ids, len(self.sessions)) for name, ids in wanted.items()}
+        for i, s in enumerate(self.sessions):
+            parts = [(spec, ids[where[spec.name][i]])
+                     for spec, ids in zip(specs, wanted.values(), strict=True)
+                     if len(where[spec.name][i])]  # fmt: skip
+            for (spec, _), rows in zip(parts, self._pull_shard(s, parts), strict=True):
+                out[spec.name][torch.from_numpy(where[spec.name][i])] = rows
         return out
 
-    def _pull_shard(self, s: Any, spec: TableSpec, ids: np.ndarray) -> torch.Tensor:
-        per = max(1, PULL_BYTES // (spec.dim * np.dtype(spec.dtype).itemsize))
-        if len(ids) <= per:
-            return self._pull_part(s, spec, ids)
-        return torch.cat([self._pull_part(s, spec, ids[i : i + per])
-                          for i in range(0, len(ids), per)])  # fmt: skip
+    def _pull_shard(self, s: Any, parts: list[tuple[TableSpec, np.ndarray]]) -> list[torch.Tensor]:
+        """The rows of ``parts`` from one shard, in requests of at most ``PULL_BYTES`` of
+        values (at least one row each), a table at most once in each."""
+        requests: list[list[tuple[int, TableSpec, np.ndarray]]] = [[]]
+        room = PULL_BYTES
+        for k, (spec, ids) in enumerate(parts):
+            row = spec.dim * np.dtype(spec.dtype).itemsize
+            lo = 0
+            while lo < len(ids):
+                take = room // row
+                if take == 0 and requests[-1]:  # full: the next request
+                    requests.append([])
+                    room = PULL_BYTES
+                    continue
+                piece = ids[lo : lo + max(1, take)]  # a row larger than PULL_BYTES: alone
+                requests[-1].append((k, spec, piece))
+                room -= len(piece) * row
+                lo += len(piece)
+        got: list[list[torch.Tensor]] = [[] for _ in parts]
+        for request in filter(None, requests):
+            rows = self._pull_part(s, [(spec, ids) for _, spec, ids in request])
+            for (k, _, _), r in zip(request, rows, strict=True):
+                got[k].append(r)
+        return [g[0] if len(g) == 1 else torch.cat(g) for g in got]
 
-    def _pull_part(self, s: Any, spec: TableSpec, ids: np.ndarray) -> torch.Tensor:
+    def _pull_part(self, s: Any, pieces: list[tuple[TableSpec, np.ndarray]]) -> list[torch.Tensor]:
+        (first, first_ids), rest = pieces[0], pieces[1:]
+        names = ", ".join(repr(spec.name) for spec, _ in pieces)
+
         def call() -> pb.RowsResponse:
-            request = pb.RowsRequest(worker_id=s.worker_id, incarnation=s.incarnation,
-                                     table=spec.name, ids=wire.ids_to_bytes(ids))  # fmt: skip
+            request = pb.RowsRequest(
+                worker_id=s.worker_id, incarnation=s.incarnation, table=first.name,
+                ids=wire.ids_to_bytes(first_ids),
+                more=[pb.TableIds(table=spec.name, ids=wire.ids_to_bytes(ids))
+                      for spec, ids in rest],
+            )  # fmt: skip
             return s.stub.PullRows(request, timeout=self.rpc_timeout)  # type: ignore[no-any-return]
 
         while True:
             try:
-                reply = s.retrying(f"row pull of table {spec.name!r}", call)
+                reply = s.retrying(f"row pull of table{'s' if rest else ''} {names}", call)
                 break
             except (WrongIncarnation, UnknownWorker):
                 if self.rejoin is None or not self.rejoin():
                     raise
-        return wire.rows_from_bytes(reply.values, len(ids), spec, "A row pull")
+        values = [reply.values, *reply.more]
+        if len(values) != len(pieces):
+            raise ConfigError(f"The server at {s.address} answered a row pull of {len(pieces)} "
+                              f"tables with {len(values)}: is it older than this worker?")  # fmt: skip
+        return [wire.rows_from_bytes(v, len(ids), spec, "A row pull")
+                for v, (spec, ids) in zip(values, pieces, strict=True)]  # fmt: skip
 
     def read_all(self, table: str, chunk: int = 1 << 16) -> torch.Tensor:
         """The whole table (for a checkpoint), in pulls of ``chunk`` rows."""

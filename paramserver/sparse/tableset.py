@@ -74,8 +74,14 @@ class TableSet:
         return table
 
     def pull(self, name: str, ids: Any) -> torch.Tensor:
-        rows = self.table(name).pull(ids)
-        self.rows_pulled += len(rows)
+        return self.pull_many([(name, ids)])[0]
+
+    def pull_many(self, wanted: Iterable[tuple[str, Any]]) -> list[torch.Tensor]:
+        """The rows of each ``(table, ids)``, or InvalidRequest before any row is created."""
+        tables = [(self.table(name), ids) for name, ids in wanted]
+        checked = [(t, t.check_ids(ids, "A pull")) for t, ids in tables]
+        rows = [t.pull(ids) for t, ids in checked]
+        self.rows_pulled += sum(len(r) for r in rows)
         return rows
 
     def check(self, pushes: Iterable[RowGradients], nonfinite: bool = False) -> list[RowGradients]:

@@ -4,7 +4,8 @@ rows, their prefetch, and what a step pushes of them.
 - **Attach.** At join the model's sparse embeddings become ``TableEmbedding``s over
   ``RemoteTables`` (``sparse/remote.py``), each with a cache of ``cache_rows`` rows.
 - **Prefetch.** ``prefetch({table: ids})`` fetches rows now, for a forward pass to come
-  (a user's loop names its next batch's ids). ``prefetch_later(fn)`` does it on a
+  (a user's loop names its next batch's ids; the daemon, each batch's before its forward
+  pass): the rows no cache holds, of every table in one request per shard. ``prefetch_later(fn)`` does it on a
   background thread, ``fn`` giving the ids: the daemon's prefetch of the next batch while
   this one computes. A step waits for it before staging its push, and rows prefetched and
   not pushed since are kept at most one step, within the policy's bound (see
@@ -32,6 +33,7 @@ import numpy as np
 from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.sparse.client import Tables
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS, CacheCounters, TableEmbedding
 from paramserver.sparse.memory import fix_mmap_threshold
 from paramserver.sparse.remote import attach_remote, stage_rows
@@ -65,6 +67,11 @@ class WorkerTables:
     def __bool__(self) -> bool:
         return bool(self.modules)
 
+    @property
+    def remote(self) -> Tables:
+        """Where the tables' rows come from (``sparse/remote.py``'s ``RemoteTables``)."""
+        return next(iter(self.modules.values())).tables
+
     def _rejoin_hook(self, rejoin: Callable[[], None] | None) -> Callable[[], bool]:
         def hook() -> bool:
             if rejoin is None or getattr(self._background, "active", False):
@@ -77,12 +84,19 @@ class WorkerTables:
     # --- prefetch -----------------------------------------------------------------------
 
     def prefetch(self, ids: IdsByTable) -> None:
-        """Fetch the rows ``ids[table]`` name now, for a forward pass to come."""
-        for name, table_ids in ids.items():
-            table = self.modules.get(name)
-            if table is None:
+        """Fetch the rows ``ids[table]`` name now, for a forward pass to come: those no cache
+        holds, of every table at once (one request per shard)."""
+        wanted = {name: np.asarray(table_ids, dtype=np.int64).ravel()
+                  for name, table_ids in ids.items()}  # fmt: skip
+        for name in wanted:
+            if name not in self.modules:
                 raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
-            table.prefetch(np.asarray(table_ids, dtype=np.int64).ravel())
+        missing = {name: self.modules[name].missing(i) for name, i in wanted.items()}
+        missing = {name: m for name, m in missing.items() if len(m)}
+        rows = self.remote.pull_many(missing) if missing else {}
+        for name, table_ids in wanted.items():
+            got = (missing[name], rows[name]) if name in rows else None
+            self.modules[name].prefetch(table_ids, got)
 
     def prefetch_later(self, ids: Callable[[], IdsByTable | None]) -> None:
         """``prefetch(ids())`` on the background thread (``ids()`` None: nothing to fetch)."""

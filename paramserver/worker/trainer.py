@@ -126,6 +126,11 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
             return table_ids(torch.cat([dataset.batch(rows_of(b))[0] for b in batches]))  # type: ignore[misc]
 
         prefetch = ids_of if callable(table_ids) and worker.tables else None
+        # a batch's rows of every table in one request per shard before its forward pass
+        # (which would fetch them table by table): all of them with blocking steps; with
+        # prefetching ones, those the background prefetch did not bring or the last push
+        # took out of the cache
+        fetch_first = prefetch is not None
         if prefetch:
             worker.prefetch_next(prefetch)
         while not worker.finished:
@@ -144,6 +149,8 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
             for batch in batches:
                 idx = rows_of(batch)
                 x, y = dataset.batch(idx)
+                if fetch_first:
+                    worker.prefetch(table_ids(x))  # type: ignore[misc]
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = F.cross_entropy(model(x), y)
                 (loss / len(batches)).backward()

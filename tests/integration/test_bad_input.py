@@ -43,6 +43,8 @@ OTHER_FAULTS = [
     "heartbeat_incarnation", "join_negative_samples", "rewind",
     "pull_rows_unknown_table", "pull_rows_ids_bytes", "pull_rows_out_of_range",
     "pull_rows_incarnation", "pull_rows_unknown_worker",
+    # a pull of several tables at once (RowsRequest.more): nothing is read or created
+    "pull_rows_more_unknown_table", "pull_rows_table_twice", "pull_rows_more_out_of_range",
 ]  # fmt: skip
 ROWS, DIM = 100, 4  # the probed model's sparse table "emb"
 
@@ -54,6 +56,7 @@ class WithTable(nn.Module):
         super().__init__()
         self.mlp = tiny_model()
         self.emb = nn.Embedding(ROWS, DIM, sparse=True)
+        self.emb2 = nn.Embedding(ROWS, DIM, sparse=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)
@@ -226,6 +229,14 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
         elif fault == "pull_rows_out_of_range":
             bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
             request.ids = np.array([1, bad], "<i8").tobytes()
+        elif fault == "pull_rows_more_unknown_table":
+            request.more.add(table=wrong.replace("emb", "x"), ids=request.ids)
+        elif fault == "pull_rows_table_twice":
+            request.more.add(table=data.draw(st.sampled_from(["emb2", "emb"])), ids=request.ids)
+            request.more.add(table=request.more[0].table, ids=np.array([3], "<i8").tobytes())
+        elif fault == "pull_rows_more_out_of_range":
+            bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
+            request.more.add(table="emb2", ids=np.array([1, bad], "<i8").tobytes())
         elif fault == "pull_rows_incarnation":
             request.incarnation = wrong
         else:

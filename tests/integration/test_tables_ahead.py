@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
+from paramserver import clicks
 from paramserver import shm as shm_module
 from paramserver.config import WorkerConfig
 from paramserver.server.metrics import StatusCollector
+from paramserver.sparse import remote
+from paramserver.sparse.remote import RemoteTables
 from paramserver.worker import trainer
-from tests.integration.test_tables import BATCH, Clicky, _batches, _local_twin, _table
+from tests.integration.test_tables import BATCH, DIM, Clicky, _batches, _local_twin, _table
 
 
 def _distinct(x: torch.Tensor) -> int:
@@ -62,6 +65,46 @@ def test_rows_named_ahead_are_fetched_before_the_forward_pass_and_counted(serve)
     assert len(batches[0][0]) == BATCH
 
 
+def test_a_prefetch_of_several_tables_is_one_request_a_shard(serve, monkeypatch):
+    """``worker.prefetch`` asks each shard once for the rows of every table it lacks, in
+    requests of at most ``PULL_BYTES`` of values (5 rows here), and the forward pass then
+    finds them cached, with the servers' values."""
+    torch.manual_seed(5)
+    model = Clicky()
+    servers = [serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i,
+                     shards=2) for i in range(2)]  # fmt: skip
+    monkeypatch.setattr(remote, "PULL_BYTES", 5 * DIM * 4)
+    requests: list[list[tuple[str, int]]] = []
+    pull_part = RemoteTables._pull_part
+
+    def count(self, s, pieces):
+        requests.append([(spec.name, len(ids)) for spec, ids in pieces])
+        return pull_part(self, s, pieces)
+
+    monkeypatch.setattr(RemoteTables, "_pull_part", count)
+    x, y = _batches(1)[0]
+    with ps.Worker([s.address for s in servers], model) as worker:
+        worker.prefetch({"emb": x[:2]})  # some of the rows first, table by table
+        assert requests and all(t == "emb" for r in requests for t, _ in r)
+        requests.clear()
+        worker.prefetch({"emb": x, "bag": x})  # the rest of both tables
+        lacking = 2 * _distinct(x) - _distinct(x[:2])
+        assert sum(n for r in requests for _, n in r) == lacking
+        assert all(sum(n for _, n in r) <= 5 for r in requests)
+        assert any(len({t for t, _ in r}) == 2 for r in requests)  # both tables, one request
+        assert all(len({t for t, _ in r}) == len(r) for r in requests)
+        requests.clear()
+        for name in ("emb", "bag"):
+            table = worker.tables.modules[name]
+            ids = np.unique(x.numpy())
+            cached = table.cache.values[table.cache.index.find(ids)]
+            torch.testing.assert_close(cached, _table(servers, name)[torch.from_numpy(ids)])
+        F.cross_entropy(model(x), y).backward()
+        assert requests == []  # the forward pass found every row
+        assert worker.tables.counters.misses == 0
+        worker.step(samples=len(x))
+
+
 def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path):
     """The server restarts from its checkpoint between two steps: the next forward pass's
     row pull finds a new incarnation and joins it again; that step's work is dropped (as a
@@ -92,22 +135,32 @@ def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
-def test_the_daemon_prefetches_the_next_batchs_rows_while_this_one_computes(serve, overlap):
-    """With prefetching steps (overlap on, shared memory, async) the daemon fetches the rows
-    of the batch after next in the background; blocking steps fetch them on demand, so
-    their caches never hit (the rows pushed leave the cache)."""
+def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap, monkeypatch):
+    """Before each forward pass the daemon fetches the batch's rows that its caches lack, of
+    every table in one request (one shard here), not one a table. With prefetching steps
+    (overlap on, shared memory, async) most came in the background while the previous batch
+    computed: those the last push touched are fetched again, since that push updated them."""
     if not shm_module.available():
         pytest.skip("prefetching steps need a writable /dev/shm")
+    requests: list[int] = []  # tables a row pull asked for, one entry a request
+    pull_part = RemoteTables._pull_part
+
+    def count(self, s, pieces):
+        requests.append(len(pieces))
+        return pull_part(self, s, pieces)
+
+    monkeypatch.setattr(RemoteTables, "_pull_part", count)
     server = serve("tests.sparse_models:dlrm_sparse", optimizer="adam", lr=0.01,
                    policy="async", workers=1, dataset="clicks", batch_size=256, epochs=1)  # fmt: skip
     summary = trainer.run(WorkerConfig(server.address, device="cpu", overlap=overlap,
                                        max_steps=30))  # fmt: skip
     assert summary.steps == 30
-    if overlap == "on":
-        assert summary.row_cache_hits > 0
-    else:
-        assert summary.row_cache_hits == 0
-    assert summary.row_cache_misses > 0
+    assert summary.row_cache_hits > 0
+    assert summary.row_cache_misses == 0  # every row was there before the forward pass
+    if overlap == "off":
+        assert requests == [clicks.FIELDS] * 30
+    else:  # the background's request, and one for the rows the last push took out
+        assert sum(requests) > 30 * clicks.FIELDS and len(requests) <= 2 * 30 + 1
     assert server.status()["rows_pushed"] > 0
 
 
@@ -116,7 +169,6 @@ def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, mo
     the model, tables whole; a shard of several says it holds a part. Row pulls larger than
     a request's share (here 3 rows) go as several requests."""
     from paramserver import checkpoint
-    from paramserver.sparse import remote
 
     monkeypatch.setattr(remote, "PULL_BYTES", 3 * 8 * 4)  # 3 rows of DIM 8 float32
     torch.manual_seed(6)
