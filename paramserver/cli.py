@@ -368,6 +368,22 @@ def plot(run_dir: str, out: str | None) -> None:
     click.echo(str(path))
 
 
+@cli.command()
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
+@opt("--model", env="MODEL", required=True, help="The run's --model.")
+@opt("--seed", env="SEED", type=int, default=0, help="The run's --seed (frozen parameters).")
+@opt("--round", "round_", env="EXPORT_ROUND", type=int, default=None,
+     help="Export the cuts of this round [default: the last checkpoints, if they agree].")  # fmt: skip
+@opt("--out", env="EXPORT_OUT", default="model.pt", help="Checkpoint to write.")
+def export(checkpoint_dir: str, model: str, seed: int, round_: int | None, out: str) -> None:
+    """Write a run's whole model from its servers' checkpoints in CHECKPOINT_DIR: every
+    shard's part and sparse table rows, no server needed (see docs/guide.md)."""
+    from paramserver.export import export as write
+
+    path, version = write(checkpoint_dir, model, seed, out, round_)
+    click.echo(f"{path}: version {version}")
+
+
 BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy", "wakeup", "sparse")
 
 

@@ -33,3 +33,23 @@ class Clicky(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bag = self.bag(x.flatten(), torch.arange(0, x.numel(), self.fields))
         return self.head(torch.cat([self.emb(x).flatten(1), bag], 1))  # type: ignore[no-any-return]
+
+
+class Mixed(nn.Module):
+    """A table, a BatchNorm (float and integer buffers), a frozen parameter and a dense
+    head: what ``paramserver export`` puts back together."""
+
+    def __init__(self, rows: int = 200, dim: int = 4):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        self.norm = nn.BatchNorm1d(dim)
+        self.head = nn.Linear(dim, 2)
+        self.scale = nn.Parameter(torch.rand(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(x)) * self.scale)  # type: ignore[no-any-return]
+
+
+def Mixed2() -> nn.Module:  # noqa: N802 - stands for the class
+    """``Mixed`` with a wider table: another model's checkpoints for ``export``."""
+    return Mixed(dim=6)

@@ -227,11 +227,13 @@ class ServerApp:
 
         Raises:
             ConfigError: this server is one shard of several (it holds a part of the model;
-                ``launch`` writes the whole model into its run folder's checkpoint.pt).
+                ``launch`` writes the whole model into its run folder's checkpoint.pt, and
+                ``paramserver export`` builds it from every shard's checkpoint).
         """
         if self.config.shards > 1:
             raise ConfigError(f"Shard {self.config.shard} of {self.config.shards} holds a part "
-                              "of the model; read every shard (launch's checkpoint.pt does).")  # fmt: skip
+                              "of the model; read every shard (launch's checkpoint.pt does, "
+                              "and paramserver export from their checkpoints).")  # fmt: skip
         return checkpoint.server_model_state_dict(
             self.coordinator.manifest, self.coordinator.checkpoint_state(), table_limit=1 << 62
         )

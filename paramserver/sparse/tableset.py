@@ -167,15 +167,17 @@ def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
 WHOLE_TABLE_BYTES = 1 << 30  # larger tables are not written whole into a model_state_dict
 
 
-def whole_tables(layouts: dict[str, dict[str, Any]], saved: dict[str, Any],
-                 limit: int = WHOLE_TABLE_BYTES) -> dict[str, torch.Tensor]:  # fmt: skip
-    """``{"NAME.weight": the whole table}`` from one server's ``state_dict`` (``saved``):
-    its rows where touched, the seeded initial values elsewhere. Empty for a shard of
-    several (it holds a part of each table) and for tables over ``limit`` bytes."""
+def whole_tables(layouts: dict[str, dict[str, Any]], saved: Sequence[dict[str, Any]],
+                 limit: int | None = WHOLE_TABLE_BYTES) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``{"NAME.weight": the whole table}`` from the ``state_dict`` of every shard (``saved``,
+    one a shard): their rows where touched, the seeded initial values elsewhere. Empty
+    when ``saved`` lacks a shard (a shard of several holds a part of each table), and for
+    tables over ``limit`` bytes (None: no limit)."""
     out = {}
     for name, lay in layouts.items():
         rows, dim = lay["rows"], lay["dim"]
-        if lay["shards"] != 1 or rows * dim * np.dtype(lay["dtype"]).itemsize > limit:
+        too_large = limit is not None and rows * dim * np.dtype(lay["dtype"]).itemsize > limit
+        if lay["shards"] != len(saved) or too_large:
             continue
         table = torch.empty((rows, dim), dtype=getattr(torch, lay["dtype"]))
         step = max(1, (1 << 20) // dim)  # initial values a chunk at a time: bounded temporaries
@@ -184,7 +186,8 @@ def whole_tables(layouts: dict[str, dict[str, Any]], saved: dict[str, Any],
             table[lo : lo + len(ids)] = torch.from_numpy(
                 initial_rows(np.uint64(lay["key"]), ids, dim, lay["dtype"])
             )
-        held = saved[name]
-        table[held["ids"]] = held["values"].to(table.dtype)
+        for shard in saved:
+            held = shard[name]
+            table[held["ids"]] = held["values"].to(table.dtype)
         out[f"{name}.weight"] = table
     return out

@@ -111,10 +111,22 @@ def test_whole_tables_are_the_held_rows_over_the_seeded_initial_values():
     spec = TableSpec("t", 50, 4)
     tables = TableSet([spec], row_optimizer("sgd", 0.5), seed=3)
     tables.apply(tables.check([RowGradients("t", np.array([7, 2]), torch.ones(2, 4))]))
-    whole = whole_tables(tables.layouts(), tables.state_dict())["t.weight"]
+    whole = whole_tables(tables.layouts(), [tables.state_dict()])["t.weight"]
     expected = torch.from_numpy(initial_rows(tables.table("t").key, np.arange(50), 4))
     expected[[7, 2]] -= 0.5
     torch.testing.assert_close(whole, expected, rtol=0, atol=0)
-    assert whole_tables(tables.layouts(), tables.state_dict(), limit=50 * 4 * 4 - 1) == {}
+    assert whole_tables(tables.layouts(), [tables.state_dict()], limit=50 * 4 * 4 - 1) == {}
     sharded = TableSet([spec], row_optimizer("sgd", 0.5), shard=0, shards=2)
-    assert whole_tables(sharded.layouts(), sharded.state_dict()) == {}
+    assert whole_tables(sharded.layouts(), [sharded.state_dict()]) == {}
+    # every shard's rows make the same whole table as the single server's
+    from paramserver.sparse.rows import shard_of
+
+    ids = np.array([7, 2])
+    shards = [TableSet([spec], row_optimizer("sgd", 0.5), seed=3, shard=i, shards=2)
+              for i in range(2)]  # fmt: skip
+    for i, part in enumerate(shards):
+        mine = ids[shard_of(ids, 2) == i]
+        part.apply(part.check([RowGradients("t", mine, torch.ones(len(mine), 4))]))
+    layouts = shards[0].layouts()
+    both = whole_tables(layouts, [p.state_dict() for p in shards])["t.weight"]
+    torch.testing.assert_close(both, expected, rtol=0, atol=0)

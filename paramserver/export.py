@@ -1,0 +1,138 @@
+"""The whole model from a run's server checkpoints, without the servers (``paramserver
+export``): the dense part from every shard's range, every sparse table whole (each shard's
+rows, the seeded initial values where untouched), the frozen parameters from the model
+built with the run's seed.
+
+Which files: ``--round R``, the cuts of round R (``server-cut-shardIofS-roundR.pt``);
+otherwise every shard's last checkpoint (``server-checkpoint-shardIofS.pt``, or the single
+server's ``server-checkpoint.pt``) when they hold the same version, as at the end of a run;
+otherwise the newest round that every shard cut, which is consistent across the shards.
+Decisions (``choose``) are apart from the reading and the assembling.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver import checkpoint, models
+from paramserver.codec import layout
+from paramserver.errors import ConfigError
+from paramserver.sparse.embedding import make_tables
+from paramserver.sparse.tableset import whole_tables
+
+_SHARDED = re.compile(r"server-(?:checkpoint|cut)-shard\d+of(\d+)[.-]")
+
+
+def shard_count(directory: Path) -> int:
+    """S, from the shards' files in ``directory`` (1: a single server's)."""
+    counts = {int(m[1]) for p in directory.glob("server-*.pt") if (m := _SHARDED.match(p.name))}
+    if (directory / checkpoint.SERVER_FILE).exists():
+        counts.add(1)
+    if len(counts) != 1:
+        found = "none" if not counts else f"shard counts {sorted(counts)}"
+        raise ConfigError(f"{directory} should hold the server checkpoints of one run; it "
+                          f"holds {found}: give the --checkpoint-dir of one run's servers.")  # fmt: skip
+    return counts.pop()
+
+
+def choose(finals: list[int | None], cuts: list[set[int]], round_: int | None) -> int | None:
+    """The cut round to read (None: the last checkpoints), from each shard's last
+    checkpoint's version (None: no file) and its cuts' rounds.
+
+    Raises:
+        ConfigError: no consistent set of files.
+    """
+    common = set.intersection(*cuts) if cuts else set()
+    if round_ is not None:
+        if round_ not in common:
+            raise ConfigError(f"Not every shard has a cut at round {round_}; the rounds all "
+                              f"have: {sorted(common) or 'none'}.")  # fmt: skip
+        return round_
+    if None not in finals and len(set(finals)) == 1:
+        return None
+    if common:
+        return max(common)
+    raise ConfigError(f"The shards' last checkpoints hold versions {finals} (None: missing) "
+                      "and no round has a cut on every shard: no consistent model to export.")  # fmt: skip
+
+
+def files(directory: str | Path, round_: int | None = None) -> list[Path]:
+    """Each shard's file to read, shard 0 first."""
+    directory = Path(directory)
+    shards = shard_count(directory)
+    names = [checkpoint.server_file(i, shards) for i in range(shards)]
+    finals = [_version(directory / n) for n in names]
+    cuts = [set(checkpoint.list_cuts(directory, i, shards)) for i in range(shards)]
+    chosen = choose(finals, cuts, round_)
+    if chosen is None:
+        return [directory / n for n in names]
+    return [directory / checkpoint.cut_file(i, shards, chosen) for i in range(shards)]
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return checkpoint.load(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
+        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
+
+
+def _version(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    # mapped, not read: a shard's checkpoint may hold gigabytes of rows
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["version"])
+
+
+def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """``model``'s whole state dict from its shards' checkpoint states (shard 0 first):
+    what ``model.load_state_dict(..., strict=True)`` takes."""
+    layouts = states[0].get("table_layouts") or {}
+    make_tables(model, names=layouts)  # the run's tables (--table-rows made dense ones too)
+    manifest, _ = models.state(model)  # parameters and buffers, as the servers lay them out
+    sections = []
+    for role in layout.ROLES:
+        if len(states) == 1:  # a single server's checkpoint holds the tensors by name
+            named = states[0]["model_state_dict"]
+            parts = [named[t.name] for t in manifest.tensors if t.role == role]
+        else:  # a shard's holds its part of each section as one tensor (SHARD_TENSORS)
+            name, _ = layout.SHARD_TENSORS[role]
+            parts = [s["model_state_dict"][name] for s in states if name in s["model_state_dict"]]
+        sections += [p.reshape(-1).to(manifest.torch_dtype) for p in parts]
+    flat = torch.cat(sections) if sections else torch.empty(0, dtype=manifest.torch_dtype)
+    if flat.numel() != manifest.numel:
+        raise ConfigError(f"The checkpoints hold {flat.numel()} values; the model has "
+                          f"{manifest.numel}: is it the run's --model?")  # fmt: skip
+    out = dict(model.state_dict())  # frozen parameters: as the model built with the seed
+    out.update(layout.state_dict(manifest, flat.numpy()))
+    tables = [s.get("tables") or {} for s in states]
+    out.update(whole_tables(layouts, tables, limit=None))
+    return out
+
+
+def export(directory: str | Path, model: str, seed: int, out: str | Path,
+           round_: int | None = None) -> tuple[Path, int]:  # fmt: skip
+    """Write the whole model of the run whose server checkpoints are in ``directory`` to
+    ``out`` (a checkpoint that ``torch.load(weights_only=True)`` reads); returns the path
+    and the version.
+
+    Raises:
+        ConfigError: no consistent set of checkpoints, or another model's.
+    """
+    paths = files(directory, round_)
+    states = [_read(p) for p in paths]
+    versions = {int(s["version"]) for s in states}
+    built = models.build(model, seed=seed)
+    state = assemble(built, states)
+    try:
+        built.load_state_dict(state, strict=True)  # it loads, or the model is not the run's
+    except RuntimeError as exc:
+        raise ConfigError(f"The checkpoints in {directory} do not load into --model "
+                          f"{model}: {exc}") from None  # fmt: skip
+    version = max(versions)
+    meta = {"version": version, "policy": states[0].get("policy", ""),
+            "exported_from": [str(p) for p in paths]}  # fmt: skip
+    return checkpoint.save(out, state, model=model, **meta), version

@@ -1,0 +1,101 @@
+"""``paramserver export``: the whole model from a run's server checkpoints, without the
+servers, whether one server or several shards wrote them (dense ranges, buffers, every
+table's rows, frozen parameters), from the last checkpoints or a consistent cut."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver import checkpoint, models
+from paramserver.errors import ConfigError
+from paramserver.export import choose, export
+from tests.conftest import DEADLINE, paramserver_cmd
+
+MODEL, SEED, STEPS = "tests.sparse_models:Mixed", 3, 12
+
+
+def _train(serve, directory, shards: int) -> dict[str, torch.Tensor] | None:
+    """A sync run of STEPS batches over ``shards`` servers that cut every 5 rounds; the
+    single server's whole model (its ``model_state_dict()``), None for shards."""
+    servers = [
+        serve(
+            MODEL,
+            seed=SEED,
+            optimizer="adam",
+            lr=0.05,
+            policy="sync",
+            workers=1,
+            shard=i,
+            shards=shards,
+            checkpoint_dir=str(directory),
+            checkpoint_every="5",
+        )  # fmt: skip
+        for i in range(shards)
+    ]
+    model = models.build(MODEL, seed=SEED)
+    g = torch.Generator().manual_seed(0)
+    with ps.Worker([s.address for s in servers], model) as worker:
+        for _ in range(STEPS):
+            x = torch.randint(0, 200, (16, 3), generator=g)
+            F.cross_entropy(model(x), x[:, 0] % 2).backward()
+            worker.step(samples=len(x))
+    whole = servers[0].model_state_dict() if shards == 1 else None
+    for s in servers:
+        s.stop()  # each writes its last checkpoint
+    return whole
+
+
+def test_export_puts_the_shards_back_together_as_the_single_servers_model(serve, tmp_path):
+    single = _train(serve, tmp_path / "one", 1)
+    assert single is not None
+    _train(serve, tmp_path / "two", 2)
+    for name in ("one", "two"):
+        path, version = export(tmp_path / name, MODEL, SEED, tmp_path / f"{name}.pt")
+        assert version == STEPS
+        saved = torch.load(path, weights_only=True)
+        state = saved["model_state_dict"]
+        assert state.keys() == single.keys()
+        for key, value in single.items():  # sync: the same math, sharded or not
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=key)
+        assert state["norm.num_batches_tracked"].dtype == torch.int64
+        assert int(state["norm.num_batches_tracked"]) == STEPS
+        fresh = models.build(MODEL, seed=0)  # another seed: the export sets every tensor
+        fresh.load_state_dict(state, strict=True)
+        assert saved["version"] == STEPS and saved["model"] == MODEL
+
+
+def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tmp_path):
+    _train(serve, tmp_path, 2)
+    assert set(checkpoint.list_cuts(tmp_path, 0, 2)) >= {5, 10}
+    (tmp_path / checkpoint.server_file(1, 2)).unlink()  # shard 1's last checkpoint is lost
+    result = subprocess.run(
+        [*paramserver_cmd(), "export", str(tmp_path), "--model", MODEL, "--seed", str(SEED),
+         "--out", str(tmp_path / "cut.pt")],
+        capture_output=True, text=True, timeout=DEADLINE,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{tmp_path / 'cut.pt'}: version 10"
+    cut = torch.load(tmp_path / "cut.pt", weights_only=True)["model_state_dict"]
+    assert int(cut["norm.num_batches_tracked"]) == 10
+    path, version = export(tmp_path, MODEL, SEED, tmp_path / "five.pt", round_=5)
+    assert version == 5
+    with pytest.raises(ConfigError, match="cut at round 7"):
+        export(tmp_path, MODEL, SEED, tmp_path / "x.pt", round_=7)
+    with pytest.raises(ConfigError, match="values; the model has"):
+        export(tmp_path, "tests.sparse_models:Mixed2", SEED, tmp_path / "x.pt")
+
+
+def test_which_files_are_read():
+    assert choose([12, 12], [{5, 10}, {5, 10}], None) is None  # the last checkpoints agree
+    assert choose([12, 11], [{5, 10}, {5, 10}], None) == 10  # they do not: the newest cut
+    assert choose([12, None], [{5, 10}, {10}], None) == 10
+    assert choose([12, 12], [{5, 10}, {5, 10}], 5) == 5
+    with pytest.raises(ConfigError, match="no round has a cut on every shard"):
+        choose([12, None], [{5}, {10}], None)
+    with pytest.raises(ConfigError, match="cut at round 10"):
+        choose([12, 12], [{5, 10}, {5}], 10)
