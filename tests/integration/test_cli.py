@@ -76,6 +76,7 @@ def test_every_option_has_help_and_an_environment_variable():
         ),
         (["health", "--server", "127.0.0.1:1", "--timeout", "0.5"], "No parameter server answered"),
         (["plot", "/"], "holds no metrics.jsonl"),
+        (["export", "/", "--model", "mlp"], "should hold the server checkpoints of one run"),
     ],
 )
 def test_bad_arguments_give_one_clear_line_and_a_non_zero_exit(args, message):
