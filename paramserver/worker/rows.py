@@ -5,12 +5,13 @@ rows, their prefetch, and what a step pushes of them.
   ``RemoteTables`` (``sparse/remote.py``), each with a cache of ``cache_rows`` rows.
 - **Prefetch.** ``prefetch({table: ids})`` fetches rows now, for a forward pass to come
   (a user's loop names its next batch's ids; the daemon, each batch's before its forward
-  pass): the rows no cache holds, of every table in one request per shard. ``prefetch_later(fn)`` does it on a
-  background thread, ``fn`` giving the ids: the daemon's prefetch of the next batch while
-  this one computes. A step waits for it before staging its push, and rows prefetched and
-  not pushed since are kept at most one step, within the policy's bound (see
-  ``sparse/embedding.py``). A background prefetch that fails only logs: the forward pass
-  fetches what is missing on demand, and raises there.
+  pass): the rows no cache holds, of every table in one request per shard.
+  ``prefetch_later(fn)`` does it on a background thread, ``fn`` giving the ids: the
+  daemon's prefetch of the next batch while this one computes. A step waits for it
+  before staging its push, and rows prefetched and not pushed since are kept at most one
+  step, within the policy's bound (see ``sparse/embedding.py``). A background prefetch
+  that fails only logs: the forward pass fetches what is missing on demand, and raises
+  there.
 - **Memory.** A worker with tables fixes glibc's mmap threshold (``sparse/memory.py``), so
   the large row buffers of each step do not stay in its heap.
 - **A restarted server.** A row pull that meets a server that restarted or dropped this
@@ -30,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
@@ -86,8 +88,7 @@ class WorkerTables:
     def prefetch(self, ids: IdsByTable) -> None:
         """Fetch the rows ``ids[table]`` name now, for a forward pass to come: those no cache
         holds, of every table at once (one request per shard)."""
-        wanted = {name: np.asarray(table_ids, dtype=np.int64).ravel()
-                  for name, table_ids in ids.items()}  # fmt: skip
+        wanted = {name: _host(table_ids) for name, table_ids in ids.items()}
         for name in wanted:
             if name not in self.modules:
                 raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
@@ -147,3 +148,10 @@ class WorkerTables:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _host(ids: Any) -> np.ndarray:
+    """Ids as a flat int64 array in host memory (from a tensor on any device, or a list)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    return np.asarray(ids, dtype=np.int64).ravel()

@@ -84,7 +84,7 @@ def test_a_prefetch_of_several_tables_is_one_request_a_shard(serve, monkeypatch)
     monkeypatch.setattr(RemoteTables, "_pull_part", count)
     x, y = _batches(1)[0]
     with ps.Worker([s.address for s in servers], model) as worker:
-        worker.prefetch({"emb": x[:2]})  # some of the rows first, table by table
+        worker.prefetch({"emb": x[:2].tolist()})  # some rows first (ids as a list)
         assert requests and all(t == "emb" for r in requests for t, _ in r)
         requests.clear()
         worker.prefetch({"emb": x, "bag": x})  # the rest of both tables
