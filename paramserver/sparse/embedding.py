@@ -93,10 +93,16 @@ class RowCache:
         """A push of rows ``pushed`` went out: keep only the rows prefetched since the last
         call that it did not touch."""
         ahead, self._ahead = self._ahead, []
-        if len(self.index):
-            held, _ = self.index.items()
-            keep = np.isin(held, np.concatenate(ahead)) if ahead else np.zeros(len(held), bool)
-            self._keep(keep & ~np.isin(held, pushed))
+        if not len(self.index):
+            return
+        wanted = np.unique(np.concatenate(ahead)) if len(ahead) > 1 else ahead[0] if ahead else None
+        if wanted is None or np.array_equal(wanted, pushed):
+            # nothing fetched ahead, or only rows this push touched (the daemon's fetch of
+            # the batch before its forward pass, both sorted and distinct): keep no row
+            self.index = RowIndex(16)
+            return
+        held, _ = self.index.items()
+        self._keep(np.isin(held, wanted) & ~np.isin(held, pushed))
 
 
 class TableEmbedding(nn.Module):
