@@ -132,9 +132,8 @@ class TableEmbedding(nn.Module):
             self.cache.slots(distinct, fetch)
             self.cache.prefetched(distinct)
 
-    def missing(self, ids: torch.Tensor | np.ndarray) -> np.ndarray:
-        """The distinct ids of ``ids`` that the cache does not hold, sorted."""
-        distinct = np.unique(np.asarray(ids, dtype=np.int64))
+    def missing(self, distinct: np.ndarray) -> np.ndarray:
+        """The ids of ``distinct`` (sorted, distinct int64) that the cache does not hold."""
         with self.lock:
             return distinct[self.cache.index.find(distinct) < 0]
 

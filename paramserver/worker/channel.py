@@ -199,13 +199,20 @@ class ShmChannel(PayloadChannel):
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         header.shm, header.shm_slot = True, slot
         sent, rows = sparse_wire.split_rows(header)
-        if rows:  # too many rows for one message: a Push stream carries them after the header
-            response: pb.PushResponse = self.stub.Push(
-                wire.encode_push(sent, memoryview(b""), wire.DEFAULT_CHUNK_BYTES, rows),
-                timeout=timeout,
-            )
-            return response
+        if rows:
+            return self._push_stream(sent, rows, timeout)
         return self._push_pull(pb.PushPullRequest(push=header), timeout).push
+
+    def _push_stream(
+        self, header: pb.PushHeader, rows: list[pb.RowGradients], timeout: float
+    ) -> pb.PushResponse:
+        """A push whose rows are too many for one message: a Push stream carries them after
+        the header (the gradient is in the segment)."""
+        response: pb.PushResponse = self.stub.Push(
+            wire.encode_push(header, memoryview(b""), wire.DEFAULT_CHUNK_BYTES, rows),
+            timeout=timeout,
+        )
+        return response
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
         request.shm = True
@@ -217,8 +224,9 @@ class ShmChannel(PayloadChannel):
         self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
     ) -> pb.PullHeader:
         header.shm, header.shm_slot, request.shm = True, slot, True
-        if sparse_wire.split_rows(header)[1]:
-            self.push(header, slot, timeout)
+        sent, rows = sparse_wire.split_rows(header)
+        if rows:
+            self._push_stream(sent, rows, timeout)
             return self.pull(request, timeout)
         return self._push_pull(pb.PushPullRequest(push=header, pull=request), timeout).pull
 

@@ -88,7 +88,7 @@ class WorkerTables:
     def prefetch(self, ids: IdsByTable) -> None:
         """Fetch the rows ``ids[table]`` name now, for a forward pass to come: those no cache
         holds, of every table at once (one request per shard)."""
-        wanted = {name: _host(table_ids) for name, table_ids in ids.items()}
+        wanted = {name: np.unique(_host(table_ids)) for name, table_ids in ids.items()}
         for name in wanted:
             if name not in self.modules:
                 raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
