@@ -73,7 +73,10 @@ def test_the_heterogeneous_job_trains_to_the_end(cluster, tmp_path):
     log = (tmp_path / "run" / f"paramserver-{jid}.out").read_text()
     assert state["JobState"] == "COMPLETED", log[-3000:]
     assert "1 shard(s) at 127.0.0.1:50051, 2 worker(s)" in log
-    assert log.count("finished: 64 steps") == 2  # each worker half of 2 epochs of 64 batches
+    # both workers finished, between them every batch of 2 epochs of 64 once (the server
+    # hands batches to whoever asks, so a faster worker may take one or two more)
+    steps = [int(n) for n in re.findall(r"rank \d finished: (\d+) steps", log)]
+    assert len(steps) == 2 and sum(steps) == 2 * BATCHES, steps
     assert "SIGTERM received: stopping" in log  # the shard stopped cleanly...
     assert saved_version(tmp_path / "run" / f"paramserver-{jid}") == 2 * BATCHES  # ...and saved
     print(f"slurm job: {time.monotonic() - started:.1f} s from sbatch to COMPLETED")
