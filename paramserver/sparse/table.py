@@ -142,7 +142,10 @@ class ShardTable:
 
     def pull(self, ids: Any) -> torch.Tensor:
         """The rows ``ids`` (any order, repeats allowed): (len(ids), dim), a copy."""
-        arr = self.check_ids(ids, "A pull")
+        return self.pull_checked(self.check_ids(ids, "A pull"))
+
+    def pull_checked(self, arr: np.ndarray) -> torch.Tensor:
+        """``pull`` of ids that ``check_ids`` returned."""
         unique, inverse = np.unique(arr, return_inverse=True)
         slots = self._slots(unique)  # may grow (replace) self.values: first
         return self.values[slots[torch.from_numpy(inverse.reshape(-1))]]

@@ -80,7 +80,7 @@ class TableSet:
         """The rows of each ``(table, ids)``, or InvalidRequest before any row is created."""
         tables = [(self.table(name), ids) for name, ids in wanted]
         checked = [(t, t.check_ids(ids, "A pull")) for t, ids in tables]
-        rows = [t.pull(ids) for t, ids in checked]
+        rows = [t.pull_checked(ids) for t, ids in checked]
         self.rows_pulled += sum(len(r) for r in rows)
         return rows
 
