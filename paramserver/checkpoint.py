@@ -15,7 +15,8 @@ server needs to go on exactly where it stopped:
     members           [{worker_id, name, rank, clock, samples}]: the clocks say which pushes
                       the weights hold, so a worker that rejoins redoes exactly the rest
     membership        {floor, joined_total, expired_total}
-    queue             the batch queue (``paramserver.dataplan``), or None
+    queue             the batch queue (``paramserver.dataplan``), or None; its
+                      ``groups`` are the batches to hand out again, one push's a group
     sync_round        {sum, from, n}: the gradients of a sync round in progress
     buffers           {worker_id: tensor}: each worker's latest buffer values, whose mean
                       the model's buffers hold (``server/buffers.py``)
@@ -28,6 +29,8 @@ server needs to go on exactly where it stopped:
                       ``model_state_dict`` also holds each table whole ("NAME.weight",
                       untouched rows at their seeded initial values) up to 1 GiB a table
     row_round         sync: the row gradients of the round in progress
+    ledger            {below, above, applied, repeated}: the server-handed batches this
+                      server applied a gradient of (``server/ledger.py``)
     saved_at          wall-clock time of writing (seconds since the epoch)
 
 A sharded run also keeps consistent cuts (``cut_file``, ``server/cuts.py``): every shard

@@ -333,19 +333,22 @@ def status(
 @cli.command()
 @QUERY_SERVER_OPTION
 @opt("--timeout", env="TIMEOUT", type=float, default=5.0, help="Seconds to wait for an answer.")
+@opt("--service", env="HEALTH_SERVICE", default="paramserver.v1.ParameterServer",
+     help="The service to ask about: paramserver.v1.Checkpoints is NOT_SERVING while "
+     "checkpoint writes fail.")  # fmt: skip
 @apply(SECURITY_OPTIONS)
-def health(server_address: str, timeout: float, **kw: Any) -> None:
+def health(server_address: str, timeout: float, service: str, **kw: Any) -> None:
     """Exit 0 if the server's gRPC health service says SERVING (for container healthchecks)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from paramserver.errors import ServerUnavailable, from_rpc_error
-    from paramserver.stub import SERVICE, connect
+    from paramserver.stub import connect
 
     channel = connect(server_address, timeout, security_config(kw))
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
     except grpc.RpcError as err:
         raise from_rpc_error(err, f"health check of {server_address}") from None

@@ -8,6 +8,10 @@ dies or leaves before pushing it goes back to the queue and is handed out again 
 whatever the membership does, every batch of every epoch is applied exactly once, and a
 worker that joins mid-run simply starts taking batches.
 
+Batches handed out again go out as they went first: a group of K batches (one push's worth)
+stays one group, so a shard that already applied that push's gradient finds every batch of
+it applied or none (``server/ledger.py``).
+
 Pure bookkeeping, no threads: the coordinator serialises calls.
 """
 
@@ -33,7 +37,8 @@ class BatchQueue:
     epochs: int
     next_batch: int = 0  # the first batch never handed out
     done: int = 0
-    returned: list[int] = field(default_factory=list)  # a heap: handed out again first
+    # a heap of groups (each one push's batches), handed out again first, each whole
+    returned: list[tuple[int, ...]] = field(default_factory=list)
     # worker -> iteration -> the batches it computes then
     taken: dict[str, dict[int, list[int]]] = field(default_factory=dict)
 
@@ -52,8 +57,8 @@ class BatchQueue:
         return not self.returned and self.next_batch >= self.total
 
     def take(self, worker_id: str, iteration: int, count: int = 1) -> list[int]:
-        """The batches (up to ``count``) ``worker_id`` computes at ``iteration``; empty when
-        none is left now.
+        """The batches (up to ``count``; a group handed out again goes whole) ``worker_id``
+        computes at ``iteration``; empty when none is left now.
 
         Asking again for the same (worker, iteration) gives the same batches (a retried pull).
         """
@@ -61,14 +66,12 @@ class BatchQueue:
         if iteration in mine:
             return mine[iteration]
         batches: list[int] = []
-        while len(batches) < count:
-            if self.returned:
-                batches.append(heapq.heappop(self.returned))
-            elif self.next_batch < self.total:
-                batches.append(self.next_batch)
-                self.next_batch += 1
-            else:
-                break
+        if self.returned:
+            batches = list(heapq.heappop(self.returned))
+        if not batches and self.next_batch < self.total:
+            take = min(count, self.total - self.next_batch)
+            batches = list(range(self.next_batch, self.next_batch + take))
+            self.next_batch += take
         if batches:
             mine[iteration] = batches
         return batches
@@ -84,19 +87,25 @@ class BatchQueue:
         self.done += len(batches)
         return batches
 
-    def _give_back(self, batches: list[int]) -> list[int]:
-        for batch in batches:
-            heapq.heappush(self.returned, batch)
-        return batches
+    def _give_back(self, groups: list[list[int]]) -> list[int]:
+        for group in groups:
+            heapq.heappush(self.returned, tuple(group))
+        return [b for g in groups for b in g]
 
     def release(self, worker_id: str) -> list[int]:
         """The worker is gone: the batches it took and did not push go back to the queue."""
-        return self._give_back([b for bs in self.taken.pop(worker_id, {}).values() for b in bs])
+        return self._give_back(list(self.taken.pop(worker_id, {}).values()))
 
     def release_from(self, worker_id: str, iteration: int) -> list[int]:
         """Give back the worker's batches of ``iteration`` and later (it rewound its clock)."""
         mine = self.taken.get(worker_id, {})
-        return self._give_back([b for t in sorted(mine) if t >= iteration for b in mine.pop(t)])
+        return self._give_back([mine.pop(t) for t in sorted(mine) if t >= iteration])
+
+    def give_back(self, worker_id: str, iteration: int) -> list[int]:
+        """The worker pushed no gradient for ``iteration`` (an empty push): its batches of
+        that iteration go back to the queue."""
+        group = self.taken.get(worker_id, {}).pop(iteration, [])
+        return self._give_back([group] if group else [])
 
     @classmethod
     def plan(
@@ -129,15 +138,17 @@ class BatchQueue:
         return queue
 
     def state(self) -> dict[str, Any]:
-        """For a checkpoint: batches in flight count as returned (their pushes are not in it)."""
-        in_flight = [b for m in self.taken.values() for bs in m.values() for b in bs]
-        returned = list(self.returned) + in_flight
+        """For a checkpoint: batches in flight count as returned (their pushes are not in it).
+        ``returned`` lists them all; ``groups`` as they go out again."""
+        in_flight = [tuple(bs) for m in self.taken.values() for bs in m.values()]
+        groups = sorted(list(self.returned) + in_flight)
         return {
             "per_epoch": self.per_epoch,
             "epochs": self.epochs,
             "next_batch": self.next_batch,
             "done": self.done,
-            "returned": sorted(returned),
+            "returned": sorted(b for g in groups for b in g),
+            "groups": [list(g) for g in groups],
         }
 
     @classmethod
@@ -147,5 +158,8 @@ class BatchQueue:
             epochs=int(state["epochs"]),
             next_batch=int(state["next_batch"]),
             done=int(state["done"]),
-            returned=sorted(int(b) for b in state["returned"]),
+            returned=sorted(
+                tuple(int(b) for b in g)
+                for g in state.get("groups", [[b] for b in state["returned"]])
+            ),
         )

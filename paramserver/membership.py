@@ -24,6 +24,7 @@ class Member:
     joined_at: float = 0.0  # when this server admitted it (its clock)
     samples_at_join: int = 0  # samples it had then (non-zero after a resume)
     row_cache: tuple[int, int] = (0, 0)  # its tables' cache hits and misses, as last pushed
+    join_id: str = ""  # the join attempt that admitted it (JoinRequest.join_id)
 
 
 @dataclass
@@ -43,12 +44,20 @@ class Membership:
     expired_total: int = 0
     _floor: int = 0  # the slowest live clock last seen: where a newcomer starts
 
-    def join(self, name: str, start_clock: int | None = None) -> Member:
+    def join(self, name: str, start_clock: int | None = None, join_id: str = "") -> Member:
         """Admit a worker; its clock starts at the slowest live clock (or ``start_clock``).
+
+        A join attempt (``join_id``) admits at most one member: a retry of an attempt whose
+        reply was lost gets the member it admitted, with its lease renewed.
 
         Raises:
             ClusterFull: ``capacity`` workers are already live.
         """
+        if join_id:
+            for member in self.members.values():
+                if member.join_id == join_id:
+                    member.last_seen = self.now()
+                    return member
         if len(self.members) >= self.capacity:
             raise ClusterFull(
                 f"The server was started for {self.capacity} workers and "
@@ -61,7 +70,8 @@ class Membership:
         if clock is None:
             clock = self._floor if start_clock is None else start_clock
         now = self.now()
-        member = Member(uuid.uuid4().hex[:16], name, rank, clock, now, joined_at=now)
+        member = Member(uuid.uuid4().hex[:16], name, rank, clock, now, joined_at=now,
+                        join_id=join_id)  # fmt: skip
         self.members[member.worker_id] = member
         self.joined_total += 1
         return member
@@ -129,7 +139,7 @@ class Membership:
         return {
             "members": [
                 {"worker_id": m.worker_id, "name": m.name, "rank": m.rank, "clock": m.clock,
-                 "samples": m.samples}
+                 "samples": m.samples, "join_id": m.join_id}
                 for m in self.members.values()
             ],
             "floor": self._floor,
@@ -151,6 +161,7 @@ class Membership:
             m["worker_id"]: Member(
                 m["worker_id"], m["name"], int(m["rank"]), int(m["clock"]), t,
                 int(m["samples"]), joined_at=t, samples_at_join=int(m["samples"]),
+                join_id=str(m.get("join_id", "")),
             )
             for m in state["members"]
         }  # fmt: skip

@@ -18,7 +18,9 @@ def as_json(st: pb.StatusResponse) -> str:
     for key in ("version", "pushes_applied", "bytes_in", "bytes_out", "max_staleness",
                 "samples", "workers_joined", "workers_expired", "batches_done",
                 "batches_total", "pushes_skipped", "duplicates", "checkpoint_version",
-                "rounds", "pulls_answered", "rows_held", "rows_pulled", "rows_pushed"):  # fmt: skip
+                "rounds", "pulls_answered", "rows_held", "rows_pulled", "rows_pushed",
+                "checkpoint_failures", "cuts_pending", "cut_written", "batches_applied",
+                "pushes_repeated"):  # fmt: skip
         d[key] = int(d[key])
     for w in d["workers"]:
         for key in ("clock", "samples", "lag", "row_cache_hits", "row_cache_misses"):
@@ -59,6 +61,10 @@ def render(st: pb.StatusResponse, address: str) -> str:
         )
     if not st.workers:
         lines.append("  (no live workers)")
+    if st.checkpoint_failing_seconds >= 0:
+        lines.append(f"CHECKPOINTS FAILING for {st.checkpoint_failing_seconds:.0f}s "
+                     f"({st.checkpoint_failures} failed writes, {st.cuts_pending} cuts waiting): "
+                     f"{st.checkpoint_error}")  # fmt: skip
     if st.rows_held:
         hits = sum(w.row_cache_hits for w in st.workers)
         looked = hits + sum(w.row_cache_misses for w in st.workers)

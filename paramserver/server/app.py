@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 # The health service reports on the whole server ("") and on the parameter-server service.
 HEALTH_SERVICES = ("", stub.SERVICE)
+# ... and, with --checkpoint-dir, on its checkpoints: NOT_SERVING while writes fail (the
+# server still trains; its status says since when and why), SERVING once one succeeds.
+CHECKPOINT_HEALTH = "paramserver.v1.Checkpoints"
 # Payloads are chunked, so no message is large; the limit only guards against garbage.
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -106,6 +109,7 @@ class ServerApp:
                 config.checkpoint_dir,
                 config.checkpoint_every,
                 cuts=config.cuts,
+                on_health=self._checkpoint_health,
             )
             self.checkpointer.resume()
         self.metrics = Metrics(self.coordinator.status)
@@ -193,6 +197,7 @@ class ServerApp:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper.start()
         if self.checkpointer is not None:
+            self._checkpoint_health(not self.coordinator.saves.failing)
             self.checkpointer.start()
         c = self.config
         log.info(
@@ -213,6 +218,10 @@ class ServerApp:
             self.coordinator.store.version,
         )
         return self
+
+    def _checkpoint_health(self, ok: bool) -> None:
+        state = health_pb2.HealthCheckResponse
+        self.health.set(CHECKPOINT_HEALTH, state.SERVING if ok else state.NOT_SERVING)
 
     def _reap(self) -> None:
         interval = max(self.config.lease_seconds / 4, 0.05)

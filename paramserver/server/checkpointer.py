@@ -1,16 +1,25 @@
 """Writes the server's checkpoints: every N optimizer steps or N seconds, and at the end.
 
 A shard of a sharded run also writes consistent cuts (``server/cuts.py`` says when; the
-coordinator takes the state under its lock, so every shard cuts at the same point), the
-newest few kept. It resumes from its newest cut, and ``rewind`` reloads an older one when
-another shard restarted from it.
+coordinator takes the state under its lock, so every shard cuts at the same point), and
+keeps those that a restart of any shard may need (``Cuts.deletable``). It resumes from its
+newest cut, and ``rewind`` reloads an older one when another shard restarted from it.
+
+A write that fails (a full disk, a file-size limit, a folder it may not write) is logged
+with the path and the reason, counted (``status``, metrics, the health service's
+``CHECKPOINT_HEALTH``) and retried with backoff; a cut leaves memory only once it is on
+disk. Nothing the loop meets ends the thread.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
+import resource
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +29,28 @@ from paramserver.errors import OutOfOrder
 from paramserver.server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
-# Cuts kept per shard: a live shard is at most a round ahead of one that died, so the
-# newest cut of a restarted shard is always among the others' newest few.
-KEEP_CUTS = 3
+# Seconds between retries of a failed write: doubling from the first, up to the cap.
+RETRY_FIRST, RETRY_CAP = 0.5, 30.0
+
+
+def retry_delay(failures: int) -> float:
+    """The wait after ``failures`` (>= 1) failed writes in a row."""
+    return min(RETRY_CAP, RETRY_FIRST * 2 ** min(failures - 1, 16))
+
+
+def room(directory: Path) -> str:
+    """What limits writes in ``directory`` (torch.save's errors do not say): free space,
+    and this process's file-size limit when it has one."""
+    parts = []
+    try:
+        st = os.statvfs(directory)
+        parts.append(f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free there")
+    except OSError as exc:
+        parts.append(f"cannot stat the folder: {exc.strerror or exc}")
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY:
+        parts.append(f"file-size limit {limit} bytes")
+    return f" ({'; '.join(parts)})"
 
 
 class Checkpointer:
@@ -32,9 +60,17 @@ class Checkpointer:
         every: ``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds.
         cuts: write consistent cuts every N iterations (a shard of a sharded run;
             ``every`` must then be a number).
+        on_health: told False when writes begin failing, True when one succeeds again.
     """
 
-    def __init__(self, coordinator: Coordinator, directory: str | Path, every: str, cuts: bool):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        directory: str | Path,
+        every: str,
+        cuts: bool,
+        on_health: Callable[[bool], None] = lambda ok: None,
+    ):
         self.coordinator = coordinator
         self.directory = Path(directory)
         self.steps, self.seconds = parse_every(every)
@@ -43,9 +79,12 @@ class Checkpointer:
         self.cuts = cuts
         if cuts:
             coordinator.cuts.every = self.steps
+        self.on_health = on_health
         self._lock = threading.RLock()  # one writer at a time
         self._stop = threading.Event()
         self._last_version = coordinator.store.version
+        self._failures = 0  # in a row
+        self._writing = self.directory  # the file being written (for messages)
         self._thread = threading.Thread(target=self._loop, name="ps-checkpoint", daemon=True)
 
     def resume(self) -> None:
@@ -62,6 +101,8 @@ class Checkpointer:
         if saved is not None:
             self.coordinator.restore(*saved)
             self._last_version = self.coordinator.store.version
+            if self.cuts:
+                self.coordinator.cut_on_disk(int(saved[0]["cut"]))
 
     def start(self) -> Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -85,30 +126,68 @@ class Checkpointer:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self.steps is not None:
-                self.coordinator.wait_for(self._due, timeout=1.0)
-            else:
-                self._stop.wait(self.seconds)
-            if self._stop.is_set():
-                return
+            try:
+                if self._failures:
+                    self._stop.wait(retry_delay(self._failures))
+                elif self.steps is not None:
+                    self.coordinator.wait_for(self._due, timeout=1.0)
+                else:
+                    self._stop.wait(self.seconds)
+                if self._stop.is_set():
+                    return
+                self.write_due()
+            except Exception:  # noqa: BLE001 - the thread must outlive any bug: say it, go on
+                log.exception("the checkpoint loop failed; it goes on in 1s")
+                self._stop.wait(1.0)
+
+    def write_due(self) -> bool:
+        """Write what is due: the cuts taken, or a checkpoint of a newer version. Returns
+        False when a write failed (logged, counted, retried by the loop); never raises."""
+        with self._lock:
             try:
                 self.write_cuts()
                 if not self.cuts and self.coordinator.store.version != self._last_version:
                     self.save()
-            except OSError as exc:
-                log.error("checkpoint to %s failed: %s", self.directory, exc)
+            except Exception as exc:  # noqa: BLE001 - any failure is logged, counted, retried
+                self._failed(exc, f"retrying in {retry_delay(self._failures + 1):.1f}s")
+                return False
+            if self._failures:
+                log.warning("checkpoint writes to %s succeed again after %d failures",
+                            self.directory, self._failures)  # fmt: skip
+                self._failures = 0
+                self._health(True)
+            return True
+
+    def _health(self, ok: bool) -> None:
+        try:
+            self.on_health(ok)
+        except Exception:  # noqa: BLE001 - reporting must not stop the writes
+            log.exception("could not report the checkpoints' health")
+
+    def _failed(self, exc: Exception, then: str) -> None:
+        self._failures += 1
+        why = f"writing {self._writing}: {type(exc).__name__}: {exc}{room(self.directory)}"
+        self.coordinator.save_failed(why, time.time())
+        if self._failures == 1:
+            self._health(False)
+        log.error("checkpoint write failed (%d in a row; %s): %s", self._failures, then, why)
 
     def write_cuts(self) -> None:
-        """Write the cuts the coordinator took since the last call; when this returns,
-        every cut taken before the call is on disk."""
+        """Write the cuts taken, oldest first; each leaves memory once it is on disk. When
+        this returns, every cut taken before the call is on disk.
+
+        Raises:
+            Exception: a write failed; that cut and those after it stay taken.
+        """
         with self._lock:
-            for state in self.coordinator.take_cuts():
+            while (state := self.coordinator.oldest_cut()) is not None:
                 self._write_cut(state)
 
     def _write(self, state: dict[str, Any], name: str, what: str) -> Path:
         with self._lock:
             started = time.perf_counter()
-            path = checkpoint.save_server(self.directory, self.coordinator.manifest, state, name)
+            path = self._writing = self.directory / name
+            checkpoint.save_server(self.directory, self.coordinator.manifest, state, name)
             self._last_version = max(self._last_version, int(state["version"]))
             self.coordinator.saved(int(state["version"]), time.time())
             log.info("%s of version %d written to %s in %.2fs", what, state["version"], path,
@@ -118,8 +197,9 @@ class Checkpointer:
     def _write_cut(self, state: dict[str, Any]) -> None:
         clock = int(state["cut"])
         self._write(state, checkpoint.cut_file(self.shard, self.shards, clock), "cut")
+        self.coordinator.cut_on_disk(clock)
         cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
-        for old in sorted(cuts)[:-KEEP_CUTS]:
+        for old in self.coordinator.cuts.deletable(cuts):
             cuts[old].unlink(missing_ok=True)
 
     def save(self) -> int:
@@ -130,7 +210,8 @@ class Checkpointer:
 
     def rewind(self, round_: int, incarnation: str) -> None:
         """Go back to this shard's cut at sync round ``round_`` (another shard restarted
-        from it), as a new incarnation.
+        from it), as a new incarnation: the cut on disk, or the one taken and not yet
+        written.
 
         Raises:
             WrongIncarnation: ``incarnation`` is not the current one: a rewind (or a restart)
@@ -140,19 +221,24 @@ class Checkpointer:
         with self._lock:
             self.coordinator.check_incarnation(incarnation)
             cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
-            if round_ not in cuts:
+            pending = self.coordinator.pending_cut(round_)
+            if pending is not None:
+                pending = copy.deepcopy(pending)  # it may still be written: keep it apart
+                saved: tuple[dict[str, Any], Any] | None = (pending, pending["weights"])
+            elif round_ in cuts:
+                saved = checkpoint.load_server(self.directory, self.coordinator.manifest,
+                                               cuts[round_].name)  # fmt: skip
+            else:
                 raise OutOfOrder(
                     f"Shard {self.shard} of {self.shards} keeps cuts at rounds "
                     f"{sorted(cuts) or 'none'}, not at round {round_}: the run cannot resume "
                     "as one model. Restart every shard from the same round's cuts."
                 )
-            saved = checkpoint.load_server(self.directory, self.coordinator.manifest,
-                                           cuts[round_].name)  # fmt: skip
             assert saved is not None
             was = self.coordinator.membership.min_clock()
-            self.coordinator.rewind(*saved)
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
-                cuts[later].unlink(missing_ok=True)
+                cuts.pop(later).unlink(missing_ok=True)
+            self.coordinator.rewind(*saved, on_disk=cuts)
             log.warning("rewound from round %s to the cut at round %d (incarnation %s)", was,
                         round_, self.coordinator.incarnation)  # fmt: skip
 
@@ -162,9 +248,13 @@ class Checkpointer:
         self.coordinator.notify()
 
     def stop(self) -> None:
-        """Stop the thread and write a last checkpoint."""
+        """Stop the thread and write the cuts taken and a last checkpoint (a failure is
+        logged and counted, not raised)."""
         self._stop.set()
         self.coordinator.notify()
         self._thread.join(timeout=60)
-        self.write_cuts()
-        self.save()
+        try:
+            self.write_cuts()
+            self.save()
+        except Exception as exc:  # noqa: BLE001 - logged and counted; stopping goes on
+            self._failed(exc, "the last checkpoint")

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,9 @@ from paramserver.membership import Member, Membership
 from paramserver.server.buffers import SharedBuffers
 from paramserver.server.checks import check_gradient
 from paramserver.server.cuts import Cuts
+from paramserver.server.ledger import Ledger
 from paramserver.server.rounds import SyncRound
+from paramserver.server.saves import Saves
 from paramserver.server.state import capture, restore_into
 from paramserver.server.status import Counters, ServerStatus, server_status
 from paramserver.sparse.tableset import RowGradients, RowRound, TableSet
@@ -83,10 +85,9 @@ class Coordinator:
         self.round = SyncRound()
         self.buffers = SharedBuffers(self.manifest)
         self._params_end = self.manifest.section("param")[1]
-        self.checkpoint_version = -1
-        self.checkpoint_time: float | None = None
+        self.saves = Saves()  # the checkpointer's writes: the last one, failures
         # A shard's consistent cuts (``server/cuts.py``): states taken under the lock wait
-        # there for the checkpointer (``take_cuts``); ``Checkpointer`` sets ``cuts.every``.
+        # there for the checkpointer (``oldest_cut``); ``Checkpointer`` sets ``cuts.every``.
         self.cuts = Cuts(synchronous=self.policy.synchronous)
         # The whole model's size and where this server's range starts (--shard I/S).
         self.model_numel = self.manifest.numel
@@ -96,6 +97,8 @@ class Coordinator:
         # The model's sparse tables (this shard's rows), and the sync round's row gradients.
         self.tables: TableSet | None = None
         self.row_round = RowRound()
+        # the server-handed batches this shard applied (each once, whoever pushes it)
+        self.ledger = Ledger()
 
     def check_incarnation(self, incarnation: str) -> None:
         """A call meant for an earlier incarnation of the server (a restart, or a rewind to
@@ -108,8 +111,11 @@ class Coordinator:
 
     # --- membership -----------------------------------------------------------------
 
-    def join(self, name: str, worker_id: str = "", train_samples: int = 0) -> Member:
-        """Admit a worker, or take back one that knows its id (a retry, or after a restart).
+    def join(
+        self, name: str, worker_id: str = "", train_samples: int = 0, join_id: str = ""
+    ) -> Member:
+        """Admit a worker, or take back one that knows its id (a retry, or after a restart);
+        a retry of a join attempt (``join_id``) whose reply was lost gets the same member.
 
         Raises:
             ClusterFull: ``--workers`` workers are live.
@@ -124,8 +130,9 @@ class Coordinator:
                 what = "rejoined"
             else:
                 start = self.rounds if self.policy.synchronous else None
-                member = self.membership.join(name, start_clock=start)
-                what = "joined"
+                joined = self.membership.joined_total
+                member = self.membership.join(name, start_clock=start, join_id=join_id)
+                what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
             if not self._started and len(self.membership.members) >= self.config.start_workers:
                 self._started = True
             log.info("worker %s (%s) %s as rank %d at clock %d; %d live", member.worker_id, name,
@@ -194,13 +201,17 @@ class Coordinator:
         loss: float,
         incarnation: str = "",
         rows: Iterable[RowGradients] = (),
+        batches: Sequence[int] = (),
     ) -> PushResult:
         """Apply (or, under sync, accumulate) one gradient and its tables' ``rows``; exactly
-        once per (worker, iteration).
+        once per (worker, iteration), and once per server-handed batch (``batches``, or on
+        the shard that hands them out, the ones it handed for this iteration): a gradient
+        of batches this shard applied already counts for the clock and is not applied.
 
         ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
-        for the round) and nothing is applied.
+        for the round), nothing is applied, and the batches it held go back to the queue.
         """
+        empty = grad is None
         skip = self.config.skip_nonfinite  # NaN or Inf anywhere, rows too: skipped, counted
         checked = self._tables("A push").check(rows, skip) if rows else []
         finite = check_gradient(grad, samples, self.manifest, skip,
@@ -225,6 +236,13 @@ class Coordinator:
                     f"{member.clock}: older than any retry can be."
                 )
             self.membership.touch(worker_id)
+            if self.queue is not None:  # the shard that hands batches out knows them
+                batches = self.queue.taken.get(worker_id, {}).get(iteration, ())
+            if not empty and self.ledger.seen(batches, f"Worker {worker_id}'s push"):
+                self.ledger.repeated += 1
+                log.warning("worker %s pushed batches %s, which this shard applied already: "
+                            "counted for its clock, not applied", worker_id, list(batches))  # fmt: skip
+                grad, checked, finite = None, [], True
             if not finite:
                 self.counters.skipped += 1
                 log.warning("skipped the non-finite gradient of worker %s for iteration %d",
@@ -242,7 +260,11 @@ class Coordinator:
                     self._tables("A push").apply(checked, self.store.lr)
                 self.store.apply(grad)
                 self._share_buffers(self.membership.live_ids())
-            if self.queue is not None:
+            if grad is not None or not finite:
+                self.ledger.add(batches)
+            if self.queue is not None and empty:
+                self.queue.give_back(worker_id, iteration)
+            elif self.queue is not None:
                 self.queue.complete(worker_id, iteration)
             self.membership.advance(worker_id, samples if grad is not None else 0)
             if grad is not None:
@@ -360,6 +382,8 @@ class Coordinator:
     def _pull_ready(self, iteration: int) -> bool:
         if not self._started:
             return False
+        if self.cuts.full:
+            return False  # the cuts taken wait for the disk: no more until one is written
         low = self.membership.min_clock()
         if self.cuts.holds(iteration, low):
             return False  # every worker reaches the cut before anyone computes past it
@@ -388,9 +412,14 @@ class Coordinator:
                 f"Worker {worker_id} waited {timeout:.0f}s for the run to start: "
                 f"{len(self.membership.members)} of {self.config.start_workers} workers are live."
             )
+        disk = ""
+        if self.cuts.full:
+            disk = (f" {len(self.cuts.pending)} consistent cuts wait to be written to disk"
+                    f" ({self.saves.error or 'a slow disk'}).")  # fmt: skip
         return (
             f"Worker {worker_id} waited {timeout:.0f}s to pull iteration {iteration} under "
             f"{self.policy.name}; the slowest live clock is {self.membership.min_clock()}."
+            f"{disk}"
         )
 
     def wait_for(self, predicate: Callable[[Coordinator], bool], timeout: float) -> bool:
@@ -414,17 +443,34 @@ class Coordinator:
     def cuts_pending(self) -> bool:
         return bool(self.cuts.pending)
 
-    def take_cuts(self) -> list[dict[str, Any]]:
-        """The states of the cuts taken since the last call (oldest first)."""
+    def oldest_cut(self) -> dict[str, Any] | None:
+        """The oldest cut taken and not yet on disk; it stays taken until ``cut_on_disk``."""
         with self._cond:
-            return self.cuts.drain()
+            return self.cuts.oldest()
 
-    def rewind(self, state: dict[str, Any], weights: np.ndarray) -> None:
+    def pending_cut(self, clock: int) -> dict[str, Any] | None:
+        with self._cond:
+            return self.cuts.pending_at(clock)
+
+    def cut_on_disk(self, clock: int) -> None:
+        """The cut at ``clock`` is written: it leaves memory, and pulls waiting for room
+        go on."""
+        with self._cond:
+            self.cuts.on_disk(clock)
+            self._cond.notify_all()
+
+    def learn_common_cut(self, clock: int) -> None:
+        """A worker says every shard has written the cut at ``clock`` (PullRequest)."""
+        if clock > self.cuts.common:
+            with self._cond:
+                self.cuts.learn_common(clock)
+
+    def rewind(self, state: dict[str, Any], weights: np.ndarray, on_disk: Iterable[int]) -> None:
         """Go back to a cut, as a new incarnation: every call of the old one is refused
         (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
         with self._cond:
             self.incarnation = uuid.uuid4().hex[:12]
-            self.cuts.drain()
+            self.cuts.rewound(int(state["cut"]), on_disk)
             self.restore(state, weights)
 
     def restore(self, saved: dict[str, Any], weights: np.ndarray) -> None:
@@ -433,14 +479,18 @@ class Coordinator:
         with self._cond:
             restore_into(self, saved, weights)
             self._started = bool(self.membership.members) or self.store.version > 0
-            self.checkpoint_version = self.store.version
+            self.saves.version = self.store.version
             self._cond.notify_all()
 
     def saved(self, version: int, at: float) -> None:
         """Record that a checkpoint of ``version`` was written at wall time ``at``."""
         with self._cond:
-            self.checkpoint_version = version
-            self.checkpoint_time = at
+            self.saves.succeeded(version, at)
+
+    def save_failed(self, error: str, at: float) -> None:
+        """Record that a checkpoint write failed at wall time ``at``."""
+        with self._cond:
+            self.saves.failed(error, at)
 
     # --- status -----------------------------------------------------------------------
 

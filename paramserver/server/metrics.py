@@ -57,6 +57,12 @@ class StatusCollector(Collector):
         if s.checkpoint_age_seconds >= 0:
             yield _gauge("checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
                          s.checkpoint_age_seconds)  # fmt: skip
+        yield _counter("checkpoint_failures", "Checkpoint or cut writes that failed.",
+                       s.checkpoint_failures)  # fmt: skip
+        yield _gauge("checkpoint_failing_seconds", "Seconds since checkpoint writes began "
+                     "failing; 0 while the last write succeeded.",
+                     max(s.checkpoint_failing_seconds, 0.0))  # fmt: skip
+        yield _gauge("cuts_pending", "Consistent cuts taken and not yet on disk.", s.cuts_pending)
         yield _gauge("rows_held", "Sparse table rows held (created on first touch).", s.rows_held)
         yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)
         yield _counter("rows_pushed", "Sparse table row gradients applied.", s.rows_pushed)

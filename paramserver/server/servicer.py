@@ -73,7 +73,10 @@ class Servicer(pb_grpc.ParameterServerServicer):
     @_rpc
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         member = self.c.join(
-            request.name or context.peer(), request.worker_id, request.train_samples
+            request.name or context.peer(),
+            request.worker_id,
+            request.train_samples,
+            request.join_id,
         )
         shm = self.shared.attach(
             member.worker_id, request.shm_name, request.shm_nonce, request.shm_slots

@@ -11,6 +11,7 @@ import numpy as np
 
 from paramserver.dataplan import BatchQueue
 from paramserver.membership import Membership
+from paramserver.server.ledger import Ledger
 from paramserver.server.rounds import SyncRound
 from paramserver.sparse.tableset import RowRound
 
@@ -41,6 +42,7 @@ def capture(c: Coordinator, cut: int) -> dict[str, Any]:
         "tables": c.tables.state_dict() if c.tables is not None else None,
         "table_layouts": c.tables.layouts() if c.tables is not None else None,
         "row_round": c.row_round.state(),
+        "ledger": c.ledger.state(),
     }
 
 
@@ -73,6 +75,7 @@ def restore_into(c: Coordinator, state: dict[str, Any], weights: np.ndarray) -> 
         if state.get("tables") is None:
             raise ValueError("The checkpoint holds no sparse tables, but this model has some.")
         c.tables.load_state_dict(state["tables"])
+    c.ledger = Ledger.from_state(state.get("ledger"))
     c.counters.load(state["counters"])
     c.buffers.load(state.get("buffers"), live)
     log.info("resumed from incarnation %s at version %d with %d workers",

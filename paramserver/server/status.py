@@ -64,6 +64,13 @@ class ServerStatus:
     rows_held: int = 0
     rows_pulled: int = 0
     rows_pushed: int = 0
+    checkpoint_failures: int = 0
+    checkpoint_failing_seconds: float = -1.0
+    checkpoint_error: str = ""
+    cuts_pending: int = 0
+    cut_written: int = 0
+    batches_applied: int = 0
+    pushes_repeated: int = 0
 
     def to_proto(self) -> pb.StatusResponse:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -172,8 +179,8 @@ def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
         batches_total=c.queue.total if c.queue else 0,
         pushes_skipped=n.skipped,
         duplicates=n.duplicates,
-        checkpoint_version=c.checkpoint_version,
-        checkpoint_age_seconds=-1.0 if c.checkpoint_time is None else wall - c.checkpoint_time,
+        checkpoint_version=c.saves.version,
+        checkpoint_age_seconds=-1.0 if c.saves.at is None else wall - c.saves.at,
         min_workers=c.config.start_workers,
         rounds=c.rounds,
         pulls_answered=n.pulls,
@@ -181,4 +188,11 @@ def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
         rows_held=c.tables.held if c.tables is not None else 0,
         rows_pulled=c.tables.rows_pulled if c.tables is not None else 0,
         rows_pushed=c.tables.rows_pushed if c.tables is not None else 0,
+        checkpoint_failures=c.saves.failures,
+        checkpoint_failing_seconds=c.saves.failing_seconds(wall),
+        checkpoint_error=c.saves.error,
+        cuts_pending=len(c.cuts.pending),
+        cut_written=c.cuts.written,
+        batches_applied=c.ledger.applied,
+        pushes_repeated=c.ledger.repeated,
     )

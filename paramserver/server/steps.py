@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
+from paramserver.config import MAX_PUSH_EVERY
 from paramserver.errors import InvalidRequest
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
@@ -36,6 +37,8 @@ class Steps:
         if remaining is not None:
             timeout = min(timeout, remaining)
         self.c.check_incarnation(request.incarnation)
+        if request.common_cut > 0:
+            self.c.learn_common_cut(request.common_cut)
         result = self.c.pull(
             request.worker_id,
             request.iteration,
@@ -51,6 +54,7 @@ class Steps:
             batch=result.batch,
             batches=result.batches,
             finished=result.finished,
+            cut_written=self.c.cuts.written,
         )
         return header, self.payloads.weights(request, header, result.weights)
 
@@ -76,6 +80,10 @@ class Steps:
             )
         if h.iteration < 0:
             raise InvalidRequest(f"Iteration {h.iteration} is negative.")
+        if len(h.batches) > MAX_PUSH_EVERY:
+            raise InvalidRequest(
+                f"A push names {len(h.batches)} batches; at most {MAX_PUSH_EVERY} go in one."
+            )
 
     def push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
         self.c.check_incarnation(header.incarnation)
@@ -92,6 +100,7 @@ class Steps:
                 header.loss,
                 header.incarnation,
                 rows,
+                header.batches,
             )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate

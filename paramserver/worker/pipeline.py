@@ -14,12 +14,20 @@ Every shard's calls run at once (a thread per shard); a shard's background calls
 order on its own thread, so its server sees its pushes in clock order. Background failures
 are kept and raised by the next step; a lost session (the server restarted or dropped the
 lease) only marks the session, and the worker joins again before its next pull.
+
+A push of server-handed batches to several shards reaches shard 0 last (``Landing``):
+shard 0 counts the batches done, so a batch it counts is on every shard, and one it hands
+out again (its worker died between the calls) is found applied where it landed
+(``server/ledger.py``). When a shard did not take the push (it restarted, or dropped the
+lease), shard 0 gets an empty push, which gives the batches back to the queue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +68,36 @@ class StagedPush:
     empty: bool = False
     rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # per shard: its tables' rows
     row_cache: tuple[int, int] = (0, 0)  # the tables' cache hits and misses so far
+    batches: tuple[int, ...] = ()  # the server-handed batches it was computed on
+
+    def emptied(self) -> StagedPush:
+        """The same push without its gradient (it gives its batches back)."""
+        return dataclasses.replace(self, empty=True, rows={}, batches=())
+
+
+class Landing:
+    """Which shards other than 0 took one push: shard 0's call waits for all of them.
+
+    Every ``mark`` comes from a ``finally`` of the call it reports, so the wait ends; it also
+    ends when the pipeline shuts down (``closed``)."""
+
+    def __init__(self, shards: int, closed: threading.Event):
+        self._done = [threading.Event() for _ in range(shards)]
+        self._took = [False] * shards
+        self._closed = closed
+
+    def mark(self, i: int, took: bool) -> None:
+        if not self._done[i].is_set():
+            self._took[i] = took
+            self._done[i].set()
+
+    def wait(self) -> bool:
+        """Whether every shard but 0 took the push."""
+        for done in self._done[1:]:
+            while not done.wait(1.0):
+                if self._closed.is_set():
+                    return False
+        return all(self._took[1:])
 
 
 class Pipeline:
@@ -86,6 +124,13 @@ class Pipeline:
         self._inflight: deque[tuple[int, list[Future[None]]]] = deque()
         self._ahead: list[Future[pb.PullHeader | None]] | None = None
         self.error: BaseException | None = None
+        self._closed = threading.Event()
+
+    def _landing(self, staged: StagedPush | None) -> Landing | None:
+        """A push of server-handed batches to several shards goes to shard 0 last."""
+        if staged is None or not staged.batches or len(self.sessions) < 2:
+            return None
+        return Landing(len(self.sessions), self._closed)
 
     # --- fan-out ----------------------------------------------------------------------
 
@@ -102,20 +147,28 @@ class Pipeline:
             f.exception()
         return [f.result() for f in futures]
 
-    def _background(self, i: int, fn: Callable[[], T]) -> Future[T | None]:
+    def _background(
+        self, i: int, fn: Callable[[], T], landing: Landing | None = None
+    ) -> Future[T | None]:
         """``fn`` on shard i's background thread; a lost session yields None, any other
-        failure is kept in ``error`` (raised by the worker's next step) and yields None."""
+        failure is kept in ``error`` (raised by the worker's next step) and yields None.
+        ``landing``: shard i > 0 marks there whether it took the push (``fn`` marks True
+        once it has; anything else marks False)."""
 
         def run() -> T | None:
-            if self.error is not None or self.sessions[i].lost:
-                return None  # what follows a failure or a lost server is dropped
             try:
-                return fn()
-            except REJOIN:
-                return None  # the session is marked lost; the next pull joins again
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                self.error = self.error or exc
-                return None
+                if self.error is not None or self.sessions[i].lost:
+                    return None  # what follows a failure or a lost server is dropped
+                try:
+                    return fn()
+                except REJOIN:
+                    return None  # the session is marked lost; the next pull joins again
+                except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                    self.error = self.error or exc
+                    return None
+            finally:
+                if landing is not None and i > 0:
+                    landing.mark(i, False)  # unless fn marked True already
 
         return self._bg[i].submit(run)
 
@@ -137,7 +190,8 @@ class Pipeline:
 
     def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
         header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
-                               staged.rows.get(s.reply.shard, ()), staged.row_cache)  # fmt: skip
+                               staged.rows.get(s.reply.shard, ()), staged.row_cache,
+                               staged.batches)  # fmt: skip
         assert s.channel is not None
         channel = s.channel
         return s.retrying(
@@ -158,7 +212,8 @@ class Pipeline:
         self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
     ) -> pb.PullHeader:
         header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
-                               staged.rows.get(s.reply.shard, ()), staged.row_cache)  # fmt: skip
+                               staged.rows.get(s.reply.shard, ()), staged.row_cache,
+                               staged.batches)  # fmt: skip
         request = s.pull_request(pull, batches)
         assert s.channel is not None
         channel = s.channel
@@ -183,37 +238,89 @@ class Pipeline:
             WrongIncarnation, UnknownWorker: a session is lost; join it again and pull.
         """
         try:
-            return self.each_indexed(
-                lambda i, s: self._push_pull(s, staged, staged.iterations[i], s.clock, batches)
-            )
+            if self._landing(staged) is None:
+                return self.each_indexed(
+                    lambda i, s: self._push_pull(s, staged, staged.iterations[i], s.clock, batches)
+                )
+            return self._push_pull_in_order(staged, batches)
         finally:
             self.release(staged.slot)
 
+    def _push_pull_in_order(self, staged: StagedPush, batches: int) -> list[pb.PullHeader]:
+        """Push to every shard but 0, then to shard 0 (empty if one of them did not take
+        it) with its pull, while the others pull."""
+        pool = self._fg
+        assert pool is not None
+        pushes = [pool.submit(self._push, s, staged, staged.iterations[i])
+                  for i, s in enumerate(self.sessions) if i > 0]  # fmt: skip
+        lost = next((e for f in pushes if (e := f.exception()) is not None), None)
+        if lost is not None and not isinstance(lost, REJOIN):
+            raise lost  # shard 0 not told: the batches go back when this worker's lease ends
+        if lost is not None:  # give the batches back, then join the lost shard again
+            self._push(self.sessions[0], staged.emptied(), staged.iterations[0])
+            raise lost
+
+        def then(i: int, s: Session) -> pb.PullHeader:
+            if i == 0:
+                return self._push_pull(s, staged, staged.iterations[0], s.clock, batches)
+            return self._pull(s, s.clock, batches)
+
+        return self.each_indexed(then)
+
     def push_background(self, staged: StagedPush) -> None:
         """Push ``staged`` to every shard from the background; its slot frees when done."""
-        futures = [self._background(i, self._pusher(i, staged)) for i in range(len(self.sessions))]
+        landing = self._landing(staged)
+        futures = [
+            self._background(i, self._pusher(i, staged, landing), landing)
+            for i in range(len(self.sessions))
+        ]
         self._inflight.append((staged.slot, futures))  # type: ignore[arg-type]
 
-    def _pusher(self, i: int, staged: StagedPush) -> Callable[[], pb.PushResponse]:
+    def _pusher(
+        self, i: int, staged: StagedPush, landing: Landing | None
+    ) -> Callable[[], pb.PushResponse]:
         s, iteration = self.sessions[i], staged.iterations[i]
-        return lambda: self._push(s, staged, iteration)
+
+        def push() -> pb.PushResponse:
+            if landing is not None and i == 0:
+                return self._push(s, staged if landing.wait() else staged.emptied(), iteration)
+            reply = self._push(s, staged, iteration)
+            if landing is not None:
+                landing.mark(i, True)
+            return reply
+
+        return push
 
     def _fetcher(
-        self, i: int, staged: StagedPush | None, batches: int
+        self, i: int, staged: StagedPush | None, batches: int, landing: Landing | None
     ) -> Callable[[], pb.PullHeader]:
-        """Shard i's prefetch: push ``staged`` (if any) and pull its clock + 1."""
+        """Shard i's prefetch: push ``staged`` (if any) and pull its clock + 1; in order
+        (``landing``), a shard but 0 pushes, marks and then pulls, and shard 0 waits."""
         s = self.sessions[i]
         after = s.clock + 1
         if staged is None:
             return lambda: self._pull(s, after, batches)
         iteration = staged.iterations[i]
-        return lambda: self._push_pull(s, staged, iteration, after, batches)
+        if landing is None:
+            return lambda: self._push_pull(s, staged, iteration, after, batches)
+        if i == 0:
+            return lambda: self._push_pull(
+                s, staged if landing.wait() else staged.emptied(), iteration, after, batches
+            )
+
+        def push_then_pull() -> pb.PullHeader:
+            self._push(s, staged, iteration)
+            landing.mark(i, True)
+            return self._pull(s, after, batches)
+
+        return push_then_pull
 
     def start_ahead(self, staged: StagedPush | None, batches: int) -> None:
         """In the background: push ``staged`` (if any) and fetch every shard's weights for
         its clock + 1."""
+        landing = self._landing(staged)
         futures = [
-            self._background(i, self._fetcher(i, staged, batches))
+            self._background(i, self._fetcher(i, staged, batches, landing), landing)
             for i in range(len(self.sessions))
         ]
         self._ahead = futures
@@ -245,5 +352,6 @@ class Pipeline:
             self._free.append(slot)
 
     def shutdown(self, wait: bool) -> None:
+        self._closed.set()
         for pool in [*self._bg, *([self._fg] if self._fg else [])]:
             pool.shutdown(wait=wait, cancel_futures=not wait)

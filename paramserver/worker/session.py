@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -87,6 +88,8 @@ class Session:
         self.reply = pb.JoinResponse()
         self.channel: PayloadChannel | None = None
         self.rejoins = 0
+        # the newest cut every shard has written, as their last pulls said (PullRequest)
+        self.common_cut = 0
 
     # --- calls ------------------------------------------------------------------------
 
@@ -142,6 +145,9 @@ class Session:
         """Join (or, with our id in ``request``, join again); LIVE once answered."""
         request.name = self.name
         request.worker_id = self.worker_id
+        # one id for this attempt and its retries: a retry whose first reply was lost gets
+        # the member that reply named, not a second one
+        request.join_id = uuid.uuid4().hex
         # A full cluster waits for a slot: a departed worker's lease runs out, or a requeued
         # job's new workers meet the old ones restored from a checkpoint.
         reply = self.retrying(
@@ -156,6 +162,7 @@ class Session:
         self.clock = reply.clock
         self.incarnation = reply.incarnation
         self.lease_seconds = reply.lease_seconds
+        self.common_cut = 0  # what the shards said before may not hold after a rewind
         if self.state is SessionState.LOST:
             self.rejoins += 1
             log.warning(
@@ -196,8 +203,10 @@ class Session:
 
     def push_header(self, iteration: int, samples: int, loss: float, empty: bool,
                     rows: Iterable[pb.RowGradients] = (),
-                    row_cache: tuple[int, int] = (0, 0)) -> pb.PushHeader:  # fmt: skip
+                    row_cache: tuple[int, int] = (0, 0),
+                    batches: Iterable[int] = ()) -> pb.PushHeader:  # fmt: skip
         return pb.PushHeader(
+            batches=() if empty else batches,
             worker_id=self.worker_id,
             iteration=iteration,
             samples=samples,
@@ -216,6 +225,7 @@ class Session:
             iteration=iteration,
             incarnation=self.incarnation,
             batches=batches,
+            common_cut=self.common_cut,
         )
 
     def close(self) -> None:

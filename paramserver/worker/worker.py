@@ -273,7 +273,8 @@ class Worker(WorkerView):
         rows = self.tables.stage(self.shards) if self.tables and not empty else {}
         clocks = tuple(s.clock for s in self.sessions)
         cache = self.tables.counters
-        staged = StagedPush(slot, clocks, samples, loss, empty, rows, (cache.hits, cache.misses))
+        staged = StagedPush(slot, clocks, samples, loss, empty, rows, (cache.hits, cache.misses),
+                            () if empty else tuple(self.batches))  # fmt: skip
         for s in self.sessions:
             s.clock += 1
         self._replica.zero_grad()
@@ -293,6 +294,9 @@ class Worker(WorkerView):
         self.batch = first.batch if first.batch >= 0 else None
         self.batches = list(first.batches)
         self.finished = first.finished
+        common = min(h.cut_written for h in headers)  # every shard has it on disk
+        for s in self.sessions:
+            s.common_cut = common
 
     def pull(self) -> None:
         """Load the weights for iteration ``clock`` into the model, waiting as the policy says.

@@ -18,6 +18,7 @@ from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
+from paramserver.config import MAX_PUSH_EVERY
 from paramserver.stub import Stub
 from tests.conftest import tiny_model
 
@@ -37,6 +38,8 @@ PUSH_FAULTS = [
     # rows that follow the header as row chunks (PushHeader.row_chunks)
     "row_chunks_short", "row_chunks_duplicate", "row_chunks_and_header_rows",
     "row_chunks_unannounced", "row_chunks_out_of_range",
+    # the server-handed batches a push names (PushHeader.batches)
+    "batches_too_many", "batches_negative", "batches_twice",
 ]  # fmt: skip
 OTHER_FAULTS = [
     "pull_unknown_worker", "pull_incarnation", "pull_ahead", "heartbeat_unknown",
@@ -145,6 +148,13 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         h.shard = data.draw(st.integers(1, 1 << 30))
     elif fault == "empty_with_data":
         h.empty, h.total_bytes = True, 0
+    elif fault == "batches_too_many":
+        h.batches.extend(range(data.draw(st.integers(MAX_PUSH_EVERY + 1, 5000))))
+    elif fault == "batches_negative":
+        h.batches.extend([0, data.draw(st.integers(-(1 << 62), -1))])
+    elif fault == "batches_twice":
+        b = data.draw(st.integers(0, 1 << 40))
+        h.batches.extend([b, b])
     elif fault == "rows_unknown_table":
         h.rows.append(_rows([1], table=data.draw(st.text(max_size=8).filter(lambda s: s != "emb"))))
     elif fault == "rows_ids_bytes":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import time
 
@@ -58,9 +59,11 @@ def _status(address: str) -> pb.StatusResponse | None:
 
 
 def _run(
-    tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP
+    tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP, kill=None
 ) -> tuple[np.ndarray, list[pb.StatusResponse]]:
-    """The run's flat weights (and its tables' rows after them), and each shard's status."""
+    """The run's flat weights (and its tables' rows after them), and each shard's status.
+    ``crash``: kill -9 shard 1 mid-run (``kill(shard, its folder, the addresses)``,
+    which returns shard 1's newest cut on disk) and start it again."""
     procs: list[Child] = []
     try:
         shards = [_shard(tmp_path, tag, i, 0, 1, policy, what) for i in range(SHARDS)]
@@ -77,7 +80,7 @@ def _run(
         procs += workers
         if crash:
             # Past the cut at round 10, before the end: kill -9 shard 1, no last checkpoint.
-            killed_at = _kill_past_a_cut(shards[1], tmp_path / tag, addresses[0])
+            killed_at = (kill or _kill_past_a_cut)(shards[1], tmp_path / tag, addresses)
             assert killed_at < ROUNDS // 2, "the run went too fast to crash it mid-run"
             port = int(addresses[1].rsplit(":", 1)[1])
             again = _shard(tmp_path, tag, 1, port, 2, policy, what)
@@ -115,13 +118,13 @@ def _run(
         stop_all(procs)
 
 
-def _kill_past_a_cut(shard: Child, directory, other: str) -> int:
+def _kill_past_a_cut(shard: Child, directory, addresses: list[str]) -> int:
     """kill -9 shard 1 at a moment when shard 0 is past shard 1's newest cut on disk (round
     10 or later), so that the restarted shard 1 must bring shard 0 back to that cut. Each
     look stops shard 1 (SIGSTOP) so that it cannot write a newer cut meanwhile; when shard 0
     is not past the cut yet, shard 1 goes on (SIGCONT) and the test looks again. Returns the
     cut."""
-    channel = connect(other, DEADLINE)  # one channel: a connect takes about 0.2 s
+    channel = connect(addresses[0], DEADLINE)  # one channel: a connect takes about 0.2 s
     try:
         deadline = time.monotonic() + DEADLINE
         while time.monotonic() < deadline:
@@ -141,6 +144,38 @@ def _kill_past_a_cut(shard: Child, directory, other: str) -> int:
     raise AssertionError("shard 0 never got past shard 1's newest cut")
 
 
+def _kill_while_its_writes_fail(shard: Child, directory, addresses: list[str]) -> int:
+    """Make every write of shard 1 fail (a file-size limit set on the running process, as a
+    full disk would) while shard 0 writes as usual, then kill -9 shard 1 once its cuts
+    wait in memory (the run waits for them) or shard 0 ran far past shard 1's newest cut
+    on disk (what happened before the cuts taken were bounded). Returns that cut."""
+    _, hard = resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE)
+    channel = connect(addresses[0], DEADLINE)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while _clock(Stub(channel).Status(pb.StatusRequest(), timeout=10)) < 10:
+            assert time.monotonic() < deadline, "the run did not reach round 10"
+            time.sleep(0.01)  # polling another process; bounded by the deadline
+        resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE, (4096, hard))
+        while True:
+            assert time.monotonic() < deadline, "shard 1's writes never failed"
+            mine = _status(addresses[1])
+            cut = max(checkpoint.list_cuts(directory, 1, SHARDS), default=0)
+            ahead = _clock(Stub(channel).Status(pb.StatusRequest(), timeout=10)) - cut
+            if (
+                mine is not None
+                and mine.checkpoint_failures > 0
+                and (mine.cuts_pending >= 2 or ahead > 5 * CUT_EVERY)
+            ):
+                break
+            time.sleep(0.05)  # polling; bounded by the deadline
+        os.kill(shard.proc.pid, signal.SIGKILL)
+        shard.proc.wait(DEADLINE)
+        return max(checkpoint.list_cuts(directory, 1, SHARDS))
+    finally:
+        channel.close()
+
+
 def _clock(st: pb.StatusResponse) -> int:
     """The slowest live worker's clock (under sync, the round)."""
     return min((w.clock for w in st.workers), default=0)
@@ -153,6 +188,19 @@ def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_pa
         assert st.rounds == ROUNDS  # both shards end at the same round
     assert statuses[0].batches_done == ROUNDS * WORKERS  # every batch, once
     print(f"largest difference from the uninterrupted run: {np.abs(crashed - clean).max():.3g}")
+    np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
+
+
+def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path):
+    """Guarantee 2 (issue "Recovery that never loses or doubles work"): shard 1's writes
+    fail while shard 0's succeed; shard 0 deletes no cut that shard 1 may restart from, and
+    shard 1's cuts waiting for its disk are bounded (the run waits for them). kill -9 of
+    shard 1 then, and a restart: the run recovers and ends as an uninterrupted run."""
+    clean, _ = _run(tmp_path, "slow-clean", crash=False)
+    crashed, statuses = _run(tmp_path, "slow-crash", crash=True, kill=_kill_while_its_writes_fail)
+    for st in statuses:
+        assert st.rounds == ROUNDS
+    assert statuses[0].batches_done == ROUNDS * WORKERS
     np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
 
 

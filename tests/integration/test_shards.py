@@ -69,8 +69,9 @@ def test_sharded_servers_train_exactly_like_one(serve, tmp_path, optimizer, shar
         same(s.coordinator.store.weights, expected[lo:hi])
         s.stop()
         assert (tmp_path / checkpoint.server_file(i, shards)).exists()
-        # consistent cuts at rounds 0, 5 and 10, the same on every shard
-        assert sorted(checkpoint.list_cuts(tmp_path, i, shards)) == [0, 5, 10]
+        # consistent cuts at rounds 0, 5 and 10, the same on every shard; round 0's goes
+        # once a pull says every shard has written round 5
+        assert {5, 10} <= set(checkpoint.list_cuts(tmp_path, i, shards)) <= {0, 5, 10}
 
 
 def test_a_plain_worker_at_a_shard_is_told_to_list_every_shard(serve):

@@ -33,12 +33,21 @@ def _rounds(c, member, n: int) -> None:
         c.push(member.worker_id, clock, np.ones(c.manifest.numel, np.float32), 1, 0.0)
 
 
-def test_cuts_are_taken_at_every_nth_round_and_the_newest_are_kept(tmp_path):
+def test_cuts_are_taken_at_every_nth_round_and_kept_from_the_one_every_shard_wrote(tmp_path):
     c, saver = _shard(tmp_path)
     saver.start()  # a fresh shard cuts round 0: where a rewind to the start goes
     assert sorted(checkpoint.list_cuts(tmp_path, 0, 2)) == [0]
     a = c.join("a")
-    _rounds(c, a, 7)
+    _rounds(c, a, 5)
+    saver.write_cuts()
+    # no worker said yet which cuts the other shard wrote: every cut is kept
+    assert sorted(checkpoint.list_cuts(tmp_path, 0, 2)) == [0, 2, 4]
+    c.learn_common_cut(2)  # a pull: every shard has written round 2 (or later)
+    c.learn_common_cut(1)  # an older word changes nothing
+    c.learn_common_cut(99)  # never past this shard's own disk
+    assert c.cuts.common == 4
+    c.cuts.common = 2
+    _rounds(c, a, 2)
     saver.stop()
     assert sorted(checkpoint.list_cuts(tmp_path, 0, 2)) == [2, 4, 6]
     state = checkpoint.load(tmp_path / checkpoint.cut_file(0, 2, 4))
@@ -128,5 +137,55 @@ def test_the_cut_schedule_as_pure_decisions():
     assert free.next == 5 and free.reached(4) is None and free.reached(5) == 5
     assert free.holds(5, 4) and free.holds(7, 4) and not free.holds(4, 0)
     free.take(5, {"cut": 5})
-    assert free.next == 10 and not free.holds(7, 5) and free.drain() == [{"cut": 5}]
+    assert free.next == 10 and not free.holds(7, 5) and free.oldest() == {"cut": 5}
     assert Cuts().next is None and not Cuts().holds(3, 0)  # a server that does not cut
+
+
+def test_cuts_wait_in_memory_until_on_disk_a_bounded_few_and_disk_keeps_the_common_one():
+    from paramserver.server.cuts import MAX_PENDING, Cuts
+
+    cuts = Cuts(every=1, synchronous=True)
+    for r in range(1, MAX_PENDING + 1):
+        assert not cuts.full
+        cuts.take(r, {"cut": r})
+    assert cuts.full  # pulls wait now
+    assert cuts.oldest() == {"cut": 1}  # a failed write leaves it taken
+    cuts.on_disk(1)
+    assert not cuts.full and cuts.oldest() == {"cut": 2} and cuts.written == 1
+    assert cuts.pending_at(2) == {"cut": 2} and cuts.pending_at(1) is None
+    cuts.on_disk(2)
+    cuts.learn_common(1)
+    assert cuts.deletable([0, 1, 2]) == [0]  # round 1 is on every shard's disk
+    cuts.take(3, {"cut": 3})
+    cuts.rewound(2, on_disk=[1, 2])  # another shard restarted from round 2
+    assert cuts.pending == [] and cuts.written == 2 and cuts.common == 1
+
+
+def test_a_cut_whose_write_fails_stays_taken_pulls_wait_and_it_lands_once_the_disk_is_back(
+    tmp_path,
+):
+    """Guarantee 1 (issue "Recovery that never loses or doubles work"), in process: a write
+    that fails (the folder is gone, a file in its place: as a read-only or unmounted folder,
+    which root cannot be kept out of by permissions) leaves the cut taken; pulls wait while
+    MAX_PENDING are; the write succeeds once the folder is back, and nothing was dropped."""
+    folder = tmp_path / "cuts"
+    c, saver = _shard(folder, every="1")
+    saver.start()
+    a = c.join("a")
+    parked = tmp_path / "parked"
+    folder.rename(parked)
+    folder.write_text("not a folder")
+    _rounds(c, a, 2)  # the cuts at rounds 1 and 2 are taken
+    assert not saver.write_due()
+    assert [s["cut"] for s in c.cuts.pending] == [1, 2]
+    assert c.saves.failing and str(folder) in c.saves.error and "free there" in c.saves.error
+    with pytest.raises(Timeout, match="2 consistent cuts wait to be written to disk"):
+        c.pull(a.worker_id, 2, 0.0)
+    assert c.status().checkpoint_failing_seconds >= 0
+    folder.unlink()
+    parked.rename(folder)
+    assert saver.write_due()
+    assert sorted(checkpoint.list_cuts(folder, 0, 2)) == [0, 1, 2]
+    assert not c.cuts_pending and not c.saves.failing and c.saves.failures >= 1
+    assert c.pull(a.worker_id, 2, 0.0).version == 2  # and the run goes on
+    saver.stop()

@@ -40,8 +40,21 @@ def test_state_returns_batches_in_flight() -> None:
     q.take("a", 0), q.take("b", 0, count=2)
     q.complete("a", 0)
     back = BatchQueue.from_state(q.state())
-    assert (back.done, back.next_batch, back.returned) == (1, 3, [1, 2])
-    assert back.take("z", 7) == [1]
+    assert (back.done, back.next_batch, back.returned) == (1, 3, [(1, 2)])
+    assert back.take("z", 7) == [1, 2]  # one push's batches go out again together
+    old = {**q.state(), "groups": None}  # a checkpoint of before groups: one batch each
+    del old["groups"]
+    assert BatchQueue.from_state(old).returned == [(1,), (2,)]
+
+
+def test_a_group_goes_out_again_whole_and_an_empty_push_gives_its_batches_back() -> None:
+    q = BatchQueue(per_epoch=6, epochs=1)
+    assert q.take("a", 0, count=3) == [0, 1, 2]
+    assert q.take("b", 0, count=2) == [3, 4]
+    q.release("a")
+    assert q.take("c", 0, count=1) == [0, 1, 2]  # whole, though c asks for fewer
+    assert q.give_back("b", 0) == [3, 4] and q.done == 0
+    assert q.take("c", 1, count=5) == [3, 4]  # not mixed with fresh batches
 
 
 @settings(max_examples=300, deadline=None)
