@@ -72,7 +72,9 @@ def server_config(kw: dict[str, Any], **fixed: Any) -> ServerConfig:
 
 # The options of a server's run: what `server` and `launch` share.
 RUN_OPTIONS = (
-    settings.options(ServerConfig, exclude=("host", "port", "threads", "metrics_port")),
+    settings.options(
+        ServerConfig, exclude=("host", "port", "threads", "metrics_port", "metrics_host")
+    ),
     settings.options(OptimizerConfig, exclude=("schedule",)),
 )
 SECURITY_OPTIONS = settings.options(Security)
@@ -117,7 +119,7 @@ def lr_schedule_option(default: str) -> Callable[[F], F]:
 @lr_schedule_option("constant")
 @settings.options(ServerConfig, exclude=tuple(
     f.name for f, _ in settings.declared(ServerConfig)
-    if f.name not in ("host", "port", "threads", "metrics_port")
+    if f.name not in ("host", "port", "threads", "metrics_port", "metrics_host")
 ))  # fmt: skip
 @opt(
     "--shard",

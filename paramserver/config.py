@@ -183,7 +183,9 @@ class ServerConfig:
     host: str = setting("0.0.0.0", "--host", "Address to listen on.")
     port: int = setting(50051, "--port", "Port to listen on (0: any free port).")
     lease_seconds: float = setting(10.0, "--lease-timeout", "Seconds without a call after which a worker is dropped from every barrier.")  # fmt: skip
-    chunk_bytes: int = setting(1 << 20, "--chunk-bytes", "Size of the streamed payload chunks.")
+    chunk_bytes: int = setting(
+        1 << 20, "--chunk-bytes", "Size of the streamed payload chunks (4 KiB to 16 MiB)."
+    )
     threads: int = setting(1, "--threads", "Torch threads of the optimizer.", env="SERVER_THREADS", dest="server_threads")  # fmt: skip
     barrier_timeout: float = 600.0
     min_workers: int | None = setting(None, "--min-workers", "Workers that must join before training starts [default: --workers]; more may join later.", type=int)  # fmt: skip
@@ -195,7 +197,8 @@ class ServerConfig:
     security: Security = field(default_factory=Security)
     shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)
     shards: int = 1
-    metrics_port: int | None = setting(None, "--metrics-port", "Serve Prometheus metrics on http://HOST:PORT/metrics [default: off].", type=int)  # fmt: skip
+    metrics_port: int | None = setting(None, "--metrics-port", "Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics [default: off].", type=int)  # fmt: skip
+    metrics_host: str = setting("127.0.0.1", "--metrics-host", "Address the metrics listen on; 0.0.0.0 opens them to every interface (no token guards them: they show worker names and the loss).")  # fmt: skip
 
     def __post_init__(self) -> None:
         Policy.parse(self.policy)
@@ -224,9 +227,10 @@ class ServerConfig:
             )
         _positive("--lease-timeout", self.lease_seconds)
         _non_negative("--table-rows", self.table_rows)
-        if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
+        if not 4096 <= self.chunk_bytes <= 16 << 20 or self.chunk_bytes % 4:
             raise ConfigError(
-                f"--chunk-bytes must be a multiple of 4 and at least 4096; got {self.chunk_bytes}."
+                "--chunk-bytes must be a multiple of 4 from 4096 to 16777216 (16 MiB); got "
+                f"{self.chunk_bytes}."
             )
         if self.threads < 1:
             raise ConfigError(f"--threads must be at least 1; got {self.threads}.")

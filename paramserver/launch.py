@@ -43,7 +43,16 @@ def server_args(cfg: ServerConfig) -> list[str]:
 def launch_args(cfg: LaunchConfig) -> list[str]:
     """Command-line arguments of ``paramserver launch`` that give ``cfg`` (the benchmarks
     start launches this way); launch's own servers listen on 127.0.0.1, any port."""
-    local = ("host", "port", "threads", "metrics_port", "security", "shard", "shards")
+    local = (
+        "host",
+        "port",
+        "threads",
+        "metrics_port",
+        "metrics_host",
+        "security",
+        "shard",
+        "shards",
+    )
     return [
         "launch",
         *settings.argv(cfg.server, exclude=local),

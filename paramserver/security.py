@@ -1,7 +1,9 @@
 """TLS credentials and the shared token, for servers and clients.
 
 The token travels as ``authorization: Bearer <token>`` metadata on every call; the server's
-interceptor refuses a call without it (UNAUTHENTICATED) before any servicer code runs.
+interceptor refuses a call without it (UNAUTHENTICATED) before any servicer code runs, and
+before its request is read: the refusal takes the request as a stream it never reads, and
+runs on the health service's side pool (``server/health.py``), not the workers' threads.
 """
 
 from __future__ import annotations
@@ -43,27 +45,26 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return _refusing(handler)
 
 
+def _deny(requests: Any, context: grpc.ServicerContext) -> Any:
+    """Refuses at once: ``requests`` (a stream, whatever the method) is never read."""
+    context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "This server requires a token: start the worker with --token or PARAMSERVER_TOKEN "
+        "set to the server's.",
+    )
+
+
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+    """A handler that aborts with UNAUTHENTICATED without reading the request: on the
+    wire a unary request is a stream of one message, so a stream handler answers any
+    method, and its body stays unread (beyond gRPC's flow-control window)."""
+    from paramserver.server.health import on_side_pool
 
-    def deny(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "This server requires a token: start the worker with --token or PARAMSERVER_TOKEN "
-            "set to the server's.",
-        )
-
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    deny = on_side_pool(lambda requests, context: _deny(requests, context))
+    kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
 
 
 def server_interceptors(security: Security) -> list[grpc.ServerInterceptor]:

@@ -8,13 +8,16 @@ A worker sends ``PushPullRequest`` bytes with ``seconds`` its deadline; the serv
 ``PushPullResponse`` bytes with code 0, or a failure's UTF-8 details with its status code,
 which the worker raises as ``ControlError``, a ``grpc.RpcError``: the session retries and
 translates it exactly as it does a gRPC call's. The first frame of a connection is the hello:
-the segment's nonce, then the worker id.
+the segment's nonce, then the worker id in UTF-8; the server answers an empty frame with
+code 0, or refuses: one failure frame (a malformed or late hello, another user, too many
+connections waiting), then it closes the connection.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -52,25 +55,42 @@ def number(code: grpc.StatusCode) -> int:
     return int(code.value[0])
 
 
+def encode(frame: Frame) -> bytes:
+    return HEADER.pack(len(frame.payload), frame.code, frame.seconds) + frame.payload
+
+
 def send(sock: socket.socket, frame: Frame) -> None:
-    sock.sendall(HEADER.pack(len(frame.payload), frame.code, frame.seconds) + frame.payload)
+    sock.sendall(encode(frame))
 
 
-def recv(sock: socket.socket) -> Frame | None:
+def recv(
+    sock: socket.socket, limit: int = MAX_PAYLOAD, deadline: float | None = None
+) -> Frame | None:
     """The next frame, or None if the peer closed between frames.
+
+    Args:
+        limit: the longest payload accepted (the payload is not read past it).
+        deadline: a ``time.monotonic()`` by which the whole frame must have arrived (the
+            socket's timeout is set to what is left before each read); None: the socket's.
 
     Raises:
         ConnectionError: the peer closed inside a frame.
-        InvalidRequest: a frame longer than MAX_PAYLOAD (the stream is unusable after it).
+        TimeoutError: the frame was not all there by ``deadline`` (or the socket's timeout).
+        InvalidRequest: a frame longer than ``limit`` (the stream is unusable after it).
     """
-    head = _exactly(sock, HEADER.size, at_start=True)
+    head = _exactly(sock, HEADER.size, deadline, at_start=True)
     if head is None:
         return None
     length, code, seconds = HEADER.unpack(head)
-    if length > MAX_PAYLOAD:
-        raise InvalidRequest(f"A control frame of {length} bytes; at most {MAX_PAYLOAD}.")
-    payload = _exactly(sock, length) if length else b""
+    if length > limit:
+        raise InvalidRequest(f"A control frame of {length} bytes; at most {limit}.")
+    payload = _exactly(sock, length, deadline) if length else b""
     return Frame(payload or b"", code, seconds)
+
+
+def failure(code: grpc.StatusCode, details: str) -> Frame:
+    """A reply that fails with ``code`` (the worker raises it as ``ControlError``)."""
+    return Frame(details.encode("utf-8", "replace"), number(code))
 
 
 def raise_for(frame: Frame) -> bytes:
@@ -81,10 +101,17 @@ def raise_for(frame: Frame) -> bytes:
     raise ControlError(code, frame.payload.decode("utf-8", "replace"))
 
 
-def _exactly(sock: socket.socket, n: int, at_start: bool = False) -> bytes | None:
+def _exactly(
+    sock: socket.socket, n: int, deadline: float | None, at_start: bool = False
+) -> bytes | None:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a control frame incomplete at its deadline ({got}/{n})")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             if at_start and got == 0:

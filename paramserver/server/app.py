@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
 from paramserver import checkpoint, models, security, stub
@@ -22,6 +22,7 @@ from paramserver.errors import ConfigError
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.doorbell import Doorbell
+from paramserver.server.health import BoundedHealth
 from paramserver.server.metrics import SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.shm import Attachments
@@ -36,8 +37,14 @@ HEALTH_SERVICES = ("", stub.SERVICE)
 # ... and, with --checkpoint-dir, on its checkpoints: NOT_SERVING while writes fail (the
 # server still trains; its status says since when and why), SERVING once one succeeds.
 CHECKPOINT_HEALTH = "paramserver.v1.Checkpoints"
-# Payloads are chunked, so no message is large; the limit only guards against garbage.
-MAX_MESSAGE_BYTES = 64 << 20
+# Payloads are chunked, so no message is large: a payload chunk is at most 16 MiB
+# (--chunk-bytes), a push's rows at most 8 MiB a message (sparse/wire.py), a row pull's ids
+# at most 16 MiB (sparse/remote.py). gRPC receives a message whole before any check of
+# ours (the token's included) can refuse it, so the receive limit bounds what each call
+# without the token can make the server hold (docs/operations.md). Answers (a row pull's
+# rows) may be larger.
+MAX_RECEIVE_BYTES = 17 << 20
+MAX_SEND_BYTES = 64 << 20
 
 
 # Hosts that bind every interface; clients on this machine dial 127.0.0.1 instead.
@@ -119,8 +126,8 @@ class ServerApp:
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=threads,
@@ -137,13 +144,14 @@ class ServerApp:
                                  self.metrics.latency.labels(SOCKET_METHOD).observe)  # fmt: skip
         stub.register(servicer, self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
-        self.health = health.HealthServicer()
+        self.health = BoundedHealth()
         for service in HEALTH_SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.port = 0
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="ps-lease-reaper", daemon=True)
+        self.reaper_failures = 0
 
     @property
     def address(self) -> str:
@@ -184,15 +192,16 @@ class ServerApp:
         self._servicer.control = self.doorbell.start()
         self._grpc.start()
         if self.config.metrics_port is not None:
+            where = f"{_bracketed(self.config.metrics_host)}:{self.config.metrics_port}"
             try:
-                self.metrics.serve(self.config.host, self.config.metrics_port)
+                self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
             except OSError as exc:
                 self._grpc.stop(0)
                 raise ConfigError(
-                    f"Cannot serve metrics on {self.config.host}:{self.config.metrics_port}: "
-                    f"{exc.strerror or exc}."
+                    f"Cannot serve metrics on {where}: {exc.strerror or exc}."
                 ) from exc
-            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics.port)
+            log.info("metrics on http://%s:%d/metrics", _bracketed(self.config.metrics_host),
+                     self.metrics.port)  # fmt: skip
         for service in HEALTH_SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper.start()
@@ -224,10 +233,18 @@ class ServerApp:
         self.health.set(CHECKPOINT_HEALTH, state.SERVING if ok else state.NOT_SERVING)
 
     def _reap(self) -> None:
+        """Drop workers whose lease ran out, and end health watches past their time; a
+        failure is logged and counted, and the loop goes on."""
         interval = max(self.config.lease_seconds / 4, 0.05)
         while not self._stopped.wait(interval):
-            for member in self.coordinator.expire_leases():
-                self.shared.detach(member.worker_id)
+            try:
+                for member in self.coordinator.expire_leases():
+                    self.shared.detach(member.worker_id)
+                self.health.expire()
+            except Exception:  # noqa: BLE001 - leases must keep expiring: say it, go on
+                self.reaper_failures += 1
+                log.exception("the lease reaper failed (%d times); it goes on",
+                              self.reaper_failures)  # fmt: skip
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers as this server holds them now, with its sparse

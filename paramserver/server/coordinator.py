@@ -48,7 +48,7 @@ class PushResult:
 class PullResult:
     version: int
     staleness: int
-    weights: np.ndarray  # a read-only snapshot, or the pull's ``out``, written
+    weights: np.ndarray  # a read-only snapshot; empty when the pull's ``sink`` took them
     batches: tuple[int, ...] = ()  # the global batches to compute; none: nothing for now
     finished: bool = False  # every batch of the run is applied
 
@@ -330,7 +330,7 @@ class Coordinator:
         is_active: Callable[[], bool] = lambda: True,
         batches: int = 1,
         incarnation: str = "",
-        out: np.ndarray | None = None,
+        sink: Callable[[np.ndarray], None] | None = None,
     ) -> PullResult:
         """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
         the policy allows; an empty id observes.
@@ -340,11 +340,14 @@ class Coordinator:
         earlier batch not pushed yet (a prefetch: the end would wait for it); then, as under
         ``sync``, it gets batch -1 and pushes an empty gradient.
 
-        ``out`` (a worker's shared segment) receives the weights, copied under the lock;
-        without it the result holds a snapshot shared by the pulls of one version.
+        ``sink`` (a writer into a worker's shared segment) is handed the live weights
+        under the lock, so it copies exactly one version's; without it the result holds a
+        snapshot shared by the pulls of one version.
 
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
+            Whatever ``sink`` raises (``BrokenSegment``): the batches taken stay the
+                worker's until it leaves.
         """
         if not 1 <= batches <= MAX_PUSH_EVERY:
             raise InvalidRequest(
@@ -353,7 +356,7 @@ class Coordinator:
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
-                return self._answer(None, out=out)
+                return self._answer(None, sink=sink)
             member = self.membership.touch(worker_id)
             window = max(self.policy.max_inflight_pushes(), 1)
             staleness.check_pull_iteration(worker_id, iteration, member.clock, window)
@@ -362,14 +365,14 @@ class Coordinator:
                 while True:
                     if self.queue is not None and self.queue.finished:
                         # nothing left to compute: no staleness to speak of
-                        return self._answer(None, finished=True, out=out)
+                        return self._answer(None, finished=True, sink=sink)
                     if self._pull_ready(iteration):
                         if self.queue is None:
-                            return self._answer(iteration, out=out)
+                            return self._answer(iteration, sink=sink)
                         taken = self.queue.take(worker_id, iteration, batches)
                         wait = not self.policy.synchronous  # for a batch, or the end
                         if taken or not wait or self.queue.holds_before(worker_id, iteration):
-                            return self._answer(iteration, tuple(taken), out=out)
+                            return self._answer(iteration, tuple(taken), sink=sink)
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
                         raise Timeout(self._wait_message(worker_id, iteration, timeout))
@@ -394,12 +397,16 @@ class Coordinator:
         iteration: int | None,
         batches: tuple[int, ...] = (),
         finished: bool = False,
-        out: np.ndarray | None = None,
+        sink: Callable[[np.ndarray], None] | None = None,
     ) -> PullResult:
-        if out is not None:
-            np.copyto(out, self.store.weights)
-        weights = self.store.snapshot() if out is None else out
-        self.counters.bytes_out += weights.nbytes
+        if sink is None:
+            weights = self.store.snapshot()
+            self.counters.bytes_out += weights.nbytes
+        else:
+            live = self.store.weights
+            sink(live)
+            self.counters.bytes_out += live.nbytes
+            weights = live[:0]
         lag = 0
         if iteration is not None:
             lag = staleness.staleness(iteration, self.membership.min_clock())

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from paramserver.security import HEALTH_PREFIX
 from paramserver.server.status import ServerStatus
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,9 @@ class LatencyInterceptor(grpc.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
-        if handler is None:
-            return None
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            # health keeps its own handlers: non-blocking watches, calls on its side pool
+            return handler
         observe = self._histogram.labels(details.method.rsplit("/", 1)[-1]).observe
         kwargs = {
             "request_deserializer": handler.request_deserializer,

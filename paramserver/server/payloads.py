@@ -1,12 +1,17 @@
 """The server's side of the payload channels (``worker/channel.py``): a push's gradient
-and a pull's weights go through the worker's shared segment when the server mapped it at
-Join, else through the gRPC stream. The one place the server picks."""
+and a pull's weights go through the worker's shared segment when the server took it at
+Join, else through the gRPC stream. The one place the server picks.
+
+Either way a push's gradient lands in a buffer of the server's (reused afterwards) before
+anything looks at it: the checks and the optimizer read the same bytes, which the worker
+cannot change meanwhile."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 
@@ -32,22 +37,36 @@ class Payloads:
     def gradient(
         self, h: pb.PushHeader, rest: Iterator[pb.PushChunk]
     ) -> Iterator[np.ndarray | None]:
-        """The push's gradient while the block runs, from the worker's segment or the
-        stream (into a receive buffer reused afterwards); None if empty."""
+        """The push's gradient while the block runs, copied from the worker's segment or
+        the stream into a receive buffer (reused afterwards); None if empty.
+
+        Raises:
+            BrokenSegment: the worker's segment changed size or cannot be read.
+        """
         if h.shm:
             wire.expect_end(rest, "A push through shared memory")
-            yield None if h.empty else self.shared.gradient(h.worker_id, h.shm_slot)
+            if h.empty:
+                yield None
+            else:
+                with self._buffer(self.shared.total_bytes) as buf:
+                    yield self.shared.gradient(h.worker_id, h.shm_slot, buf)
         elif h.empty:
             wire.expect_end(rest)
             yield None
         elif compression.wire_dtype(h.dtype) != self.dtype.name:
             yield wire.decode_gradient(rest, h.total_bytes, h.dtype).astype(self.dtype, copy=False)
         else:
-            buf = self._take(h.total_bytes // self.dtype.itemsize)
-            try:
+            with self._buffer(h.total_bytes) as buf:
                 yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf))
-            finally:
-                self._give(buf)
+
+    @contextmanager
+    def _buffer(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A receive buffer of ``nbytes`` while the block runs, kept for reuse after."""
+        buf = self._take(nbytes // self.dtype.itemsize)
+        try:
+            yield buf
+        finally:
+            self._give(buf)
 
     def _take(self, numel: int) -> np.ndarray:
         with self._lock:
@@ -61,15 +80,18 @@ class Payloads:
             if len(self._free) < KEEP_BUFFERS:
                 self._free.append(buf)
 
-    def destination(self, request: pb.PullRequest) -> np.ndarray | None:
-        """Where the pull's weights go: the worker's segment (the coordinator writes them
-        there, one copy), or None (a snapshot, streamed).
+    def destination(self, request: pb.PullRequest) -> Callable[[np.ndarray], None] | None:
+        """Where the pull's weights go: a sink that writes them into the worker's segment
+        (the coordinator calls it under its lock, one copy), or None (a snapshot, streamed).
 
-        Raises:
-            InvalidRequest: a pull through shared memory from a worker without a segment
-                (before the pull takes a batch).
+        Raises (before the pull waits or takes a batch):
+            InvalidRequest: a pull through shared memory from a worker without a segment.
+            BrokenSegment: the worker's segment changed size.
         """
-        return self.shared.weights(request.worker_id) if request.shm else None
+        if not request.shm:
+            return None
+        self.shared.check(request.worker_id)
+        return partial(self.shared.put_weights, request.worker_id)
 
     def weights(
         self, request: pb.PullRequest, header: pb.PullHeader, weights: np.ndarray

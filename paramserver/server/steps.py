@@ -3,11 +3,17 @@ push's header, its payload, the coordinator's push and pull, and the answer's he
 
 The gRPC servicer and the same-host control socket (``server/doorbell.py``) both call it, so
 both paths keep the same semantics: incarnations, staleness bound, exactly once, leases.
+
+A worker whose shared segment misbehaves (``BrokenSegment``: truncated or resized under the
+server, unreadable) has its call refused and is dropped, as if its lease had run out: the
+server lets go of its segment and gives its batches back; the others go on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
@@ -16,8 +22,11 @@ from paramserver.errors import InvalidRequest
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
+from paramserver.shm import BrokenSegment, SegmentUnusable
 from paramserver.sparse import wire as sparse_wire
 from paramserver.sparse.tableset import RowGradients
+
+log = logging.getLogger(__name__)
 
 
 class Steps:
@@ -39,15 +48,16 @@ class Steps:
         self.c.check_incarnation(request.incarnation)
         if request.common_cut > 0:
             self.c.learn_common_cut(request.common_cut)
-        result = self.c.pull(
-            request.worker_id,
-            request.iteration,
-            timeout,
-            is_active,
-            request.batches or 1,
-            request.incarnation,
-            self.payloads.destination(request),
-        )
+        with self._dropping_broken_segments():
+            result = self.c.pull(
+                request.worker_id,
+                request.iteration,
+                timeout,
+                is_active,
+                request.batches or 1,
+                request.incarnation,
+                self.payloads.destination(request),
+            )
         header = pb.PullHeader(
             version=result.version,
             staleness=result.staleness,
@@ -90,7 +100,7 @@ class Steps:
         self.check_push_header(header)
         self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
         rows = self._rows(header, rest)
-        with self.payloads.gradient(header, rest) as grad:
+        with self._dropping_broken_segments(), self.payloads.gradient(header, rest) as grad:
             result = self._apply(
                 self.c.push,
                 header.worker_id,
@@ -105,6 +115,21 @@ class Steps:
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
         )
+
+    @contextmanager
+    def _dropping_broken_segments(self) -> Iterator[None]:
+        """Drop the worker whose segment broke in the block; its call fails as it would."""
+        try:
+            yield
+        except BrokenSegment as exc:
+            log.warning("%s", exc)
+            self.payloads.shared.detach(exc.worker_id)
+            self.c.leave(exc.worker_id)
+            raise
+        except SegmentUnusable as exc:  # the server's own limits: the worker streams on
+            log.warning("%s", exc)
+            self.payloads.shared.decline(exc.worker_id)
+            raise
 
     # --- sparse tables ------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from paramserver.sparse.table import TableSpec
 from paramserver.sparse.tableset import RowGradients
 
 T = TypeVar("T")
-PULL_BYTES = 16 << 20  # a row pull's values at most: larger pulls go as several requests
+PULL_BYTES = 16 << 20  # a row pull's values (and ids) at most: larger go as several requests
 
 
 class Observer:
@@ -97,7 +97,8 @@ class RemoteTables:
         requests: list[list[tuple[int, TableSpec, np.ndarray]]] = [[]]
         room = PULL_BYTES
         for k, (spec, ids) in enumerate(parts):
-            row = spec.dim * np.dtype(spec.dtype).itemsize
+            # a row's values, or its id when that is larger: requests stay under PULL_BYTES too
+            row = max(spec.dim * np.dtype(spec.dtype).itemsize, 8)
             lo = 0
             while lo < len(ids):
                 take = room // row

@@ -21,6 +21,7 @@ import abc
 import logging
 import socket
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -122,18 +123,34 @@ class ControlSocket:
     one PushPull a frame (``codec/records.py``), answered or failed as a gRPC call is."""
 
     MARGIN = 5.0  # seconds past the call's deadline before the server is deemed stuck
+    RETRY = 0.01  # seconds between connects while the server's backlog is full
 
     def __init__(self, name: str, worker_id: str, nonce: bytes, timeout: float):
         self.busy = threading.Lock()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.settimeout(timeout)
-            self.sock.connect("\0" + name)
-            records.send(self.sock, records.Frame(nonce + worker_id.encode()))
+            self._connect(name, time.monotonic() + timeout)
+            try:
+                records.send(self.sock, records.Frame(nonce + worker_id.encode()))
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # refused at once (another user, too many pending): its reply says why
+                log.debug("the control socket closed before the hello: %s", exc)
             self._reply()
         except BaseException:
             self.sock.close()
             raise
+
+    def _connect(self, name: str, deadline: float) -> None:
+        """Connect; a full backlog (a connect with a timeout fails at once) is retried until
+        ``deadline``, as the server's accept thread drains it."""
+        while True:
+            try:
+                return self.sock.connect("\0" + name)
+            except BlockingIOError:
+                if time.monotonic() + self.RETRY > deadline:
+                    raise
+                time.sleep(self.RETRY)
 
     def _reply(self) -> bytes:
         frame = records.recv(self.sock)

@@ -116,7 +116,7 @@ def test_the_server_refuses_a_segment_that_is_not_the_workers(tmp_path):
         assert att.attach("w1", seg.name, seg.nonce, 2)
         seg.slots[1][:] = 7.0
         assert float(att.gradient("w1", 1)[0]) == 7.0
-        np.copyto(att.weights("w1"), np.full(256, 3.0, np.float32))
+        att.put_weights("w1", np.full(256, 3.0, np.float32))
         assert float(seg.weights[255]) == 3.0
         with pytest.raises(ps.ParamServerError, match="slot 2"):
             att.gradient("w1", 2)
