@@ -7,6 +7,7 @@ them restarted."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -75,7 +76,8 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
     """A shard restarted from its newest consistent cut, where every worker's clock is the
     cut's: ask every shard that is ahead of it to rewind to the same cut, and mark those
     sessions lost so that the worker joins them again; the run resumes as one model, and
-    every batch after the cut is computed again."""
+    every batch after the cut is computed again. A shard that restarted as well (every
+    shard was killed) answers as a new incarnation: it is joined again and rewound then."""
     low = min(s.clock for s in sessions)
     for s in sessions:
         if s.clock == low:
@@ -83,6 +85,9 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
         log.warning("shard at %s is at clock %d, another restarted at clock %d: rewinding it "
                     "to that cut", s.address, s.clock, low)  # fmt: skip
         request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
-        with contextlib.suppress(WrongIncarnation):  # another worker rewound it first
-            s.call("rewind", s.stub.Rewind, request)
+        # another worker rewound it first, or it restarted too (every shard was killed):
+        # either way it is lost, joined again next, and brought back to the cut then; a
+        # shard still restarting is waited for, as any call is
+        with contextlib.suppress(WrongIncarnation):
+            s.retrying("rewind", functools.partial(s.stub.Rewind, request, timeout=s.rpc_timeout))
         s.lose(WrongIncarnation(f"The server at {s.address} rewound to round {low}."))

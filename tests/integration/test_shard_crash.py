@@ -59,11 +59,12 @@ def _status(address: str) -> pb.StatusResponse | None:
 
 
 def _run(
-    tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP, kill=None
+    tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP, kill=None, every=False
 ) -> tuple[np.ndarray, list[pb.StatusResponse]]:
     """The run's flat weights (and its tables' rows after them), and each shard's status.
     ``crash``: kill -9 shard 1 mid-run (``kill(shard, its folder, the addresses)``,
-    which returns shard 1's newest cut on disk) and start it again."""
+    which returns shard 1's newest cut on disk) and start it again; ``every``: kill -9
+    every shard at once past round 13, and start them all again."""
     procs: list[Child] = []
     try:
         shards = [_shard(tmp_path, tag, i, 0, 1, policy, what) for i in range(SHARDS)]
@@ -78,7 +79,15 @@ def _run(
             for i in range(WORKERS)
         ]  # fmt: skip
         procs += workers
-        if crash:
+        if every:
+            newest = _kill_every_shard(shards, tmp_path / tag, addresses)
+            assert max(newest) < ROUNDS // 2, "the run went too fast to crash it mid-run"
+            for i, address in enumerate(addresses):
+                port = int(address.rsplit(":", 1)[1])
+                procs.append(_shard(tmp_path, tag, i, port, 2, policy, what))
+            for again in procs[-SHARDS:]:
+                again.wait_for_line(READY_MARKER, DEADLINE)
+        elif crash:
             # Past the cut at round 10, before the end: kill -9 shard 1, no last checkpoint.
             killed_at = (kill or _kill_past_a_cut)(shards[1], tmp_path / tag, addresses)
             assert killed_at < ROUNDS // 2, "the run went too fast to crash it mid-run"
@@ -105,7 +114,9 @@ def _run(
         parts += [tables.read_all(s.name).numpy().ravel() for s in specs]
         for channel in channels:
             channel.close()
-        if crash:
+        if every:
+            assert any("rewinding" in w.log_path.read_text() for w in workers)
+        if crash and not every:
             assert any("rewinding" in w.log_path.read_text() for w in workers)
             # shard 0 went back from where it was to the round shard 1 resumed from: its
             # newest cut on disk when it was killed
@@ -144,7 +155,9 @@ def _kill_past_a_cut(shard: Child, directory, addresses: list[str]) -> int:
     raise AssertionError("shard 0 never got past shard 1's newest cut")
 
 
-def _kill_while_its_writes_fail(shard: Child, directory, addresses: list[str]) -> int:
+def _kill_while_its_writes_fail(
+    shard: Child, directory, addresses: list[str], also: Child | None = None
+) -> int:
     """Make every write of shard 1 fail (a file-size limit set on the running process, as a
     full disk would) while shard 0 writes as usual, then kill -9 shard 1 once its cuts
     wait in memory (the run waits for them) or shard 0 ran far past shard 1's newest cut
@@ -169,11 +182,21 @@ def _kill_while_its_writes_fail(shard: Child, directory, addresses: list[str]) -
             ):
                 break
             time.sleep(0.05)  # polling; bounded by the deadline
-        os.kill(shard.proc.pid, signal.SIGKILL)
-        shard.proc.wait(DEADLINE)
+        for victim in (shard, also) if also is not None else (shard,):
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait(DEADLINE)
         return max(checkpoint.list_cuts(directory, 1, SHARDS))
     finally:
         channel.close()
+
+
+def _kill_every_shard(shards: list[Child], directory, addresses: list[str]) -> list[int]:
+    """kill -9 every shard at once, at a moment shard 1's writes fail (so shard 0 has newer
+    cuts on disk than shard 1); each shard's newest cut on disk then."""
+    _kill_while_its_writes_fail(shards[1], directory, addresses, also=shards[0])
+    newest = [max(checkpoint.list_cuts(directory, i, SHARDS)) for i in range(SHARDS)]
+    assert newest[0] > newest[1], newest  # shard 0 must go back to shard 1's cut
+    return newest
 
 
 def _clock(st: pb.StatusResponse) -> int:
@@ -198,6 +221,19 @@ def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path):
     shard 1 then, and a restart: the run recovers and ends as an uninterrupted run."""
     clean, _ = _run(tmp_path, "slow-clean", crash=False)
     crashed, statuses = _run(tmp_path, "slow-crash", crash=True, kill=_kill_while_its_writes_fail)
+    for st in statuses:
+        assert st.rounds == ROUNDS
+    assert statuses[0].batches_done == ROUNDS * WORKERS
+    np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
+
+
+def test_a_sharded_run_whose_every_shard_is_killed_at_once_ends_as_an_uninterrupted_run(tmp_path):
+    """Every shard killed at once (shard 1's writes failing, so its newest cut is older than
+    shard 0's) restarts from its own newest cut; the workers bring shard 0 back to shard
+    1's (which it keeps: guarantee 2 of "Recovery that never loses or doubles work"), and
+    the run ends as an uninterrupted one."""
+    clean, _ = _run(tmp_path, "every-clean", crash=False)
+    crashed, statuses = _run(tmp_path, "every-crash", crash=True, every=True)
     for st in statuses:
         assert st.rounds == ROUNDS
     assert statuses[0].batches_done == ROUNDS * WORKERS
