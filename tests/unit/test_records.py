@@ -4,6 +4,7 @@ told apart between and inside frames, and a failure comes back as the gRPC statu
 from __future__ import annotations
 
 import socket
+import time
 
 import grpc
 import pytest
@@ -48,6 +49,29 @@ def test_an_oversized_frame_is_refused_before_its_payload_is_read(pair):
     a.sendall(records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0))
     with pytest.raises(InvalidRequest, match="control frame"):
         records.recv(b)
+
+
+def test_a_frame_over_the_callers_limit_is_refused_unread(pair):
+    a, b = pair
+    a.sendall(records.HEADER.pack(65, 0, 0.0) + b"x" * 65)
+    with pytest.raises(InvalidRequest, match="65 bytes; at most 64"):
+        records.recv(b, limit=64)
+
+
+def test_a_frame_that_is_not_all_there_by_the_deadline_times_out(pair):
+    """A peer that sends a hello a byte at a time cannot stretch the deadline: it bounds
+    the whole frame, not each read (time.monotonic is the clock; the deadline is past)."""
+    a, b = pair
+    a.sendall(records.HEADER.pack(10, 0, 0.0) + b"abc")
+    with pytest.raises(TimeoutError):
+        records.recv(b, deadline=time.monotonic() - 1.0)
+    c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(TimeoutError):  # nothing at all: silent
+            records.recv(d, deadline=time.monotonic() + 0.01)
+    finally:
+        c.close()
+        d.close()
 
 
 @pytest.mark.parametrize(
