@@ -308,9 +308,8 @@ class Doorbell:
                 request = pb.PushPullRequest.FromString(frame.payload)
             except DecodeError:
                 raise InvalidRequest("A control frame that is not a PushPullRequest.") from None
-            ids = {request.push.worker_id} | (
-                {request.pull.worker_id} if request.HasField("pull") else set()
-            )
+            ids = {getattr(request, part).worker_id for part in ("push", "pull")
+                   if request.HasField(part)}  # fmt: skip
             if ids != {worker_id}:
                 raise Unauthenticated(f"This connection is worker {worker_id}'s, not {ids}.")
             remaining = frame.seconds if frame.seconds > 0 else None

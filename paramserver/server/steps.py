@@ -177,11 +177,14 @@ class Steps:
         remaining: float | None,
         is_active: Callable[[], bool],
     ) -> pb.PushPullResponse:
-        """A push through the worker's segment, then (if asked) a pull into it."""
-        asks_pull = request.HasField("pull")
-        if not request.push.shm or (asks_pull and not request.pull.shm):
+        """A push through the worker's segment, then a pull into it; either may be left
+        out (a pull alone: the same-host path's pull, one round trip on the socket)."""
+        asks_push, asks_pull = request.HasField("push"), request.HasField("pull")
+        if not (asks_push or asks_pull):
+            raise InvalidRequest("A PushPull asks for neither a push nor a pull.")
+        if (asks_push and not request.push.shm) or (asks_pull and not request.pull.shm):
             raise InvalidRequest("PushPull carries its payloads in shared memory only.")
-        push = self.push(request.push, iter(()))
+        push = self.push(request.push, iter(())) if asks_push else None
         if not asks_pull:
             return pb.PushPullResponse(push=push)
         pull, _ = self.pull(request.pull, remaining, is_active)

@@ -232,10 +232,8 @@ class ShmChannel(PayloadChannel):
         return response
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
-        request.shm = True
-        out = self.segment.weights
-        header, _ = wire.decode_pull(self.stub.Pull(request, timeout=timeout), out, out.nbytes)
-        return header
+        request.shm = True  # a pull alone: on the control socket too, when it is free
+        return self._push_pull(pb.PushPullRequest(pull=request), timeout).pull
 
     def push_pull(
         self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float

@@ -48,6 +48,8 @@ OTHER_FAULTS = [
     "pull_rows_incarnation", "pull_rows_unknown_worker",
     # a pull of several tables at once (RowsRequest.more): nothing is read or created
     "pull_rows_more_unknown_table", "pull_rows_table_twice", "pull_rows_more_out_of_range",
+    # PushPull: neither part, or a pull alone that does not go through shared memory
+    "pushpull_empty", "pushpull_pull_not_shm",
 ]  # fmt: skip
 ROWS, DIM = 100, 4  # the probed model's sparse table "emb"
 
@@ -220,6 +222,12 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
         list(t.stub.Pull(pb.PullRequest(worker_id=t.worker_id, iteration=it), timeout=10))
     elif fault == "heartbeat_unknown":
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=wrong), timeout=10)
+    elif fault == "pushpull_empty":
+        t.stub.PushPull(pb.PushPullRequest(), timeout=10)
+    elif fault == "pushpull_pull_not_shm":
+        request = pb.PullRequest(worker_id=t.worker_id, iteration=t.CLOCK,
+                                 incarnation=t.incarnation)  # fmt: skip
+        t.stub.PushPull(pb.PushPullRequest(pull=request), timeout=10)
     elif fault == "heartbeat_incarnation":
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10)
     elif fault == "rewind":  # this server keeps no cuts: any rewind, even well formed, is refused
