@@ -32,7 +32,8 @@ class _Lost(grpc.RpcError):
 
 class DropPushReplies(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientInterceptor):
     """Lets every ``every``-th push (a streamed Push, or a PushPull when the payloads are in
-    shared memory) reach the server and be answered, then loses the reply."""
+    shared memory) reach the server and be answered, then loses the reply. A PushPull
+    without a push (a pull through shared memory) is not a push: it goes through."""
 
     def __init__(self, every: int):
         self.every = every
@@ -52,7 +53,7 @@ class DropPushReplies(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientIn
 
     def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
         outcome = continuation(details, request)
-        if not details.method.endswith("/PushPull"):
+        if not details.method.endswith("/PushPull") or not request.HasField("push"):
             return outcome
         return self._maybe_drop(outcome)
 
@@ -64,7 +65,8 @@ class DropSocketReplies(DropPushReplies):
     def wrap(self, push_pull):  # type: ignore[no-untyped-def]
         def lossy(socket, request, timeout):  # type: ignore[no-untyped-def]
             reply = push_pull(socket, request, timeout)
-            self._maybe_drop(Answered(reply))
+            if request.HasField("push"):
+                self._maybe_drop(Answered(reply))
             return reply
 
         return lossy
