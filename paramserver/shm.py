@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paramserver.errors import InvalidRequest, UnknownWorker
+from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
 
 log = logging.getLogger(__name__)
 
@@ -148,32 +148,6 @@ class Segment:
     def close(self) -> None:
         self.unlink()
         self._regions.close()
-
-
-class BrokenSegment(InvalidRequest):
-    """A worker's segment changed size since Join (truncated or grown) or cannot be read or
-    written: the call is refused, and the server drops the worker (``server/steps.py``)."""
-
-    def __init__(self, worker_id: str, why: str):
-        super().__init__(
-            f"Worker {worker_id}'s shared-memory segment {why}; the server dropped the worker "
-            "and no longer uses its segment: join again."
-        )
-        self.worker_id = worker_id
-
-
-class SegmentUnusable(UnknownWorker):
-    """The server cannot read or write a worker's segment for a reason of its own (a full
-    ``/dev/shm``, a file-size limit, an I/O error): it lets go of the segment, keeps the
-    worker, and answers NOT_FOUND, so that the worker joins again under its id, offering a
-    segment the server declines from then on: its payloads go over gRPC (``steps.py``)."""
-
-    def __init__(self, worker_id: str, why: str):
-        super().__init__(
-            f"The server cannot use worker {worker_id}'s shared-memory segment ({why}); join "
-            "again: its payloads go over gRPC from now on."
-        )
-        self.worker_id = worker_id
 
 
 class _Attached:

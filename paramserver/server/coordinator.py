@@ -21,14 +21,16 @@ from paramserver.codec.layout import Manifest
 from paramserver.config import MAX_PUSH_EVERY, ServerConfig
 from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
-from paramserver.membership import Member, Membership
+from paramserver.membership import Membership
 from paramserver.server.buffers import SharedBuffers
 from paramserver.server.checks import check_gradient
 from paramserver.server.cuts import Cuts
 from paramserver.server.ledger import Ledger
+from paramserver.server.members import Members
 from paramserver.server.rounds import SyncRound
 from paramserver.server.saves import Saves
-from paramserver.server.state import capture, restore_into
+from paramserver.server.saving import Saving
+from paramserver.server.state import capture
 from paramserver.server.status import Counters, ServerStatus, server_status
 from paramserver.sparse.tableset import RowGradients, RowRound, TableSet
 from paramserver.staleness import Policy, PushAction
@@ -58,7 +60,7 @@ class PullResult:
         return self.batches[0] if self.batches else -1
 
 
-class Coordinator:
+class Coordinator(Members, Saving):
     """Serialises every decision of the server; thread-safe."""
 
     def __init__(
@@ -108,77 +110,6 @@ class Coordinator:
                 f"This server is incarnation {self.incarnation}, not {incarnation}: it restarted "
                 "since the worker joined. Join again."
             )
-
-    # --- membership -----------------------------------------------------------------
-
-    def join(
-        self, name: str, worker_id: str = "", train_samples: int = 0, join_id: str = ""
-    ) -> Member:
-        """Admit a worker, or take back one that knows its id (a retry, or after a restart);
-        a retry of a join attempt (``join_id``) whose reply was lost gets the same member.
-
-        Raises:
-            ClusterFull: ``--workers`` workers are live.
-            InvalidRequest: its data set does not match the one the run's batches come from.
-        """
-        with self._cond:
-            self.queue = BatchQueue.plan(self.queue, train_samples, self.config.batch_size,
-                                         self.config.epochs)  # fmt: skip
-            member = self.membership.members.get(worker_id) if worker_id else None
-            if member is not None:
-                self.membership.touch(worker_id)
-                what = "rejoined"
-            else:
-                start = self.rounds if self.policy.synchronous else None
-                joined = self.membership.joined_total
-                member = self.membership.join(name, start_clock=start, join_id=join_id)
-                what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
-            if not self._started and len(self.membership.members) >= self.config.start_workers:
-                self._started = True
-            log.info("worker %s (%s) %s as rank %d at clock %d; %d live", member.worker_id, name,
-                     what, member.rank, member.clock, len(self.membership.members))  # fmt: skip
-            self._cond.notify_all()
-            return member
-
-    def heartbeat(self, worker_id: str) -> int:
-        with self._cond:
-            self.membership.touch(worker_id)
-            return self.store.version
-
-    def leave(self, worker_id: str) -> None:
-        with self._cond:
-            member = self.membership.leave(worker_id)
-            if member is not None:
-                log.info("worker %s (rank %d) left at clock %d", worker_id, member.rank,
-                         member.clock)  # fmt: skip
-                self._after_membership_change([member])
-
-    def expire_leases(self) -> list[Member]:
-        """Drop workers whose lease ran out, so that no barrier waits on them."""
-        with self._cond:
-            dead = self.membership.expire()
-            for m in dead:
-                log.warning("worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
-                            "longer holds back the others", m.worker_id, m.name, m.rank,
-                            self.config.lease_seconds, m.clock)  # fmt: skip
-            if dead:
-                self._after_membership_change(dead)
-            return dead
-
-    def _after_membership_change(self, gone: list[Member]) -> None:
-        # A departed worker's gradient already in the round sum stays: it is valid work.
-        # The batches it took and did not push go back to the queue for someone else.
-        if self.queue is not None:
-            for m in gone:
-                back = self.queue.release(m.worker_id)
-                if back:
-                    log.info("batches %s of worker %s go back to the queue", back, m.worker_id)
-        self.buffers.keep_only(self.membership.live_ids())
-        if not self.policy.synchronous:
-            self._share_buffers(self.membership.live_ids())
-        self._maybe_finish_round()
-        self._maybe_cut()
-        self._cond.notify_all()
 
     # --- push -------------------------------------------------------------------------
 
@@ -438,66 +369,6 @@ class Coordinator:
         """Wake every waiting pull (a client went away)."""
         with self._cond:
             self._cond.notify_all()
-
-    # --- checkpoints ------------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
-        with self._cond:
-            return capture(self, self.cuts.last)
-
-    @property
-    def cuts_pending(self) -> bool:
-        return bool(self.cuts.pending)
-
-    def oldest_cut(self) -> dict[str, Any] | None:
-        """The oldest cut taken and not yet on disk; it stays taken until ``cut_on_disk``."""
-        with self._cond:
-            return self.cuts.oldest()
-
-    def pending_cut(self, clock: int) -> dict[str, Any] | None:
-        with self._cond:
-            return self.cuts.pending_at(clock)
-
-    def cut_on_disk(self, clock: int) -> None:
-        """The cut at ``clock`` is written: it leaves memory, and pulls waiting for room
-        go on."""
-        with self._cond:
-            self.cuts.on_disk(clock)
-            self._cond.notify_all()
-
-    def learn_common_cut(self, clock: int) -> None:
-        """A worker says every shard has written the cut at ``clock`` (PullRequest)."""
-        if clock > self.cuts.common:
-            with self._cond:
-                self.cuts.learn_common(clock)
-
-    def rewind(self, state: dict[str, Any], weights: np.ndarray, on_disk: Iterable[int]) -> None:
-        """Go back to a cut, as a new incarnation: every call of the old one is refused
-        (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
-        with self._cond:
-            self.incarnation = uuid.uuid4().hex[:12]
-            self.cuts.rewound(int(state["cut"]), on_disk)
-            self.restore(state, weights)
-
-    def restore(self, saved: dict[str, Any], weights: np.ndarray) -> None:
-        """Take over the state of a checkpoint (``weights``: its flat parameters and
-        buffers); see ``server/state.py``."""
-        with self._cond:
-            restore_into(self, saved, weights)
-            self._started = bool(self.membership.members) or self.store.version > 0
-            self.saves.version = self.store.version
-            self._cond.notify_all()
-
-    def saved(self, version: int, at: float) -> None:
-        """Record that a checkpoint of ``version`` was written at wall time ``at``."""
-        with self._cond:
-            self.saves.succeeded(version, at)
-
-    def save_failed(self, error: str, at: float) -> None:
-        """Record that a checkpoint write failed at wall time ``at``."""
-        with self._cond:
-            self.saves.failed(error, at)
 
     # --- status -----------------------------------------------------------------------
 

@@ -18,11 +18,10 @@ from contextlib import contextmanager
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.config import MAX_PUSH_EVERY
-from paramserver.errors import InvalidRequest
+from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
-from paramserver.shm import BrokenSegment, SegmentUnusable
 from paramserver.sparse import wire as sparse_wire
 from paramserver.sparse.tableset import RowGradients
 
