@@ -219,12 +219,7 @@ def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path):
     fail while shard 0's succeed; shard 0 deletes no cut that shard 1 may restart from, and
     shard 1's cuts waiting for its disk are bounded (the run waits for them). kill -9 of
     shard 1 then, and a restart: the run recovers and ends as an uninterrupted run."""
-    clean, _ = _run(tmp_path, "slow-clean", crash=False)
-    crashed, statuses = _run(tmp_path, "slow-crash", crash=True, kill=_kill_while_its_writes_fail)
-    for st in statuses:
-        assert st.rounds == ROUNDS
-    assert statuses[0].batches_done == ROUNDS * WORKERS
-    np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
+    _ends_as_an_uninterrupted_run(tmp_path, "slow", kill=_kill_while_its_writes_fail)
 
 
 def test_a_sharded_run_whose_every_shard_is_killed_at_once_ends_as_an_uninterrupted_run(tmp_path):
@@ -232,8 +227,14 @@ def test_a_sharded_run_whose_every_shard_is_killed_at_once_ends_as_an_uninterrup
     shard 0's) restarts from its own newest cut; the workers bring shard 0 back to shard
     1's (which it keeps: guarantee 2 of "Recovery that never loses or doubles work"), and
     the run ends as an uninterrupted one."""
-    clean, _ = _run(tmp_path, "every-clean", crash=False)
-    crashed, statuses = _run(tmp_path, "every-crash", crash=True, every=True)
+    _ends_as_an_uninterrupted_run(tmp_path, "every", every=True)
+
+
+def _ends_as_an_uninterrupted_run(tmp_path, tag: str, **crash) -> None:
+    """A sync run crashed as ``crash`` says ends at the last round with every batch once and
+    the weights of the same run uninterrupted."""
+    clean, _ = _run(tmp_path, f"{tag}-clean", crash=False)
+    crashed, statuses = _run(tmp_path, f"{tag}-crash", crash=True, **crash)
     for st in statuses:
         assert st.rounds == ROUNDS
     assert statuses[0].batches_done == ROUNDS * WORKERS
