@@ -14,7 +14,7 @@ from paramserver.codec import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
-from paramserver.store import ParameterStore
+from paramserver.server.store import ParameterStore
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from paramserver import clicks, models
+from paramserver import models
+from paramserver.training import clicks
 from paramserver.sparse.client import LocalTables
 from paramserver.sparse.embedding import attach_tables, table_specs
 from paramserver.sparse.table import ShardTable

@@ -15,7 +15,7 @@ import torch
 
 from paramserver.bench.common import cpu_seconds, server_child
 from paramserver.config import OptimizerConfig, ServerConfig, WorkerConfig
-from paramserver.worker.trainer import run
+from paramserver.training.trainer import run
 
 STEPS = 3000
 

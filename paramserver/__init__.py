@@ -13,12 +13,16 @@ Public API::
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 # The public names, loaded on first use: `paramserver status` and `health` never import torch.
 _LAZY = {
     "serve": "paramserver.api",
-    "load_checkpoint": ("paramserver.checkpoint", "load"),
+    "load_checkpoint": ("paramserver.server.checkpoint", "load"),
     "LaunchConfig": "paramserver.config",
     "OptimizerConfig": "paramserver.config",
     "Security": "paramserver.config",
@@ -36,15 +40,70 @@ _LAZY = {
     "UnknownWorker": "paramserver.errors",
     "WrongIncarnation": "paramserver.errors",
     "ServerApp": "paramserver.server.app",
-    "Policy": "paramserver.staleness",
+    "Policy": "paramserver.policy.staleness",
     "ShardedWorker": "paramserver.worker.worker",
     "Worker": "paramserver.worker.worker",
 }
-_SUBMODULES = ("models", "data", "checkpoint", "codec", "settings")
+_SUBMODULES = {
+    "models": "paramserver.models",
+    "data": "paramserver.training.data",
+    "checkpoint": "paramserver.server.checkpoint",
+    "codec": "paramserver.codec",
+    "settings": "paramserver.settings",
+}
+
+# Where the modules of the flat layout went: ``import paramserver.launch`` (users' scripts,
+# notebooks, pickles of our classes) still works and gives the module in its new home.
+MOVED = {
+    "paramserver.checkpoint": "paramserver.server.checkpoint",
+    "paramserver.clicks": "paramserver.training.clicks",
+    "paramserver.data": "paramserver.training.data",
+    "paramserver.dataplan": "paramserver.server.dataplan",
+    "paramserver.evaluation": "paramserver.training.evaluation",
+    "paramserver.export": "paramserver.server.export",
+    "paramserver.launch": "paramserver.cluster.launch",
+    "paramserver.membership": "paramserver.server.membership",
+    "paramserver.procs": "paramserver.cluster.procs",
+    "paramserver.roles": "paramserver.cluster.roles",
+    "paramserver.rundir": "paramserver.cluster.rundir",
+    "paramserver.security": "paramserver.transport.security",
+    "paramserver.server.health": "paramserver.transport.health",
+    "paramserver.shm": "paramserver.transport.shm",
+    "paramserver.sparse.wire": "paramserver.codec.rows",
+    "paramserver.staleness": "paramserver.policy.staleness",
+    "paramserver.statusview": "paramserver.cli.statusview",
+    "paramserver.store": "paramserver.server.store",
+    "paramserver.stub": "paramserver.transport.stub",
+    "paramserver.worker.channel": "paramserver.transport.channels",
+    "paramserver.worker.trainer": "paramserver.training.trainer",
+}
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers an old module path with the module at its new one (the same object)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__  # the import system sets __spec__ to ours next
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The module ran at its new path already: give it back its own spec."""
+        alias = module.__spec__
+        if alias is not None and alias.loader_state is not None:
+            module.__spec__ = alias.loader_state
+
+
+if not any(isinstance(finder, _Moved) for finder in sys.meta_path):
+    sys.meta_path.append(_Moved())
 
 if TYPE_CHECKING:
     from paramserver.api import serve
-    from paramserver.checkpoint import load as load_checkpoint
     from paramserver.config import (
         LaunchConfig,
         OptimizerConfig,
@@ -65,14 +124,15 @@ if TYPE_CHECKING:
         UnknownWorker,
         WrongIncarnation,
     )
+    from paramserver.policy.staleness import Policy
     from paramserver.server.app import ServerApp
-    from paramserver.staleness import Policy
+    from paramserver.server.checkpoint import load as load_checkpoint
     from paramserver.worker.worker import ShardedWorker, Worker
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(f"paramserver.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module 'paramserver' has no attribute {name!r}")

@@ -14,8 +14,8 @@ from typing import Any
 
 from paramserver.codec import compression
 from paramserver.errors import ConfigError
+from paramserver.policy.staleness import Policy
 from paramserver.settings import setting
-from paramserver.staleness import Policy
 
 DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
 

@@ -73,7 +73,7 @@ class DataUnavailable(ParamServerError):
 
 class BrokenSegment(InvalidRequest):
     """A worker's segment changed size since Join (truncated or grown) or cannot be read or
-    written: the call is refused, and the server drops the worker (``server/steps.py``; raised by ``paramserver.shm``)."""
+    written: the call is refused, and the server drops the worker (``server/steps.py``; raised by ``paramserver.transport.shm``)."""
 
     def __init__(self, worker_id: str, why: str):
         super().__init__(

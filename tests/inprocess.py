@@ -18,7 +18,7 @@ from paramserver.server.app import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
-from paramserver.shm import Attachments
+from paramserver.transport.shm import Attachments
 from tests.conftest import FakeClock
 
 # a failed call as the stub raises it: the control socket's error is one already

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paramserver import clicks, data, models
+from paramserver import models
+from paramserver.training import clicks, data
 
 dlrm_sparse = models.dlrm_sparse  # the built-in ``dlrm-sparse``, by its test-module name
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.utils.data import TensorDataset
 
-from paramserver import data
+from paramserver.training import data
 
 
 def small() -> tuple[TensorDataset, TensorDataset]:

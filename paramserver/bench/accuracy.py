@@ -24,12 +24,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paramserver import data, models
+from paramserver import models
 from paramserver.bench.ddp import run_ranks
+from paramserver.cluster.launch import launch_args, planned_optimizer_steps
 from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig
-from paramserver.evaluation import evaluate
-from paramserver.launch import launch_args, planned_optimizer_steps
-from paramserver.store import build_optimizer
+from paramserver.server.store import build_optimizer
+from paramserver.training import data
+from paramserver.training.evaluation import evaluate
 
 BATCH = 64
 POLICIES = ("sync", "delay-1", "async")

@@ -17,10 +17,10 @@ import click
 
 from paramserver import settings
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.launch import server_args
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.config import OptimizerConfig, ServerConfig, WorkerConfig
-from paramserver.launch import server_args
-from paramserver.procs import READY_MARKER, Child, stop_all
-from paramserver.stub import Stub, connect
+from paramserver.transport.stub import Stub, connect
 
 
 def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paramserver import models
 from paramserver.config import OptimizerConfig
-from paramserver.store import build_optimizer
+from paramserver.server.store import build_optimizer
 
 
 def main(argv: list[str]) -> None:

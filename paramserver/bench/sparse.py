@@ -34,10 +34,10 @@ RANKS = "paramserver.bench.sparse_ranks"
 
 def ps_run(case: Case, sparse: bool, steps: int, logs: Path, evaluate: bool) -> dict[str, Any]:
     """(a) or (b): a server in this process and WORLD worker processes."""
-    import paramserver as ps
+    from paramserver.api import serve
 
     logging.getLogger("paramserver").setLevel(logging.WARNING)  # the server's joins and leaves
-    server = ps.serve(build_model(case, sparse), optimizer=case.optimizer, lr=LR,
+    server = serve(build_model(case, sparse), optimizer=case.optimizer, lr=LR,
                       policy="async", workers=WORLD, lease_seconds=120)  # fmt: skip
     saved = logs / f"train-{case.name}.pt"  # made once here, not in each worker
     if not saved.exists():

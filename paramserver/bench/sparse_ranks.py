@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramserver import clicks, models
-from paramserver.evaluation import evaluate
+from paramserver import models
+from paramserver.training import clicks
+from paramserver.training.evaluation import evaluate
 
 LR = 0.01
 
@@ -150,8 +151,8 @@ def local_run(case: Case) -> dict[str, Any]:
 
 
 def ps_main(argv: list[str]) -> None:
-    import paramserver as ps
     from paramserver.bench.ddp import write_result
+    from paramserver.worker.worker import Worker
 
     rank, world, address, name = int(argv[0]), int(argv[1]), argv[4], argv[5]
     sparse, max_steps, saved, out = argv[6] == "1", int(argv[7]), argv[8], argv[9]
@@ -160,7 +161,7 @@ def ps_main(argv: list[str]) -> None:
     train_x, train_y = torch.load(saved)
     model = build_model(case, sparse)
     mine = list(range(rank, case.train // case.batch, world))[: max_steps or None]
-    with ps.Worker(address, model, cache_rows=case.cache_rows, name=f"bench-{rank}") as worker:
+    with Worker(address, model, cache_rows=case.cache_rows, name=f"bench-{rank}") as worker:
         started = time.perf_counter()
         for b in mine:
             part = slice(b * case.batch, (b + 1) * case.batch)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from paramserver import models
 from paramserver.bench.common import cpu_seconds, median_seconds, server_child
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.store import build_optimizer
+from paramserver.server.store import build_optimizer
 from paramserver.worker.worker import Worker
 
 

@@ -1,3 +1,8 @@
 """The only code that turns tensors into bytes and back, one module a job: ``layout`` (the
-flat buffer, its manifest and its shards), ``wire`` (framing on gRPC streams) and
-``compression`` (the wire element types, by registry)."""
+flat buffer, its manifest and its shards), ``wire`` (framing of dense payloads on gRPC
+streams), ``rows`` (sparse tables' specs and row gradients to and from their messages),
+``records`` (the control socket's frames) and ``compression`` (the wire element types, by
+registry).
+
+May import: ``errors`` and ``_proto`` only: every other package sits above it.
+"""

@@ -15,20 +15,22 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
-from paramserver import checkpoint, models, security, stub
+from paramserver import models
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
+from paramserver.server import checkpoint
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.doorbell import Doorbell
-from paramserver.server.health import BoundedHealth
 from paramserver.server.metrics import SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
-from paramserver.shm import Attachments
+from paramserver.server.store import ParameterStore
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import TableSet, row_optimizer
-from paramserver.store import ParameterStore
+from paramserver.transport import security, stub
+from paramserver.transport.health import BoundedHealth
+from paramserver.transport.shm import Attachments
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ HEALTH_SERVICES = ("", stub.SERVICE)
 # server still trains; its status says since when and why), SERVING once one succeeds.
 CHECKPOINT_HEALTH = "paramserver.v1.Checkpoints"
 # Payloads are chunked, so no message is large: a payload chunk is at most 16 MiB
-# (--chunk-bytes), a push's rows at most 8 MiB a message (sparse/wire.py), a row pull's ids
+# (--chunk-bytes), a push's rows at most 8 MiB a message (codec/rows.py), a row pull's ids
 # at most 16 MiB (sparse/remote.py). gRPC receives a message whole before any check of
 # ours (the token's included) can refuse it, so the receive limit bounds what each call
 # without the token can make the server hold (docs/operations.md). Answers (a row pull's

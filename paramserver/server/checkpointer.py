@@ -23,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from paramserver import checkpoint
 from paramserver.config import parse_every
 from paramserver.errors import OutOfOrder
+from paramserver.server import checkpoint
 from paramserver.server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from paramserver.codec.layout import Manifest
+from paramserver.codec.rows import RowGradients
 from paramserver.errors import InvalidRequest
-from paramserver.sparse.tableset import RowGradients
 from paramserver.sparse.tableset import finite as rows_finite
 
 

@@ -16,25 +16,26 @@ from typing import Any
 
 import numpy as np
 
-from paramserver import staleness
 from paramserver.codec.layout import Manifest
+from paramserver.codec.rows import RowGradients
 from paramserver.config import MAX_PUSH_EVERY, ServerConfig
-from paramserver.dataplan import BatchQueue
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
-from paramserver.membership import Membership
+from paramserver.policy import staleness
+from paramserver.policy.staleness import Policy, PushAction
 from paramserver.server.buffers import SharedBuffers
 from paramserver.server.checks import check_gradient
 from paramserver.server.cuts import Cuts
+from paramserver.server.dataplan import BatchQueue
 from paramserver.server.ledger import Ledger
 from paramserver.server.members import Members
+from paramserver.server.membership import Membership
 from paramserver.server.rounds import SyncRound
 from paramserver.server.saves import Saves
 from paramserver.server.saving import Saving
 from paramserver.server.state import capture
 from paramserver.server.status import Counters, ServerStatus, server_status
-from paramserver.sparse.tableset import RowGradients, RowRound, TableSet
-from paramserver.staleness import Policy, PushAction
-from paramserver.store import ParameterStore
+from paramserver.server.store import ParameterStore
+from paramserver.sparse.tableset import RowRound, TableSet
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from paramserver.errors import (
     to_status,
 )
 from paramserver.server.steps import Steps
-from paramserver.shm import NONCE_BYTES, Attachments
+from paramserver.transport.shm import NONCE_BYTES, Attachments
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from paramserver.dataplan import BatchQueue
-from paramserver.membership import Member, Membership
+from paramserver.server.dataplan import BatchQueue
+from paramserver.server.membership import Member, Membership
 
 if TYPE_CHECKING:
     from paramserver.config import ServerConfig
+    from paramserver.policy.staleness import Policy
     from paramserver.server.buffers import SharedBuffers
-    from paramserver.staleness import Policy
-    from paramserver.store import ParameterStore
+    from paramserver.server.store import ParameterStore
 
 log = logging.getLogger("paramserver.server.coordinator")
 

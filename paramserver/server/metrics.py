@@ -21,8 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from paramserver.security import HEALTH_PREFIX
 from paramserver.server.status import ServerStatus
+from paramserver.transport.security import HEALTH_PREFIX
 
 log = logging.getLogger(__name__)
 

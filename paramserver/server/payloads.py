@@ -1,4 +1,4 @@
-"""The server's side of the payload channels (``worker/channel.py``): a push's gradient
+"""The server's side of the payload channels (``transport/channels.py``): a push's gradient
 and a pull's weights go through the worker's shared segment when the server took it at
 Join, else through the gRPC stream. The one place the server picks.
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
-from paramserver.shm import Attachments
+from paramserver.transport.shm import Attachments
 
 # Receive buffers kept for reuse: a fresh 64 MiB buffer costs about 7 ms of page faults.
 KEEP_BUFFERS = 4

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paramserver import staleness
+from paramserver.policy import staleness
 
 
 class SyncRound:

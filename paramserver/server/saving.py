@@ -15,11 +15,11 @@ import numpy as np
 from paramserver.server.state import capture, restore_into
 
 if TYPE_CHECKING:
-    from paramserver.membership import Membership
     from paramserver.server.coordinator import Coordinator
     from paramserver.server.cuts import Cuts
+    from paramserver.server.membership import Membership
     from paramserver.server.saves import Saves
-    from paramserver.store import ParameterStore
+    from paramserver.server.store import ParameterStore
 
 
 class Saving:

@@ -16,7 +16,7 @@ from paramserver.errors import OutOfOrder, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
 from paramserver.server.steps import Steps
-from paramserver.shm import Attachments
+from paramserver.transport.shm import Attachments
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

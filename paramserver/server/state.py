@@ -1,4 +1,4 @@
-"""A coordinator's state as a checkpoint holds it, and back (see ``paramserver.checkpoint``
+"""A coordinator's state as a checkpoint holds it, and back (see ``paramserver.server.checkpoint``
 for the keys). The caller holds the coordinator's lock."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paramserver.dataplan import BatchQueue
-from paramserver.membership import Membership
+from paramserver.server.dataplan import BatchQueue
 from paramserver.server.ledger import Ledger
+from paramserver.server.membership import Membership
 from paramserver.server.rounds import SyncRound
 from paramserver.sparse.tableset import RowRound
 

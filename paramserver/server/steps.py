@@ -17,13 +17,13 @@ from contextlib import contextmanager
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
+from paramserver.codec import rows as sparse_wire
+from paramserver.codec.rows import RowGradients
 from paramserver.config import MAX_PUSH_EVERY
 from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
-from paramserver.sparse import wire as sparse_wire
-from paramserver.sparse.tableset import RowGradients
 
 log = logging.getLogger(__name__)
 

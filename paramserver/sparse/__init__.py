@@ -1,4 +1,4 @@
-"""Sparse embedding tables held by the servers (issue 12).
+"""Sparse embedding tables held by the servers.
 
 A model's trainable ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True`` is a table:
 outside the flat buffer, its rows held by the server shards and moved only when a batch
@@ -14,7 +14,6 @@ touches them.
 - ``tableset``: every table a shard holds, as the coordinator uses them: a push's rows
   checked whole before any table changes, the sync round's row gradients averaged like the
   dense part's, the tables' optimizer chosen from the server's;
-- ``wire``: table specs and row gradients to and from their messages;
 - ``client``: ``Tables`` (pull and push rows by id, one request per shard that holds
   them) and ``LocalTables``, every shard in this process;
 - ``embedding``: ``TableEmbedding`` in place of a sparse ``nn.Embedding`` or
@@ -24,6 +23,9 @@ touches them.
   server again), and ``stage_rows``: a step's row gradients for each shard's push header;
 - ``memory``: the worker's glibc mmap threshold, so large row buffers are not kept.
 
-The worker's side of them is ``worker/rows.py`` (attach, prefetch, a step's rows).
-Not yet: one request for every table's rows of a step (today one per table and shard).
+Their wire format is ``codec/rows.py``; the worker's side of them is ``worker/rows.py``
+(attach, prefetch, a step's rows).
+
+May import: ``codec``, ``config``, ``errors``, ``_proto``. Never ``server``, ``worker`` or
+anything above them.
 """

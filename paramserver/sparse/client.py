@@ -15,8 +15,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from paramserver.codec.rows import TableSpec
 from paramserver.sparse.rows import shard_of
-from paramserver.sparse.table import ShardTable, TableSpec
+from paramserver.sparse.table import ShardTable
 
 
 class Tables(Protocol):

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramserver.codec.rows import TableSpec
 from paramserver.config import DEFAULT_CACHE_ROWS
 from paramserver.sparse.client import Tables
 from paramserver.sparse.index import RowIndex
-from paramserver.sparse.table import TableSpec
 
 
 @dataclass

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import rows as wire
+from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.errors import ConfigError, UnknownWorker, WrongIncarnation, from_rpc_error
-from paramserver.sparse import wire
 from paramserver.sparse.client import split_by_shard
 from paramserver.sparse.embedding import (
     DEFAULT_CACHE_ROWS,
@@ -31,8 +32,6 @@ from paramserver.sparse.embedding import (
     make_tables,
     table_specs,
 )
-from paramserver.sparse.table import TableSpec
-from paramserver.sparse.tableset import RowGradients
 
 T = TypeVar("T")
 PULL_BYTES = 16 << 20  # a row pull's values (and ids) at most: larger go as several requests

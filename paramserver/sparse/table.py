@@ -9,35 +9,16 @@ leaves the table as it was.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from paramserver.codec.rows import TableSpec
 from paramserver.errors import InvalidRequest
 from paramserver.sparse.index import RowIndex
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
 from paramserver.sparse.rows import initial_rows, shard_of, table_key
-
-DTYPES = ("float32", "float64")
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A table as the manifest describes it."""
-
-    name: str
-    rows: int
-    dim: int
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.rows < 1 or self.dim < 1:
-            raise ValueError(f"Table {self.name!r} needs rows and dim >= 1; got "
-                             f"{self.rows} x {self.dim}.")  # fmt: skip
-        if self.dtype not in DTYPES:
-            raise ValueError(f"Table {self.name!r}: dtype {self.dtype} is not one of {DTYPES}.")
 
 
 class ShardTable:

@@ -16,25 +16,16 @@ bookkeeping only, no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.errors import InvalidRequest
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import initial_rows
-from paramserver.sparse.table import ShardTable, TableSpec
-
-
-@dataclass(frozen=True)
-class RowGradients:
-    """One table's part of a push: distinct ``ids`` and one gradient row each."""
-
-    table: str
-    ids: np.ndarray
-    grads: torch.Tensor
+from paramserver.sparse.table import ShardTable
 
 
 def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:

@@ -33,7 +33,7 @@ from paramserver.errors import (
     WrongIncarnation,
     from_rpc_error,
 )
-from paramserver.worker.channel import PayloadChannel
+from paramserver.transport.channels import PayloadChannel
 from paramserver.worker.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Session:
 
     Args:
         address: the server's host:port (for messages).
-        stub: the server's stub (``paramserver.stub.Stub`` or a test double).
+        stub: the server's stub (``paramserver.transport.stub.Stub`` or a test double).
         name: shown in the server's status.
         rpc_timeout: deadline of Join, Push, Heartbeat and Leave.
         backoff: how long to retry while the server is unreachable.

@@ -3,7 +3,7 @@ its shards and rejoins, and how its steps move (``StepMode``)."""
 
 from __future__ import annotations
 
-from paramserver.staleness import Policy
+from paramserver.policy.staleness import Policy
 from paramserver.worker.pipeline import StepMode, step_mode
 from paramserver.worker.session import Session
 

@@ -30,15 +30,15 @@ import torch
 from torch import nn
 
 from paramserver import models
-from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.config import MAX_PUSH_EVERY, Security
 from paramserver.errors import ConfigError, ParamServerError
+from paramserver.policy.staleness import Policy
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS
-from paramserver.staleness import Policy
-from paramserver.stub import Stub, connect
-from paramserver.worker.channel import StreamBuffers, new_segment, open_channel
+from paramserver.transport import shm as shmem
+from paramserver.transport.channels import StreamBuffers, new_segment, open_channel
+from paramserver.transport.stub import Stub, connect
 from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode
 from paramserver.worker.replica import Replica
 from paramserver.worker.retry import Backoff
@@ -80,7 +80,7 @@ class Worker(WorkerView):
             allows), instead of waiting for the push before pulling. None: on for CUDA
             models, off on CPU (``docs/api.md`` says why).
         shm: offer each server a shared-memory segment for the payloads (see
-            ``paramserver.shm``); used only if the server shares this host's /dev/shm,
+            ``paramserver.transport.shm``); used only if the server shares this host's /dev/shm,
             otherwise payloads stream over gRPC. ``shm_active`` says which. ``shm_control``:
             with shared memory, carry each step's control over the server's same-host
             control socket instead of a gRPC call (``control_active`` says if it does).

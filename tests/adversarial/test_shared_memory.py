@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import paramserver as ps
-from paramserver import shm
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import wire
-from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.server import coordinator as coordinator_module
-from paramserver.stub import Stub, connect
-from paramserver.worker.channel import ControlSocket
+from paramserver.transport import shm
+from paramserver.transport.channels import ControlSocket
+from paramserver.transport.stub import Stub, connect
 from tests.conftest import DEADLINE
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm here")

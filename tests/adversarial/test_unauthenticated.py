@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.config import Security
-from paramserver.procs import READY_MARKER, Child, stop_all
-from paramserver.server.health import MAX_WATCHES
+from paramserver.transport.health import MAX_WATCHES
 from tests.conftest import DEADLINE, tiny_model
 
 TOKEN = "s3cret"

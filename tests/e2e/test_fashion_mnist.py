@@ -9,7 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from paramserver import data, models
+from paramserver import models
+from paramserver.training import data
 from tests.conftest import paramserver_cmd
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver import data
-from paramserver.evaluation import evaluate
+from paramserver.training import data
+from paramserver.training.evaluation import evaluate
 from tests.conftest import WorkerThread, replica, tiny_model
 
 
@@ -102,8 +102,9 @@ def test_bad_policy_is_refused_before_anything_starts():
 
 
 def test_checkpoint_of_a_launch_loads_into_the_model(serve, tmp_path):
-    from paramserver import checkpoint, models
+    from paramserver import models
     from paramserver.codec import layout
+    from paramserver.server import checkpoint
 
     server = serve("resnet", seed=5)
     c = server.coordinator

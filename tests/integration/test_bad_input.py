@@ -19,7 +19,7 @@ from torch import nn
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.config import MAX_PUSH_EVERY
-from paramserver.stub import Stub
+from paramserver.transport.stub import Stub
 from tests.conftest import tiny_model
 
 CLEAR = {

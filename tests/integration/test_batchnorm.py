@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver import checkpoint, data
 from paramserver.codec import layout
+from paramserver.server import checkpoint
+from paramserver.training import data
 from tests.conftest import large_batch_reference, replica, sync_workers
 
 BATCH, STEPS, WORKERS, SHIFT = 32, 40, 2, 3.0

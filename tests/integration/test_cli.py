@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from paramserver import checkpoint, models
+from paramserver import models
+from paramserver.server import checkpoint
 from tests.conftest import DEADLINE, paramserver_cmd
 
 

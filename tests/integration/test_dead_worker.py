@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from paramserver import data
+from paramserver.training import data
 from tests.conftest import DEADLINE, paramserver_cmd
 
 LEASE = 1.0

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import paramserver as ps
-from paramserver import shm
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import records
-from paramserver.worker.channel import ControlSocket
+from paramserver.transport import shm
+from paramserver.transport.channels import ControlSocket
 from tests.conftest import DEADLINE
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm here")

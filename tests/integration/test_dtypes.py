@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver import data
 from paramserver.errors import ConfigError
+from paramserver.training import data
 from tests.conftest import WorkerThread, replica, tiny_model
 
 BATCH, STEPS = 32, 60

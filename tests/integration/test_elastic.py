@@ -3,9 +3,9 @@ another leaves cleanly, and every batch of the run is applied exactly once."""
 
 from __future__ import annotations
 
-from paramserver import data
 from paramserver.config import WorkerConfig
-from paramserver.worker.trainer import run
+from paramserver.training import data
+from paramserver.training.trainer import run
 from tests.conftest import DEADLINE, WorkerThread
 
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver import data
-from paramserver import shm as shm_module
-from paramserver.stub import Stub, connect
-from paramserver.worker.channel import ControlSocket
+from paramserver.training import data
+from paramserver.transport import shm as shm_module
+from paramserver.transport.channels import ControlSocket
+from paramserver.transport.stub import Stub, connect
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 
 

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver import checkpoint, models
+from paramserver import models
 from paramserver.errors import ConfigError
-from paramserver.export import choose, export
+from paramserver.server import checkpoint
+from paramserver.server.export import choose, export
 from tests.conftest import DEADLINE, paramserver_cmd
 
 MODEL, SEED, STEPS = "tests.sparse_models:Mixed", 3, 12

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paramserver.config import Security, WorkerConfig
 from paramserver.server.metrics import SOCKET_METHOD
-from paramserver.worker.trainer import run
+from paramserver.training.trainer import run
 from tests.conftest import WorkerThread
 
 SERVICE = "paramserver.v1.ParameterServer"

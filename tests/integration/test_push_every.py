@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from paramserver import data
 from paramserver.config import WorkerConfig
-from paramserver.worker.trainer import run
+from paramserver.training import data
+from paramserver.training.trainer import run
 from tests.conftest import WorkerThread
 
 

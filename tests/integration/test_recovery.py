@@ -22,10 +22,10 @@ from torch import nn
 
 import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec.records import ControlError
-from paramserver.procs import READY_MARKER, Child, stop_all
 from paramserver.server.app import CHECKPOINT_HEALTH
-from paramserver.stub import Stub, connect
+from paramserver.transport.stub import Stub, connect
 from tests.conftest import DEADLINE, WorkerThread, free_port, paramserver_cmd, tiny_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from paramserver.procs import READY_MARKER, Child, stop_all
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from tests.conftest import DEADLINE, free_port
 from tests.integration.test_server_restart import _status
 

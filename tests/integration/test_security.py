@@ -20,7 +20,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.config import Security
 from paramserver.errors import ServerUnavailable, Unauthenticated
-from paramserver.security import client_channel
+from paramserver.transport.security import client_channel
 from tests.conftest import replica, tiny_model
 
 

@@ -11,14 +11,15 @@ import time
 import grpc
 import torch
 
-from paramserver import data, models
+from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import layout
-from paramserver.evaluation import evaluate
-from paramserver.procs import READY_MARKER, Child, stop_all
-from paramserver.stub import connect
-from paramserver.worker.channel import observe
+from paramserver.training import data
+from paramserver.training.evaluation import evaluate
+from paramserver.transport.channels import observe
+from paramserver.transport.stub import connect
 from tests.conftest import DEADLINE
 
 EPOCHS, BATCH, WORKERS = 3, 32, 2

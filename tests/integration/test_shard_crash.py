@@ -15,13 +15,15 @@ import time
 import grpc
 import numpy as np
 
-from paramserver import checkpoint, data, models
+from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import layout
-from paramserver.procs import READY_MARKER, Child, stop_all
+from paramserver.server import checkpoint
 from paramserver.sparse.remote import Observer, RemoteTables
-from paramserver.stub import Stub, connect
-from paramserver.worker.channel import observe
+from paramserver.training import data
+from paramserver.transport.channels import observe
+from paramserver.transport.stub import Stub, connect
 from tests.conftest import DEADLINE
 
 EPOCHS, BATCH, WORKERS, SHARDS, CUT_EVERY = 3, 64, 2, 2, 5

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver import checkpoint, data
 from paramserver.codec import layout
+from paramserver.server import checkpoint
+from paramserver.training import data
 from tests.conftest import replica, tiny_model
 from tests.integration.test_cli import run_cli
 

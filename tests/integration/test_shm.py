@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver import data, shm
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.stub import Stub, connect
+from paramserver.training import data
+from paramserver.transport import shm
+from paramserver.transport.stub import Stub, connect
 from tests.conftest import replica, tiny_model
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm here")

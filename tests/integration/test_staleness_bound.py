@@ -9,7 +9,7 @@ import pytest
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver import data
+from paramserver.training import data
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 
 STEPS = 24

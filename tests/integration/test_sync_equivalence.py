@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import paramserver as ps
-from paramserver import data
+from paramserver.training import data
 from tests.conftest import large_batch_reference, replica, sync_workers, tiny_model
 
 BATCH, STEPS, WORKERS = 16, 12, 2

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver import checkpoint, clicks
-from paramserver.evaluation import evaluate
-from paramserver.sparse import wire as sparse_wire
+from paramserver.codec import rows as sparse_wire
+from paramserver.server import checkpoint
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
+from paramserver.training import clicks
+from paramserver.training.evaluation import evaluate
 from tests import sparse_models
 from tests.conftest import DEADLINE, WorkerThread, paramserver_cmd
 from tests.sparse_models import dlrm_sparse
@@ -190,8 +191,8 @@ def test_launch_trains_a_model_with_tables_and_checkpoints_them(tmp_path):
 @pytest.mark.parametrize("shm", [False, True])
 def test_rows_of_a_push_whose_reply_is_lost_are_applied_once(serve, shm, monkeypatch):
     """The rows ride with the dense push: a retried push is a duplicate for both."""
-    from paramserver.stub import Stub, connect
-    from paramserver.worker.channel import ControlSocket
+    from paramserver.transport.channels import ControlSocket
+    from paramserver.transport.stub import Stub, connect
     from tests.integration.test_exactly_once import DropPushReplies, DropSocketReplies
 
     torch.manual_seed(2)
@@ -240,8 +241,8 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
 
 
 def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(serve):
-    from paramserver import shm as shm_module
     from paramserver.codec import records
+    from paramserver.transport import shm as shm_module
 
     if not shm_module.available():
         pytest.skip("no writable /dev/shm here")

@@ -10,13 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import paramserver as ps
-from paramserver import clicks
-from paramserver import shm as shm_module
 from paramserver.config import WorkerConfig
 from paramserver.server.metrics import StatusCollector
 from paramserver.sparse import remote
 from paramserver.sparse.remote import RemoteTables
-from paramserver.worker import trainer
+from paramserver.training import clicks, trainer
+from paramserver.transport import shm as shm_module
 from tests.integration.test_tables import BATCH, DIM, Clicky, _batches, _local_twin, _table
 
 
@@ -168,7 +167,7 @@ def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, mo
     """``ServerApp.model_state_dict()`` and a single server's checkpoint load strictly into
     the model, tables whole; a shard of several says it holds a part. Row pulls larger than
     a request's share (here 3 rows) go as several requests."""
-    from paramserver import checkpoint
+    from paramserver.server import checkpoint
 
     monkeypatch.setattr(remote, "PULL_BYTES", 3 * 8 * 4)  # 3 rows of DIM 8 float32
     torch.manual_seed(6)

@@ -14,7 +14,7 @@ from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.state import capture
-from paramserver.store import ParameterStore
+from paramserver.server.store import ParameterStore
 from tests.conftest import FakeClock
 
 P, B = 2, 2  # parameters, float buffer elements; then one count

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver import clicks, data, models
-from paramserver.evaluation import evaluate
+from paramserver import models
+from paramserver.training import clicks, data
+from paramserver.training.evaluation import evaluate
 
 
 def _pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> float:

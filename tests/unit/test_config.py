@@ -10,7 +10,7 @@ import pytest
 
 from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig, WorkerConfig
 from paramserver.errors import ConfigError
-from paramserver.staleness import Policy
+from paramserver.policy.staleness import Policy
 
 
 def test_defaults_are_valid() -> None:

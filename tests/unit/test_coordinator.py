@@ -14,8 +14,8 @@ from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker, WrongIncarnation
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
-from paramserver.shm import Attachments
-from paramserver.store import ParameterStore
+from paramserver.server.store import ParameterStore
+from paramserver.transport.shm import Attachments
 from tests.conftest import FakeClock
 
 LEASE = 10.0

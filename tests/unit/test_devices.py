@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from paramserver.errors import ConfigError
-from paramserver.worker import replica, trainer
+from paramserver.training import trainer
+from paramserver.worker import replica
 
 
 @pytest.mark.parametrize(

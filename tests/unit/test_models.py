@@ -35,7 +35,7 @@ def test_module_function_factory():
         ("resnet50", "Unknown model 'resnet50': use one of mlp, cnn, resnet"),
         ("no_such_module_xyz:f", "Cannot import module 'no_such_module_xyz'"),
         ("paramserver.models:nothing", "has no function 'nothing'"),
-        ("paramserver.data:default_data_dir", "returned PosixPath, not a torch.nn.Module"),
+        ("paramserver.training.data:default_data_dir", "returned PosixPath, not a torch.nn.Module"),
     ],
 )
 def test_bad_model_specs_are_clear(spec, message):

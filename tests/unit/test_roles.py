@@ -1,4 +1,4 @@
-"""Roles from a scheduler's environment (``paramserver/roles.py``): TF_CONFIG and
+"""Roles from a scheduler's environment (``paramserver/cluster/roles.py``): TF_CONFIG and
 ``--shard auto``; what they imply, and one-line errors for what they cannot mean."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from paramserver import roles
+from paramserver.cluster import roles
 from paramserver.errors import ConfigError
 
 CLUSTER = {"ps": ["ps-0.ps:2222", "ps-1.ps:2223"], "chief": ["c-0:1"], "worker": ["w-0:1", "w-1:1"]}

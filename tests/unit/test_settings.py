@@ -54,7 +54,7 @@ def test_a_worker_config_survives_argv_and_the_command_line():
 
 
 def test_launch_passes_its_worker_settings_to_its_workers_as_declared():
-    from paramserver.launch import worker_args
+    from paramserver.cluster.launch import worker_args
 
     cfg = LaunchConfig(server=ServerConfig(), device="cpu", threads=2, step_delay=0.5,
                        overlap="off", shm="off", compress="fp16", push_every=2)  # fmt: skip
@@ -93,7 +93,7 @@ def test_status_and_health_do_not_import_torch():
 
 
 def test_a_launch_config_survives_argv_and_the_command_line():
-    from paramserver.launch import launch_args
+    from paramserver.cluster.launch import launch_args
 
     server = ServerConfig(
         host="127.0.0.1", port=0, policy="sync", workers=3, epochs=2, dataset="synthetic",

@@ -188,7 +188,7 @@ def test_rows_split_into_chunks_read_back_as_the_header_held_them(sizes, limit):
     """``split_rows`` cuts a header's rows into chunks of at most ``limit`` bytes (a row
     each at least), and the server reads the chunks back as the same rows, a table each."""
     from paramserver._proto import paramserver_pb2 as pb
-    from paramserver.sparse import wire
+    from paramserver.codec import rows as wire
     from paramserver.sparse.tableset import RowGradients
 
     specs = {f"t{i}": TableSpec(f"t{i}", 1000, 3) for i in range(len(sizes))}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paramserver.errors import ConfigError
-from paramserver.staleness import (
+from paramserver.policy.staleness import (
     Policy,
     PushAction,
     push_action,

@@ -8,7 +8,7 @@ import torch
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.store import ParameterStore
+from paramserver.server.store import ParameterStore
 
 MANIFEST = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver import data
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError, DataUnavailable
+from paramserver.training import data
 
 
 def test_a_users_data_set_batches_like_the_built_in_ones():

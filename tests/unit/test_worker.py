@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import paramserver as ps
-from paramserver import shm as shmem
+from paramserver.transport import shm as shmem
 from paramserver.worker.pipeline import StepMode
 from paramserver.worker.retry import Backoff
 from paramserver.worker.session import SessionState

@@ -15,7 +15,7 @@ server needs to go on exactly where it stopped:
     members           [{worker_id, name, rank, clock, samples}]: the clocks say which pushes
                       the weights hold, so a worker that rejoins redoes exactly the rest
     membership        {floor, joined_total, expired_total}
-    queue             the batch queue (``paramserver.dataplan``), or None; its
+    queue             the batch queue (``paramserver.server.dataplan``), or None; its
                       ``groups`` are the batches to hand out again, one push's a group
     sync_round        {sum, from, n}: the gradients of a sync round in progress
     buffers           {worker_id: tensor}: each worker's latest buffer values, whose mean

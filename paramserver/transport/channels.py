@@ -7,7 +7,7 @@ the shard's range of the model's flat buffer. Control (the headers) always goes 
 - ``GrpcStreamChannel``: payloads stream in chunks (``codec.wire``), gradients optionally
   compressed (``codec.compression``): for any server, on any host.
 - ``ShmChannel``: payloads go through the worker's shared-memory segment that the server
-  mapped at Join (``paramserver.shm``); a push and the next pull are one PushPull, carried
+  mapped at Join (``paramserver.transport.shm``); a push and the next pull are one PushPull, carried
   by the server's same-host control socket when it offered one (``ControlSocket``), else by
   a gRPC call. A control socket that fails (the server died, a deadline passed) is dropped
   and that session's steps go over gRPC, whose retries and rejoins take over.
@@ -27,12 +27,12 @@ import grpc
 import numpy as np
 import torch
 
-from paramserver import shm as shmem
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, records, wire
+from paramserver.codec import rows as sparse_wire
 from paramserver.errors import from_rpc_error
-from paramserver.sparse import wire as sparse_wire
-from paramserver.stub import Stub
+from paramserver.transport import shm as shmem
+from paramserver.transport.stub import Stub
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,10 @@
-"""Command line: ``paramserver server | worker | launch | status``.
+"""Command line: ``paramserver server | worker | launch | status | health | plot | export |
+bench``, and the status view (``statusview``).
 
 Every option can also be set through the ``PARAMSERVER_*`` variable shown in its help.
+
+May import: every package (it is the top of the layering); nothing imports it but
+``__main__``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 
 import click
 
-from paramserver import roles, settings
+from paramserver import settings
+from paramserver.cluster import roles
 from paramserver.config import (
     MODEL_DEFAULTS,
     LaunchConfig,
@@ -136,7 +141,7 @@ def server(shard: str, **kw: Any) -> None:
     Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "ps" task takes its shard, port and the
     number of workers from it, unless given.
     """
-    from paramserver.procs import READY_MARKER
+    from paramserver.cluster.procs import READY_MARKER
     from paramserver.server.app import ServerApp
 
     task = roles.tf_config(os.environ)
@@ -205,10 +210,10 @@ def worker(server_address: str | None, procs: int, **kw: Any) -> None:
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1; got {procs}.")
     if procs > 1:
-        from paramserver.launch import run_worker_procs
+        from paramserver.cluster.launch import run_worker_procs
 
         sys.exit(run_worker_procs(cfg, procs))
-    from paramserver.worker.trainer import run
+    from paramserver.training.trainer import run
 
     log.info("worker configuration: %s", cfg)
     summary = run(cfg)
@@ -240,9 +245,9 @@ def launch(as_json: bool, progress: bool, **kw: Any) -> None:
     Evaluates the global model on the test set after every epoch and writes a run folder
     (config.json, metrics.jsonl, curve.png, checkpoint.pt, summary.json, logs).
     """
-    from paramserver import data
-    from paramserver.launch import launch as run_launch
-    from paramserver.launch import planned_optimizer_steps
+    from paramserver.cluster.launch import launch as run_launch
+    from paramserver.cluster.launch import planned_optimizer_steps
+    from paramserver.training import data
 
     model_defaults(kw)
     launch_kw = settings.values(LaunchConfig, kw)
@@ -281,7 +286,7 @@ QUERY_SERVER_OPTION = opt(
 
 
 def _status_stub(server_address: str, timeout: float, kw: dict[str, Any]) -> Any:
-    from paramserver.stub import Stub, connect
+    from paramserver.transport.stub import Stub, connect
 
     channel = connect(server_address, timeout, security_config(kw))
     return channel, Stub(channel)
@@ -306,9 +311,9 @@ def status(
     import grpc
 
     from paramserver._proto import paramserver_pb2 as pb
+    from paramserver.cli.statusview import as_json as to_json
+    from paramserver.cli.statusview import render
     from paramserver.errors import from_rpc_error
-    from paramserver.statusview import as_json as to_json
-    from paramserver.statusview import render
 
     if watch is not None and watch <= 0:
         raise ConfigError(f"--watch must be positive; got {watch}.")
@@ -345,7 +350,7 @@ def health(server_address: str, timeout: float, service: str, **kw: Any) -> None
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from paramserver.errors import ServerUnavailable, from_rpc_error
-    from paramserver.stub import connect
+    from paramserver.transport.stub import connect
 
     channel = connect(server_address, timeout, security_config(kw))
     try:
@@ -367,7 +372,7 @@ def health(server_address: str, timeout: float, service: str, **kw: Any) -> None
 @opt("--out", env="PLOT_OUT", default=None, help="PNG to write [default: RUN_DIR/curve.png].")
 def plot(run_dir: str, out: str | None) -> None:
     """Draw a run folder's loss, accuracy and throughput curves to a PNG."""
-    from paramserver.rundir import RunDir
+    from paramserver.cluster.rundir import RunDir
 
     path = RunDir.open(run_dir).plot(out=out)
     click.echo(str(path))
@@ -383,7 +388,7 @@ def plot(run_dir: str, out: str | None) -> None:
 def export(checkpoint_dir: str, model: str, seed: int, round_: int | None, out: str) -> None:
     """Write a run's whole model from its servers' checkpoints in CHECKPOINT_DIR: every
     shard's part and sparse table rows, no server needed (see docs/guide.md)."""
-    from paramserver.export import export as write
+    from paramserver.server.export import export as write
 
     path, version = write(checkpoint_dir, model, seed, out, round_)
     click.echo(f"{path}: version {version}")
@@ -424,7 +429,7 @@ def bench(name: str, as_json: bool, quick: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: errors become one line on stderr and a non-zero exit."""
-    from paramserver.procs import die_with_parent_if_asked
+    from paramserver.cluster.procs import die_with_parent_if_asked
 
     die_with_parent_if_asked()
     try:

@@ -17,19 +17,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from paramserver import checkpoint, data, models, settings
+from paramserver import models, settings
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.procs import READY_MARKER, Child, stop_all
+from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
+from paramserver.codec.rows import TableSpec
 from paramserver.config import WORKER_SETTINGS, LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
-from paramserver.evaluation import evaluate_batches
-from paramserver.procs import READY_MARKER, Child, stop_all
-from paramserver.rundir import RunDir
+from paramserver.server import checkpoint
 from paramserver.sparse.embedding import TableEmbedding, attach_tables, make_tables
 from paramserver.sparse.remote import Observer, RemoteTables
-from paramserver.sparse.table import TableSpec
-from paramserver.stub import Stub, connect
-from paramserver.worker.channel import observe
+from paramserver.training import data
+from paramserver.training.evaluation import evaluate_batches
+from paramserver.transport.channels import observe
+from paramserver.transport.stub import Stub, connect
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +323,7 @@ def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:
 def run_worker_procs(cfg: WorkerConfig, procs: int) -> int:
     """``paramserver worker --procs N``: start ``procs`` single-process workers here and
     wait for all of them; the exit status (1 if any failed)."""
-    from paramserver.worker.trainer import process_devices
+    from paramserver.training.trainer import process_devices
 
     devices = process_devices(cfg.device, procs, torch.cuda.device_count())
     logdir = Path(tempfile.mkdtemp(prefix="paramserver-workers-"))

@@ -1,17 +1,16 @@
-"""Model factories, by name or by ``module:function``."""
+"""The built-in models: ``mlp`` and ``cnn`` (Fashion-MNIST), ``resnet``, and ``dlrm`` /
+``dlrm-sparse`` (the click log), each a function that builds a fresh module."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-from paramserver.codec.layout import Manifest
-from paramserver.errors import ConfigError
-from paramserver.sparse.table import TableSpec
+# The built-in click log's shape (``training/clicks.py``), which ``dlrm`` is sized for.
+CLICK_FIELDS = 8
+CLICK_ROWS = 10_000  # ids per field
 
 
 def mlp() -> nn.Module:
@@ -127,124 +126,14 @@ class DLRM(nn.Module):
 
 def dlrm() -> nn.Module:
     """``DLRM`` sized for the built-in ``clicks`` log: 8 tables of 10,000 rows x 16."""
-    from paramserver import clicks
-
-    return DLRM(clicks.FIELDS, clicks.ROWS)
+    return DLRM(CLICK_FIELDS, CLICK_ROWS)
 
 
 def dlrm_sparse() -> nn.Module:
     """``dlrm`` with its tables as sparse tables: the servers hold their rows."""
-    from paramserver import clicks
-
-    return DLRM(clicks.FIELDS, clicks.ROWS, sparse=True)
+    return DLRM(CLICK_FIELDS, CLICK_ROWS, sparse=True)
 
 
 FACTORIES: dict[str, Callable[[], nn.Module]] = {
     "mlp": mlp, "cnn": cnn, "resnet": resnet, "dlrm": dlrm, "dlrm-sparse": dlrm_sparse,
 }  # fmt: skip
-
-
-def resolve(spec: str) -> Callable[[], nn.Module]:
-    """The factory for ``spec``: a built-in name or ``module:function``.
-
-    Raises:
-        ConfigError: the name is unknown or the function cannot be imported.
-    """
-    if spec in FACTORIES:
-        return FACTORIES[spec]
-    if ":" not in spec:
-        raise ConfigError(
-            f"Unknown model {spec!r}: use one of {', '.join(FACTORIES)} or 'module:function'."
-        )
-    return import_function(spec, "model")
-
-
-def import_function(spec: str, what: str) -> Callable[[], Any]:
-    """The function ``module:function`` names, for a ``what`` (model, dataset).
-
-    Raises:
-        ConfigError: the module cannot be imported or has no such function.
-    """
-    module_name, _, func_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any failure to import gets the same sentence
-        raise ConfigError(
-            f"Cannot import module {module_name!r} for {what} {spec!r}: {exc}."
-        ) from exc
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ConfigError(
-            f"Module {module_name!r} has no function {func_name!r} ({what} {spec!r})."
-        )
-    return func
-
-
-def build(spec: str, seed: int | None = None) -> nn.Module:
-    """Build the model named by ``spec``; with ``seed``, its initial weights are reproducible."""
-    factory = resolve(spec)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"Model factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module."
-        )
-    return model
-
-
-def parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The trainable parameters, in the order that defines the flat buffer. Frozen ones
-    (``requires_grad=False``) are left out: never pushed, never updated, no bytes on the wire.
-    So are the weights of sparse embeddings (``sparse=True``): the servers hold them as
-    tables, row by row (``table_specs``).
-
-    Raises:
-        ConfigError: a parameter is not floating-point, or a sparse embedding a table cannot
-            stand in for.
-    """
-    for name, p in model.named_parameters():
-        if not p.is_floating_point():
-            raise ConfigError(
-                f"Parameter {name!r} has dtype {str(p.dtype).removeprefix('torch.')}: "
-                "paramserver carries floating-point parameters only. Register it as a buffer "
-                "(module.register_buffer) instead."
-            )
-    tables = {f"{t.name}.weight".lstrip(".") for t in table_specs(model)}
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in tables]
-
-
-def table_specs(model: nn.Module) -> list[TableSpec]:
-    """The tables of ``model``: one per trainable sparse embedding, named by its module path.
-
-    Raises:
-        ConfigError: an embedding a table cannot stand in for (the message names it).
-    """
-    from paramserver.sparse.embedding import table_specs as specs
-
-    try:
-        return specs(model)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def buffers(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
-    """The buffers that are part of the run's state, with their roles: the persistent ones
-    (those ``state_dict`` holds), floating-point first ("buffer": the server keeps the mean
-    over workers), then integer ones ("count": the server keeps the largest value)."""
-    persistent = set(model.state_dict(keep_vars=True))
-    named = [(n, b) for n, b in model.named_buffers() if n in persistent]
-    floats = [(n, b, "buffer") for n, b in named if b.is_floating_point()]
-    return floats + [(n, b, "count") for n, b in named if not b.is_floating_point()]
-
-
-def state(model: nn.Module) -> tuple[Manifest, list[torch.Tensor]]:
-    """The layout of ``model``'s run state (trainable parameters, then buffers) as the flat
-    buffer, and its tensors in that order.
-
-    Raises:
-        ConfigError: a parameter or buffer paramserver cannot carry (the message names it).
-    """
-    named = [(n, p, "param") for n, p in parameters(model)] + buffers(model)
-    manifest = Manifest.from_tensors([(n, t) for n, t, _ in named], [r for _, _, r in named])
-    return manifest, [t for _, t, _ in named]

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from paramserver import data
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
 from paramserver.errors import ConfigError
+from paramserver.training import data
 from paramserver.worker.worker import Worker
 
 log = logging.getLogger(__name__)

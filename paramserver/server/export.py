@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from paramserver import checkpoint, models
+from paramserver import models
 from paramserver.codec import layout
 from paramserver.errors import ConfigError
+from paramserver.server import checkpoint
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import whole_tables
 

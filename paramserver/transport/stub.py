@@ -8,12 +8,12 @@ from typing import Any
 
 import grpc
 
-from paramserver import security
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import wire
 from paramserver.config import Security
 from paramserver.errors import ServerUnavailable
+from paramserver.transport import security
 
 SERVICE = "paramserver.v1.ParameterServer"
 CHANNEL_OPTIONS = [

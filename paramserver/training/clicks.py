@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from paramserver.models import CLICK_FIELDS, CLICK_ROWS
 from paramserver.sparse.rows import initial_rows, table_key
 
-FIELDS = 8
-ROWS = 10_000  # ids per field, the built-in ``clicks`` and ``dlrm``
+FIELDS, ROWS = CLICK_FIELDS, CLICK_ROWS
 TRAIN, TEST = 200_000, 20_000
 ZIPF = 1.05
 _FACTORS = 4  # the teacher's factor dimension

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramserver.clicks import auc
+from paramserver.training.clicks import auc
 
 
 class Evaluation(NamedTuple):

@@ -3,7 +3,7 @@
 The token travels as ``authorization: Bearer <token>`` metadata on every call; the server's
 interceptor refuses a call without it (UNAUTHENTICATED) before any servicer code runs, and
 before its request is read: the refusal takes the request as a stream it never reads, and
-runs on the health service's side pool (``server/health.py``), not the workers' threads.
+runs on the health service's side pool (``transport/health.py``), not the workers' threads.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler that aborts with UNAUTHENTICATED without reading the request: on the
     wire a unary request is a stream of one message, so a stream handler answers any
     method, and its body stays unread (beyond gRPC's flow-control window)."""
-    from paramserver.server.health import on_side_pool
+    from paramserver.transport.health import on_side_pool
 
     deny = on_side_pool(lambda requests, context: _deny(requests, context))
     kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}

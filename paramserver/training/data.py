@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from paramserver import clicks, models
+from paramserver import models
 from paramserver.errors import ConfigError, DataUnavailable
+from paramserver.training import clicks
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 _FILES = {
@@ -234,7 +235,7 @@ def epoch_permutation(n_samples: int, epoch: int, seed: int) -> torch.Tensor:
 
 
 def batch_indices(n_samples: int, seed: int, batch_size: int, batch: int) -> torch.Tensor:
-    """Sample indices of the run's global batch ``batch`` (see ``paramserver.dataplan``)."""
+    """Sample indices of the run's global batch ``batch`` (see ``paramserver.server.dataplan``)."""
     epoch, position = divmod(batch, batches_per_epoch(n_samples, batch_size))
     perm = epoch_permutation(n_samples, epoch, seed)
     return perm[position * batch_size : (position + 1) * batch_size]

@@ -5,14 +5,42 @@ its table is refused (``InvalidRequest``) before anything reads it as rows."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import InvalidRequest
-from paramserver.sparse.table import TableSpec
-from paramserver.sparse.tableset import RowGradients
+
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A table as the manifest describes it."""
+
+    name: str
+    rows: int
+    dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.dim < 1:
+            raise ValueError(f"Table {self.name!r} needs rows and dim >= 1; got "
+                             f"{self.rows} x {self.dim}.")  # fmt: skip
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Table {self.name!r}: dtype {self.dtype} is not one of {DTYPES}.")
+
+
+@dataclass(frozen=True)
+class RowGradients:
+    """One table's part of a push: distinct ``ids`` and one gradient row each."""
+
+    table: str
+    ids: np.ndarray
+    grads: torch.Tensor
+
 
 IDS = np.dtype("<i8")
 # A push's row gradients larger than this follow its header as several messages (gRPC

@@ -1,0 +1,15 @@
+"""Everything that carries bytes between a worker and a server, both ends of it:
+
+- ``stub``: the gRPC channel and stub a worker (or the CLI) talks through, with retries,
+  TLS and the token;
+- ``security``: TLS credentials and the token interceptor that refuses a client without it
+  (answered on a small side pool, the request unread);
+- ``health``: the gRPC health service bounded against unauthenticated watchers, and the
+  side pool;
+- ``shm``: the shared-memory segments a same-host worker's payloads travel in;
+- ``channels``: the worker's payload channels (``ShmChannel`` with its control-socket
+  client, ``GrpcStreamChannel``), one interface for push, pull and both.
+
+May import: ``codec``, ``config``, ``errors``, ``_proto``. Never ``server`` or ``worker``:
+both sit above it.
+"""
