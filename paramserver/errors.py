@@ -1,4 +1,10 @@
-"""One exception tree for paramserver, and its mapping to and from gRPC status codes."""
+"""One exception tree for paramserver, and its one mapping to and from gRPC status codes.
+
+``ParamServerError`` is the base of every error raised on purpose. ``RejoinRequired`` is the
+base of those after which a worker joins its server again (the server restarted, or no
+longer knows the worker): a worker catches that class, not a list. ``WIRE`` pairs each class
+with its status code; a server reports an error with ``to_status`` and a client raises the
+matching class with ``from_rpc_error``, both read from it."""
 
 from __future__ import annotations
 
@@ -8,67 +14,49 @@ import grpc
 class ParamServerError(Exception):
     """Base class of every error paramserver raises on purpose."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
 
 class ConfigError(ParamServerError, ValueError):
     """A setting is invalid; the message names the setting and the bad value."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class InvalidRequest(ParamServerError):
     """A request is malformed: wrong sizes, shapes, dtypes or fields."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+
+class RejoinRequired(ParamServerError):
+    """The server does not know this worker as it is: join again, under the same id."""
 
 
-class UnknownWorker(ParamServerError):
+class UnknownWorker(RejoinRequired):
     """The worker id is unknown to this server, or its lease has expired."""
-
-    code = grpc.StatusCode.NOT_FOUND
 
 
 class OutOfOrder(ParamServerError):
     """A push or pull names an iteration the worker's clock does not allow."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
 
 class ClusterFull(ParamServerError):
     """The server already has as many live workers as it was started for."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class ServerUnavailable(ParamServerError):
     """The server cannot be reached."""
 
-    code = grpc.StatusCode.UNAVAILABLE
-
 
 class Timeout(ParamServerError):
     """A call or a barrier did not finish within its deadline."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
-
-class WrongIncarnation(ParamServerError):
+class WrongIncarnation(RejoinRequired):
     """The call names a server incarnation that is not this one: the server restarted."""
-
-    code = grpc.StatusCode.ABORTED
 
 
 class Unauthenticated(ParamServerError):
     """The call carries no valid token."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
-
 
 class DataUnavailable(ParamServerError):
     """A data set cannot be found or read."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class BrokenSegment(InvalidRequest):
@@ -97,21 +85,35 @@ class SegmentUnusable(UnknownWorker):
         self.worker_id = worker_id
 
 
-_BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.NOT_FOUND: UnknownWorker,
-    grpc.StatusCode.FAILED_PRECONDITION: OutOfOrder,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ClusterFull,
-    grpc.StatusCode.UNAVAILABLE: ServerUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
-    grpc.StatusCode.ABORTED: WrongIncarnation,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-}
+# The one mapping. A class not listed takes its nearest listed base's code; a code maps back
+# to the first class listed with it.
+WIRE: tuple[tuple[type[ParamServerError], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownWorker, grpc.StatusCode.NOT_FOUND),
+    (OutOfOrder, grpc.StatusCode.FAILED_PRECONDITION),
+    (DataUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    (ClusterFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ServerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WrongIncarnation, grpc.StatusCode.ABORTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (ParamServerError, grpc.StatusCode.INTERNAL),
+)
+_CODE_OF = dict(WIRE)
+_CLASS_OF: dict[grpc.StatusCode, type[ParamServerError]] = {}
+for _cls, _code in WIRE:
+    _CLASS_OF.setdefault(_code, _cls)
+
+
+def status_code(cls: type[ParamServerError]) -> grpc.StatusCode:
+    """The status code a server answers an error of class ``cls`` with."""
+    return next(_CODE_OF[base] for base in cls.__mro__ if base in _CODE_OF)
 
 
 def to_status(exc: ParamServerError) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and details a server reports for ``exc``."""
-    return exc.code, str(exc)
+    return status_code(type(exc)), str(exc)
 
 
 def from_rpc_error(err: grpc.RpcError, what: str) -> ParamServerError:
@@ -123,5 +125,5 @@ def from_rpc_error(err: grpc.RpcError, what: str) -> ParamServerError:
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    cls = _BY_CODE.get(code, ParamServerError)
+    cls = _CLASS_OF.get(code, ParamServerError)
     return cls(f"{what} failed with {code.name}: {details}")

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from paramserver.server.status import ServerStatus
+from paramserver.transport.handlers import Behavior, wrap_handler
 from paramserver.transport.security import HEALTH_PREFIX
 
 log = logging.getLogger(__name__)
@@ -129,36 +130,30 @@ class LatencyInterceptor(grpc.ServerInterceptor):
             # health keeps its own handlers: non-blocking watches, calls on its side pool
             return handler
         observe = self._histogram.labels(details.method.rsplit("/", 1)[-1]).observe
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.response_streaming:
-            inner = handler.stream_stream or handler.unary_stream
+        return wrap_handler(handler, lambda inner, streaming: _timed(inner, streaming, observe))
 
-            def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                started = time.perf_counter()
-                try:
-                    yield from inner(request, context)
-                finally:
-                    observe(time.perf_counter() - started)
 
-            if handler.request_streaming:
-                return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
-            return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+def _timed(inner: Behavior, streaming: bool, observe: Callable[[float], None]) -> Behavior:
+    """``inner`` timed into ``observe``: a streamed answer until its last message is sent."""
+    if streaming:
 
-        inner_unary = handler.stream_unary or handler.unary_unary
-
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             started = time.perf_counter()
             try:
-                return inner_unary(request, context)
+                yield from inner(request, context)
             finally:
                 observe(time.perf_counter() - started)
 
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+        return stream
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        started = time.perf_counter()
+        try:
+            return inner(request, context)
+        finally:
+            observe(time.perf_counter() - started)
+
+    return unary
 
 
 SOCKET_METHOD = "SocketPushPull"  # the method label of steps on the control socket

@@ -4,6 +4,8 @@
   TLS and the token;
 - ``security``: TLS credentials and the token interceptor that refuses a client without it
   (answered on a small side pool, the request unread);
+- ``handlers``: gRPC method handlers of the four shapes, made and wrapped in one place (the
+  interceptors build on it);
 - ``health``: the gRPC health service bounded against unauthenticated watchers, and the
   side pool;
 - ``shm``: the shared-memory segments a same-host worker's payloads travel in;

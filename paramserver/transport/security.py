@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from paramserver.config import Security
+from paramserver.transport.handlers import method_handler
 
 METADATA_KEY = "authorization"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -60,11 +61,13 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     method, and its body stays unread (beyond gRPC's flow-control window)."""
     from paramserver.transport.health import on_side_pool
 
-    deny = on_side_pool(lambda requests, context: _deny(requests, context))
-    kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
-    if handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    return method_handler(
+        on_side_pool(lambda requests, context: _deny(requests, context)),
+        request_streaming=True,  # the request as a stream, never read
+        response_streaming=bool(handler.response_streaming),
+        request_deserializer=None,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def server_interceptors(security: Security) -> list[grpc.ServerInterceptor]:

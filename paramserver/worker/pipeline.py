@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.worker.session import REJOIN, Session
+from paramserver.errors import RejoinRequired
+from paramserver.worker.session import Session
 
 T = TypeVar("T")
 
@@ -161,7 +162,7 @@ class Pipeline:
                     return None  # what follows a failure or a lost server is dropped
                 try:
                     return fn()
-                except REJOIN:
+                except RejoinRequired:
                     return None  # the session is marked lost; the next pull joins again
                 except BaseException as exc:  # noqa: BLE001 - handed to the training thread
                     self.error = self.error or exc
@@ -226,7 +227,7 @@ class Pipeline:
         """Every shard's weights for its session's clock, into its channel's buffer.
 
         Raises:
-            WrongIncarnation, UnknownWorker: a session is lost; join it again and retry.
+            RejoinRequired: a session is lost; join it again and retry.
         """
         return self.each(lambda s: self._pull(s, s.clock, batches))
 
@@ -235,7 +236,7 @@ class Pipeline:
         a shard; the slot is free again afterwards.
 
         Raises:
-            WrongIncarnation, UnknownWorker: a session is lost; join it again and pull.
+            RejoinRequired: a session is lost; join it again and pull.
         """
         try:
             if self._landing(staged) is None:
@@ -254,7 +255,7 @@ class Pipeline:
         pushes = [pool.submit(self._push, s, staged, staged.iterations[i])
                   for i, s in enumerate(self.sessions) if i > 0]  # fmt: skip
         lost = next((e for f in pushes if (e := f.exception()) is not None), None)
-        if lost is not None and not isinstance(lost, REJOIN):
+        if lost is not None and not isinstance(lost, RejoinRequired):
             raise lost  # shard 0 not told: the batches go back when this worker's lease ends
         if lost is not None:  # give the batches back, then join the lost shard again
             self._push(self.sessions[0], staged.emptied(), staged.iterations[0])

@@ -28,9 +28,8 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import (
     ClusterFull,
     ParamServerError,
+    RejoinRequired,
     ServerUnavailable,
-    UnknownWorker,
-    WrongIncarnation,
     from_rpc_error,
 )
 from paramserver.transport.channels import PayloadChannel
@@ -38,8 +37,6 @@ from paramserver.worker.retry import Backoff
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Errors after which the session joins again: the server restarted, or dropped its lease.
-REJOIN = (WrongIncarnation, UnknownWorker)
 
 
 class SessionState(enum.Enum):
@@ -109,7 +106,7 @@ class Session:
         Raises:
             ServerUnavailable: the server did not come back within the backoff's budget
                 (``also``: the last such error, once the budget is spent).
-            WrongIncarnation, UnknownWorker: the session is LOST (and marked so).
+            RejoinRequired: the session is LOST (and marked so).
             ParamServerError: any other failure, at once.
         """
         attempt, since = 0, None
@@ -118,7 +115,7 @@ class Session:
                 return call()
             except grpc.RpcError as err:
                 exc = from_rpc_error(err, f"{what} to {self.address}")
-            if isinstance(exc, REJOIN):
+            if isinstance(exc, RejoinRequired):
                 self.lose(exc)
                 raise exc
             if not isinstance(exc, (ServerUnavailable, *also)) or self._stop.is_set():
@@ -194,7 +191,7 @@ class Session:
                 pb.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation),
                 timeout=timeout,
             )
-        except REJOIN as exc:
+        except RejoinRequired as exc:
             self.lose(exc)
         except ParamServerError as exc:
             log.info("%s", exc)

@@ -33,7 +33,7 @@ from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.config import MAX_PUSH_EVERY, Security
-from paramserver.errors import ConfigError, ParamServerError
+from paramserver.errors import ConfigError, ParamServerError, RejoinRequired
 from paramserver.policy.staleness import Policy
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS
 from paramserver.transport import shm as shmem
@@ -43,7 +43,7 @@ from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode
 from paramserver.worker.replica import Replica
 from paramserver.worker.retry import Backoff
 from paramserver.worker.rows import IdsByTable, WorkerTables
-from paramserver.worker.session import REJOIN, Heartbeats, Session
+from paramserver.worker.session import Heartbeats, Session
 from paramserver.worker.shards import check_tiling, rewind_ahead, served_range
 from paramserver.worker.view import WorkerView
 
@@ -311,7 +311,7 @@ class Worker(WorkerView):
             try:
                 headers = self._pipe.pull(self.push_every)
                 break
-            except REJOIN:
+            except RejoinRequired:
                 continue  # the session is marked lost: join it again
         self._load(headers)
         if self.prefetching:
@@ -351,7 +351,7 @@ class Worker(WorkerView):
         if mode is StepMode.BLOCKING and pull and not lost:
             try:
                 headers = self._pipe.push_pull(staged, self.push_every)
-            except REJOIN:
+            except RejoinRequired:
                 self.pull()  # that shard's push is dropped; it goes on from its clock
                 return
             self._load(headers)
