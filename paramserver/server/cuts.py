@@ -17,25 +17,37 @@ restarts is on every other shard's disk, or in its memory waiting to be written.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 # Cuts taken and not yet on disk, at most; pulls wait while this many are.
 MAX_PENDING = 2
 
 
-class Cuts:
+class Cut(Protocol):
+    """A state taken at a cut: ``state["cut"]`` is its clock (a ``CoordinatorSnapshot``,
+    or a dict)."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+
+S = TypeVar("S", bound=Cut)
+
+
+class Cuts(Generic[S]):
     """The cut schedule of one shard and the states taken, waiting to be written.
 
     Args:
         every: N, in iterations (sync: rounds); None: this server does not cut.
-        synchronous: the run's policy is sync.
+        synchronous: cuts come at the end of rounds (the coordinator's ``Rounds``), not
+            when every live clock reaches one.
+        last: the clock (sync: the round) of the last cut (a resumed shard's).
     """
 
-    def __init__(self, every: int | None = None, synchronous: bool = False):
+    def __init__(self, every: int | None = None, synchronous: bool = False, last: int = 0):
         self.every = every
         self.synchronous = synchronous
-        self.last = 0  # the clock (sync: the round) of the last cut
-        self.pending: list[dict[str, Any]] = []  # taken, oldest first, not yet on disk
+        self.last = last  # the clock (sync: the round) of the last cut
+        self.pending: list[S] = []  # taken, oldest first, not yet on disk
         self.written = 0  # the newest cut on disk
         self.common = 0  # the newest cut every shard has written, as last learned
 
@@ -64,7 +76,7 @@ class Cuts:
         cut = self.next
         return cut is not None and iteration >= cut and (min_clock is None or min_clock < cut)
 
-    def take(self, clock: int, state: dict[str, Any]) -> None:
+    def take(self, clock: int, state: S) -> None:
         self.last = clock
         self.pending.append(state)
 
@@ -73,7 +85,7 @@ class Cuts:
         """Whether pulls must wait for a cut to be written."""
         return len(self.pending) >= MAX_PENDING
 
-    def oldest(self) -> dict[str, Any] | None:
+    def oldest(self) -> S | None:
         """The oldest cut not yet on disk; it stays pending until ``on_disk``."""
         return self.pending[0] if self.pending else None
 
@@ -82,13 +94,14 @@ class Cuts:
         self.pending = [s for s in self.pending if int(s["cut"]) != clock]
         self.written = max(self.written, clock)
 
-    def pending_at(self, clock: int) -> dict[str, Any] | None:
+    def pending_at(self, clock: int) -> S | None:
         """The cut at ``clock`` if it is taken and not yet on disk."""
         return next((s for s in self.pending if int(s["cut"]) == clock), None)
 
     def rewound(self, clock: int, on_disk: Iterable[int]) -> None:
         """Back at the cut at ``clock``: the cuts after it are abandoned (``on_disk``: the
         cuts left on disk)."""
+        self.last = clock
         self.pending = [s for s in self.pending if int(s["cut"]) <= clock]
         self.written = max((c for c in on_disk if c <= clock), default=0)
         self.common = min(self.common, clock)

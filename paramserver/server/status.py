@@ -1,5 +1,9 @@
 """The one status of a server: what the Status RPC, the Prometheus metrics and
-``ServerApp.status()`` all read. Its fields are the StatusResponse's (a test checks)."""
+``ServerApp.status()`` all read. Its fields are the StatusResponse's (a test checks).
+
+``server_status`` reads the parts of whatever it is given (``Observed``: the coordinator
+has them), so this module imports no coordinator.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,20 @@ import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paramserver._proto import paramserver_pb2 as pb
 
 if TYPE_CHECKING:
-    from paramserver.server.coordinator import Coordinator
+    from paramserver.config import ServerConfig
+    from paramserver.policy.staleness import Policy
+    from paramserver.server.cuts import Cuts
+    from paramserver.server.dataplan import BatchQueue
+    from paramserver.server.ledger import Ledger
+    from paramserver.server.membership import Member, Membership
+    from paramserver.server.saves import Saves
+    from paramserver.server.store import ParameterStore
+    from paramserver.sparse.tableset import TableSet
 
 
 @dataclass(frozen=True)
@@ -132,13 +144,42 @@ class Counters:
         self.max_staleness = max(self.max_staleness, lag)
 
 
-def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
-    """The status of coordinator ``c`` at monotonic time ``now`` and wall time ``wall``; the
-    caller holds its lock."""
-    n = c.counters
-    members = sorted(c.membership.members.values(), key=lambda m: m.rank)
+class Observed(Protocol):
+    """What a status is read from (the coordinator's parts), read under its lock."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def store(self) -> ParameterStore: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def queue(self) -> BatchQueue | None: ...
+    @property
+    def tables(self) -> TableSet | None: ...
+    @property
+    def saves(self) -> Saves: ...
+    @property
+    def cuts(self) -> Cuts[Any]: ...
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def incarnation(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def rounds(self) -> int: ...
+
+
+def worker_statuses(membership: Membership, now: float) -> tuple[WorkerStatus, ...]:
+    """The live workers at monotonic time ``now``, by rank."""
+    members: list[Member] = sorted(membership.members.values(), key=lambda m: m.rank)
     fastest = max((m.clock for m in members), default=0)
-    workers = tuple(
+    return tuple(
         WorkerStatus(
             worker_id=m.worker_id,
             name=m.name,
@@ -146,20 +187,26 @@ def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
             clock=m.clock,
             last_seen_seconds=now - m.last_seen,
             samples=m.samples,
-            samples_per_second=c.membership.rate(m),
+            samples_per_second=membership.rate(m),
             lag=fastest - m.clock,
             row_cache_hits=m.row_cache[0],
             row_cache_misses=m.row_cache[1],
         )
         for m in members
     )
+
+
+def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
+    """The status of coordinator ``c`` at monotonic time ``now`` and wall time ``wall``; the
+    caller holds its lock."""
+    n, tables = c.counters, c.tables
     trained = 0.0
     if n.first_push is not None and n.last_push is not None:
         trained = n.last_push - n.first_push
     return ServerStatus(
         version=c.store.version,
         policy=c.policy.name,
-        workers=workers,
+        workers=worker_statuses(c.membership, now),
         pushes_applied=n.pushes_applied,
         bytes_in=n.bytes_in,
         bytes_out=n.bytes_out,
@@ -185,9 +232,9 @@ def server_status(c: Coordinator, now: float, wall: float) -> ServerStatus:
         rounds=c.rounds,
         pulls_answered=n.pulls,
         barrier_wait_seconds=n.barrier_wait_seconds,
-        rows_held=c.tables.held if c.tables is not None else 0,
-        rows_pulled=c.tables.rows_pulled if c.tables is not None else 0,
-        rows_pushed=c.tables.rows_pushed if c.tables is not None else 0,
+        rows_held=tables.held if tables is not None else 0,
+        rows_pulled=tables.rows_pulled if tables is not None else 0,
+        rows_pushed=tables.rows_pushed if tables is not None else 0,
         checkpoint_failures=c.saves.failures,
         checkpoint_failing_seconds=c.saves.failing_seconds(wall),
         checkpoint_error=c.saves.error,
