@@ -61,7 +61,7 @@ class FakeServer:
         self.checkpointer: Checkpointer | None = None
         self._serve(build_coordinator(self.config, model, now=clock))
 
-    def _serve(self, coordinator: Coordinator, resume: bool = False) -> None:
+    def _serve(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         rewind = None
         if self.config.cuts:
@@ -69,8 +69,6 @@ class FakeServer:
             assert cfg.checkpoint_dir is not None
             self.checkpointer = Checkpointer(coordinator, cfg.checkpoint_dir,
                                              cfg.checkpoint_every, cuts=True)  # fmt: skip
-            if resume:
-                self.checkpointer.resume()
             self.checkpointer.start()
             rewind = self.checkpointer.rewind
         self.shared = Attachments(coordinator.manifest.total_bytes, coordinator.manifest.dtype)
@@ -78,15 +76,14 @@ class FakeServer:
 
     def restart(self) -> None:
         self.shared.close()
-        fresh = build_coordinator(self.config, copy.deepcopy(self.model), self.clock)
+        model = copy.deepcopy(self.model)
         if self.checkpointer is not None:
             self.checkpointer.write_cuts()  # what the dead process had written
             self.checkpointer.abandon()  # no last checkpoint: it died
-            self._serve(fresh, resume=True)
+            self._serve(build_coordinator(self.config, model, self.clock, resume=True))
             return
         state = self.coordinator.checkpoint_state()
-        fresh.restore(state, state["weights"])
-        self._serve(fresh)
+        self._serve(build_coordinator(self.config, model, self.clock, snapshot=state))
 
     def stub(self, _address: str = "") -> InProcessStub:
         return InProcessStub(self)

@@ -5,14 +5,19 @@ control socket.
   (decode, call, encode; no decisions), ``doorbell`` (the control socket), ``steps`` (a
   worker's step whichever door it came in by), ``payloads`` (where a payload's bytes are),
   ``metrics`` (Prometheus);
-- decisions under one lock: ``coordinator`` with its parts ``members`` and ``saving``,
-  and the bookkeeping they hold: ``membership`` (leases, clocks), ``dataplan`` (the batch
-  queue), ``rounds`` (the sync round), ``ledger`` (batches applied), ``buffers``
-  (BatchNorm statistics), ``checks`` (a push checked before the lock), ``store`` (the flat
-  model and its optimizer), ``applier`` (``--optimizer-thread``), ``status``;
-- the disk: ``checkpoint`` (the file format), ``checkpointer`` (the writer thread),
-  ``cuts`` and ``saves`` (when to write and what was written), ``state`` (the coordinator
-  to and from a checkpoint), ``export`` (the whole model from a run's checkpoints).
+- decisions under one lock: ``coordinator``, the only code that assigns its fields, and
+  the parts it holds, each owning its state: ``members`` (who is in, their clocks and
+  batches), ``arrival`` (what of a push reaches the model and when: a sync round or on
+  arrival, chosen once from the policy), ``saving`` (the cuts waiting for the disk, the
+  checkpointer's writes); the bookkeeping they hold: ``membership`` (leases, clocks),
+  ``dataplan`` (the batch queue), ``rounds`` (the sync round), ``ledger`` (batches
+  applied), ``buffers`` (BatchNorm statistics), ``store`` (the flat model and its
+  optimizer); ``checks`` (a push checked before the lock), ``answers`` (a push's and a
+  pull's results), ``applier`` (``--optimizer-thread``), ``status``;
+- the disk: ``checkpoint`` (the file format), ``checkpointer`` (the writer thread, and the
+  newest saved state a server is built from), ``cuts`` and ``saves`` (when to write and
+  what was written), ``state`` (``CoordinatorSnapshot``: the coordinator's state as a
+  checkpoint holds it), ``export`` (the whole model from a run's checkpoints).
 
 May import: ``transport``, ``models``, ``sparse``, ``codec``, ``policy``, ``config``,
 ``errors``, ``_proto``. Never ``worker``, ``training``, ``cluster``, ``bench`` or ``cli``.

@@ -20,11 +20,12 @@ from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, sha
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
-from paramserver.server.checkpointer import Checkpointer
+from paramserver.server.checkpointer import Checkpointer, saved_state
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.doorbell import Doorbell
 from paramserver.server.metrics import SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
+from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import TableSet, row_optimizer
@@ -67,10 +68,23 @@ def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
 
 
 def build_coordinator(
-    config: ServerConfig, model: nn.Module | None = None, now: Callable[[], float] = time.monotonic
+    config: ServerConfig,
+    model: nn.Module | None = None,
+    now: Callable[[], float] = time.monotonic,
+    *,
+    resume: bool = False,
+    snapshot: CoordinatorSnapshot | None = None,
 ) -> Coordinator:
     """The server's state for ``config``: ``model``'s weights (default: ``config.model``
-    built with ``config.seed``), or this shard's range of them, and the optimizer."""
+    built with ``config.seed``), or this shard's range of them, and the optimizer.
+
+    It goes on from ``snapshot``, or with ``resume`` from the newest state saved in
+    ``config.checkpoint_dir`` (``checkpointer.saved_state``) if there is one.
+
+    Raises:
+        ConfigError: the model cannot be split into ``config.shards``, or the saved state
+            is not this model's.
+    """
     if model is None:
         model = models.build(config.model, seed=config.seed)
     make_tables(model, config.table_rows)  # --table-rows: large dense embeddings too
@@ -84,17 +98,21 @@ def build_coordinator(
                 f"{config.shards} shards."
             )
         manifest, flat = shard_manifest(manifest, offset, end), flat[offset:end].copy()
-    coordinator = Coordinator(config, ParameterStore(manifest, flat, config.optimizer), now)
-    coordinator.model_numel, coordinator.shard_offset = model_numel, offset
+    tables, frozen = None, {}
     specs = models.table_specs(model)
     if specs:  # this shard's rows of every sparse table
         optimizer = row_optimizer(config.optimizer.name, config.optimizer.lr)
-        coordinator.tables = TableSet(specs, optimizer, config.seed, config.shard, config.shards)
+        tables = TableSet(specs, optimizer, config.seed, config.shard, config.shards)
     if config.shards == 1:  # so that a checkpoint's model_state_dict loads strictly
-        coordinator.frozen = {
+        frozen = {
             n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad
         }
-    return coordinator
+    if resume and snapshot is None and config.checkpoint_dir:
+        snapshot = saved_state(config.checkpoint_dir, manifest, config.shard, config.shards,
+                               config.cuts)  # fmt: skip
+    store = ParameterStore(manifest, flat, config.optimizer)
+    return Coordinator(config, store, now, tables=tables, frozen=frozen, model_numel=model_numel,
+                       shard_offset=offset, snapshot=snapshot)  # fmt: skip
 
 
 class ServerApp:
@@ -109,7 +127,7 @@ class ServerApp:
     def __init__(self, config: ServerConfig, model: nn.Module | None = None):
         self.config = config
         torch.set_num_threads(config.threads)
-        self.coordinator = build_coordinator(config, model)
+        self.coordinator = build_coordinator(config, model, resume=True)
         manifest = self.coordinator.manifest
         self.checkpointer: Checkpointer | None = None
         if config.checkpoint_dir:
@@ -120,7 +138,6 @@ class ServerApp:
                 cuts=config.cuts,
                 on_health=self._checkpoint_health,
             )
-            self.checkpointer.resume()
         self.metrics = Metrics(self.coordinator.status)
         # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
         # hold a thread each, so the pool is sized to never starve a push.
@@ -194,22 +211,34 @@ class ServerApp:
         self._servicer.control = self.doorbell.start()
         self._grpc.start()
         if self.config.metrics_port is not None:
-            where = f"{_bracketed(self.config.metrics_host)}:{self.config.metrics_port}"
-            try:
-                self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
-            except OSError as exc:
-                self._grpc.stop(0)
-                raise ConfigError(
-                    f"Cannot serve metrics on {where}: {exc.strerror or exc}."
-                ) from exc
-            log.info("metrics on http://%s:%d/metrics", _bracketed(self.config.metrics_host),
-                     self.metrics.port)  # fmt: skip
+            self._serve_metrics()
         for service in HEALTH_SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._reaper.start()
         if self.checkpointer is not None:
             self._checkpoint_health(not self.coordinator.saves.failing)
             self.checkpointer.start()
+        self._log_serving()
+        return self
+
+    def _serve_metrics(self) -> None:
+        """Serve --metrics-port; the gRPC server stops if it cannot be bound.
+
+        Raises:
+            ConfigError: the metrics port cannot be bound.
+        """
+        host, port = self.config.metrics_host, self.config.metrics_port
+        assert port is not None
+        try:
+            self.metrics.serve(host, port)
+        except OSError as exc:
+            self._grpc.stop(0)
+            raise ConfigError(
+                f"Cannot serve metrics on {_bracketed(host)}:{port}: {exc.strerror or exc}."
+            ) from exc
+        log.info("metrics on http://%s:%d/metrics", _bracketed(host), self.metrics.port)
+
+    def _log_serving(self) -> None:
         c = self.config
         log.info(
             "serving %s (%d parameters, %.1f MiB) on %s%s: policy %s, optimizer %s lr %g, "
@@ -228,7 +257,6 @@ class ServerApp:
             self.coordinator.incarnation,
             self.coordinator.store.version,
         )
-        return self
 
     def _checkpoint_health(self, ok: bool) -> None:
         state = health_pb2.HealthCheckResponse
@@ -263,7 +291,9 @@ class ServerApp:
                               "of the model; read every shard (launch's checkpoint.pt does, "
                               "and paramserver export from their checkpoints).")  # fmt: skip
         return checkpoint.server_model_state_dict(
-            self.coordinator.manifest, self.coordinator.checkpoint_state(), table_limit=1 << 62
+            self.coordinator.manifest,
+            self.coordinator.checkpoint_state().as_dict(),
+            table_limit=1 << 62,
         )
 
     def status(self) -> dict[str, Any]:

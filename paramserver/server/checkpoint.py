@@ -115,7 +115,7 @@ def list_cuts(directory: str | Path, shard: int, shards: int) -> dict[int, Path]
 def save_server(
     directory: str | Path, manifest: layout.Manifest, state: dict[str, Any], name: str = SERVER_FILE
 ) -> Path:
-    """Write a server state (``Coordinator.checkpoint_state``) to ``directory``: its
+    """Write a server state (``CoordinatorSnapshot.as_dict()``) to ``directory``: its
     parameters and buffers, its frozen parameters and, on a single server, its sparse tables
     whole (``whole_tables``), as ``model_state_dict``."""
     state = dict(state)

@@ -2,8 +2,9 @@
 
 A shard of a sharded run also writes consistent cuts (``server/cuts.py`` says when; the
 coordinator takes the state under its lock, so every shard cuts at the same point), and
-keeps those that a restart of any shard may need (``Cuts.deletable``). It resumes from its
-newest cut, and ``rewind`` reloads an older one when another shard restarted from it.
+keeps those that a restart of any shard may need (``Cuts.deletable``). A restarted server
+is built from its newest saved state (``saved_state``: its newest cut, for a shard that
+cuts), and ``rewind`` reloads an older cut when another shard restarted from it.
 
 A write that fails (a full disk, a file-size limit, a folder it may not write) is logged
 with the path and the reason, counted (``status``, metrics, the health service's
@@ -21,12 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from paramserver.codec.layout import Manifest
 from paramserver.config import parse_every
 from paramserver.errors import OutOfOrder
 from paramserver.server import checkpoint
 from paramserver.server.coordinator import Coordinator
+from paramserver.server.state import CoordinatorSnapshot
 
 log = logging.getLogger(__name__)
 # Seconds between retries of a failed write: doubling from the first, up to the cap.
@@ -53,8 +55,28 @@ def room(directory: Path) -> str:
     return f" ({'; '.join(parts)})"
 
 
+def saved_state(
+    directory: str | Path, manifest: Manifest, shard: int, shards: int, cuts: bool
+) -> CoordinatorSnapshot | None:
+    """The newest state saved in ``directory`` for a server of ``manifest``: the newest
+    cut for a shard that ``cuts``, else the checkpoint file; None when there is none.
+
+    Raises:
+        ConfigError: the file is not a server checkpoint of this model.
+    """
+    name = checkpoint.server_file(shard, shards)
+    if cuts:
+        found = checkpoint.list_cuts(directory, shard, shards)
+        if not found:
+            return None
+        name = found[max(found)].name
+    saved = checkpoint.load_server(directory, manifest, name)
+    return CoordinatorSnapshot.from_dict(*saved) if saved is not None else None
+
+
 class Checkpointer:
-    """A thread that saves ``coordinator``'s state to ``directory`` as often as asked.
+    """A thread that saves ``coordinator``'s state to ``directory`` as often as asked; a
+    coordinator built from the newest cut (``saved_state``) finds that cut on disk.
 
     Args:
         every: ``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds.
@@ -78,7 +100,11 @@ class Checkpointer:
         self.shard, self.shards = cfg.shard, cfg.shards
         self.cuts = cuts
         if cuts:
-            coordinator.cuts.every = self.steps
+            coordinator.saving.schedule(self.steps)
+            if coordinator.cuts.last in checkpoint.list_cuts(
+                self.directory, self.shard, self.shards
+            ):
+                coordinator.saving.cut_on_disk(coordinator.cuts.last)  # resumed from it
         self.on_health = on_health
         self._lock = threading.RLock()  # one writer at a time
         self._stop = threading.Event()
@@ -86,23 +112,6 @@ class Checkpointer:
         self._failures = 0  # in a row
         self._writing = self.directory  # the file being written (for messages)
         self._thread = threading.Thread(target=self._loop, name="ps-checkpoint", daemon=True)
-
-    def resume(self) -> None:
-        """Take over the newest saved state, if any: the newest cut for a cutting shard,
-        else the checkpoint file."""
-        manifest = self.coordinator.manifest
-        name = checkpoint.server_file(self.shard, self.shards)
-        if self.cuts:
-            cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
-            if not cuts:
-                return
-            name = cuts[max(cuts)].name
-        saved = checkpoint.load_server(self.directory, manifest, name)
-        if saved is not None:
-            self.coordinator.restore(*saved)
-            self._last_version = self.coordinator.store.version
-            if self.cuts:
-                self.coordinator.cut_on_disk(int(saved[0]["cut"]))
 
     def start(self) -> Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -167,7 +176,7 @@ class Checkpointer:
     def _failed(self, exc: Exception, then: str) -> None:
         self._failures += 1
         why = f"writing {self._writing}: {type(exc).__name__}: {exc}{room(self.directory)}"
-        self.coordinator.save_failed(why, time.time())
+        self.coordinator.saving.save_failed(why, time.time())
         if self._failures == 1:
             self._health(False)
         log.error("checkpoint write failed (%d in a row; %s): %s", self._failures, then, why)
@@ -180,24 +189,24 @@ class Checkpointer:
             Exception: a write failed; that cut and those after it stay taken.
         """
         with self._lock:
-            while (state := self.coordinator.oldest_cut()) is not None:
+            while (state := self.coordinator.saving.oldest_cut()) is not None:
                 self._write_cut(state)
 
-    def _write(self, state: dict[str, Any], name: str, what: str) -> Path:
+    def _write(self, state: CoordinatorSnapshot, name: str, what: str) -> Path:
         with self._lock:
             started = time.perf_counter()
             path = self._writing = self.directory / name
-            checkpoint.save_server(self.directory, self.coordinator.manifest, state, name)
-            self._last_version = max(self._last_version, int(state["version"]))
-            self.coordinator.saved(int(state["version"]), time.time())
-            log.info("%s of version %d written to %s in %.2fs", what, state["version"], path,
+            checkpoint.save_server(self.directory, self.coordinator.manifest, state.as_dict(), name)
+            self._last_version = max(self._last_version, state.version)
+            self.coordinator.saving.saved(state.version, time.time())
+            log.info("%s of version %d written to %s in %.2fs", what, state.version, path,
                      time.perf_counter() - started)  # fmt: skip
             return path
 
-    def _write_cut(self, state: dict[str, Any]) -> None:
-        clock = int(state["cut"])
+    def _write_cut(self, state: CoordinatorSnapshot) -> None:
+        clock = state.cut
         self._write(state, checkpoint.cut_file(self.shard, self.shards, clock), "cut")
-        self.coordinator.cut_on_disk(clock)
+        self.coordinator.saving.cut_on_disk(clock)
         cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
         for old in self.coordinator.cuts.deletable(cuts):
             cuts[old].unlink(missing_ok=True)
@@ -206,7 +215,7 @@ class Checkpointer:
         """Write a checkpoint now; returns its version."""
         state = self.coordinator.checkpoint_state()
         self._write(state, checkpoint.server_file(self.shard, self.shards), "checkpoint")
-        return int(state["version"])
+        return state.version
 
     def rewind(self, round_: int, incarnation: str) -> None:
         """Go back to this shard's cut at sync round ``round_`` (another shard restarted
@@ -221,13 +230,13 @@ class Checkpointer:
         with self._lock:
             self.coordinator.check_incarnation(incarnation)
             cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
-            pending = self.coordinator.pending_cut(round_)
-            if pending is not None:
-                pending = copy.deepcopy(pending)  # it may still be written: keep it apart
-                saved: tuple[dict[str, Any], Any] | None = (pending, pending["weights"])
+            saved = self.coordinator.saving.pending_cut(round_)
+            if saved is not None:
+                saved = copy.deepcopy(saved)  # it may still be written: keep it apart
             elif round_ in cuts:
-                saved = checkpoint.load_server(self.directory, self.coordinator.manifest,
-                                               cuts[round_].name)  # fmt: skip
+                loaded = checkpoint.load_server(self.directory, self.coordinator.manifest,
+                                                cuts[round_].name)  # fmt: skip
+                saved = CoordinatorSnapshot.from_dict(*loaded) if loaded is not None else None
             else:
                 raise OutOfOrder(
                     f"Shard {self.shard} of {self.shards} keeps cuts at rounds "
@@ -238,7 +247,7 @@ class Checkpointer:
             was = self.coordinator.membership.min_clock()
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
                 cuts.pop(later).unlink(missing_ok=True)
-            self.coordinator.rewind(*saved, on_disk=cuts)
+            self.coordinator.rewind(saved, on_disk=cuts)
             log.warning("rewound from round %s to the cut at round %d (incarnation %s)", was,
                         round_, self.coordinator.incarnation)  # fmt: skip
 

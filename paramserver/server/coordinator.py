@@ -2,6 +2,12 @@
 
 No gRPC here: the servicer decodes requests, calls these methods and encodes replies.
 Waiting (for a barrier) happens on a condition variable that every state change notifies.
+
+Its parts own their state (only this module assigns the coordinator's fields): ``members``
+(who is in the run, their clocks and batches), ``arrival`` (what of a push reaches the model
+and when: a sync round or on arrival, chosen once from the policy) and ``saving`` (the cuts
+waiting for the disk, the checkpointer's writes). It is built from a ``CoordinatorSnapshot``
+(``snapshot=``), takes one (``checkpoint_state``, cuts), and a rewind takes one over.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,50 +24,39 @@ import numpy as np
 from paramserver.codec.layout import Manifest
 from paramserver.codec.rows import RowGradients
 from paramserver.config import MAX_PUSH_EVERY, ServerConfig
-from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, WrongIncarnation
-from paramserver.policy import staleness
-from paramserver.policy.staleness import Policy, PushAction
+from paramserver.errors import InvalidRequest, Timeout, WrongIncarnation
+from paramserver.policy.staleness import Policy
+from paramserver.server.answers import PullResult, PushResult, answer
+from paramserver.server.arrival import Arrival, arrival
 from paramserver.server.buffers import SharedBuffers
 from paramserver.server.checks import check_gradient
 from paramserver.server.cuts import Cuts
 from paramserver.server.dataplan import BatchQueue
 from paramserver.server.ledger import Ledger
 from paramserver.server.members import Members
-from paramserver.server.membership import Membership
-from paramserver.server.rounds import SyncRound
+from paramserver.server.membership import Member, Membership
 from paramserver.server.saves import Saves
 from paramserver.server.saving import Saving
-from paramserver.server.state import capture
+from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.status import Counters, ServerStatus, server_status
 from paramserver.server.store import ParameterStore
-from paramserver.sparse.tableset import RowRound, TableSet
+from paramserver.sparse.tableset import TableSet
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PushResult:
-    version: int
-    clock: int
-    duplicate: bool
+class Coordinator:
+    """Serialises every decision of the server; thread-safe.
 
-
-@dataclass(frozen=True)
-class PullResult:
-    version: int
-    staleness: int
-    weights: np.ndarray  # a read-only snapshot; empty when the pull's ``sink`` took them
-    batches: tuple[int, ...] = ()  # the global batches to compute; none: nothing for now
-    finished: bool = False  # every batch of the run is applied
-
-    @property
-    def batch(self) -> int:
-        """The first batch to compute; -1: none."""
-        return self.batches[0] if self.batches else -1
-
-
-class Coordinator(Members, Saving):
-    """Serialises every decision of the server; thread-safe."""
+    Args:
+        store: the flat model (this shard's range) and its optimizer.
+        tables: this shard's rows of the model's sparse tables; None: the model has none.
+        frozen: the frozen parameters, constants a checkpoint holds beside the run's state.
+        model_numel: the whole model's size (default: the store's); ``shard_offset``:
+            where this server's range starts (``--shard I/S``).
+        snapshot: a state to go on from (a checkpoint's, or a cut's): the server resumes
+            where it was taken, as a new incarnation.
+    """
 
     def __init__(
         self,
@@ -70,38 +64,75 @@ class Coordinator(Members, Saving):
         store: ParameterStore,
         now: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        *,
+        tables: TableSet | None = None,
+        frozen: dict[str, Any] | None = None,
+        model_numel: int | None = None,
+        shard_offset: int = 0,
+        snapshot: CoordinatorSnapshot | None = None,
     ):
         self.config = config
         self.policy: Policy = config.parsed_policy
         self.store = store
         self.manifest: Manifest = store.manifest
-        self.membership = Membership(config.workers, config.lease_seconds, now)
-        self.counters = Counters()
+        self.tables = tables
+        self.frozen: dict[str, Any] = frozen or {}
+        self.model_numel = store.manifest.numel if model_numel is None else model_numel
+        self.shard_offset = shard_offset
         self.incarnation = uuid.uuid4().hex[:12]
         self.started_at = now()
-        self._now = now
-        self._wall = wall
+        self._now, self._wall = now, wall
         self._cond = threading.Condition()
-        self._started = False  # becomes True once --min-workers workers are live
-        self.rounds = 0  # sync rounds completed
-        self.queue: BatchQueue | None = None  # set by the first join that brings data
-        self.round = SyncRound()
+        self.counters = Counters()
         self.buffers = SharedBuffers(self.manifest)
-        self._params_end = self.manifest.section("param")[1]
-        self.saves = Saves()  # the checkpointer's writes: the last one, failures
-        # A shard's consistent cuts (``server/cuts.py``): states taken under the lock wait
-        # there for the checkpointer (``oldest_cut``); ``Checkpointer`` sets ``cuts.every``.
-        self.cuts = Cuts(synchronous=self.policy.synchronous)
-        # The whole model's size and where this server's range starts (--shard I/S).
-        self.model_numel = self.manifest.numel
-        self.shard_offset = 0
-        # The frozen parameters, constants a checkpoint holds beside the run's state.
-        self.frozen: dict[str, Any] = {}
-        # The model's sparse tables (this shard's rows), and the sync round's row gradients.
-        self.tables: TableSet | None = None
-        self.row_round = RowRound()
-        # the server-handed batches this shard applied (each once, whoever pushes it)
-        self.ledger = Ledger()
+        self.members = Members(config, now)
+        self.arrival: Arrival = arrival(self.policy, store, tables, self.buffers, self.counters)
+        self.saving = Saving(self._cond, self.arrival.in_rounds)
+        if snapshot is not None:
+            self._take_over(snapshot)
+
+    def _take_over(self, s: CoordinatorSnapshot) -> None:
+        """Go on from snapshot ``s``: its workers come back with a fresh lease (``Members``),
+        the model and its rounds as they were (``arrival``)."""
+        if s.policy != self.policy.name:
+            log.warning("the checkpoint was written under %s; going on under %s", s.policy,
+                        self.policy.name)  # fmt: skip
+        self.members = Members.restored(self.config, self._now, s)
+        live = self.membership.live_ids()
+        self.arrival = arrival(self.policy, self.store, self.tables, self.buffers, self.counters,
+                               s, live)  # fmt: skip
+        self.saving.resumed(s.cut, s.version)
+        self.counters.load(s.counters)
+        log.info("resumed from incarnation %s at version %d with %d workers", s.incarnation,
+                 self.store.version, len(self.membership.members))  # fmt: skip
+
+    # --- its parts, as status and the tests read them -----------------------------------
+
+    @property
+    def membership(self) -> Membership:
+        return self.members.membership
+
+    @property
+    def queue(self) -> BatchQueue | None:
+        return self.members.queue
+
+    @property
+    def rounds(self) -> int:
+        """Sync rounds completed."""
+        return self.arrival.rounds
+
+    @property
+    def ledger(self) -> Ledger:
+        """The server-handed batches this shard applied."""
+        return self.arrival.ledger
+
+    @property
+    def cuts(self) -> Cuts[CoordinatorSnapshot]:
+        return self.saving.cuts
+
+    @property
+    def saves(self) -> Saves:
+        return self.saving.saves
 
     def check_incarnation(self, incarnation: str) -> None:
         """A call meant for an earlier incarnation of the server (a restart, or a rewind to
@@ -111,6 +142,50 @@ class Coordinator(Members, Saving):
                 f"This server is incarnation {self.incarnation}, not {incarnation}: it restarted "
                 "since the worker joined. Join again."
             )
+
+    # --- membership -------------------------------------------------------------------
+
+    def join(
+        self, name: str, worker_id: str = "", train_samples: int = 0, join_id: str = ""
+    ) -> Member:
+        """Admit a worker, or take back one that knows its id (a retry, or after a restart);
+        a retry of a join attempt (``join_id``) whose reply was lost gets the same member.
+
+        Raises:
+            ClusterFull: ``--workers`` workers are live.
+            InvalidRequest: its data set does not match the one the run's batches come from.
+        """
+        with self._cond:
+            start = self.arrival.start_clock()
+            member = self.members.join(name, worker_id, train_samples, join_id, start)
+            self._cond.notify_all()
+            return member
+
+    def heartbeat(self, worker_id: str) -> int:
+        with self._cond:
+            self.membership.touch(worker_id)
+            return self.store.version
+
+    def leave(self, worker_id: str) -> None:
+        with self._cond:
+            self._after_leaving(self.members.leave(worker_id))
+
+    def expire_leases(self) -> list[Member]:
+        """Drop workers whose lease ran out, so that no barrier waits on them."""
+        with self._cond:
+            dead = self.members.expire()
+            self._after_leaving(dead)
+            return dead
+
+    def _after_leaving(self, gone: list[Member]) -> None:
+        # The batches they took and did not push go back to the queue for someone else.
+        if not gone:
+            return
+        self.members.release(gone)
+        live = self.membership.live_ids()
+        self.buffers.keep_only(live)
+        self._settled(self.arrival.left(live))
+        self._cond.notify_all()
 
     # --- push -------------------------------------------------------------------------
 
@@ -143,98 +218,37 @@ class Coordinator(Members, Saving):
         ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
         for the round), nothing is applied, and the batches it held go back to the queue.
         """
-        empty = grad is None
         skip = self.config.skip_nonfinite  # NaN or Inf anywhere, rows too: skipped, counted
         checked = self._tables("A push").check(rows, skip) if rows else []
         finite = check_gradient(grad, samples, self.manifest, skip,
                                 f"The gradient of worker {worker_id} for iteration {iteration}", checked)  # fmt: skip
         with self._cond:
             self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
-            member = self.membership.get(worker_id)
             window = max(1, self.policy.max_inflight_pushes())
-            action = staleness.push_action(iteration, member.clock, window)
-            if action is PushAction.DUPLICATE:
-                self.membership.touch(worker_id)
+            member, new = self.members.admit(worker_id, iteration, window)
+            if not new:
                 self.counters.duplicates += 1
                 return PushResult(self.store.version, member.clock, True)
-            if action is PushAction.AHEAD:
-                raise OutOfOrder(
-                    f"Worker {worker_id} pushed iteration {iteration} but its clock is "
-                    f"{member.clock}: iterations were skipped."
-                )
-            if action is PushAction.PAST:
-                raise OutOfOrder(
-                    f"Worker {worker_id} pushed iteration {iteration} but its clock is "
-                    f"{member.clock}: older than any retry can be."
-                )
-            self.membership.touch(worker_id)
-            if self.queue is not None:  # the shard that hands batches out knows them
-                batches = self.queue.taken.get(worker_id, {}).get(iteration, ())
-            if not empty and self.ledger.seen(batches, f"Worker {worker_id}'s push"):
-                self.ledger.repeated += 1
-                log.warning("worker %s pushed batches %s, which this shard applied already: "
-                            "counted for its clock, not applied", worker_id, list(batches))  # fmt: skip
-                grad, checked, finite = None, [], True
-            if not finite:
-                self.counters.skipped += 1
-                log.warning("skipped the non-finite gradient of worker %s for iteration %d",
-                            worker_id, iteration)  # fmt: skip
-                grad, checked = None, []
-            if grad is not None:
-                self.counters.bytes_in += grad.nbytes
-                self.buffers.record(worker_id, grad[self._params_end :])
-                grad = grad[: self._params_end]
-            if self.policy.synchronous:
-                self.round.add(worker_id, grad)
-                self.row_round.add(checked)
-            elif grad is not None:
-                if checked:  # at this step's rate (--lr-schedule), as the dense part
-                    self._tables("A push").apply(checked, self.store.lr)
-                self.store.apply(grad)
-                self._share_buffers(self.membership.live_ids())
-            if grad is not None or not finite:
-                self.ledger.add(batches)
-            if self.queue is not None and empty:
-                self.queue.give_back(worker_id, iteration)
-            elif self.queue is not None:
-                self.queue.complete(worker_id, iteration)
-            self.membership.advance(worker_id, samples if grad is not None else 0)
-            if grad is not None:
+            batches = self.members.batches_of(worker_id, iteration, batches)
+            live = self.membership.live_ids()
+            applied = self.arrival.take(worker_id, iteration, grad, checked, finite, batches, live)
+            self.members.pushed(worker_id, iteration, empty=grad is None)
+            self.membership.advance(worker_id, samples if applied else 0)
+            if applied:
                 self.counters.push(samples, loss, self._now())
-            if self.policy.synchronous:
-                self._maybe_finish_round()
-            else:
-                self._maybe_cut()
+            self._settled(self.arrival.settle(self.membership.live_ids()))
             self._cond.notify_all()
             return PushResult(self.store.version, member.clock, False)
 
-    def _maybe_finish_round(self) -> None:
-        if not self.policy.synchronous:
-            return
-        if self.round.complete(self.membership.live_ids()):
-            self._share_buffers(self.round.givers)
-            n = self.round.n
-            mean = self.round.take_mean()
-            if self.tables is not None and n:
-                self.tables.apply(self.row_round.take_mean(n), self.store.lr)
-            if mean is not None:
-                self.store.apply(mean)
-            self.rounds += 1
+    def _settled(self, round_ended: bool) -> None:
+        """After a push or a departure: take the cut that falls now, if any (at the end of
+        a sync round; otherwise once every live clock reaches it)."""
+        if round_ended:
             cut = self.cuts.after_round(self.rounds)
-            if cut is not None:
-                self.cuts.take(cut, capture(self, cut))
-
-    def _share_buffers(self, workers: Iterable[str]) -> None:
-        if not self.buffers.size:  # a model (or shard) without buffers: nothing to share
-            return
-        values = self.buffers.combine(workers)
-        if values is not None:
-            self.store.set_buffers(values)
-
-    def _maybe_cut(self) -> None:
-        cut = self.cuts.reached(self.membership.min_clock())
+        else:
+            cut = self.cuts.reached(self.membership.min_clock())
         if cut is not None:
-            self.cuts.take(cut, capture(self, cut))
+            self.saving.take(cut, self._snapshot(cut))
 
     def _tables(self, what: str) -> TableSet:
         if self.tables is None:
@@ -288,34 +302,43 @@ class Coordinator(Members, Saving):
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
-                return self._answer(None, sink=sink)
-            member = self.membership.touch(worker_id)
-            window = max(self.policy.max_inflight_pushes(), 1)
-            staleness.check_pull_iteration(worker_id, iteration, member.clock, window)
+                return answer(self.store, self.counters, None, None, sink=sink)
+            self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
             waited_from = self._now()
             try:
-                while True:
-                    if self.queue is not None and self.queue.finished:
-                        # nothing left to compute: no staleness to speak of
-                        return self._answer(None, finished=True, sink=sink)
-                    if self._pull_ready(iteration):
-                        if self.queue is None:
-                            return self._answer(iteration, sink=sink)
-                        taken = self.queue.take(worker_id, iteration, batches)
-                        wait = not self.policy.synchronous  # for a batch, or the end
-                        if taken or not wait or self.queue.holds_before(worker_id, iteration):
-                            return self._answer(iteration, tuple(taken), sink=sink)
+                while (result := self._try_answer(worker_id, iteration, batches, sink)) is None:
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
-                        raise Timeout(self._wait_message(worker_id, iteration, timeout))
+                        raise Timeout(self.members.waiting(worker_id, iteration, timeout,
+                                                           self.policy.name, self.saving.waiting()))  # fmt: skip
                     self._cond.wait(min(remaining, self.config.lease_seconds))
                     self.check_incarnation(incarnation)  # rewound while waiting: ABORTED
                     self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
+                return result
             finally:
                 self.counters.barrier_wait_seconds += self._now() - waited_from
 
+    def _try_answer(
+        self,
+        worker_id: str,
+        iteration: int,
+        batches: int,
+        sink: Callable[[np.ndarray], None] | None,
+    ) -> PullResult | None:
+        """The pull's answer if it can have one now; None: it waits."""
+        if self.members.finished:  # nothing left to compute: no staleness to speak of
+            return answer(self.store, self.counters, None, None, (), True, sink)
+        if not self._pull_ready(iteration):
+            return None
+        wait = self.arrival.waits_for_batch  # for a batch, or the end
+        taken = self.members.hand_out(worker_id, iteration, batches, wait)
+        if taken is None:
+            return None
+        low = self.membership.min_clock()
+        return answer(self.store, self.counters, low, iteration, taken, sink=sink)
+
     def _pull_ready(self, iteration: int) -> bool:
-        if not self._started:
+        if not self.members.started:
             return False
         if self.cuts.full:
             return False  # the cuts taken wait for the disk: no more until one is written
@@ -324,42 +347,43 @@ class Coordinator(Members, Saving):
             return False  # every worker reaches the cut before anyone computes past it
         return self.policy.pull_ready(iteration, low, self.rounds)
 
-    def _answer(
-        self,
-        iteration: int | None,
-        batches: tuple[int, ...] = (),
-        finished: bool = False,
-        sink: Callable[[np.ndarray], None] | None = None,
-    ) -> PullResult:
-        if sink is None:
-            weights = self.store.snapshot()
-            self.counters.bytes_out += weights.nbytes
-        else:
-            live = self.store.weights
-            sink(live)
-            self.counters.bytes_out += live.nbytes
-            weights = live[:0]
-        lag = 0
-        if iteration is not None:
-            lag = staleness.staleness(iteration, self.membership.min_clock())
-            self.counters.pull(lag)
-        return PullResult(self.store.version, lag, weights, batches, finished)
+    # --- checkpoints ------------------------------------------------------------------
 
-    def _wait_message(self, worker_id: str, iteration: int, timeout: float) -> str:
-        if not self._started:
-            return (
-                f"Worker {worker_id} waited {timeout:.0f}s for the run to start: "
-                f"{len(self.membership.members)} of {self.config.start_workers} workers are live."
-            )
-        disk = ""
-        if self.cuts.full:
-            disk = (f" {len(self.cuts.pending)} consistent cuts wait to be written to disk"
-                    f" ({self.saves.error or 'a slow disk'}).")  # fmt: skip
-        return (
-            f"Worker {worker_id} waited {timeout:.0f}s to pull iteration {iteration} under "
-            f"{self.policy.name}; the slowest live clock is {self.membership.min_clock()}."
-            f"{disk}"
+    def checkpoint_state(self) -> CoordinatorSnapshot:
+        """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
+        with self._cond:
+            return self._snapshot(self.cuts.last)
+
+    def _snapshot(self, cut: int) -> CoordinatorSnapshot:
+        """Everything a resumed server needs, copied; the caller holds the lock."""
+        return CoordinatorSnapshot(
+            cut=cut,
+            policy=self.policy.name,
+            incarnation=self.incarnation,
+            counters=self.counters.state(),
+            frozen=self.frozen,  # constants: not copied
+            **self.members.state(),
+            **self.arrival.state(),
         )
+
+    def rewind(self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int]) -> None:
+        """Go back to a cut, as a new incarnation: every call of the old one is refused
+        (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
+        with self._cond:
+            self.incarnation = uuid.uuid4().hex[:12]
+            self.saving.rewound(snapshot.cut, on_disk)
+            self._take_over(snapshot)
+            self._cond.notify_all()
+
+    @property
+    def cuts_pending(self) -> bool:
+        return self.saving.cuts_pending
+
+    def learn_common_cut(self, clock: int) -> None:
+        """A worker says every shard has written the cut at ``clock`` (PullRequest)."""
+        self.saving.learn_common_cut(clock)
+
+    # --- waiting and status -----------------------------------------------------------
 
     def wait_for(self, predicate: Callable[[Coordinator], bool], timeout: float) -> bool:
         """Block until ``predicate(self)`` holds (checked after every state change)."""
@@ -370,8 +394,6 @@ class Coordinator(Members, Saving):
         """Wake every waiting pull (a client went away)."""
         with self._cond:
             self._cond.notify_all()
-
-    # --- status -----------------------------------------------------------------------
 
     def status(self) -> ServerStatus:
         with self._cond:

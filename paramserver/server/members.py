@@ -1,108 +1,196 @@
-"""The coordinator's membership calls: join, heartbeat, leave, leases. A part of
-``Coordinator`` (which it is mixed into), split out for size: its state and lock are the
-coordinator's, declared here for the type checker."""
+"""Who is in the run and which batches they hold: the membership (leases, clocks, ranks),
+the batch queue (planned by the first join that brings data) and whether the run has started
+(``--min-workers`` workers live).
+
+A collaborator of the coordinator: ``Members`` owns this state and decides joins, departures,
+whether a push is new work by the worker's clock (exactly once: a retry within the window is
+a duplicate) and which batches a step computes. The coordinator calls it under its lock, and
+decides what a departure means for the model (``Coordinator._after_leaving``).
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from paramserver.config import ServerConfig
+from paramserver.errors import OutOfOrder
+from paramserver.policy import staleness
+from paramserver.policy.staleness import PushAction
 from paramserver.server.dataplan import BatchQueue
 from paramserver.server.membership import Member, Membership
-
-if TYPE_CHECKING:
-    from paramserver.config import ServerConfig
-    from paramserver.policy.staleness import Policy
-    from paramserver.server.buffers import SharedBuffers
-    from paramserver.server.store import ParameterStore
+from paramserver.server.state import CoordinatorSnapshot
 
 log = logging.getLogger("paramserver.server.coordinator")
 
 
 class Members:
-    """Who is in the run, under the coordinator's lock."""
+    """The live workers, their batches, and whether training has started."""
 
-    if TYPE_CHECKING:
-        _cond: threading.Condition
-        _started: bool
-        config: ServerConfig
-        policy: Policy
-        store: ParameterStore
-        membership: Membership
-        queue: BatchQueue | None
-        buffers: SharedBuffers
-        rounds: int
+    def __init__(
+        self,
+        config: ServerConfig,
+        now: Callable[[], float] = time.monotonic,
+        membership: Membership | None = None,
+        queue: BatchQueue | None = None,
+        started: bool = False,
+    ):
+        self.config = config
+        self.membership = membership or Membership(config.workers, config.lease_seconds, now)
+        self.queue = queue  # None until a join brings data
+        self.started = started  # True once --min-workers workers are live
 
-        def _share_buffers(self, workers: Any) -> None: ...
-        def _maybe_finish_round(self) -> None: ...
-        def _maybe_cut(self) -> None: ...
+    @classmethod
+    def restored(
+        cls, config: ServerConfig, now: Callable[[], float], snapshot: CoordinatorSnapshot
+    ) -> Members:
+        """The snapshot's workers, back as live members with a fresh lease: a worker that
+        rejoins with its id goes on from its clock; one that does not come back within the
+        lease is dropped, and the batches it held go to the others."""
+        membership = Membership.from_state({"members": snapshot.members, **snapshot.membership},
+                                           config.workers, config.lease_seconds, now)  # fmt: skip
+        queue = BatchQueue.from_state(snapshot.queue) if snapshot.queue is not None else None
+        started = bool(membership.members) or snapshot.version > 0
+        return cls(config, now, membership, queue, started)
+
+    def state(self) -> dict[str, Any]:
+        """The snapshot's ``members``, ``membership`` and ``queue``."""
+        membership = self.membership.state()
+        return {"members": membership.pop("members"), "membership": membership,
+                "queue": self.queue.state() if self.queue is not None else None}  # fmt: skip
 
     def join(
-        self, name: str, worker_id: str = "", train_samples: int = 0, join_id: str = ""
+        self, name: str, worker_id: str, train_samples: int, join_id: str, start: int | None
     ) -> Member:
-        """Admit a worker, or take back one that knows its id (a retry, or after a restart);
-        a retry of a join attempt (``join_id``) whose reply was lost gets the same member.
+        """Admit a worker (at clock ``start`` when none is live), or take back one that
+        knows its id; a retry of a join attempt (``join_id``) gets the same member.
 
         Raises:
             ClusterFull: ``--workers`` workers are live.
             InvalidRequest: its data set does not match the one the run's batches come from.
         """
-        with self._cond:
-            self.queue = BatchQueue.plan(self.queue, train_samples, self.config.batch_size,
-                                         self.config.epochs)  # fmt: skip
-            member = self.membership.members.get(worker_id) if worker_id else None
-            if member is not None:
-                self.membership.touch(worker_id)
-                what = "rejoined"
-            else:
-                start = self.rounds if self.policy.synchronous else None
-                joined = self.membership.joined_total
-                member = self.membership.join(name, start_clock=start, join_id=join_id)
-                what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
-            if not self._started and len(self.membership.members) >= self.config.start_workers:
-                self._started = True
-            log.info("worker %s (%s) %s as rank %d at clock %d; %d live", member.worker_id, name,
-                     what, member.rank, member.clock, len(self.membership.members))  # fmt: skip
-            self._cond.notify_all()
-            return member
-
-    def heartbeat(self, worker_id: str) -> int:
-        with self._cond:
+        cfg = self.config
+        self.queue = BatchQueue.plan(self.queue, train_samples, cfg.batch_size, cfg.epochs)
+        member = self.membership.members.get(worker_id) if worker_id else None
+        if member is not None:
             self.membership.touch(worker_id)
-            return self.store.version
+            what = "rejoined"
+        else:
+            joined = self.membership.joined_total
+            member = self.membership.join(name, start_clock=start, join_id=join_id)
+            what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
+        if not self.started and len(self.membership.members) >= cfg.start_workers:
+            self.started = True
+        log.info("worker %s (%s) %s as rank %d at clock %d; %d live", member.worker_id, name,
+                 what, member.rank, member.clock, len(self.membership.members))  # fmt: skip
+        return member
 
-    def leave(self, worker_id: str) -> None:
-        with self._cond:
-            member = self.membership.leave(worker_id)
-            if member is not None:
-                log.info("worker %s (rank %d) left at clock %d", worker_id, member.rank,
-                         member.clock)  # fmt: skip
-                self._after_membership_change([member])
+    def leave(self, worker_id: str) -> list[Member]:
+        """The worker leaves at its own request: it, or none if it was not live."""
+        member = self.membership.leave(worker_id)
+        if member is None:
+            return []
+        log.info("worker %s (rank %d) left at clock %d", worker_id, member.rank, member.clock)
+        return [member]
 
-    def expire_leases(self) -> list[Member]:
-        """Drop workers whose lease ran out, so that no barrier waits on them."""
-        with self._cond:
-            dead = self.membership.expire()
-            for m in dead:
-                log.warning("worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
-                            "longer holds back the others", m.worker_id, m.name, m.rank,
-                            self.config.lease_seconds, m.clock)  # fmt: skip
-            if dead:
-                self._after_membership_change(dead)
-            return dead
+    def expire(self) -> list[Member]:
+        """Drop the workers whose lease ran out; returns them."""
+        dead = self.membership.expire()
+        for m in dead:
+            log.warning("worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
+                        "longer holds back the others", m.worker_id, m.name, m.rank,
+                        self.config.lease_seconds, m.clock)  # fmt: skip
+        return dead
 
-    def _after_membership_change(self, gone: list[Member]) -> None:
-        # A departed worker's gradient already in the round sum stays: it is valid work.
-        # The batches it took and did not push go back to the queue for someone else.
-        if self.queue is not None:
-            for m in gone:
-                back = self.queue.release(m.worker_id)
-                if back:
-                    log.info("batches %s of worker %s go back to the queue", back, m.worker_id)
-        self.buffers.keep_only(self.membership.live_ids())
-        if not self.policy.synchronous:
-            self._share_buffers(self.membership.live_ids())
-        self._maybe_finish_round()
-        self._maybe_cut()
-        self._cond.notify_all()
+    def release(self, gone: list[Member]) -> None:
+        """The batches the ``gone`` workers took and did not push go back to the queue."""
+        if self.queue is None:
+            return
+        for m in gone:
+            back = self.queue.release(m.worker_id)
+            if back:
+                log.info("batches %s of worker %s go back to the queue", back, m.worker_id)
+
+    # --- a step's clock and batches ---------------------------------------------------
+
+    def admit(self, worker_id: str, iteration: int, window: int) -> tuple[Member, bool]:
+        """The member pushing ``iteration``, and whether it is new work (False: a retry of a
+        push applied, within its ``window`` of pushes in flight); either renews its lease.
+
+        Raises:
+            UnknownWorker: ``worker_id`` holds no lease.
+            OutOfOrder: iterations were skipped, or it is older than any retry can be.
+        """
+        member = self.membership.get(worker_id)
+        action = staleness.push_action(iteration, member.clock, window)
+        if action is PushAction.AHEAD:
+            raise OutOfOrder(f"Worker {worker_id} pushed iteration {iteration} but its clock "
+                             f"is {member.clock}: iterations were skipped.")  # fmt: skip
+        if action is PushAction.PAST:
+            raise OutOfOrder(f"Worker {worker_id} pushed iteration {iteration} but its clock "
+                             f"is {member.clock}: older than any retry can be.")  # fmt: skip
+        self.membership.touch(worker_id)
+        return member, action is PushAction.APPLY
+
+    def check_pull(self, worker_id: str, iteration: int, window: int) -> None:
+        """Renew the lease of a worker pulling ``iteration``, within ``window`` of its clock.
+
+        Raises:
+            UnknownWorker: ``worker_id`` holds no lease.
+            OutOfOrder: the iteration is too far from its clock.
+        """
+        member = self.membership.touch(worker_id)
+        staleness.check_pull_iteration(worker_id, iteration, member.clock, window)
+
+    @property
+    def finished(self) -> bool:
+        """Every batch of the run is applied (never, without a data plan)."""
+        return self.queue is not None and self.queue.finished
+
+    def batches_of(self, worker_id: str, iteration: int, named: Sequence[int]) -> Sequence[int]:
+        """The batches a push of ``iteration`` computed: on the shard that hands them out,
+        those it handed out; elsewhere the ones the push names."""
+        if self.queue is None:
+            return named
+        return self.queue.taken.get(worker_id, {}).get(iteration, ())
+
+    def pushed(self, worker_id: str, iteration: int, empty: bool) -> None:
+        """A push of ``iteration`` was accepted: its batches are done, or (an empty push,
+        which computed nothing) go back to the queue."""
+        if self.queue is None:
+            return
+        if empty:
+            self.queue.give_back(worker_id, iteration)
+        else:
+            self.queue.complete(worker_id, iteration)
+
+    def hand_out(
+        self, worker_id: str, iteration: int, count: int, wait: bool
+    ) -> tuple[int, ...] | None:
+        """Up to ``count`` batches for ``worker_id`` to compute at ``iteration``; empty: none
+        (no data plan, or none left and no ``wait``). None: wait for a batch given back or
+        for the end (``wait``), unless the worker holds an earlier batch not pushed yet (a
+        prefetch: the end would wait for it)."""
+        if self.queue is None:
+            return ()
+        taken = self.queue.take(worker_id, iteration, count)
+        if taken or not wait or self.queue.holds_before(worker_id, iteration):
+            return tuple(taken)
+        return None
+
+    def waiting(
+        self, worker_id: str, iteration: int, timeout: float, policy: str, disk: str = ""
+    ) -> str:
+        """Why a pull of ``iteration`` waited ``timeout`` seconds (``disk``: what the cuts
+        waiting for the disk add, once the run has started)."""
+        if not self.started:
+            return (
+                f"Worker {worker_id} waited {timeout:.0f}s for the run to start: "
+                f"{len(self.membership.members)} of {self.config.start_workers} workers are live."
+            )
+        return (
+            f"Worker {worker_id} waited {timeout:.0f}s to pull iteration {iteration} under "
+            f"{policy}; the slowest live clock is {self.membership.min_clock()}.{disk}"
+        )

@@ -1,7 +1,7 @@
 """The sync round in progress: the gradients of this round's contributors, summed.
 
-Pure bookkeeping: the coordinator decides when a round is complete (every live worker has
-pushed) and applies the mean.
+Pure bookkeeping: the sync strategy (``Rounds``, ``server/arrival.py``) decides when a
+round is complete (every live worker has pushed) and applies the mean.
 """
 
 from __future__ import annotations

@@ -1,57 +1,66 @@
-"""The coordinator's checkpoint calls: the state a checkpoint holds, the cuts waiting for
-the disk, rewinds and restores, and what the checkpointer reports. A part of
-``Coordinator`` (which it is mixed into), split out for size: its state and lock are the
-coordinator's, declared here for the type checker."""
+"""The coordinator's side of the disk: the cuts taken and waiting to be written
+(``server/cuts.py`` says when), and what the checkpointer reports of its writes
+(``server/saves.py``).
+
+A collaborator of the coordinator: ``Saving`` owns ``cuts`` and ``saves``, and guards them
+with the coordinator's lock (``cond``, shared: a cut on disk wakes the pulls that wait for
+room). The checkpointer calls it; the coordinator takes the cuts (``take``, under its lock)
+and reads it for pulls and status.
+"""
 
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
-
-from paramserver.server.state import capture, restore_into
-
-if TYPE_CHECKING:
-    from paramserver.server.coordinator import Coordinator
-    from paramserver.server.cuts import Cuts
-    from paramserver.server.membership import Membership
-    from paramserver.server.saves import Saves
-    from paramserver.server.store import ParameterStore
+from paramserver.server.cuts import Cuts
+from paramserver.server.saves import Saves
+from paramserver.server.state import CoordinatorSnapshot
 
 
 class Saving:
-    """Checkpoints and cuts, under the coordinator's lock."""
+    """Cuts and checkpoint writes, under the coordinator's lock.
 
-    if TYPE_CHECKING:
-        _cond: threading.Condition
-        _started: bool
-        cuts: Cuts
-        saves: Saves
-        store: ParameterStore
-        membership: Membership
-        incarnation: str
+    Args:
+        cond: the coordinator's condition (its lock, and the pulls waiting on it).
+        in_rounds: cuts fall at the end of sync rounds (``Arrival.in_rounds``), not when
+            every live clock reaches one.
+    """
 
-    def _whole(self) -> Coordinator:
-        return cast("Coordinator", self)
+    def __init__(self, cond: threading.Condition, in_rounds: bool):
+        self._cond = cond
+        self.cuts: Cuts[CoordinatorSnapshot] = Cuts(synchronous=in_rounds)
+        self.saves = Saves()  # the checkpointer's writes: the last one, failures
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
+    def schedule(self, every: int | None) -> None:
+        """Cut every ``every`` iterations (sync: rounds); None: never (the default)."""
         with self._cond:
-            return capture(self._whole(), self.cuts.last)
+            self.cuts.every = every
+
+    def take(self, cut: int, snapshot: CoordinatorSnapshot) -> None:
+        """Keep the state taken at ``cut`` until it is on disk (the caller holds the lock)."""
+        self.cuts.take(cut, snapshot)
+
+    def resumed(self, cut: int, version: int) -> None:
+        """The coordinator took over a snapshot of ``version``, whose last cut was ``cut``."""
+        self.cuts.last = cut
+        self.saves.version = version
+
+    def rewound(self, cut: int, on_disk: Iterable[int]) -> None:
+        """Back at the cut at ``cut``: the cuts after it are abandoned (``on_disk``: those
+        left on disk)."""
+        self.cuts.rewound(cut, on_disk)
 
     @property
     def cuts_pending(self) -> bool:
         return bool(self.cuts.pending)
 
-    def oldest_cut(self) -> dict[str, Any] | None:
+    def oldest_cut(self) -> CoordinatorSnapshot | None:
         """The oldest cut taken and not yet on disk; it stays taken until ``cut_on_disk``."""
         with self._cond:
             return self.cuts.oldest()
 
-    def pending_cut(self, clock: int) -> dict[str, Any] | None:
+    def pending_cut(self, clock: int) -> CoordinatorSnapshot | None:
         with self._cond:
             return self.cuts.pending_at(clock)
 
@@ -68,23 +77,6 @@ class Saving:
             with self._cond:
                 self.cuts.learn_common(clock)
 
-    def rewind(self, state: dict[str, Any], weights: np.ndarray, on_disk: Iterable[int]) -> None:
-        """Go back to a cut, as a new incarnation: every call of the old one is refused
-        (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
-        with self._cond:
-            self.incarnation = uuid.uuid4().hex[:12]
-            self.cuts.rewound(int(state["cut"]), on_disk)
-            self.restore(state, weights)
-
-    def restore(self, saved: dict[str, Any], weights: np.ndarray) -> None:
-        """Take over the state of a checkpoint (``weights``: its flat parameters and
-        buffers); see ``server/state.py``."""
-        with self._cond:
-            restore_into(self._whole(), saved, weights)
-            self._started = bool(self.membership.members) or self.store.version > 0
-            self.saves.version = self.store.version
-            self._cond.notify_all()
-
     def saved(self, version: int, at: float) -> None:
         """Record that a checkpoint of ``version`` was written at wall time ``at``."""
         with self._cond:
@@ -94,3 +86,10 @@ class Saving:
         """Record that a checkpoint write failed at wall time ``at``."""
         with self._cond:
             self.saves.failed(error, at)
+
+    def waiting(self) -> str:
+        """What the cuts add to why a pull waits: none, or that they wait for the disk."""
+        if not self.cuts.full:
+            return ""
+        return (f" {len(self.cuts.pending)} consistent cuts wait to be written to disk"
+                f" ({self.saves.error or 'a slow disk'}).")  # fmt: skip

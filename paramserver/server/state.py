@@ -1,82 +1,86 @@
-"""A coordinator's state as a checkpoint holds it, and back (see ``paramserver.server.checkpoint``
-for the keys). The caller holds the coordinator's lock."""
+"""A coordinator's state as a checkpoint holds it: ``CoordinatorSnapshot``, typed, and the
+checkpoint's dict of it and back (see ``paramserver.server.checkpoint`` for the keys).
+
+The coordinator takes a snapshot (``Coordinator.checkpoint_state``, and a cut) and is built
+from one (``Coordinator(..., snapshot=)``, or a rewind): each part of it comes from, and
+goes back to, the part of the coordinator that owns it. This module imports none of them.
+"""
 
 from __future__ import annotations
 
-import copy
-import logging
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
-from paramserver.server.dataplan import BatchQueue
-from paramserver.server.ledger import Ledger
-from paramserver.server.membership import Membership
-from paramserver.server.rounds import SyncRound
-from paramserver.sparse.tableset import RowRound
 
-if TYPE_CHECKING:
-    from paramserver.server.coordinator import Coordinator
+@dataclass(frozen=True)
+class CoordinatorSnapshot:
+    """Everything a resumed server needs, copied (``frozen``: constants, not copied). The
+    fields are the checkpoint's keys, in its order; ``snapshot["cut"]`` reads one as the
+    checkpoint's dict would."""
 
-log = logging.getLogger(__name__)
+    weights: np.ndarray  # the flat parameters and buffers
+    optimizer_state: dict[str, Any]  # the server optimizer's state_dict()
+    version: int  # optimizer steps applied
+    rounds: int  # sync rounds completed
+    cut: int  # the clock (sync: the round) of the last cut
+    policy: str  # the policy it was taken under
+    incarnation: str  # the server process that took it
+    members: list[dict[str, Any]]  # Membership.state()'s members
+    membership: dict[str, Any]  # floor, joined_total, expired_total
+    queue: dict[str, Any] | None  # BatchQueue.state(); None: no data plan
+    sync_round: dict[str, Any]  # SyncRound.state(): the round in progress
+    buffers: dict[str, Any]  # SharedBuffers.state(): each worker's latest values
+    counters: dict[str, int]  # Counters.state()
+    frozen: dict[str, Any]  # the frozen parameters; a checkpoint file keeps their names
+    tables: dict[str, Any] | None  # TableSet.state_dict(); None: no sparse tables
+    table_layouts: dict[str, Any] | None  # TableSet.layouts()
+    row_round: dict[str, Any]  # RowRound.state(): the round's row gradients
+    ledger: dict[str, Any] | None  # Ledger.state(); None in checkpoints from before it
+
+    KEYS: ClassVar[tuple[str, ...]]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The checkpoint's dict: every key, the weights included (``checkpoint.save_server``
+        turns them into its ``model_state_dict``)."""
+        return {key: getattr(self, key) for key in self.KEYS}
+
+    @classmethod
+    def from_dict(
+        cls, state: dict[str, Any], weights: np.ndarray | None = None
+    ) -> CoordinatorSnapshot:
+        """The snapshot in a checkpoint's dict (``weights``: its flat parameters and buffers,
+        which a file holds in its ``model_state_dict``). Checkpoints from before a key get
+        its empty value; a file's ``frozen`` (the names only) is not needed back."""
+        rounds = int(state["rounds"])
+        frozen = state.get("frozen")
+        return cls(
+            weights=state["weights"] if weights is None else weights,
+            optimizer_state=state["optimizer_state"],
+            version=int(state["version"]),
+            rounds=rounds,
+            cut=int(state.get("cut", rounds)),
+            policy=str(state["policy"]),
+            incarnation=str(state["incarnation"]),
+            members=list(state["members"]),
+            membership=dict(state["membership"]),
+            queue=state["queue"],
+            sync_round=state["sync_round"],
+            buffers=state.get("buffers") or {},
+            counters=state["counters"],
+            frozen=frozen if isinstance(frozen, dict) else {},
+            tables=state.get("tables"),
+            table_layouts=state.get("table_layouts"),
+            row_round=state.get("row_round") or {},
+            ledger=state.get("ledger"),
+        )
 
 
-def capture(c: Coordinator, cut: int) -> dict[str, Any]:
-    """Everything a resumed server needs, copied."""
-    members = c.membership.state()
-    return {
-        "weights": c.store.weights.copy(),
-        "optimizer_state": copy.deepcopy(c.store.optimizer.state_dict()),
-        "version": c.store.version,
-        "rounds": c.rounds,
-        "cut": cut,
-        "policy": c.policy.name,
-        "incarnation": c.incarnation,
-        "members": members.pop("members"),
-        "membership": members,
-        "queue": c.queue.state() if c.queue is not None else None,
-        "sync_round": c.round.state(),
-        "buffers": c.buffers.state(),
-        "counters": c.counters.state(),
-        "frozen": c.frozen,  # constants: not copied
-        "tables": c.tables.state_dict() if c.tables is not None else None,
-        "table_layouts": c.tables.layouts() if c.tables is not None else None,
-        "row_round": c.row_round.state(),
-        "ledger": c.ledger.state(),
-    }
-
-
-def restore_into(c: Coordinator, state: dict[str, Any], weights: np.ndarray) -> None:
-    """Take over the state of a checkpoint (``weights``: its flat parameters and buffers).
-
-    The checkpoint's workers come back as live members with a fresh lease: a worker that
-    rejoins with its id goes on from its checkpointed clock; one that does not come back
-    within the lease is dropped, and the batches it held go to the others.
-    """
-    if state["policy"] != c.policy.name:
-        log.warning("the checkpoint was written under %s; going on under %s",
-                    state["policy"], c.policy.name)  # fmt: skip
-    c.store.restore(weights, state["optimizer_state"], int(state["version"]))
-    c.rounds = int(state["rounds"])
-    c.cuts.last = int(state.get("cut", c.rounds))
-    c.membership = Membership.from_state(
-        {"members": state["members"], **state["membership"]},
-        c.config.workers,
-        c.config.lease_seconds,
-        c.membership.now,
-    )
-    q = state["queue"]
-    c.queue = BatchQueue.from_state(q) if q is not None else None
-    live = c.membership.live_ids()
-    if c.policy.synchronous:
-        c.round = SyncRound.from_state(state["sync_round"], live)
-        c.row_round = RowRound.from_state(state.get("row_round") or {})
-    if c.tables is not None:
-        if state.get("tables") is None:
-            raise ValueError("The checkpoint holds no sparse tables, but this model has some.")
-        c.tables.load_state_dict(state["tables"])
-    c.ledger = Ledger.from_state(state.get("ledger"))
-    c.counters.load(state["counters"])
-    c.buffers.load(state.get("buffers"), live)
-    log.info("resumed from incarnation %s at version %d with %d workers",
-             state["incarnation"], c.store.version, len(c.membership.members))  # fmt: skip
+CoordinatorSnapshot.KEYS = tuple(f.name for f in dataclasses.fields(CoordinatorSnapshot))

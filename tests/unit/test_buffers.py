@@ -13,7 +13,7 @@ from paramserver import models
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.coordinator import Coordinator
-from paramserver.server.state import capture
+from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
 from tests.conftest import FakeClock
 
@@ -29,12 +29,14 @@ def manifest() -> Manifest:
     return Manifest.from_tensors(named, ["param", "buffer", "count"])
 
 
-def make(policy: str, workers: int, clock: FakeClock) -> Coordinator:
+def make(
+    policy: str, workers: int, clock: FakeClock, snapshot: CoordinatorSnapshot | None = None
+) -> Coordinator:
     m = manifest()
     store = ParameterStore(m, np.zeros(m.numel, np.float32), OptimizerConfig("sgd", lr=1.0))
     config = ServerConfig(policy=policy, workers=workers, lease_seconds=10.0,
                           optimizer=OptimizerConfig("sgd", lr=1.0), dataset="synthetic")  # fmt: skip
-    return Coordinator(config, store, now=clock)
+    return Coordinator(config, store, now=clock, snapshot=snapshot)
 
 
 def push(grad: float, mean: tuple[float, float], count: int) -> np.ndarray:
@@ -81,9 +83,7 @@ def test_checkpoint_keeps_the_workers_values(clock: FakeClock) -> None:
     a, b = (c.join(n).worker_id for n in "ab")
     c.push(a, 0, push(0.0, (2.0, 2.0), 1), samples=1, loss=0.0)
     c.push(b, 0, push(0.0, (4.0, 4.0), 1), samples=1, loss=0.0)
-    state = capture(c, 0)
-    fresh = make("async", 2, clock)
-    fresh.restore(state, state["weights"])
+    fresh = make("async", 2, clock, snapshot=c.checkpoint_state())
     assert fresh.store.weights.tolist() == c.store.weights.tolist()
     # a's value survived the restart: b's next push averages with it.
     fresh.push(b, 1, push(0.0, (6.0, 6.0), 2), samples=1, loss=0.0)

@@ -14,6 +14,7 @@ from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker, WrongIncarnation
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
+from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
 from paramserver.transport.shm import Attachments
 from tests.conftest import FakeClock
@@ -23,7 +24,9 @@ N = 4  # parameters of the tiny model
 NBYTES = 4 * N
 
 
-def make(policy: str, workers: int, clock: FakeClock) -> Coordinator:
+def make(
+    policy: str, workers: int, clock: FakeClock, snapshot: CoordinatorSnapshot | None = None
+) -> Coordinator:
     manifest = Manifest.from_tensors([("w", torch.zeros(N))])
     store = ParameterStore(manifest, np.zeros(N, np.float32), OptimizerConfig("sgd", lr=1.0))
     config = ServerConfig(
@@ -33,7 +36,7 @@ def make(policy: str, workers: int, clock: FakeClock) -> Coordinator:
         optimizer=OptimizerConfig("sgd", lr=1.0),
         dataset="synthetic",
     )
-    return Coordinator(config, store, now=clock)
+    return Coordinator(config, store, now=clock, snapshot=snapshot)
 
 
 def full(value: float) -> np.ndarray:
@@ -481,8 +484,7 @@ def test_checkpoint_state_restores_exactly_and_workers_rejoin_at_their_clock(
     assert c.pull(b.worker_id, 1, 0).batch == 3  # in flight when the checkpoint is taken
     state = c.checkpoint_state()
 
-    back = make("sync", 2, clock)
-    back.restore(state, state["weights"])
+    back = make("sync", 2, clock, snapshot=state)
     assert back.incarnation != c.incarnation
     assert (back.store.version, back.rounds) == (1, 1)
     np.testing.assert_array_equal(back.store.weights, c.store.weights)

@@ -17,13 +17,13 @@ from paramserver.server.checkpointer import Checkpointer
 from tests.conftest import DEADLINE, FakeClock
 
 
-def _shard(tmp_path, every: str = "2"):
+def _shard(tmp_path, every: str = "2", resume: bool = False):
     nn.init.zeros_((model := nn.Linear(4, 1, bias=False)).weight)
     config = ServerConfig(
         policy="sync", workers=1, shard=0, shards=2, checkpoint_dir=str(tmp_path),
         checkpoint_every=every, optimizer=OptimizerConfig("sgd", lr=1.0),
     )  # fmt: skip
-    coordinator = build_coordinator(config, model, now=FakeClock())
+    coordinator = build_coordinator(config, model, now=FakeClock(), resume=resume)
     return coordinator, Checkpointer(coordinator, tmp_path, every, cuts=True)
 
 
@@ -55,8 +55,7 @@ def test_cuts_are_taken_at_every_nth_round_and_kept_from_the_one_every_shard_wro
     assert state["members"][0]["clock"] == 4
     np.testing.assert_array_equal(state["model_state_dict"]["flat"].numpy(), np.full(2, -4.0))
 
-    again, saver2 = _shard(tmp_path)
-    saver2.resume()  # the newest cut, not the later checkpoint file
+    again, saver2 = _shard(tmp_path, resume=True)  # the newest cut, not the later checkpoint file
     assert again.rounds == 6
 
 

@@ -1,0 +1,224 @@
+"""What of a push reaches the model, and when: the one place the staleness policies differ
+on the server's side, as a strategy the coordinator chooses once (``arrival``) when it is
+built.
+
+Every push goes through ``Arrival.take``: a gradient of batches this shard applied already
+(``server/ledger.py``) or a non-finite one (``--skip-nonfinite``) counts for the worker's
+clock and reaches nothing; the buffers' values after the gradient are recorded
+(``server/buffers.py``); then the strategy:
+
+- ``Rounds`` (``sync``): the gradient joins the round in progress (``SyncRound``, and its
+  rows ``RowRound``); when every live worker has pushed, the round's mean is applied, the
+  shared buffers are those of the round's givers, and a cut may fall at the round's end.
+  A newcomer starts at the current round; a pull with no batch left is answered (batch -1:
+  an empty push still counts for the round).
+- ``OnArrival`` (``ssp:K``, ``async``): the gradient is applied as it arrives and the shared
+  buffers are those of the live workers; cuts come when every live clock reaches one. A
+  newcomer starts at the slowest live clock; a pull with no batch left waits for one (a
+  batch given back) or for the end of the run.
+
+Decisions and bookkeeping only: no lock (the coordinator calls under its own), no I/O.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paramserver.codec.rows import RowGradients
+from paramserver.policy.staleness import Policy
+from paramserver.server.buffers import SharedBuffers
+from paramserver.server.ledger import Ledger
+from paramserver.server.rounds import SyncRound
+from paramserver.server.state import CoordinatorSnapshot
+from paramserver.server.status import Counters
+from paramserver.server.store import ParameterStore
+from paramserver.sparse.tableset import RowRound, TableSet
+
+log = logging.getLogger("paramserver.server.coordinator")
+
+
+class Arrival:
+    """What both strategies share: the model they update, the batches applied, and the
+    rounds completed (kept under every policy, so a checkpoint moves between them)."""
+
+    in_rounds = False  # cuts fall at the end of rounds (``Cuts.synchronous``)
+    waits_for_batch = True  # a pull with no batch left waits for one, or for the end
+
+    def __init__(
+        self,
+        store: ParameterStore,
+        tables: TableSet | None,
+        buffers: SharedBuffers,
+        counters: Counters,
+        ledger: Ledger | None = None,
+        rounds: int = 0,
+        round_: SyncRound | None = None,
+        row_round: RowRound | None = None,
+    ):
+        self.store, self.tables, self.buffers, self.counters = store, tables, buffers, counters
+        # the server-handed batches this shard applied (each once, whoever pushes it)
+        self.ledger = ledger or Ledger()
+        self.rounds = rounds  # sync rounds completed
+        self.round = round_ or SyncRound()  # the sync round in progress
+        self.row_round = row_round or RowRound()  # its row gradients
+
+    def take(self, worker_id: str, iteration: int, grad: np.ndarray | None,
+             rows: list[RowGradients], finite: bool, batches: Sequence[int],
+             live: list[str]) -> bool:  # fmt: skip
+        """Take in an accepted push of ``batches`` (``grad`` None: an empty push; ``rows``:
+        its tables' checked rows); whether a gradient of it reaches the model.
+
+        Raises:
+            InvalidRequest: it names batches of which this shard applied some, not all.
+        """
+        if grad is not None and self.ledger.seen(batches, f"Worker {worker_id}'s push"):
+            self.ledger.repeated += 1
+            log.warning("worker %s pushed batches %s, which this shard applied already: "
+                        "counted for its clock, not applied", worker_id, list(batches))  # fmt: skip
+            grad, rows, finite = None, [], True
+        if not finite:
+            self.counters.skipped += 1
+            log.warning("skipped the non-finite gradient of worker %s for iteration %d",
+                        worker_id, iteration)  # fmt: skip
+            grad, rows = None, []
+        elif grad is not None:  # its buffers' values follow the parameters' gradient
+            self.counters.bytes_in += grad.nbytes
+            self.buffers.record(worker_id, grad[self.store.n_params :])
+            grad = grad[: self.store.n_params]
+        self.arrive(worker_id, grad, rows, live)
+        if grad is not None or not finite:  # a skipped gradient's batches are spent
+            self.ledger.add(batches)
+        return grad is not None
+
+    def start_clock(self) -> int | None:
+        """Where a worker that joins when none is live starts (None: the slowest clock seen)."""
+        return None
+
+    def arrive(self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients],
+               live: list[str]) -> None:  # fmt: skip
+        """``grad``, the parameters' gradient (None: nothing reaches the model), and ``rows``
+        of ``worker_id``'s push."""
+        raise NotImplementedError
+
+    def settle(self, live: list[str]) -> bool:
+        """After a push: whether a round ended (so a cut may fall at it)."""
+        return False
+
+    def left(self, live: list[str]) -> bool:
+        """After workers left (``live``: those still here): whether a round ended."""
+        return False
+
+    def share(self, workers: Iterable[str]) -> None:
+        """The model's buffers become the combined latest values of ``workers``."""
+        if not self.buffers.size:  # a model (or shard) without buffers: nothing to share
+            return
+        values = self.buffers.combine(workers)
+        if values is not None:
+            self.store.set_buffers(values)
+
+    def state(self) -> dict[str, Any]:
+        """The snapshot's model side, copied: weights, optimizer, version, tables, buffers,
+        the batches applied and the rounds."""
+        store, tables = self.store, self.tables
+        return {
+            "weights": store.weights.copy(),
+            "optimizer_state": copy.deepcopy(store.optimizer.state_dict()),
+            "version": store.version,
+            "rounds": self.rounds,
+            "sync_round": self.round.state(),
+            "buffers": self.buffers.state(),
+            "tables": tables.state_dict() if tables is not None else None,
+            "table_layouts": tables.layouts() if tables is not None else None,
+            "row_round": self.row_round.state(),
+            "ledger": self.ledger.state(),
+        }
+
+
+class OnArrival(Arrival):
+    """``ssp:K`` and ``async``: each gradient is applied as it arrives."""
+
+    def arrive(self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients],
+               live: list[str]) -> None:  # fmt: skip
+        if grad is None:
+            return
+        if rows and self.tables is not None:  # at this step's rate (--lr-schedule)
+            self.tables.apply(rows, self.store.lr)
+        self.store.apply(grad)
+        self.share(live)
+
+    def left(self, live: list[str]) -> bool:
+        self.share(live)
+        return False
+
+
+class Rounds(Arrival):
+    """``sync``: gradients are averaged over a round of every live worker's push."""
+
+    in_rounds = True
+    waits_for_batch = False  # batch -1: the empty push counts for the round
+
+    def start_clock(self) -> int | None:
+        return self.rounds
+
+    def arrive(self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients],
+               live: list[str]) -> None:  # fmt: skip
+        self.round.add(worker_id, grad)
+        self.row_round.add(rows)
+
+    def settle(self, live: list[str]) -> bool:
+        """Apply the round's mean if every live worker has pushed."""
+        if not self.round.complete(live):
+            return False
+        self.share(self.round.givers)
+        n = self.round.n
+        mean = self.round.take_mean()
+        if self.tables is not None and n:
+            self.tables.apply(self.row_round.take_mean(n), self.store.lr)
+        if mean is not None:
+            self.store.apply(mean)
+        self.rounds += 1
+        return True
+
+    def left(self, live: list[str]) -> bool:
+        # A departed worker's gradient already in the round stays: it is valid work.
+        return self.settle(live)
+
+
+def arrival(
+    policy: Policy,
+    store: ParameterStore,
+    tables: TableSet | None,
+    buffers: SharedBuffers,
+    counters: Counters,
+    saved: CoordinatorSnapshot | None = None,
+    live: Sequence[str] = (),
+) -> Arrival:
+    """The strategy of ``policy`` over the model (``store``, ``tables``, ``buffers``). With a
+    snapshot ``saved`` the model goes on from it: its weights, optimizer state, tables, the
+    buffers of the ``live`` workers, the batches applied and the rounds (the round in
+    progress less the contributors not ``live``; one resumed under another policy is
+    dropped).
+
+    Raises:
+        ValueError: the model has sparse tables and the snapshot none.
+    """
+    if saved is None:
+        chosen = Rounds if policy.synchronous else OnArrival
+        return chosen(store, tables, buffers, counters)
+    store.restore(saved.weights, saved.optimizer_state, saved.version)
+    if tables is not None:
+        if saved.tables is None:
+            raise ValueError("The checkpoint holds no sparse tables, but this model has some.")
+        tables.load_state_dict(saved.tables)
+    buffers.load(saved.buffers, live)
+    ledger = Ledger.from_state(saved.ledger)
+    if not policy.synchronous:
+        return OnArrival(store, tables, buffers, counters, ledger, saved.rounds)
+    round_ = SyncRound.from_state(saved.sync_round, list(live))
+    row_round = RowRound.from_state(saved.row_round or {})
+    return Rounds(store, tables, buffers, counters, ledger, saved.rounds, round_, row_round)
