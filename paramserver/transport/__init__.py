@@ -10,7 +10,9 @@
   side pool;
 - ``shm``: the shared-memory segments a same-host worker's payloads travel in;
 - ``channels``: the worker's payload channels (``ShmChannel`` with its control-socket
-  client, ``GrpcStreamChannel``), one interface for push, pull and both.
+  client, ``GrpcStreamChannel``), one interface for push, pull and both;
+- ``client``: the ``Channel`` seam, everything a worker's session sends to one server
+  (membership, queries and payloads), and ``GrpcChannel``, a stub with a payload channel.
 
 May import: ``codec``, ``config``, ``errors``, ``_proto``. Never ``server`` or ``worker``:
 both sit above it.

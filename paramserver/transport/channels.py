@@ -3,6 +3,7 @@
 A channel carries the payloads of one server (shard) for one session: the gradient of a push
 from a staging slot, and the weights of a pull into a receive buffer, both views (float32, or float64) of
 the shard's range of the model's flat buffer. Control (the headers) always goes over gRPC.
+A session's ``GrpcChannel`` (``client.py``) holds one, opened after each Join.
 
 - ``GrpcStreamChannel``: payloads stream in chunks (``codec.wire``), gradients optionally
   compressed (``codec.compression``): for any server, on any host.

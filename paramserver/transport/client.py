@@ -1,0 +1,281 @@
+"""The seam between a worker's session and one server: ``Channel``, everything a session
+sends (join, heartbeat, leave, status, rewind, row pulls, and a step's push, pull and both)
+and the buffers its payloads use. ``GrpcChannel`` is it over gRPC (a ``Stub`` and the
+payload channel of ``channels.py``); ``grpc_channels`` makes one per address.
+
+A session owns its channel: it makes it with a factory (one call, the server's address),
+``offer``s payload buffers with each Join, ``open``s the path the server accepted (or
+``withdraw``s the offer when the Join failed) and ``close``s it when it leaves. Calls raise
+``grpc.RpcError`` on failure (the session retries and translates them). Tests put an
+in-process channel at this seam (``tests/inprocess.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import compression
+from paramserver.config import Security
+from paramserver.transport import shm as shmem
+from paramserver.transport.channels import ControlSocket, PayloadChannel, new_segment, open_channel
+from paramserver.transport.stub import Stub, connect
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """What one session's payloads are: a range of ``nbytes`` bytes of ``dtype`` elements
+    with ``slots`` push slots; ``streams`` (weights, slots) are the buffers streamed payloads use;
+    ``codec`` encodes streamed gradients. ``shm``: offer a shared segment; ``control``: use
+    the server's control socket if it offers one, connecting within ``timeout``."""
+
+    nbytes: int
+    dtype: str
+    slots: int
+    streams: tuple[torch.Tensor, list[torch.Tensor]]
+    codec: compression.Codec
+    shm: bool = True
+    control: bool = True
+    timeout: float = 60.0
+
+
+class Channel(abc.ABC):
+    """Everything a session sends to one server, and its payload buffers.
+
+    The payload calls and buffers (``push``, ``pull``, ``push_pull``; ``weights``, ``slots``,
+    ``shm``) are those of the path the last ``open`` chose.
+    """
+
+    # --- membership and queries: one call each ------------------------------------------
+
+    @abc.abstractmethod
+    def join(self, request: pb.JoinRequest, timeout: float | None = None) -> pb.JoinResponse:
+        """Join (or, with the worker's id in ``request``, join again)."""
+
+    @abc.abstractmethod
+    def heartbeat(
+        self, request: pb.HeartbeatRequest, timeout: float | None = None
+    ) -> pb.HeartbeatResponse: ...
+
+    @abc.abstractmethod
+    def leave(self, request: pb.LeaveRequest, timeout: float | None = None) -> pb.LeaveResponse: ...
+
+    @abc.abstractmethod
+    def status(
+        self, request: pb.StatusRequest, timeout: float | None = None
+    ) -> pb.StatusResponse: ...
+
+    @abc.abstractmethod
+    def rewind(
+        self, request: pb.RewindRequest, timeout: float | None = None
+    ) -> pb.RewindResponse: ...
+
+    @abc.abstractmethod
+    def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
+        """Rows of the sparse tables."""
+
+    # --- the payload path -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def offer(self, request: pb.JoinRequest, spec: PayloadSpec) -> None:
+        """Offer the server buffers for ``spec``'s payloads in the Join ``request`` (a shared
+        segment, named there); the next ``open`` or ``withdraw`` settles the offer."""
+
+    @abc.abstractmethod
+    def open(self, reply: pb.JoinResponse) -> None:
+        """The Join was answered with ``reply``: open the payload path it accepted (shared
+        memory, or streams over ``spec.streams``), releasing the previous one."""
+
+    @abc.abstractmethod
+    def withdraw(self) -> None:
+        """The Join failed: release what ``offer`` made."""
+
+    @property
+    @abc.abstractmethod
+    def shm(self) -> bool:
+        """Whether the payloads go through a shared segment the server mapped."""
+
+    @property
+    @abc.abstractmethod
+    def weights(self) -> torch.Tensor:
+        """Where a pull's weights land."""
+
+    @property
+    @abc.abstractmethod
+    def slots(self) -> list[torch.Tensor]:
+        """Where each push slot's gradient is staged."""
+
+    @property
+    @abc.abstractmethod
+    def description(self) -> str:
+        """How the payloads and the steps travel, for the log."""
+
+    @abc.abstractmethod
+    def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
+        """Send the gradient in ``slots[slot]`` (none if ``header.empty``)."""
+
+    @abc.abstractmethod
+    def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
+        """Receive the weights the request asks for into ``weights``."""
+
+    @abc.abstractmethod
+    def push_pull(
+        self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
+    ) -> pb.PullHeader:
+        """``push``, then ``pull``: one round trip where the path can."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the payload path and the connection."""
+
+
+ChannelFactory = Callable[[str], Channel]
+
+
+class GrpcChannel(Channel):
+    """A ``Channel`` over gRPC: the calls on ``stub``, the payloads on the ``PayloadChannel``
+    that ``open_channel`` picks (``payloads``)."""
+
+    def __init__(self, stub: Any):
+        self.stub = stub
+        self.payloads: PayloadChannel | None = None
+        self._offered: tuple[shmem.Segment | None, PayloadSpec] | None = None
+
+    def join(self, request: pb.JoinRequest, timeout: float | None = None) -> pb.JoinResponse:
+        return self.stub.Join(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def heartbeat(
+        self, request: pb.HeartbeatRequest, timeout: float | None = None
+    ) -> pb.HeartbeatResponse:
+        return self.stub.Heartbeat(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def leave(self, request: pb.LeaveRequest, timeout: float | None = None) -> pb.LeaveResponse:
+        return self.stub.Leave(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def status(self, request: pb.StatusRequest, timeout: float | None = None) -> pb.StatusResponse:
+        return self.stub.Status(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def rewind(self, request: pb.RewindRequest, timeout: float | None = None) -> pb.RewindResponse:
+        return self.stub.Rewind(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
+        return self.stub.PullRows(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def offer(self, request: pb.JoinRequest, spec: PayloadSpec) -> None:
+        self.withdraw()
+        segment = new_segment(spec.nbytes, spec.slots, spec.dtype) if spec.shm else None
+        if segment is not None:
+            request.shm_name, request.shm_nonce = segment.name, segment.nonce
+            request.shm_slots = segment.nslots
+        self._offered = (segment, spec)
+
+    def open(self, reply: pb.JoinResponse) -> None:
+        assert self._offered is not None, "open follows an offer"
+        (segment, spec), self._offered = self._offered, None
+        old, self.payloads = (
+            self.payloads,
+            open_channel(
+                self.stub, segment, reply, spec.streams, spec.codec, spec.control, spec.timeout
+            ),
+        )
+        if old is not None:
+            old.close()
+
+    def withdraw(self) -> None:
+        offered, self._offered = self._offered, None
+        if offered is not None and offered[0] is not None:
+            offered[0].close()
+
+    @property
+    def _path(self) -> PayloadChannel:
+        assert self.payloads is not None, "the payload path opens after a Join"
+        return self.payloads
+
+    @property
+    def shm(self) -> bool:
+        return self.payloads is not None and self.payloads.shm
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self._path.weights
+
+    @property
+    def slots(self) -> list[torch.Tensor]:
+        return self._path.slots
+
+    @property
+    def control(self) -> ControlSocket | None:
+        """The server's same-host control socket the steps go over, if any."""
+        return getattr(self.payloads, "control", None)
+
+    @property
+    def segment(self) -> shmem.Segment | None:
+        """The shared segment the payloads travel in, if any."""
+        return getattr(self.payloads, "segment", None)
+
+    @property
+    def description(self) -> str:
+        return self.payloads.description if self.payloads is not None else "not open"
+
+    def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
+        return self._path.push(header, slot, timeout)
+
+    def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
+        return self._path.pull(request, timeout)
+
+    def push_pull(
+        self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
+    ) -> pb.PullHeader:
+        return self._path.push_pull(header, slot, request, timeout)
+
+    def close(self) -> None:
+        self.withdraw()
+        try:
+            if self.payloads is not None:
+                self.payloads.close()
+        finally:
+            self.stub.close()
+
+
+def grpc_channels(
+    connect_timeout: float = 30.0,
+    security: Security | None = None,
+    stubs: Callable[[str], Any] | None = None,
+) -> ChannelFactory:
+    """A factory of ``GrpcChannel``s: each on ``stubs(address)``, by default a ``Stub`` on a
+    gRPC channel with ``security``, connected within ``connect_timeout`` seconds."""
+    make = stubs or (lambda address: Stub(connect(address, connect_timeout, security)))
+    return lambda address: GrpcChannel(make(address))
+
+
+class StubNames:
+    """A channel's calls under the stub's method names, for callers written against the stub
+    (``sparse/remote.py``'s ``PullRows``)."""
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+
+    def Join(self, request: pb.JoinRequest, timeout: float | None = None) -> pb.JoinResponse:  # noqa: N802
+        return self._channel.join(request, timeout)
+
+    def Heartbeat(  # noqa: N802
+        self, request: pb.HeartbeatRequest, timeout: float | None = None
+    ) -> pb.HeartbeatResponse:
+        return self._channel.heartbeat(request, timeout)
+
+    def Leave(self, request: pb.LeaveRequest, timeout: float | None = None) -> pb.LeaveResponse:  # noqa: N802
+        return self._channel.leave(request, timeout)
+
+    def Status(self, request: pb.StatusRequest, timeout: float | None = None) -> pb.StatusResponse:  # noqa: N802
+        return self._channel.status(request, timeout)
+
+    def Rewind(self, request: pb.RewindRequest, timeout: float | None = None) -> pb.RewindResponse:  # noqa: N802
+        return self._channel.rewind(request, timeout)
+
+    def PullRows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:  # noqa: N802
+        return self._channel.pull_rows(request, timeout)
