@@ -1,6 +1,6 @@
 """How a step's payloads move between the worker and every shard.
 
-Three ways, chosen by ``step_mode``:
+Three ways, chosen by ``step_mode`` (each driven by its ``Exchange`` in ``stages.py``):
 
 - BLOCKING (overlap off): push this step's gradient and pull the next weights, one round
   trip per shard (one PushPull through shared memory), before the model computes again.
@@ -106,7 +106,7 @@ class Pipeline:
     order, push slots, and the prefetch in flight.
 
     Args:
-        sessions: one per shard, in shard order; their ``channel`` is set.
+        sessions: one per shard, in shard order; their channels' payload paths are open.
         slots: push slots (pushes in flight at most).
         rpc_timeout: deadline of a push.
         barrier_timeout: deadline of a pull, which may wait for slower workers.
@@ -173,6 +173,11 @@ class Pipeline:
 
         return self._bg[i].submit(run)
 
+    def check(self) -> None:
+        """Raise the first background failure, if any (the worker's next step does)."""
+        if self.error is not None:
+            raise self.error
+
     # --- slots ------------------------------------------------------------------------
 
     def take_slot(self) -> int:
@@ -193,7 +198,6 @@ class Pipeline:
         header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
                                staged.rows.get(s.reply.shard, ()), staged.row_cache,
                                staged.batches)  # fmt: skip
-        assert s.channel is not None
         channel = s.channel
         return s.retrying(
             f"push of iteration {iteration}",
@@ -202,7 +206,6 @@ class Pipeline:
 
     def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:
         request = s.pull_request(iteration, batches)
-        assert s.channel is not None
         channel = s.channel
         return s.retrying(
             f"pull of iteration {iteration}",
@@ -216,7 +219,6 @@ class Pipeline:
                                staged.rows.get(s.reply.shard, ()), staged.row_cache,
                                staged.batches)  # fmt: skip
         request = s.pull_request(pull, batches)
-        assert s.channel is not None
         channel = s.channel
         return s.retrying(
             f"push of iteration {iteration} and pull of {pull}",

@@ -11,6 +11,9 @@ States and transitions (``SessionState``)::
 A LOST session's pushes in flight are dropped: the server's clock for this worker, returned
 by the rejoin, says which pushes it holds, and the worker goes on from there. Calls that
 find no server are retried with ``Backoff`` for up to the server timeout.
+
+A session owns its ``Channel`` (``transport/client.py``): it makes it from the factory it is
+given, offers payload buffers with each Join (``attach``) and closes it when it leaves.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from paramserver.errors import (
     ServerUnavailable,
     from_rpc_error,
 )
-from paramserver.transport.channels import PayloadChannel
+from paramserver.transport.client import Channel, ChannelFactory, PayloadSpec, StubNames
 from paramserver.worker.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -50,8 +53,9 @@ class Session:
     """One server's view of this worker: its id, rank, clock and incarnation there.
 
     Args:
-        address: the server's host:port (for messages).
-        stub: the server's stub (``paramserver.transport.stub.Stub`` or a test double).
+        channels: makes the channel to an address (``transport.client.grpc_channels``, or a
+            test's in-process one); the session owns and closes it.
+        address: the server's host:port.
         name: shown in the server's status.
         rpc_timeout: deadline of Join, Push, Heartbeat and Leave.
         backoff: how long to retry while the server is unreachable.
@@ -61,8 +65,8 @@ class Session:
 
     def __init__(
         self,
+        channels: ChannelFactory,
         address: str,
-        stub: Any,
         name: str,
         rpc_timeout: float,
         backoff: Backoff,
@@ -70,7 +74,6 @@ class Session:
         sleep: Callable[[float], bool] | None = None,
     ):
         self.address = address
-        self.stub = stub
         self.name = name
         self.rpc_timeout = rpc_timeout
         self.backoff = backoff
@@ -83,10 +86,16 @@ class Session:
         self.incarnation = ""
         self.lease_seconds = 0.0
         self.reply = pb.JoinResponse()
-        self.channel: PayloadChannel | None = None
         self.rejoins = 0
         # the newest cut every shard has written, as their last pulls said (PullRequest)
         self.common_cut = 0
+        self.channel: Channel = channels(address)
+
+    @property
+    def stub(self) -> StubNames:
+        """The channel's calls under the stub's names (``PullRows``, ``Status``), for callers
+        written against the stub."""
+        return StubNames(self.channel)
 
     # --- calls ------------------------------------------------------------------------
 
@@ -149,7 +158,7 @@ class Session:
         # job's new workers meet the old ones restored from a checkpoint.
         reply = self.retrying(
             "rejoin" if retry else "join",
-            lambda: self.stub.Join(request, timeout=self.rpc_timeout),
+            lambda: self.channel.join(request, timeout=self.rpc_timeout),
             also=(ClusterFull,),
         )
         was = (self.worker_id, self.incarnation, self.clock)
@@ -170,6 +179,27 @@ class Session:
         self.state = SessionState.LIVE
         return reply
 
+    def attach(
+        self,
+        request: pb.JoinRequest,
+        spec: PayloadSpec,
+        retry: bool = False,
+        check: Callable[[pb.JoinResponse], None] | None = None,
+    ) -> pb.JoinResponse:
+        """``join``, offering buffers for ``spec``'s payloads, and open the channel's payload
+        path over what the server accepted; ``check`` may refuse the reply (raising), and
+        then nothing is opened."""
+        self.channel.offer(request, spec)
+        try:
+            reply = self.join(request, retry)
+            if check is not None:
+                check(reply)
+        except BaseException:
+            self.channel.withdraw()
+            raise
+        self.channel.open(reply)
+        return reply
+
     def lose(self, exc: BaseException) -> None:
         """The server restarted or dropped this worker: join again before the next pull."""
         if self.state is SessionState.LIVE:
@@ -187,7 +217,7 @@ class Session:
         try:
             self.call(
                 "heartbeat",
-                self.stub.Heartbeat,
+                self.channel.heartbeat,
                 pb.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation),
                 timeout=timeout,
             )
@@ -225,20 +255,23 @@ class Session:
             common_cut=self.common_cut,
         )
 
+    def status(self) -> pb.StatusResponse:
+        """The server's Status."""
+        return self.call("status", self.channel.status, pb.StatusRequest())  # type: ignore[no-any-return]
+
     def close(self) -> None:
-        """Leave the run (best effort), release the channel and the connection."""
+        """Leave the run (best effort), then close the channel."""
         if self.state is SessionState.CLOSED:
             return
         try:
             if self.worker_id:
-                self.call("leave", self.stub.Leave, pb.LeaveRequest(worker_id=self.worker_id), 5)
+                request = pb.LeaveRequest(worker_id=self.worker_id)
+                self.call("leave", self.channel.leave, request, 5)
         except ParamServerError as exc:
             log.warning("%s", exc)
         finally:
             self.state = SessionState.CLOSED
-            if self.channel is not None:
-                self.channel.close()
-            self.stub.close()
+            self.channel.close()
 
 
 class Heartbeats:

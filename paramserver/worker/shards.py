@@ -1,8 +1,8 @@
-"""A worker's view of the shards: which range of the model's flat buffer each server holds
-(read from its JoinResponse: ``shard``, ``shards``, ``shard_offset``, its manifest; checked
-against the addresses the worker was given and the local model; the servers cut the ranges
-with ``codec.layout.shard_range``), and bringing every shard back to one cut after one of
-them restarted."""
+"""A worker's view of the shards: their addresses, which range of the model's flat buffer
+each server holds (read from its JoinResponse: ``shard``, ``shards``, ``shard_offset``, its
+manifest; checked against the addresses the worker was given and the local model; the
+servers cut the ranges with ``codec.layout.shard_range``), and bringing every shard back to
+one cut after one of them restarted."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ from paramserver.errors import ConfigError, WrongIncarnation
 from paramserver.worker.session import Session
 
 log = logging.getLogger(__name__)
+
+
+def addresses_of(address: str | Sequence[str]) -> list[str]:
+    """Every shard's address, in shard order, from a list or "A,B,...".
+
+    Raises:
+        ConfigError: none given, or an empty one.
+    """
+    addresses = address.split(",") if isinstance(address, str) else list(address)
+    if not addresses or not all(addresses):
+        raise ConfigError(f"Give the server's address (host:port); got {address!r}.")
+    return addresses
 
 
 def served_range(
@@ -89,5 +101,5 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
         # either way it is lost, joined again next, and brought back to the cut then; a
         # shard still restarting is waited for, as any call is
         with contextlib.suppress(WrongIncarnation):
-            s.retrying("rewind", functools.partial(s.stub.Rewind, request, timeout=s.rpc_timeout))
+            s.retrying("rewind", functools.partial(s.channel.rewind, request, s.rpc_timeout))
         s.lose(WrongIncarnation(f"The server at {s.address} rewound to round {low}."))

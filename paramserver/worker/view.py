@@ -41,7 +41,7 @@ class WorkerView:
     @property
     def shm_active(self) -> bool:
         """Whether every shard's payloads go through a shared segment its server mapped."""
-        return all(s.channel is not None and s.channel.shm for s in self.sessions)
+        return all(s.channel.shm for s in self.sessions)
 
     @property
     def control_active(self) -> bool:

@@ -8,11 +8,12 @@ It is also the public API for a user's own training loop::
         worker.step()
     worker.close()
 
-One session per server shard (``session``), each with a payload channel (``channel``) over
-the shard's range of the model's flat buffer; a step stages the gradients once into every
-range (one copy), moves them as ``pipeline`` says, and loads every range's weights back into
-the model (one copy; none for blocking steps through shared memory, where the model's
-tensors live in the segments: ``Replica.bind``).
+One session per server shard (``session``), each owning its channel (``transport/client.py``)
+with a payload path over the shard's range of the model's flat buffer (``attach``). A step
+runs the ``stages``: it stages the gradients once into every range (one copy), exchanges
+them for the next weights as its step mode says (``pipeline``), and loads every range's
+weights into the model (one copy; none for blocking steps through shared memory, where the
+model's tensors live in the segments: ``Replica.bind``).
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ from paramserver.errors import ConfigError, ParamServerError, RejoinRequired
 from paramserver.policy.staleness import Policy
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS
 from paramserver.transport import shm as shmem
-from paramserver.transport.channels import StreamBuffers, new_segment, open_channel
-from paramserver.transport.stub import Stub, connect
-from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode
+from paramserver.transport.client import ChannelFactory, grpc_channels
+from paramserver.worker import stages
+from paramserver.worker.attach import Attacher
+from paramserver.worker.pipeline import Pipeline
 from paramserver.worker.replica import Replica
 from paramserver.worker.retry import Backoff
 from paramserver.worker.rows import IdsByTable, WorkerTables
 from paramserver.worker.session import Heartbeats, Session
-from paramserver.worker.shards import check_tiling, rewind_ahead, served_range
+from paramserver.worker.shards import addresses_of, check_tiling, served_range
+from paramserver.worker.stages import Stager
 from paramserver.worker.view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -92,153 +95,112 @@ class Worker(WorkerView):
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
         cache_rows: the most rows each sparse table keeps on this worker.
-        transport: makes the stub for an address (default: a gRPC channel with
-            ``security``, connected within ``connect_timeout``); tests pass in-process ones.
+        transport: makes the gRPC stub for an address (default: a ``Stub`` on a channel with
+            ``security``, connected within ``connect_timeout``); the worker's channels are
+            ``GrpcChannel``s on them.
+        channel: makes the ``Channel`` (``paramserver.transport.client``) to an address,
+            instead of ``transport``; each session owns and closes its own. Tests pass
+            in-process ones.
         clock, sleep: the monotonic clock and the wait between retries (tests pass fakes).
     """
 
-    def __init__(
-        self,
-        address: str | Sequence[str],
-        model: nn.Module | None = None,
-        *,
-        device: str | torch.device | None = None,
-        name: str | None = None,
-        rpc_timeout: float = 60.0,
-        barrier_timeout: float = 900.0,
-        connect_timeout: float = 30.0,
-        overlap: bool | None = None,
-        server_timeout: float = 300.0,
-        security: Security | None = None,
-        train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
-        shm: bool = True,
-        shm_control: bool = True,
-        compress: str = compression.AUTO,
-        push_every: int = 1,
-        cache_rows: int = DEFAULT_CACHE_ROWS,
-        transport: Callable[[str], Any] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], bool] | None = None,
-    ):
-        addresses = address.split(",") if isinstance(address, str) else list(address)
-        if not addresses or not all(addresses):
-            raise ConfigError(f"Give the server's address (host:port); got {address!r}.")
-        if not 1 <= push_every <= MAX_PUSH_EVERY:
-            raise ConfigError(f"push_every must be 1 to {MAX_PUSH_EVERY}; got {push_every}.")
-        try:
-            self._codec = compression.by_name(compress)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        self.address, self.addresses = ",".join(addresses), addresses
-        self.push_every, self.compress = push_every, compress
+    def __init__(self, address: str | Sequence[str], model: nn.Module | None = None, *,
+                 device: str | torch.device | None = None, name: str | None = None,
+                 rpc_timeout: float = 60.0, barrier_timeout: float = 900.0,
+                 connect_timeout: float = 30.0, overlap: bool | None = None,
+                 server_timeout: float = 300.0, security: Security | None = None,
+                 train_samples: int | Callable[[pb.TrainingPlan], int] = 0, shm: bool = True,
+                 shm_control: bool = True, compress: str = compression.AUTO,
+                 push_every: int = 1, cache_rows: int = DEFAULT_CACHE_ROWS,
+                 transport: Callable[[str], Any] | None = None,
+                 channel: ChannelFactory | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], bool] | None = None):  # fmt: skip
+        self.addresses = addresses_of(address)
+        _check(push_every, compress)
+        self.address, self.push_every = ",".join(self.addresses), push_every
+        self.compress = compress
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.shm, self.shm_control = shm and shmem.available(), shm_control
-        self._stop, self._closed = threading.Event(), False
-        make_stub = transport or (lambda a: Stub(connect(a, connect_timeout, security)))
-        backoff = Backoff(server_timeout, now=clock)
-        self.sessions: list[Session] = []
-        try:
-            for a in addresses:
-                stub = make_stub(a)
-                self.sessions.append(
-                    Session(a, stub, self.name, rpc_timeout, backoff, self._stop, sleep)
-                )
-            self.train_samples = 0 if callable(train_samples) else train_samples
-            replies = [
-                s.join(pb.JoinRequest(train_samples=self.train_samples if i == 0 else 0))
-                for i, s in enumerate(self.sessions)
-            ]
-            self.plan: pb.TrainingPlan = replies[0].plan
-            self.policy = Policy.parse(replies[0].policy)
-            if model is None:
-                if not self.plan.model:
-                    raise ConfigError(
-                        "The server holds a user-supplied model, so the worker cannot build "
-                        "it: pass the model to Worker(address, model)."
-                    )
-                # the server's seed: parameters it never sends (frozen ones) start the same
-                model = models.build(self.plan.model, seed=self.plan.seed).to(device or "cpu")
-            self.model = model
-            self._drop_step = False  # a row pull rejoined a server during this step
-            self.tables = WorkerTables(model, replies[0].manifest, self.sessions, rpc_timeout,
-                                       cache_rows, self._rejoin_mid_step)  # fmt: skip
-            self._replica = Replica(model)
-            self.device, self.manifest = self._replica.device, self._replica.manifest
-            self._codec = compression.by_name(
-                compress,
-                (s.dtype for s in self.manifest.tensors if s.role == "param"),
-                self.manifest.dtype,
-            )
-            self.ranges = [
-                served_range(a, i, len(addresses), r, self.manifest)
-                for i, (a, r) in enumerate(zip(addresses, replies, strict=True))
-            ]
-            check_tiling(self.ranges, addresses, self.manifest.numel)
-            if callable(train_samples):
-                self.train_samples = train_samples(self.plan)
-            self._slots = self.policy.max_inflight_pushes()
-            self._buffers = StreamBuffers(self.manifest.numel, self._slots, self.device,
-                                          self.manifest.torch_dtype)  # fmt: skip
-            for i in range(len(self.sessions)):
-                self._attach(i, retry=False)
-        except BaseException:
-            self._close_sessions()
-            raise
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self._pipe = Pipeline(self.sessions, self._slots, rpc_timeout, barrier_timeout)
-        self._bind()
+        self._stop, self._closed, self._drop_step = threading.Event(), False, False
         self.version, self.last_staleness = 0, 0
         self.batch: int | None = None  # the batch to compute next, when the server hands them out
         self.batches: list[int] = []  # all of them, with push_every > 1
         self.finished = False  # the server has applied every batch of the run
+        channels = channel or grpc_channels(connect_timeout, security, transport)
+        backoff = Backoff(server_timeout, now=clock)
+        self.sessions: list[Session] = []
+        try:
+            for a in self.addresses:
+                s = Session(channels, a, self.name, rpc_timeout, backoff, self._stop, sleep)
+                self.sessions.append(s)
+            self._join(model, device, train_samples, rpc_timeout, cache_rows)
+        except BaseException:
+            self._close_sessions()
+            raise
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._start(rpc_timeout, barrier_timeout)
+
+    # --- joining ----------------------------------------------------------------------
+
+    def _join(
+        self,
+        model: nn.Module | None,
+        device: str | torch.device | None,
+        train_samples: int | Callable[[pb.TrainingPlan], int],
+        rpc_timeout: float,
+        cache_rows: int,
+    ) -> None:
+        """Join every shard: the plan, the policy and the manifest (shard 0's), the model
+        (built if None) and its tables; then each shard's range and payload path."""
+        self.train_samples = 0 if callable(train_samples) else train_samples
+        replies = [
+            s.join(pb.JoinRequest(train_samples=self.train_samples if i == 0 else 0))
+            for i, s in enumerate(self.sessions)
+        ]
+        self.plan: pb.TrainingPlan = replies[0].plan
+        self.policy = Policy.parse(replies[0].policy)
+        self.model = model = _local_model(self.plan, model, device)
+        self.tables = WorkerTables(model, replies[0].manifest, self.sessions, rpc_timeout,
+                                   cache_rows, self._rejoin_mid_step)  # fmt: skip
+        self._replica = Replica(model)
+        self.device, self.manifest = self._replica.device, self._replica.manifest
+        params = (s.dtype for s in self.manifest.tensors if s.role == "param")
+        self._codec = compression.by_name(self.compress, params, self.manifest.dtype)
+        self.ranges = [
+            served_range(a, i, len(self.addresses), r, self.manifest)
+            for i, (a, r) in enumerate(zip(self.addresses, replies, strict=True))
+        ]
+        check_tiling(self.ranges, self.addresses, self.manifest.numel)
+        if callable(train_samples):
+            self.train_samples = train_samples(self.plan)
+        self._slots = self.policy.max_inflight_pushes()
+        self._attacher = Attacher(self.sessions, self.ranges, self.manifest, self._slots,
+                                  self.device, self._codec, self.shm, self.shm_control,
+                                  self.train_samples)  # fmt: skip
+        self._attacher.attach_all()
+
+    def _start(self, rpc_timeout: float, barrier_timeout: float) -> None:
+        """The step's stages over the joined sessions, the heartbeats, and the first pull."""
+        self._pipe = Pipeline(self.sessions, self._slots, rpc_timeout, barrier_timeout)
+        self._stager = Stager(self.sessions, self.ranges, self._replica, self.tables, self._pipe)
+        self._loader = stages.loader(self.mode, self._replica, self.sessions, self.ranges)
+        self._reopened()
         self._heartbeats = Heartbeats(self.sessions, self._stop).start()
         log.info("joined %s as %s (rank %d of %d) at clock %d under %s; steps %s; payloads %s",
                  self.address, self.worker_id, self.rank, self.plan.world_size, self.clock,
-                 self.policy.name, self.mode.value,
-                 getattr(self.sessions[0].channel, "description", ""))  # fmt: skip
+                 self.policy.name, self.mode.value, self.sessions[0].channel.description)  # fmt: skip
         try:
             self.pull()
         except BaseException:
             self.close_quietly()
             raise
 
-    # --- joining ----------------------------------------------------------------------
-
-    def _attach(self, i: int, retry: bool) -> None:
-        """Join session i (again) under its id, offering a shared segment for its range, and
-        open its payload channel. ``retry``: a rejoin, retried while the server is away."""
-        s = self.sessions[i]
-        lo, hi = self.ranges[i]
-        itemsize, dtype = self.manifest.itemsize, self.manifest.dtype
-        segment = new_segment(itemsize * (hi - lo), self._slots, dtype) if self.shm else None
-        request = pb.JoinRequest(train_samples=self.train_samples if i == 0 else 0)
-        if segment is not None:
-            request.shm_name, request.shm_nonce = segment.name, segment.nonce
-            request.shm_slots = segment.nslots
-        try:
-            reply = s.join(request, retry=retry)
-            if retry and served_range(s.address, i, self.shards, reply, self.manifest) != (lo, hi):
-                raise ConfigError(
-                    f"The server at {s.address} came back holding another range of the model."
-                )
-        except BaseException:
-            if segment is not None:
-                segment.close()
-            raise
-        old, s.channel = s.channel, open_channel(s.stub, segment, reply, self._buffers.views(lo, hi),
-                                                 self._codec(hi - lo), self.shm_control,
-                                                 s.rpc_timeout)  # fmt: skip
-        if old is not None:
-            old.close()
-
-    def _bind(self) -> None:
-        """Blocking steps through shared memory: the model's tensors live in the segments'
-        weights, so a pull writes them in place (no copy into the model)."""
-        if self.mode is StepMode.BLOCKING:
-            parts = self._parts()
-            self._replica.bind(
-                [(lo, hi, s.channel.weights) for s, (lo, hi) in parts if s.channel.shm]
-            )
+    def _reopened(self) -> None:
+        """The channels' payload paths opened (again): bind the model to the new buffers and
+        pick the exchange (shared memory, and with it prefetching, may have been lost)."""
+        self._loader.reopened()
+        self._exchange = stages.exchange(self.mode, self._pipe, self.push_every)
 
     def _rejoin_mid_step(self) -> None:
         """A row pull of this step met a restarted server: join again now; ``step()`` drops
@@ -247,47 +209,14 @@ class Worker(WorkerView):
         self._drop_step = True
 
     def _rejoin_lost(self) -> None:
-        """Join every lost session again, once the pushes in flight have ended; after a
-        shard restarted, bring every shard back to one round."""
-        while lost := [i for i, s in enumerate(self.sessions) if s.lost]:
-            self._pipe.flush()
-            self._raise_background_error()
-            was = [self.sessions[i].incarnation for i in lost]
-            for i in lost:
-                self._attach(i, retry=True)
-            self._bind()  # into the new segments
-            restarted = any(
-                self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)
-            )
-            if restarted and self.shards > 1:
-                rewind_ahead(self.sessions)
+        """Join every lost session again, once the pushes in flight have ended."""
+        self._attacher.rejoin_lost(settle=self.flush, reopened=self._reopened)
 
     # --- steps ------------------------------------------------------------------------
 
-    def _stage(self, samples: int, loss: float, empty: bool) -> StagedPush:
-        """Copy the gradients into a free push slot of every range, zero them and advance
-        every session's clock."""
-        slot = self._pipe.take_slot()
-        if not empty:
-            self._replica.stage([(lo, hi, s.channel.slots[slot]) for s, (lo, hi) in self._parts()])
-        rows = self.tables.stage(self.shards) if self.tables and not empty else {}
-        clocks = tuple(s.clock for s in self.sessions)
-        cache = self.tables.counters
-        staged = StagedPush(slot, clocks, samples, loss, empty, rows, (cache.hits, cache.misses),
-                            () if empty else tuple(self.batches))  # fmt: skip
-        for s in self.sessions:
-            s.clock += 1
-        self._replica.zero_grad()
-        return staged
-
-    def _parts(self) -> list[tuple[Any, tuple[int, int]]]:
-        """Each session with an open channel, and its range."""
-        assert all(s.channel is not None for s in self.sessions)
-        return list(zip(self.sessions, self.ranges, strict=True))
-
     def _load(self, headers: list[pb.PullHeader]) -> None:
         """Take every range's pulled weights into the model, and shard 0's news."""
-        self._replica.load([(lo, hi, s.channel.weights) for s, (lo, hi) in self._parts()])
+        self._loader.load()
         first = headers[0]
         self.version = first.version
         self.last_staleness = max(h.staleness for h in headers)
@@ -304,7 +233,7 @@ class Worker(WorkerView):
         Sets ``batch`` (the batch to compute, when the server hands them out) and
         ``finished``. If a server restarted or dropped this worker, joins it again first.
         """
-        self._raise_background_error()
+        self._pipe.check()
         self._pipe.wait_ahead()  # a prefetch was for the next iteration, not this one
         while True:
             self._rejoin_lost()
@@ -314,8 +243,7 @@ class Worker(WorkerView):
             except RejoinRequired:
                 continue  # the session is marked lost: join it again
         self._load(headers)
-        if self.prefetching:
-            self._pipe.start_ahead(None, self.push_every)
+        self._exchange.then(None)
 
     def step(
         self, samples: int = 0, loss: float = math.nan, pull: bool = True, empty: bool = False
@@ -333,35 +261,20 @@ class Worker(WorkerView):
         Raises:
             ParamServerError: this or an earlier background push failed.
         """
-        self._raise_background_error()
+        self._pipe.check()
         if self._drop_step:  # as when a push meets a restarted server: drop it, pull again
             self._drop_step = False
             self._replica.zero_grad()
             self.tables.forget()
             self.pull()
             return
-        mode = self.mode
-        ready = self._pipe.wait_ahead() if mode is StepMode.PREFETCHING else None
-        staged = self._stage(samples, float(loss), empty)
-        lost = any(s.lost for s in self.sessions)
-        if mode is StepMode.PREFETCHING and ready is not None and pull and not lost:
-            self._load(ready)
-            self._pipe.start_ahead(staged, self.push_every)
-            return
-        if mode is StepMode.BLOCKING and pull and not lost:
-            try:
-                headers = self._pipe.push_pull(staged, self.push_every)
-            except RejoinRequired:
-                self.pull()  # that shard's push is dropped; it goes on from its clock
-                return
+        ready = self._exchange.landed()
+        staged = self._stager.stage(samples, float(loss), empty, self.batches)
+        headers = self._exchange.send(staged, ready, pull)
+        if headers is not None:
             self._load(headers)
-            return
-        # overlapped; the last push; nothing prefetched; or a lost session (its push is
-        # dropped, the others' go out, and the pull joins it again)
-        self._pipe.push_background(staged)
-        if mode is not StepMode.OVERLAPPED or lost:
-            self.flush()
-        if pull:
+            self._exchange.then(staged)
+        elif pull:
             self.pull()
 
     def prefetch(self, ids: IdsByTable) -> None:
@@ -385,10 +298,6 @@ class Worker(WorkerView):
 
         self.tables.prefetch_later(ids)
 
-    def _raise_background_error(self) -> None:
-        if self._pipe.error is not None:
-            raise self._pipe.error
-
     def flush(self) -> None:
         """Wait until every push handed to the background has been answered.
 
@@ -396,12 +305,11 @@ class Worker(WorkerView):
         the new server and goes on from the clock it holds.
         """
         self._pipe.flush()
-        self._raise_background_error()
+        self._pipe.check()
 
     def status(self) -> pb.StatusResponse:
         """Shard 0's Status (its batches and samples are the run's)."""
-        s = self.sessions[0]
-        return s.call("status", s.stub.Status, pb.StatusRequest())
+        return self.sessions[0].status()
 
     # --- leaving ----------------------------------------------------------------------
 
@@ -444,6 +352,39 @@ class Worker(WorkerView):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check(push_every: int, compress: str) -> None:
+    """The options, checked before anything connects.
+
+    Raises:
+        ConfigError: an option out of its range.
+    """
+    if not 1 <= push_every <= MAX_PUSH_EVERY:
+        raise ConfigError(f"push_every must be 1 to {MAX_PUSH_EVERY}; got {push_every}.")
+    try:
+        compression.by_name(compress)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _local_model(
+    plan: pb.TrainingPlan, model: nn.Module | None, device: str | torch.device | None
+) -> nn.Module:
+    """``model``, or the one the servers name when it is None.
+
+    Raises:
+        ConfigError: the servers hold a user-supplied model, so it cannot be built here.
+    """
+    if model is not None:
+        return model
+    if not plan.model:
+        raise ConfigError(
+            "The server holds a user-supplied model, so the worker cannot build it: pass the "
+            "model to Worker(address, model)."
+        )
+    # the server's seed: parameters it never sends (frozen ones) start the same
+    return models.build(plan.model, seed=plan.seed).to(device or "cpu")
 
 
 # One release of grace for code written against the old class: Worker takes the list now.

@@ -1,4 +1,4 @@
-"""The Worker's state machine over an in-process transport: every step path, lost replies,
+"""The Worker's state machine over an in-process channel: every step path, lost replies,
 retries with backoff on a fake clock, rejoins after a restart (ABORTED) or a dropped lease
 (NOT_FOUND), sharded servers, and close. No sockets; the servers are real Coordinators."""
 
@@ -54,17 +54,17 @@ def clock() -> FakeClock:
 
 
 def make_worker(server: FakeServer, model: nn.Module, clock: FakeClock, **kw) -> ps.Worker:
-    stubs = []
+    channels = []
 
-    def transport(address: str):
-        stubs.append(server.stub(address))
-        return stubs[-1]
+    def channel(address: str):
+        channels.append(server.channel(address))
+        return channels[-1]
 
     kw.setdefault("shm", False)
     worker = ps.Worker(
-        "in-process:1", model, transport=transport, clock=clock, sleep=Sleeps(clock), **kw
+        "in-process:1", model, channel=channel, clock=clock, sleep=Sleeps(clock), **kw
     )
-    worker.stubs = stubs  # type: ignore[attr-defined]
+    worker.channels = channels  # type: ignore[attr-defined]
     return worker
 
 
@@ -120,8 +120,8 @@ def test_a_push_whose_reply_is_lost_is_retried_and_acknowledged_once(clock, shm)
     server = FakeServer(zero_model(), clock, policy="delay-1", workers=1)
     model = zero_model()
     worker = make_worker(server, model, clock, overlap=False, shm=shm)
-    stub = worker.stubs[0]  # type: ignore[attr-defined]
-    stub.lose["PushPull" if shm else "Push"] = 2
+    channel = worker.channels[0]  # type: ignore[attr-defined]
+    channel.lose["PushPull" if shm else "Push"] = 2
     for _ in range(4):
         one_step(worker, model)
     worker.close()
@@ -136,15 +136,15 @@ def test_an_unreachable_server_is_retried_with_backoff_then_given_up(clock):
     model = zero_model()
     worker = make_worker(server, model, clock, overlap=False, server_timeout=30.0)
     sleeps = worker.sessions[0]._sleep
-    stub = worker.stubs[0]  # type: ignore[attr-defined]
-    stub.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 3)
+    channel = worker.channels[0]  # type: ignore[attr-defined]
+    channel.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 3)
     worker.pull()
     assert len(sleeps.delays) == 3 and all(0 <= d < 0.1 * 2**i for i, d in enumerate(sleeps.delays))
-    stub.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 10_000)
+    channel.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 10_000)
     with pytest.raises(ps.ServerUnavailable, match="did not come back within 30s"):
         worker.pull()
     assert 30.0 <= sum(sleeps.delays) < 30.0 + 2.0 + 0.4  # the budget, plus one capped delay
-    stub.fail["Pull"].clear()
+    channel.fail["Pull"].clear()
     worker.close()
 
 
@@ -191,7 +191,7 @@ def test_a_heartbeat_that_finds_the_lease_gone_marks_the_session_lost(clock):
     session = worker.sessions[0]
     worker.heartbeat_once()
     assert session.state is SessionState.LIVE
-    worker.stubs[0].fail["Heartbeat"].append(grpc.StatusCode.NOT_FOUND)  # type: ignore[attr-defined]
+    worker.channels[0].fail["Heartbeat"].append(grpc.StatusCode.NOT_FOUND)  # type: ignore[attr-defined]
     worker.heartbeat_once()
     assert session.state is SessionState.LOST
     worker.pull()  # joins again before pulling
@@ -208,7 +208,7 @@ def test_close_leaves_every_server_and_closes_the_connections(clock):
     worker.close()
     worker.close()  # twice is harmless
     assert server.coordinator.status().as_dict()["workers"] == []
-    assert all(s.closed for s in worker.stubs)  # type: ignore[attr-defined]
+    assert all(c.closed for c in worker.channels)  # type: ignore[attr-defined]
     assert not worker._heartbeats.alive
 
 
@@ -222,7 +222,7 @@ def test_one_worker_drives_every_shard_through_one_flat_buffer(clock, shards, sh
     }
     model = nn.Linear(5, 2)
     worker = ps.Worker(
-        list(servers), model, transport=lambda a: servers[a].stub(a), shm=shm, clock=clock
+        list(servers), model, channel=lambda a: servers[a].channel(a), shm=shm, clock=clock
     )
     # joining loaded the servers' weights into the model
     assert torch.equal(model.weight, start.weight) and torch.equal(model.bias, start.bias)
@@ -248,7 +248,7 @@ def test_a_restarted_shard_and_the_others_resume_from_one_cut(clock, tmp_path, p
         for i in range(2)
     }  # fmt: skip
     model = zero_model(6)
-    worker = ps.Worker(list(servers), model, transport=lambda a: servers[a].stub(a), shm=False,
+    worker = ps.Worker(list(servers), model, channel=lambda a: servers[a].channel(a), shm=False,
                        clock=clock)  # fmt: skip
     for _ in range(3):
         one_step(worker, model)
@@ -273,15 +273,15 @@ def test_shards_out_of_order_or_alone_are_refused_before_training(clock):
         for i in range(2)
     }
 
-    def transport(a):
-        return servers[a].stub(a)
+    def channel(a):
+        return servers[a].channel(a)
 
     with pytest.raises(ps.ConfigError, match="given as shard 0 of 2"):
-        ps.Worker(["s1", "s0"], zero_model(6), transport=transport)
+        ps.Worker(["s1", "s0"], zero_model(6), channel=channel)
     with pytest.raises(ps.ConfigError, match="shard 1 of 2.*every shard's address"):
-        ps.Worker("s1", zero_model(6), transport=transport)
+        ps.Worker("s1", zero_model(6), channel=channel)
     with pytest.raises(ps.ConfigError, match="model of 6 parameters; the local model has 4"):
-        ps.Worker(["s0", "s1"], zero_model(4), transport=transport)
+        ps.Worker(["s0", "s1"], zero_model(4), channel=channel)
     for s in servers.values():
         assert s.coordinator.status().as_dict()["workers"] == []
 

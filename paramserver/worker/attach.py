@@ -1,0 +1,93 @@
+"""Each shard's payload path: a session joins offering buffers for its range of the model's
+flat buffer (a shared segment; the streams' buffers otherwise), and its channel opens the
+path the server accepted. Lost sessions join again the same way, under their ids, and after
+a shard restarted every shard is brought back to one cut (``shards.rewind_ahead``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import compression
+from paramserver.codec.layout import Manifest
+from paramserver.errors import ConfigError
+from paramserver.transport.channels import StreamBuffers
+from paramserver.transport.client import PayloadSpec
+from paramserver.worker.session import Session
+from paramserver.worker.shards import rewind_ahead, served_range
+
+
+class Attacher:
+    """Attaches ``sessions[i]`` over ``ranges[i]`` of the flat buffer ``manifest`` lays out.
+
+    Args:
+        sessions, ranges: one each per shard, in shard order.
+        manifest: the local model's flat buffer.
+        slots: push slots (pushes in flight at most).
+        device: the model's (streamed payloads' buffers are pinned for CUDA).
+        codec: the codec of streamed gradients (made for each range's size).
+        shm: offer each server a shared segment.
+        control: with shared memory, step over the server's control socket if it offers one.
+        train_samples: what shard 0's Join says of the worker's data set.
+    """
+
+    def __init__(
+        self,
+        sessions: Sequence[Session],
+        ranges: Sequence[tuple[int, int]],
+        manifest: Manifest,
+        slots: int,
+        device: torch.device,
+        codec: type[compression.Codec],
+        shm: bool,
+        control: bool,
+        train_samples: int,
+    ):
+        self.sessions, self.ranges, self.manifest = list(sessions), list(ranges), manifest
+        self.slots, self.codec, self.shm, self.control = slots, codec, shm, control
+        self.train_samples = train_samples
+        self.buffers = StreamBuffers(manifest.numel, slots, device, manifest.torch_dtype)
+
+    def spec(self, i: int) -> PayloadSpec:
+        """Session i's payloads: its range, the streams' views of it, its codec."""
+        lo, hi = self.ranges[i]
+        return PayloadSpec(self.manifest.itemsize * (hi - lo), self.manifest.dtype, self.slots,
+                           self.buffers.views(lo, hi), self.codec(hi - lo),
+                           self.shm, self.control, self.sessions[i].rpc_timeout)  # fmt: skip
+
+    def attach(self, i: int, retry: bool) -> None:
+        """Join session i (again) under its id, offering buffers for its range, and open its
+        channel's payload path. ``retry``: a rejoin, retried while the server is away."""
+        request = pb.JoinRequest(train_samples=self.train_samples if i == 0 else 0)
+        check = functools.partial(self._same_range, i) if retry else None
+        self.sessions[i].attach(request, self.spec(i), retry, check)
+
+    def attach_all(self) -> None:
+        for i in range(len(self.sessions)):
+            self.attach(i, retry=False)
+
+    def _same_range(self, i: int, reply: pb.JoinResponse) -> None:
+        s = self.sessions[i]
+        if served_range(s.address, i, len(self.sessions), reply, self.manifest) != self.ranges[i]:
+            raise ConfigError(
+                f"The server at {s.address} came back holding another range of the model."
+            )
+
+    def rejoin_lost(self, settle: Callable[[], None], reopened: Callable[[], None]) -> None:
+        """Join every lost session again, once ``settle()`` has ended the pushes in flight;
+        ``reopened()`` after each round. After a shard restarted, bring every shard back to
+        one round."""
+        while lost := [i for i, s in enumerate(self.sessions) if s.lost]:
+            settle()
+            was = [self.sessions[i].incarnation for i in lost]
+            for i in lost:
+                self.attach(i, retry=True)
+            reopened()  # into the new buffers
+            restarted = any(
+                self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)
+            )
+            if restarted and len(self.sessions) > 1:
+                rewind_ahead(self.sessions)

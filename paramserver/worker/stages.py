@@ -1,0 +1,185 @@
+"""The stages of one step (``Worker.step`` runs them in order), each an object chosen for how
+the worker steps, so that the step itself has one path:
+
+- ``Stager``: copies the gradients into a free push slot of every range (one copy), with
+  the tables' rows, zeroes them and advances every session's clock: a ``StagedPush``.
+- ``Exchange``: moves the staged push and brings the next weights, one kind per
+  ``StepMode``: ``Blocking`` (a push and the next pull in one round trip a shard),
+  ``Overlapped`` (the push in the background while the pull waits in the foreground) and
+  ``Prefetching`` (this step's weights were fetched while it computed; its push goes out
+  with the fetch of the next). Each falls back to pushing in the background and pulling when
+  a session is lost, on the last push, or when nothing was fetched ahead. The worker picks
+  one again whenever its channels reopen (a rejoin may lose shared memory, and with it
+  prefetching).
+- ``Loader``: takes every range's pulled weights into the model (``unflatten_into``, one
+  copy). ``Binder``, for blocking steps: the model's tensors are views of the shared
+  segments' weights (``Replica.bind``), which a pull writes in place; the rest are copied.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.errors import RejoinRequired
+from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode
+from paramserver.worker.replica import Replica
+from paramserver.worker.rows import WorkerTables
+from paramserver.worker.session import Session
+
+Headers = list[pb.PullHeader]
+
+
+class Stager:
+    """Stages a step's push into the channels' push slots of every range."""
+
+    def __init__(
+        self,
+        sessions: Sequence[Session],
+        ranges: Sequence[tuple[int, int]],
+        replica: Replica,
+        tables: WorkerTables,
+        pipe: Pipeline,
+    ):
+        self.parts = list(zip(sessions, ranges, strict=True))
+        self.sessions, self.replica, self.tables, self.pipe = list(sessions), replica, tables, pipe
+
+    def stage(self, samples: int, loss: float, empty: bool, batches: Iterable[int]) -> StagedPush:
+        """Copy the gradients into a free push slot of every range (none if ``empty``), zero
+        them and advance every session's clock."""
+        slot = self.pipe.take_slot()
+        if not empty:
+            self.replica.stage([(lo, hi, s.channel.slots[slot]) for s, (lo, hi) in self.parts])
+        rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}
+        clocks = tuple(s.clock for s in self.sessions)
+        cache = self.tables.counters
+        staged = StagedPush(slot, clocks, samples, loss, empty, rows, (cache.hits, cache.misses),
+                            () if empty else tuple(batches))  # fmt: skip
+        for s in self.sessions:
+            s.clock += 1
+        self.replica.zero_grad()
+        return staged
+
+
+class Exchange(abc.ABC):
+    """How a step's push and the next pull travel over ``pipe``; ``batches``: the batches
+    each pull asks for (``push_every``)."""
+
+    mode: StepMode
+
+    def __init__(self, pipe: Pipeline, batches: int):
+        self.pipe = pipe
+        self.batches = batches
+
+    def landed(self) -> Headers | None:
+        """Before the step stages its push: the weights fetched ahead for it, if any."""
+        return None
+
+    @abc.abstractmethod
+    def send(self, staged: StagedPush, ready: Headers | None, pull: bool) -> Headers | None:
+        """Send ``staged`` (``ready``: what ``landed`` gave). The headers of the next weights
+        when they are in the channels now: the worker loads them, then calls ``then``. None:
+        the push is sent or dropped, and the worker pulls (if ``pull``)."""
+
+    def then(self, staged: StagedPush | None) -> None:  # noqa: B027 - only prefetch sends
+        """Once the next weights are in the model: what goes out while it computes
+        (``staged``: the push that has not gone yet, if any)."""
+
+    def _lost(self) -> bool:
+        return any(s.lost for s in self.pipe.sessions)
+
+    def _in_background(self, staged: StagedPush, wait: bool) -> None:
+        """Push from the background; ``wait``: until every push has been answered (a lost
+        session's is dropped: the pull joins it again)."""
+        self.pipe.push_background(staged)
+        if wait:
+            self.pipe.flush()
+            self.pipe.check()
+
+
+class Blocking(Exchange):
+    """Push and pull the next weights in one round trip a shard, before the model computes."""
+
+    mode = StepMode.BLOCKING
+
+    def send(self, staged: StagedPush, ready: Headers | None, pull: bool) -> Headers | None:
+        if pull and not self._lost():
+            try:
+                return self.pipe.push_pull(staged, self.batches)
+            except RejoinRequired:
+                return None  # that shard's push is dropped; it goes on from its clock
+        self._in_background(staged, wait=True)
+        return None
+
+
+class Overlapped(Exchange):
+    """Push in the background while the next pull waits for the policy."""
+
+    mode = StepMode.OVERLAPPED
+
+    def send(self, staged: StagedPush, ready: Headers | None, pull: bool) -> Headers | None:
+        self._in_background(staged, wait=self._lost())
+        return None
+
+
+class Prefetching(Exchange):
+    """The weights for this step were fetched while the last one computed; this step's push
+    and the fetch for the step after it go out together while it computes."""
+
+    mode = StepMode.PREFETCHING
+
+    def landed(self) -> Headers | None:
+        return self.pipe.wait_ahead()
+
+    def send(self, staged: StagedPush, ready: Headers | None, pull: bool) -> Headers | None:
+        if ready is not None and pull and not self._lost():
+            return ready
+        self._in_background(staged, wait=True)
+        return None
+
+    def then(self, staged: StagedPush | None) -> None:
+        self.pipe.start_ahead(staged, self.batches)
+
+
+EXCHANGES: dict[StepMode, type[Exchange]] = {
+    e.mode: e  # type: ignore[type-abstract]
+    for e in (Blocking, Overlapped, Prefetching)
+}
+
+
+def exchange(mode: StepMode, pipe: Pipeline, batches: int) -> Exchange:
+    return EXCHANGES[mode](pipe, batches)
+
+
+class Loader:
+    """Takes every range's pulled weights into the model (one copy)."""
+
+    def __init__(
+        self, replica: Replica, sessions: Sequence[Session], ranges: Sequence[tuple[int, int]]
+    ):
+        self.replica = replica
+        self.parts = list(zip(sessions, ranges, strict=True))
+
+    def reopened(self) -> None:
+        """The channels' payload paths opened (again): new buffers."""
+
+    def load(self) -> None:
+        self.replica.load([(lo, hi, s.channel.weights) for s, (lo, hi) in self.parts])
+
+
+class Binder(Loader):
+    """Blocking steps: the model's tensors are views of the shared segments' weights, so a
+    pull writes them in place; ``load`` copies only the rest (streamed ranges, a tensor
+    straddling shards)."""
+
+    def reopened(self) -> None:
+        self.replica.bind(
+            [(lo, hi, s.channel.weights) for s, (lo, hi) in self.parts if s.channel.shm]
+        )
+
+
+def loader(mode: StepMode, replica: Replica, sessions: Sequence[Session],
+           ranges: Sequence[tuple[int, int]]) -> Loader:  # fmt: skip
+    """Views where nothing computes while a pull lands (blocking steps), else copies."""
+    return (Binder if mode is StepMode.BLOCKING else Loader)(replica, sessions, ranges)
