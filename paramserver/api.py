@@ -2,60 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
 
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.app import ServerApp
+from paramserver.settings import values
+
+# Where ``serve`` listens unless told: this host only, any free port (``.address``).
+LOCAL: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
 
 
 def serve(
-    model: str | nn.Module = "mlp",
+    model: str | nn.Module | None = None,
     *,
-    optimizer: str = "adam",
-    lr: float = 1e-3,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    lr_schedule: str = "constant",
-    lr_total_steps: int | None = None,
-    policy: str = "delay-1",
-    workers: int = 1,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    seed: int = 0,
+    config: ServerConfig | None = None,
     **settings: Any,
 ) -> ServerApp:
     """Start a parameter server in this process and return it, serving.
 
     Args:
         model: a factory name ("mlp", "cnn", "module:function") or a model whose current
-            weights start the run.
-        optimizer: "sgd", "momentum", "adam" or "adamw", applied on the server.
-        lr, momentum, weight_decay: the optimizer's settings.
-        lr_schedule, lr_total_steps: "constant", or "cosine" decay to 0 over
-            ``lr_total_steps`` optimizer steps.
-        policy: "sync", "delay-1", "ssp:K" or "async".
-        workers: how many workers the run waits for before the first pull is answered;
-            also the most that may be live at once.
-        host, port: where to listen; port 0 picks a free port (see ``.address``).
-        seed: seeds the initial weights of a named model.
-        **settings: any other ServerConfig field (lease_seconds, batch_size, ...).
+            weights start the run [default: the config's model, "mlp"].
+        config: the whole ServerConfig [default: ServerConfig's defaults, listening on
+            127.0.0.1, any free port]; the settings given as well replace its fields.
+        **settings: any ServerConfig field by name: policy ("sync", "delay-1", "ssp:K" or
+            "async"), workers (joins the run waits for before the first pull is
+            answered; also the most that may be live at once), host and port (port 0: a
+            free port), seed (of a named model's initial weights), lease_seconds,
+            batch_size, security, ...; and the optimizer's by the names of its options:
+            optimizer ("sgd", "momentum", "adam" or "adamw", or a whole OptimizerConfig),
+            lr, momentum, weight_decay, lr_schedule and lr_total_steps ("constant", or
+            "cosine" decay to 0 over that many optimizer steps).
 
     Returns:
         The running server: ``.address``, ``.status()``, ``.stop()``.
     """
-    name = model if isinstance(model, str) else ""
-    config = ServerConfig(
-        model=name,
-        optimizer=OptimizerConfig(
-            optimizer, lr, momentum, weight_decay, lr_schedule, lr_total_steps
-        ),
-        policy=policy,
-        workers=workers,
-        host=host,
-        port=port,
-        seed=seed,
-        **settings,
-    )
-    return ServerApp(config, None if isinstance(model, str) else model).start()
+    base = config or ServerConfig(**LOCAL)
+    optimizer = base.optimizer
+    if isinstance(settings.get("optimizer"), OptimizerConfig):
+        optimizer = settings.pop("optimizer")
+    chosen = values(OptimizerConfig, settings)  # optimizer, lr, lr_schedule, ...
+    if chosen:
+        optimizer = dataclasses.replace(optimizer, **chosen)
+    name = model if isinstance(model, str) else base.model if model is None else ""
+    cfg = dataclasses.replace(base, model=name, optimizer=optimizer, **settings)
+    return ServerApp(cfg, model if isinstance(model, nn.Module) else None).start()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +67,15 @@ class WorkerSummary:
     row_cache_misses: int = 0  # and fetched on demand
 
 
+def worker_arguments(cfg: WorkerConfig, device: torch.device) -> dict[str, Any]:
+    """The Worker's keyword arguments that ``cfg`` gives: each of its fields that Worker
+    takes under the same name, as it is, and those Worker takes in another form."""
+    takes = inspect.signature(Worker).parameters
+    same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in takes}
+    return {**same, "device": device, "connect_timeout": cfg.rpc_timeout,
+            "overlap": cfg.overlap_flag, "shm": cfg.shm != "off", "shm_control": cfg.shm == "on"}  # fmt: skip
+
+
 def run(cfg: WorkerConfig) -> WorkerSummary:
     """Join the server and train on the batches it hands out until the run is finished."""
     torch.set_num_threads(cfg.threads)
@@ -74,23 +86,7 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         loaded["data"] = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
         return loaded["data"].train_size
 
-    worker = Worker(
-        cfg.addresses,
-        device=device,
-        name=cfg.name,
-        rpc_timeout=cfg.rpc_timeout,
-        barrier_timeout=cfg.barrier_timeout,
-        connect_timeout=cfg.rpc_timeout,
-        overlap=cfg.overlap_flag,
-        shm=cfg.shm != "off",
-        shm_control=cfg.shm == "on",
-        compress=cfg.compress,
-        push_every=cfg.push_every,
-        cache_rows=cfg.cache_rows,
-        server_timeout=cfg.server_timeout,
-        security=cfg.security,
-        train_samples=load,
-    )
+    worker = Worker(cfg.addresses, **worker_arguments(cfg, device), train_samples=load)
     started = time.perf_counter()
     steps = samples = empty = 0
     try:

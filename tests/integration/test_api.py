@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -162,3 +163,22 @@ def test_the_log_names_the_address_the_server_is_bound_to(serve, caplog):
         server = serve("mlp", host="0.0.0.0")
     port = server.address.rsplit(":", 1)[1]
     assert f"on 0.0.0.0:{port} (every interface; dial 127.0.0.1:{port} on this host)" in caplog.text
+
+
+def test_serve_takes_a_whole_config_and_settings_that_replace_its_fields(serve):
+    base = ps.ServerConfig(policy="sync", workers=2, batch_size=32, host="127.0.0.1",
+                           optimizer=ps.OptimizerConfig("sgd", 0.5, momentum=0.0))  # fmt: skip
+    server = serve(config=base, lr=0.25, seed=4)
+    assert server.config == dataclasses.replace(
+        base, port=0, seed=4, optimizer=ps.OptimizerConfig("sgd", 0.25, momentum=0.0)
+    )
+    assert server.status()["policy"] == "sync"
+    # a whole OptimizerConfig also goes under optimizer=
+    whole = ps.OptimizerConfig("momentum", 0.1)
+    assert serve("cnn", optimizer=whole).config.optimizer == whole
+
+
+def test_serve_without_settings_is_the_configs_defaults_on_this_host_and_any_port(serve):
+    server = serve()
+    assert server.config == ps.ServerConfig(host="127.0.0.1", port=0)
+    assert server.address.startswith("127.0.0.1:") and server.port > 0
