@@ -1,7 +1,6 @@
-"""Frozen, validated settings: click -> config -> build.
-
-Every field is checked in ``__post_init__``; a bad value raises ConfigError with a sentence
-that names the setting and the value.
+"""Frozen, validated settings; each field the command line sets declares its flag, variable
+and help (``settings.setting``). Every field is checked in ``__post_init__``; a bad value
+raises ConfigError with a sentence that names the setting (its flag) and the value.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 from paramserver.codec import compression
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
-from paramserver.settings import setting
+from paramserver.settings import REQUIRED, setting, shared
 
 DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
 
@@ -145,6 +144,11 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def _shard_fields(text: str) -> dict[str, int]:
+    index, shards = parse_shard(text)
+    return {"shard": index, "shards": shards}
+
+
 def parse_every(text: str) -> tuple[int | None, float | None]:
     """``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds (also ``Nm``).
 
@@ -195,8 +199,8 @@ class ServerConfig:
     table_rows: int = setting(0, "--table-rows", "Also hold as a sparse table on the servers every trainable nn.Embedding or nn.EmbeddingBag of at least this many rows, built with sparse=True or not (0: only those built with sparse=True).")  # fmt: skip
     skip_nonfinite: bool = setting(False, "--skip-nonfinite", "Skip and count gradients holding NaN or Inf instead of failing the push.", is_flag=True)  # fmt: skip
     security: Security = field(default_factory=Security)
-    shard: int = 0  # which shard of the flat parameters this server holds (--shard I/S)
-    shards: int = 1
+    shard: int = setting(0, "--shard", "I/S: hold the I-th of S equal contiguous ranges of the flat parameters; run one server per shard and give workers every address, in order (--server A,B,...). auto: I is the host name's ordinal (a StatefulSet pod's), S is PARAMSERVER_SHARDS.", type=str, cli_default="0/1", parse=_shard_fields, show=lambda c: f"{c.shard}/{c.shards}")  # fmt: skip
+    shards: int = 1  # of the shard above: --shard I/S
     metrics_port: int | None = setting(None, "--metrics-port", "Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics [default: off].", type=int)  # fmt: skip
     metrics_host: str = setting("127.0.0.1", "--metrics-host", "Address the metrics listen on; 0.0.0.0 opens them to every interface (no token guards them: they show worker names and the loss).")  # fmt: skip
 
@@ -266,7 +270,7 @@ class ServerConfig:
 class WorkerConfig:
     """A worker daemon: where the server is and how to compute."""
 
-    server: str
+    server: str = setting(REQUIRED, "--server", "The server's HOST:PORT; for sharded servers every shard's, in shard order: A,B,... [default: from TF_CONFIG's cluster.ps]", dest="server_address", cli_default=None)  # fmt: skip
     device: str = setting("auto", "--device", "auto (CUDA when present), cpu, cuda or cuda:N.")
     threads: int = setting(1, "--threads", "Torch threads per worker process.")
     data_dir: str | None = setting(None, "--data-dir", "Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist].")  # fmt: skip
@@ -356,10 +360,6 @@ def _as_in_worker(name: str) -> Any:
     return field(default=f.default, metadata=f.metadata)
 
 
-WORKER_SETTINGS = ("device", "threads", "data_dir", "step_delay", "overlap", "shm", "compress",
-                   "push_every", "cache_rows")  # fmt: skip
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     """A local cluster: one server process and ``server.workers`` worker processes."""
@@ -372,7 +372,7 @@ class LaunchConfig:
     run_dir: str | None = setting(None, "--run-dir", "Use exactly this run folder.")
     step_delay: float = _as_in_worker("step_delay")
     startup_timeout: float = 120.0
-    progress: bool = True
+    progress: bool = setting(True, "--progress/--no-progress", "Show a progress bar on stderr.")
     overlap: str = _as_in_worker("overlap")
     shm: str = _as_in_worker("shm")
     compress: str = _as_in_worker("compress")
@@ -390,3 +390,8 @@ class LaunchConfig:
         _check_push_every(self.push_every)
         if not 1 <= self.servers <= 64:
             raise ConfigError(f"--servers must be 1 to 64; got {self.servers}.")
+
+    def worker(self, address: str, name: str) -> WorkerConfig:
+        """The config of one of this launch's workers: its worker settings are the
+        daemon's own (``_as_in_worker``)."""
+        return WorkerConfig(address, name=name, **shared(self, WorkerConfig))

@@ -15,9 +15,8 @@ from typing import Any
 
 import click
 
-from paramserver import settings
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.cluster.launch import server_args
+from paramserver.cluster.commands import CHILD_ENV, server_args, worker_command
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.config import OptimizerConfig, ServerConfig, WorkerConfig
 from paramserver.transport.stub import Stub, connect
@@ -53,16 +52,14 @@ def cpu_seconds(pid: int) -> float:
 @contextmanager
 def server_child(cfg: ServerConfig, timeout: float = 120.0) -> Iterator[tuple[str, Child]]:
     """``server_process``, yielding its address and the child (for its pid)."""
-    cfg = dataclasses.replace(cfg, host="127.0.0.1", port=0)
-    args = server_args(cfg)
-    if cfg.shards > 1:
-        args += ["--shard", f"{cfg.shard}/{cfg.shards}"]
+    args = server_args(dataclasses.replace(cfg, host="127.0.0.1", port=0))
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         child = Child(
             "bench-server",
             args,
             Path(tmp) / "server.log",
             capture_stdout=True,
+            env=CHILD_ENV,
         )
         try:
             line = child.wait_for_line(READY_MARKER, timeout)
@@ -91,10 +88,9 @@ def cluster_rate(
     with server_process(cfg) as address:
         children = [
             Child(f"worker-{i}",
-                  ["worker", "--server", address, *settings.argv(WorkerConfig(
-                      address, device="cpu", threads=1, name=f"w{i}", step_delay=delay,
-                      shm=shm), exclude=("server",))],
-                  logs / f"{policy}-{len(delays)}-{shm}-worker-{i}.log")
+                  worker_command(WorkerConfig(address, device="cpu", threads=1, name=f"w{i}",
+                                              step_delay=delay, shm=shm)),
+                  logs / f"{policy}-{len(delays)}-{shm}-worker-{i}.log", env=CHILD_ENV)
             for i, delay in enumerate(delays)
         ]  # fmt: skip
         channel = connect(address, 60)

@@ -19,11 +19,13 @@ from tqdm import tqdm
 
 from paramserver import models, settings
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.commands import CHILD_ENV, server_args, worker_args, worker_command
+from paramserver.cluster.commands import launch_args as launch_args  # the benchmarks' import
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
-from paramserver.config import WORKER_SETTINGS, LaunchConfig, Security, ServerConfig, WorkerConfig
+from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.server import checkpoint
 from paramserver.sparse.embedding import TableEmbedding, attach_tables, make_tables
@@ -34,39 +36,6 @@ from paramserver.transport.channels import observe
 from paramserver.transport.stub import Stub, connect
 
 log = logging.getLogger(__name__)
-
-
-def server_args(cfg: ServerConfig) -> list[str]:
-    """Command-line arguments that start a server process with ``cfg`` (its token goes by
-    the environment, which children inherit)."""
-    return ["server", *settings.argv(cfg, exclude=("shard", "shards"))]
-
-
-def launch_args(cfg: LaunchConfig) -> list[str]:
-    """Command-line arguments of ``paramserver launch`` that give ``cfg`` (the benchmarks
-    start launches this way); launch's own servers listen on 127.0.0.1, any port."""
-    local = (
-        "host",
-        "port",
-        "threads",
-        "metrics_port",
-        "metrics_host",
-        "security",
-        "shard",
-        "shards",
-    )
-    return [
-        "launch",
-        *settings.argv(cfg.server, exclude=local),
-        "--server-threads", str(cfg.server.threads),
-        *settings.argv(cfg, exclude=("server",)),
-    ]  # fmt: skip
-
-
-def worker_args(cfg: LaunchConfig, address: str, name: str) -> list[str]:
-    """Command-line arguments that start one of ``cfg``'s worker processes."""
-    worker = WorkerConfig(address, name=name, **{k: getattr(cfg, k) for k in WORKER_SETTINGS})
-    return ["worker", "--server", address, *settings.argv(worker, exclude=("server",))]
 
 
 def planned_optimizer_steps(cfg: ServerConfig, train_samples: int, push_every: int = 1) -> int:
@@ -91,11 +60,10 @@ class _Cluster:
         shards = self.cfg.servers
         addresses = []
         for i in range(shards):
-            args = server_args(self.cfg.server)
+            args = server_args(dataclasses.replace(self.cfg.server, shard=i, shards=shards))
             name = "server" if shards == 1 else f"server-{i}"
-            if shards > 1:
-                args += ["--shard", f"{i}/{shards}"]
-            server = Child(name, args, self.run.file(f"{name}.log"), capture_stdout=True)
+            server = Child(name, args, self.run.file(f"{name}.log"), capture_stdout=True,
+                           env=CHILD_ENV)  # fmt: skip
             self.children.append(server)
             line = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout)
             addresses.append(line.rsplit(" ", 1)[-1])
@@ -108,7 +76,8 @@ class _Cluster:
         self.stub = Stub(self.channels[0])  # shard 0 hands out the batches: its status is the run's
         for i in range(self.cfg.server.workers):
             args = worker_args(self.cfg, address, f"worker-{i}")
-            self.children.append(Child(f"worker-{i}", args, self.run.file(f"worker-{i}.log")))
+            log_path = self.run.file(f"worker-{i}.log")
+            self.children.append(Child(f"worker-{i}", args, log_path, env=CHILD_ENV))
         return address
 
     @property
@@ -333,10 +302,11 @@ def run_worker_procs(cfg: WorkerConfig, procs: int) -> int:
             one = dataclasses.replace(
                 cfg, device=devices[i], name=f"{cfg.name or os.uname().nodename}-{i}"
             )
-            args = ["worker", "--server", cfg.server, *settings.argv(one, exclude=("server",))]
-            # The token goes by the environment, which children inherit, never by argv.
-            env = settings.secrets(cfg) or None
-            children.append(Child(f"worker-{i}", args, logdir / f"worker-{i}.log", env=env))
+            # The token goes by the environment, never by argv.
+            env = {**settings.secrets(cfg), **CHILD_ENV}
+            children.append(
+                Child(f"worker-{i}", worker_command(one), logdir / f"worker-{i}.log", env=env)
+            )
         log.info("started %d worker processes; logs in %s", procs, logdir)
         worst = 0
         for child in children:

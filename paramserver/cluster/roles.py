@@ -1,5 +1,5 @@
-"""A task's role from its scheduler's environment, for settings the command line leaves
-unset (explicit flags and ``PARAMSERVER_*`` variables win). Torch-free.
+"""A task's role from its scheduler's environment, for settings no source gave (explicit
+flags, ``PARAMSERVER_*`` variables and the config file win). Torch-free.
 
 - ``TF_CONFIG`` (Kubeflow's TFJob, Volcano's tensorflow plugin), a JSON object::
 

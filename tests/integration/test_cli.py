@@ -269,3 +269,33 @@ def test_launch_trains_dlrm_on_the_click_log_and_reports_auc(tmp_path):
     assert config["server"]["dataset"] == "clicks" and config["server"]["batch_size"] == 256
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert epochs[-1]["test_auc"] == summary["test_auc"]
+
+
+def test_a_bad_config_file_is_one_line_naming_the_file_the_key_and_the_value(tmp_path):
+    config = tmp_path / "paramserver.toml"
+    config.write_text('[server]\nbatch-size = "big"\n')
+    out = run_cli("server", "--port", "0", "--config", str(config))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f'paramserver: error: {config}: [server] batch-size = "big": '
+        "'big' is not a valid integer."
+    )
+
+
+def test_launch_trains_with_the_settings_of_a_config_file(tmp_path):
+    """The file's [launch] table reaches the run (and through launch's argv its server and
+    worker processes); the command line wins over it."""
+    config = tmp_path / "paramserver.toml"
+    config.write_text(
+        f'[launch]\ndataset = "synthetic"\nworkers = 1\nepochs = 1\npolicy = "sync"\n'
+        f'device = "cpu"\nlr = 0.003\njson = true\nprogress = false\nruns-dir = "{tmp_path}"\n'
+        f'batch-size = 64\n[server]\npolicy = "async"\n'
+    )
+    out = run_cli("launch", "--config", str(config), "--batch-size", "128")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (summary["policy"], summary["workers"], summary["epochs"]) == ("sync", 1, 1)
+    assert summary["samples"] == (4096 // 128) * 128
+    run_dir = tmp_path / os.path.basename(summary["run_dir"])
+    server = json.loads((run_dir / "config.json").read_text())["server"]
+    assert (server["batch_size"], server["optimizer"]["lr"]) == (128, 0.003)

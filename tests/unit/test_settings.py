@@ -128,3 +128,106 @@ def test_a_built_in_model_brings_its_defaults_for_what_the_command_line_leaves_u
         assert parsed(command, ["--model", "mlp"])["epochs"] == 8  # no recipe: the default
     monkeypatch.setenv("PARAMSERVER_LR", "0.5")  # the environment counts as given
     assert parsed("launch", ["--model", "resnet"])["lr"] == 0.5
+
+
+def _tls_files(tmp_path) -> Security:
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("-")
+    return Security(cert=str(tmp_path / "cert.pem"), key=str(tmp_path / "key.pem"),
+                    ca=str(tmp_path / "ca.pem"), token="s3cret")  # fmt: skip
+
+
+def test_every_childs_argv_is_derived_from_its_config_and_parses_back_into_it(
+    tmp_path, monkeypatch
+):
+    """config -> argv (``cluster/commands.py``) -> the command line -> the same config."""
+    from paramserver.cluster.commands import (
+        LaunchOutput,
+        Procs,
+        launch_args,
+        server_args,
+        worker_command,
+    )
+
+    security = _tls_files(tmp_path)
+    # The token never goes by argv: the child inherits it by its variable.
+    monkeypatch.setenv("PARAMSERVER_TOKEN", "s3cret")
+    server = ServerConfig(
+        model="cnn", policy="ssp:3", workers=4, min_workers=2, dataset="synthetic", epochs=3,
+        host="127.0.0.1", port=0, threads=2, shard=2, shards=3, checkpoint_dir=str(tmp_path),
+        checkpoint_every="7", optimizer_thread=True, metrics_port=0, metrics_host="0.0.0.0",
+        optimizer=OptimizerConfig("sgd", 0.5, schedule="cosine", total_steps=9),
+        security=security,
+    )  # fmt: skip
+    args = server_args(server)
+    assert args[0] == "server" and "s3cret" not in args and "2/3" in args
+    assert cli.server_config(_parse("server", args[1:])) == server
+
+    worker = WorkerConfig("10.0.0.1:1,10.0.0.2:2", device="cpu", threads=2, max_steps=5,
+                          name="w", shm="off", compress="fp16", security=security)  # fmt: skip
+    args = worker_command(worker)
+    assert args[0] == "worker" and "s3cret" not in args
+    kw = _parse("worker", args[1:])
+    assert settings.build(Procs, kw) == Procs()
+    assert settings.build(WorkerConfig, kw) == worker and kw == {}
+
+    launch = LaunchConfig(server=dataclasses.replace(server, security=Security(), shard=0,
+                                                     shards=1, metrics_port=None,
+                                                     metrics_host="127.0.0.1"),
+                          progress=False, servers=3, cache_rows=99, overlap="on")  # fmt: skip
+    kw = _parse("launch", launch_args(launch)[1:])
+    assert settings.build(LaunchOutput, kw) == LaunchOutput()
+    local = cli.server_config(kw, host="127.0.0.1", port=0)
+    assert settings.build(LaunchConfig, kw, server=local) == launch and kw == {}
+
+
+def test_a_launchs_workers_get_every_worker_setting_of_the_launch():
+    launch = LaunchConfig(server=ServerConfig(), device="cpu", threads=3, data_dir="/d",
+                          step_delay=0.5, overlap="on", shm="payloads", compress="bf16",
+                          push_every=3, cache_rows=7)  # fmt: skip
+    worker = launch.worker("127.0.0.1:9", "worker-1")
+    shared = [f.name for f, _ in settings.declared(LaunchConfig) if hasattr(worker, f.name)]
+    assert len(shared) == 9
+    assert all(getattr(worker, name) == getattr(launch, name) for name in shared)
+    assert (worker.server, worker.name) == ("127.0.0.1:9", "worker-1")
+
+
+def test_the_trainer_hands_the_worker_every_setting_it_takes():
+    import inspect
+
+    import torch
+
+    from paramserver.training.trainer import worker_arguments
+    from paramserver.worker.worker import Worker
+
+    cfg = WorkerConfig("127.0.0.1:1", name="w", rpc_timeout=7.0, barrier_timeout=8.0,
+                       server_timeout=9.0, compress="bf16", push_every=3, cache_rows=11,
+                       shm="payloads", overlap="off")  # fmt: skip
+    got = worker_arguments(cfg, torch.device("cpu"))
+    takes = inspect.signature(Worker).parameters
+    assert set(got) <= set(takes)
+    for f in dataclasses.fields(WorkerConfig):
+        if f.name in takes and f.name not in ("device", "overlap", "shm"):
+            assert got[f.name] == getattr(cfg, f.name), f.name
+    assert (got["overlap"], got["shm"], got["shm_control"]) == (False, True, False)
+    assert got["connect_timeout"] == 7.0 and got["device"] == torch.device("cpu")
+
+
+def test_no_option_of_the_command_line_is_written_by_hand():
+    """Every option of the group and of every command derives from a declared setting;
+    the rest are click's --help and --version and the positional arguments."""
+    import click
+
+    def hand_written(command: click.Command) -> list[str]:
+        return [
+            p.opts[0]
+            for p in command.params
+            if isinstance(p, click.Option)
+            and not isinstance(p, settings.SettingOption)
+            and p.opts[0] not in ("--help", "--version", "-h")
+        ]
+
+    assert hand_written(cli.cli) == []
+    for name, command in cli.cli.commands.items():
+        assert hand_written(command) == [], name
+        assert {"--config", "--print-config"} <= {p.opts[0] for p in command.params}, name

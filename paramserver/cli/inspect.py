@@ -1,0 +1,146 @@
+"""``paramserver status | health | plot | export | bench``: the commands that look at a
+server, a run or the code. Their options are the settings of ``cli/flags.py`` (and the
+TLS and token settings of ``Security``). ``status`` and ``health`` never import torch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from paramserver import settings
+from paramserver.cli.flags import Bench, Export, Health, Plot, Query, Status
+from paramserver.cli.options import command, printed
+from paramserver.cli.run import security_config
+from paramserver.config import Security
+from paramserver.errors import ServerUnavailable
+
+BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy", "wakeup", "sparse")
+
+
+def _connect(address: str, timeout: float, security: Security) -> Any:
+    from paramserver.transport.stub import connect
+
+    return connect(address, timeout, security)
+
+
+@command(Query, Status, Security)
+def status(**kw: Any) -> None:
+    """Show a server's version, policy, throughput and live workers (clock, lag, samples/s)."""
+    address = settings.build(Query, kw).server
+    opts: Status = settings.build(Status, kw)
+    security = security_config(kw)
+    if printed():
+        return
+    import grpc
+
+    from paramserver._proto import paramserver_pb2 as pb
+    from paramserver.cli.statusview import as_json, render
+    from paramserver.errors import from_rpc_error
+    from paramserver.transport.stub import Stub
+
+    channel = _connect(address, opts.timeout, security)
+    stub = Stub(channel)
+    try:
+        while True:
+            try:
+                st = stub.Status(pb.StatusRequest(), timeout=opts.timeout)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, f"status of {address}") from None
+            if opts.json:
+                click.echo(as_json(st))
+            else:
+                if opts.watch is not None:
+                    click.clear()
+                click.echo(render(st, address))
+            if opts.watch is None:
+                return
+            time.sleep(opts.watch)  # the refresh period the operator asked for
+    finally:
+        channel.close()
+
+
+@command(Query, Health, Security)
+def health(**kw: Any) -> None:
+    """Exit 0 if the server's gRPC health service says SERVING (for container healthchecks)."""
+    address = settings.build(Query, kw).server
+    opts: Health = settings.build(Health, kw)
+    security = security_config(kw)
+    if printed():
+        return
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from paramserver.errors import from_rpc_error
+
+    channel = _connect(address, opts.timeout, security)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=opts.service), timeout=opts.timeout
+        )
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, f"health check of {address}") from None
+    finally:
+        channel.close()
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise ServerUnavailable(f"{address} is {state}")
+    click.echo(f"{address} {state}")
+
+
+@command(Plot)
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def plot(run_dir: str, **kw: Any) -> None:
+    """Draw a run folder's loss, accuracy and throughput curves to a PNG."""
+    opts: Plot = settings.build(Plot, kw)
+    if printed():
+        return
+    from paramserver.cluster.rundir import RunDir
+
+    path = RunDir.open(run_dir).plot(out=opts.out)
+    click.echo(str(path))
+
+
+@command(Export)
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
+def export(checkpoint_dir: str, **kw: Any) -> None:
+    """Write a run's whole model from its servers' checkpoints in CHECKPOINT_DIR: every
+    shard's part and sparse table rows, no server needed (see docs/guide.md)."""
+    opts: Export = settings.build(Export, kw)
+    if printed():
+        return
+    from paramserver.server.export import export as write
+
+    path, version = write(checkpoint_dir, opts.model, opts.seed, opts.out, opts.round)
+    click.echo(f"{path}: version {version}")
+
+
+@command(Bench)
+@click.argument("name", type=click.Choice(BENCHMARKS))
+def bench(name: str, **kw: Any) -> None:
+    """Measure NAME against its baseline, side by side in one run; see docs/BENCHMARKS.md.
+
+    transport: push and pull of a 64 MiB model against raw TCP and memcpy.
+    step: one worker's step against a local training step (batch 64 and 256).
+    straggler: 2 workers, one 3x slower, under async and delay-1, against PyTorch DDP.
+    scaling: samples/s of 1, 2 and 4 workers under each policy, against one local process.
+    accuracy: wall time to 88% Fashion-MNIST test accuracy per policy, against one local
+    process and DDP.
+    wakeup: a round trip between two processes through each candidate for the same-host
+    control path (gRPC call, Unix socket, pipe, eventfd, semaphore, futex).
+    sparse: a DLRM with a 1M x 64 table as server rows, against the same table dense, one
+    local process and DDP; then a table of which 2 GB of rows exist on the server.
+    """
+    opts: Bench = settings.build(Bench, kw)
+    if printed():
+        return
+    import importlib
+
+    from paramserver.bench.common import report
+
+    module = importlib.import_module(f"paramserver.bench.{name}")
+    rows, figures = module.run(opts.quick)
+    figures["quick"] = opts.quick
+    report(name, rows, figures, opts.json)

@@ -1,0 +1,153 @@
+"""``paramserver server | worker | launch``: the commands that train. Their options are the
+parts of ``cluster/commands.py``; each builds its configs from what they gave, then runs
+(or with ``--print-config`` prints them). Torch is imported only to run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+import click
+
+from paramserver import settings
+from paramserver.cli.options import command, derived, fill_defaults, printed
+from paramserver.cluster import commands, roles
+from paramserver.config import MODEL_DEFAULTS, LaunchConfig, Security, ServerConfig, WorkerConfig
+from paramserver.errors import ConfigError, ParamServerError
+
+log = logging.getLogger("paramserver")
+
+
+def security_config(kw: dict[str, Any]) -> Security:
+    """The Security that the TLS and token options in ``kw`` give (taken out of ``kw``)."""
+    security: Security = settings.build(Security, kw)
+    return security
+
+
+def server_config(kw: dict[str, Any], **fixed: Any) -> ServerConfig:
+    """The ServerConfig that the server options in ``kw`` give (taken out of ``kw``)."""
+    cfg: ServerConfig = settings.build(ServerConfig, kw, **fixed)
+    return cfg
+
+
+def model_defaults(kw: dict[str, Any]) -> None:
+    """What the model's ``MODEL_DEFAULTS`` say, where no source gave a value."""
+    fill_defaults(kw, MODEL_DEFAULTS.get(kw["model"], {}), f"model {kw['model']}")
+
+
+@command(*commands.SERVER)
+def server(**kw: Any) -> None:
+    """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint).
+
+    Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "ps" task takes its shard, port and the
+    number of workers from it, unless given.
+    """
+    task = roles.tf_config(os.environ)
+    if task is not None:
+        fill_defaults(kw, roles.server_settings(task), "TF_CONFIG")
+    if kw["shard"].strip() == "auto":
+        shard = roles.auto_shard(socket.gethostname(), os.environ)
+        derived(kw, "shard", shard, "--shard auto: the host name and PARAMSERVER_SHARDS")
+    model_defaults(kw)
+    cfg = server_config(kw)
+    if printed():
+        return
+    from paramserver.cluster.procs import READY_MARKER
+    from paramserver.server.app import ServerApp
+
+    log.info("server configuration: %s", cfg)
+    app = ServerApp(cfg).start()
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    click.echo(f"{READY_MARKER} {app.address}", nl=True)
+    sys.stdout.flush()
+    stop.wait()
+    log.info("%s received: stopping", signal.Signals(received[0]).name)
+    app.stop(grace=2.0)
+
+
+@command(*commands.WORKER)
+def worker(**kw: Any) -> None:
+    """Join a server and train on the batches it hands out until the run is finished.
+
+    Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "worker" or "chief" task dials the ps
+    tasks, unless --server is given.
+    """
+    task = roles.tf_config(os.environ)
+    if task is not None:
+        fill_defaults(kw, roles.worker_settings(task), "TF_CONFIG")
+    if not kw["server_address"]:
+        raise ConfigError(
+            "Give the server's address: --server HOST:PORT (or PARAMSERVER_SERVER, server in "
+            "the config file's [worker] table, or a TF_CONFIG that lists the ps tasks)."
+        )
+    cfg: WorkerConfig = settings.build(WorkerConfig, kw)
+    procs = settings.build(commands.Procs, kw).procs
+    if printed():
+        return
+    if procs > 1:
+        from paramserver.cluster.launch import run_worker_procs
+
+        sys.exit(run_worker_procs(cfg, procs))
+    from paramserver.training.trainer import run
+
+    log.info("worker configuration: %s", cfg)
+    summary = run(cfg)
+    click.echo(json.dumps(summary.__dict__))
+
+
+@command(*commands.LAUNCH)
+def launch(**kw: Any) -> None:
+    """Train on a local cluster: one server and --workers worker processes.
+
+    The learning rate follows a cosine decay over the whole run unless --lr-schedule constant.
+
+    Evaluates the global model on the test set after every epoch and writes a run folder
+    (config.json, metrics.jsonl, curve.png, checkpoint.pt, summary.json, logs).
+    """
+    from paramserver.cluster.launch import launch as run_launch
+    from paramserver.cluster.launch import planned_optimizer_steps
+    from paramserver.training import data
+
+    model_defaults(kw)
+    as_json = settings.build(commands.LaunchOutput, kw).json
+    if kw["lr_schedule"] == "cosine" and kw["lr_total_steps"] is None:
+        # The schedule spans the whole run, which launch can work out from the plan.
+        plan = server_config({**kw, "lr_schedule": "constant"}, host="127.0.0.1", port=0)
+        samples = data.train_size(kw["dataset"], kw["data_dir"])
+        steps = planned_optimizer_steps(plan, samples, kw["push_every"])
+        derived(kw, "lr_total_steps", steps, "launch: the run's optimizer steps")
+    local = server_config(kw, host="127.0.0.1", port=0)
+    cfg: LaunchConfig = settings.build(LaunchConfig, kw, server=local)
+    if printed():
+        return
+    summary = run_launch(cfg)
+    line = json.dumps(summary)
+    if as_json:
+        click.echo(line)
+    else:
+        click.echo(
+            f"{summary['policy']}, {summary['workers']} workers, {summary['epochs']} epochs: "
+            f"test accuracy {100 * summary['test_accuracy']:.2f}%, "
+            + (f"test AUC {summary['test_auc']:.4f}, " if "test_auc" in summary else "")
+            + f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
+            f"max staleness {summary['max_staleness']}; run folder {summary['run_dir']}"
+        )
+    if summary["failed_workers"]:
+        raise ParamServerError(
+            f"Workers failed: {', '.join(summary['failed_workers'])}; see their logs in {summary['run_dir']}."
+        )

@@ -1,0 +1,76 @@
+"""The settings of the commands that run training, ``paramserver server | worker | launch``,
+as parts of the configs (``paramserver.settings.Part``) in ``--help`` order, and the argv
+that starts each of them as a child with a given config. The command line builds its
+options from these parts and a child's argv derives from them, so the argv parses back into
+the config it came from. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paramserver.config import LaunchConfig, OptimizerConfig, Security, ServerConfig, WorkerConfig
+from paramserver.errors import ConfigError
+from paramserver.settings import Part, command_args, setting
+
+# A child's settings are its argv and the variables it inherits, never its parent's
+# config file: an empty PARAMSERVER_CONFIG counts as unset.
+CHILD_ENV = {"PARAMSERVER_CONFIG": ""}
+
+
+@dataclass(frozen=True)
+class Procs:
+    """``worker``'s own setting."""
+
+    procs: int = setting(1, "--procs", "Worker processes to start on this host (one per GPU when there are several).", type=int)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.procs < 1:
+            raise ConfigError(f"--procs must be at least 1; got {self.procs}.")
+
+
+@dataclass(frozen=True)
+class LaunchOutput:
+    """``launch``'s own setting."""
+
+    json: bool = setting(False, "--json", "Print one final JSON line (progress goes to stderr).", dest="as_json", is_flag=True)  # fmt: skip
+
+
+# A server's own place: where it listens, its threads and its shard (launch picks them).
+LOCAL = ("host", "port", "threads", "metrics_port", "metrics_host", "shard")
+# What `server` and `launch` share: the run and its optimizer.
+RUN = (Part(ServerConfig, exclude=LOCAL), Part(OptimizerConfig, exclude=("schedule",)))
+SERVER = (*RUN, Part(OptimizerConfig, only=("schedule",)), Part(ServerConfig, only=LOCAL),
+          Part(Security))  # fmt: skip
+WORKER = (Part(WorkerConfig), Part(Procs), Part(Security))
+LAUNCH = (
+    *RUN,
+    Part(OptimizerConfig, only=("schedule",), defaults={"schedule": "cosine"}),
+    Part(LaunchConfig, exclude=("progress",)),
+    Part(ServerConfig, only=("threads",), rename={"threads": "--server-threads"}),
+    Part(LaunchOutput),
+    Part(LaunchConfig, only=("progress",)),
+)
+
+
+def server_args(cfg: ServerConfig) -> list[str]:
+    """Command-line arguments that start a server process with ``cfg`` (its token goes by
+    the environment, which children inherit)."""
+    return ["server", *command_args(SERVER, cfg)]
+
+
+def worker_command(cfg: WorkerConfig) -> list[str]:
+    """Command-line arguments that start a worker process with ``cfg`` (its token goes by
+    the environment)."""
+    return ["worker", *command_args(WORKER, cfg)]
+
+
+def worker_args(cfg: LaunchConfig, address: str, name: str) -> list[str]:
+    """Command-line arguments that start one of ``cfg``'s worker processes."""
+    return worker_command(cfg.worker(address, name))
+
+
+def launch_args(cfg: LaunchConfig) -> list[str]:
+    """Command-line arguments of ``paramserver launch`` that give ``cfg`` (the benchmarks
+    start launches this way); launch's own servers listen on 127.0.0.1, any port."""
+    return ["launch", *command_args(LAUNCH, cfg)]
