@@ -135,6 +135,8 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(_SUBMODULES[name])
+    if f"paramserver.{name}" in MOVED:  # ``ps.store`` and the like, as in the flat layout
+        return importlib.import_module(MOVED[f"paramserver.{name}"])
     where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module 'paramserver' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Sparse tables (issue 12): the same DLRM on the same click log trained four ways, side by
+"""Sparse tables: the same DLRM on the same click log trained four ways, side by
 side in one run, then a table too large for a worker.
 
 (a) tables: a server (in this process) holds the table's rows; 2 worker processes pull the

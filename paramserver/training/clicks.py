@@ -1,4 +1,4 @@
-"""``--dataset clicks``: a seeded synthetic click log for embedding-heavy models (issue 12).
+"""``--dataset clicks``: a seeded synthetic click log for embedding-heavy models.
 
 Each sample is ``FIELDS`` categorical ids, one per field (a table of ``rows`` ids each), and
 a click label (0 or 1):

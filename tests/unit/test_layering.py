@@ -119,3 +119,5 @@ def test_old_module_paths_still_import() -> None:
         assert importlib.import_module(old) is importlib.import_module(new), old
     assert paramserver.data is importlib.import_module("paramserver.training.data")
     assert paramserver.checkpoint.load is paramserver.load_checkpoint
+    assert paramserver.store is importlib.import_module("paramserver.server.store")
+    assert paramserver.launch is importlib.import_module("paramserver.cluster.launch")
