@@ -39,13 +39,16 @@ PULL_BYTES = 16 << 20  # a row pull's values (and ids) at most: larger go as sev
 
 class Observer:
     """What ``RemoteTables`` needs of a session, for a reader that is no worker (``launch``'s
-    evaluation): its stub, no id, no retries."""
+    evaluation): row pulls on its stub, no id, no retries."""
 
     worker_id = ""
     incarnation = ""
 
     def __init__(self, stub: Any, address: str = "the server"):
         self.stub, self.address = stub, address
+
+    def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
+        return self.stub.PullRows(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def retrying(self, what: str, call: Callable[[], T]) -> T:
         try:
@@ -127,7 +130,7 @@ class RemoteTables:
                 more=[pb.TableIds(table=spec.name, ids=wire.ids_to_bytes(ids))
                       for spec, ids in rest],
             )  # fmt: skip
-            return s.stub.PullRows(request, timeout=self.rpc_timeout)  # type: ignore[no-any-return]
+            return s.pull_rows(request, timeout=self.rpc_timeout)  # type: ignore[no-any-return]
 
         while True:
             try:

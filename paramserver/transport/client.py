@@ -251,31 +251,3 @@ def grpc_channels(
     gRPC channel with ``security``, connected within ``connect_timeout`` seconds."""
     make = stubs or (lambda address: Stub(connect(address, connect_timeout, security)))
     return lambda address: GrpcChannel(make(address))
-
-
-class StubNames:
-    """A channel's calls under the stub's method names, for callers written against the stub
-    (``sparse/remote.py``'s ``PullRows``)."""
-
-    def __init__(self, channel: Channel):
-        self._channel = channel
-
-    def Join(self, request: pb.JoinRequest, timeout: float | None = None) -> pb.JoinResponse:  # noqa: N802
-        return self._channel.join(request, timeout)
-
-    def Heartbeat(  # noqa: N802
-        self, request: pb.HeartbeatRequest, timeout: float | None = None
-    ) -> pb.HeartbeatResponse:
-        return self._channel.heartbeat(request, timeout)
-
-    def Leave(self, request: pb.LeaveRequest, timeout: float | None = None) -> pb.LeaveResponse:  # noqa: N802
-        return self._channel.leave(request, timeout)
-
-    def Status(self, request: pb.StatusRequest, timeout: float | None = None) -> pb.StatusResponse:  # noqa: N802
-        return self._channel.status(request, timeout)
-
-    def Rewind(self, request: pb.RewindRequest, timeout: float | None = None) -> pb.RewindResponse:  # noqa: N802
-        return self._channel.rewind(request, timeout)
-
-    def PullRows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:  # noqa: N802
-        return self._channel.pull_rows(request, timeout)

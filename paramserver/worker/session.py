@@ -35,7 +35,7 @@ from paramserver.errors import (
     ServerUnavailable,
     from_rpc_error,
 )
-from paramserver.transport.client import Channel, ChannelFactory, PayloadSpec, StubNames
+from paramserver.transport.client import Channel, ChannelFactory, PayloadSpec
 from paramserver.worker.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -91,11 +91,9 @@ class Session:
         self.common_cut = 0
         self.channel: Channel = channels(address)
 
-    @property
-    def stub(self) -> StubNames:
-        """The channel's calls under the stub's names (``PullRows``, ``Status``), for callers
-        written against the stub."""
-        return StubNames(self.channel)
+    def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
+        """Rows of the sparse tables, on this session's channel (no retry: the caller's)."""
+        return self.channel.pull_rows(request, timeout)
 
     # --- calls ------------------------------------------------------------------------
 

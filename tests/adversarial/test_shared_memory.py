@@ -137,7 +137,7 @@ def test_a_truncated_segment_is_refused_and_its_worker_dropped_the_server_goes_o
                 worker.step(samples=1)
             got = torch.cat([p.detach().reshape(-1) for p in worker.model.parameters()])
             assert torch.isfinite(got).all()
-            status = worker.sessions[0].stub.Status(pb.StatusRequest(), timeout=10)
+            status = worker.status()
             assert status.version == 3
         assert server.poll() is None
     finally:
