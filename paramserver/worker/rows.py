@@ -1,4 +1,4 @@
-"""A worker's sparse tables (issue 12): the model's ``TableEmbedding``s over the servers'
+"""A worker's sparse tables: the model's ``TableEmbedding``s over the servers'
 rows, their prefetch, and what a step pushes of them.
 
 - **Attach.** At join the model's sparse embeddings become ``TableEmbedding``s over
