@@ -121,3 +121,54 @@ def test_old_module_paths_still_import() -> None:
     assert paramserver.checkpoint.load is paramserver.load_checkpoint
     assert paramserver.store is importlib.import_module("paramserver.server.store")
     assert paramserver.launch is importlib.import_module("paramserver.cluster.launch")
+
+
+def _cycles() -> list[list[str]]:
+    """Every circle of imports between modules (strongly connected groups of two or more)."""
+    known = {module_name(p) for p in sources()}
+    graph: dict[str, set[str]] = {}
+    for path in sources():
+        here = module_name(path)
+        graph[here] = set()
+        for target in imports(path):
+            # ``from paramserver.codec import rows`` names the module codec.rows
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if (
+                target in known
+                and target != here
+                and not (PACKAGE / "/".join(target.split(".")[1:]) / "__init__.py").exists()
+            ):
+                graph[here].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    assert _cycles() == []
