@@ -95,6 +95,14 @@ class Arrival:
             self.ledger.add(batches)
         return grad is not None
 
+    @classmethod
+    def round_in(
+        cls, saved: CoordinatorSnapshot, live: Sequence[str]
+    ) -> tuple[SyncRound | None, RowRound | None]:
+        """The round in progress that a snapshot holds, as this strategy goes on with it
+        (none: one resumed under another policy is dropped)."""
+        return None, None
+
     def start_clock(self) -> int | None:
         """Where a worker that joins when none is live starts (None: the slowest clock seen)."""
         return None
@@ -162,6 +170,14 @@ class Rounds(Arrival):
     in_rounds = True
     waits_for_batch = False  # batch -1: the empty push counts for the round
 
+    @classmethod
+    def round_in(
+        cls, saved: CoordinatorSnapshot, live: Sequence[str]
+    ) -> tuple[SyncRound | None, RowRound | None]:
+        """The snapshot's round less its contributors that are not ``live``."""
+        return (SyncRound.from_state(saved.sync_round, list(live)),
+                RowRound.from_state(saved.row_round or {}))  # fmt: skip
+
     def start_clock(self) -> int | None:
         return self.rounds
 
@@ -207,8 +223,8 @@ def arrival(
     Raises:
         ValueError: the model has sparse tables and the snapshot none.
     """
+    chosen = Rounds if policy.synchronous else OnArrival
     if saved is None:
-        chosen = Rounds if policy.synchronous else OnArrival
         return chosen(store, tables, buffers, counters)
     store.restore(saved.weights, saved.optimizer_state, saved.version)
     if tables is not None:
@@ -217,8 +233,5 @@ def arrival(
         tables.load_state_dict(saved.tables)
     buffers.load(saved.buffers, live)
     ledger = Ledger.from_state(saved.ledger)
-    if not policy.synchronous:
-        return OnArrival(store, tables, buffers, counters, ledger, saved.rounds)
-    round_ = SyncRound.from_state(saved.sync_round, list(live))
-    row_round = RowRound.from_state(saved.row_round or {})
-    return Rounds(store, tables, buffers, counters, ledger, saved.rounds, round_, row_round)
+    return chosen(store, tables, buffers, counters, ledger, saved.rounds,
+                  *chosen.round_in(saved, live))  # fmt: skip
