@@ -127,20 +127,35 @@ class _Cluster:
         stop_all(self.children)
 
 
+@dataclasses.dataclass
+class _Job:
+    """What a run trains, read and checked before any process starts."""
+
+    dataset: data.Data
+    model: torch.nn.Module
+    state: tuple[layout.Manifest, list[torch.Tensor]]  # ``models.state(model)``
+    specs: list[TableSpec]
+    per_epoch: int
+
+    @classmethod
+    def prepare(cls, scfg: ServerConfig, data_dir: str | None) -> _Job:
+        dataset = data.load(scfg.dataset, data_dir, seed=scfg.seed)  # fail before spawning
+        model = models.build(scfg.model)
+        make_tables(model, scfg.table_rows)  # as the servers do
+        state = models.state(model)  # refuses a model it cannot carry, before spawning
+        per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
+        if per_epoch < 1:
+            raise ParamServerError(
+                f"{dataset.train_size} samples do not make one batch of {scfg.batch_size}."
+            )
+        return cls(dataset, model, state, models.table_specs(model), per_epoch)
+
+
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
     """Train on a local cluster; returns the summary that ``launch --json`` prints."""
     t0 = time.perf_counter()
     scfg = cfg.server
-    dataset = data.load(scfg.dataset, cfg.data_dir, seed=scfg.seed)  # fail before spawning
-    model = models.build(scfg.model)
-    make_tables(model, scfg.table_rows)  # as the servers do
-    manifest, tensors = models.state(model)  # refuses a model it cannot carry, before spawning
-    specs = models.table_specs(model)
-    per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
-    if per_epoch < 1:
-        raise ParamServerError(
-            f"{dataset.train_size} samples do not make one batch of {scfg.batch_size}."
-        )
+    job = _Job.prepare(scfg, cfg.data_dir)
     run = RunDir(cfg.runs_root, scfg.parsed_policy.name.replace(":", ""), cfg.run_dir)
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
     log.info("run folder %s", run.path)
@@ -149,30 +164,45 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     try:
         address = cluster.start()
         log.info("server at %s; %d workers started", address, scfg.workers)
-        tables = cluster.tables(model, specs)
-        total = scfg.epochs * per_epoch * scfg.batch_size
-        bar = tqdm(
-            total=total,
-            unit="sample",
-            unit_scale=True,
-            disable=not cfg.progress,
-            dynamic_ncols=True,
+        tables = cluster.tables(job.model, job.specs)
+        evaluated = _train(cfg, job, run, cluster, failed, t0)
+        # The checkpoint holds exactly the weights the last evaluation saw.
+        st, header = _record_epoch(run, cluster, job, evaluated + 1, t0, None)
+        state = job.model.state_dict()
+        for spec in job.specs:  # the tables, read whole from the servers
+            assert tables is not None
+            state[f"{spec.name}.weight"] = tables.read_all(spec.name)
+        checkpoint.save(
+            run.file("checkpoint.pt"),
+            state,
+            version=header.version,
+            policy=st.policy,
+            model=scfg.model,
         )
-        evaluated = 0
+    finally:
+        cluster.stop()
+    run.plot(f"{scfg.model}, {st.policy}, {scfg.workers} workers")
+    summary = _summary(scfg, st, run, failed, time.perf_counter() - t0)
+    run.write_json("summary.json", summary)
+    return summary
+
+
+def _train(
+    cfg: LaunchConfig, job: _Job, run: RunDir, cluster: _Cluster, failed: list[Child], t0: float
+) -> int:
+    """Watches the run until every worker has exited, evaluating after each epoch but the
+    last; returns the epochs evaluated. Raises if a server exits or a worker fails before
+    the run could start."""
+    scfg = cfg.server
+    total = scfg.epochs * job.per_epoch * scfg.batch_size
+    bar = tqdm(
+        total=total, unit="sample", unit_scale=True, disable=not cfg.progress, dynamic_ncols=True
+    )
+    evaluated = 0
+    try:
         while True:
             finished = all(w.poll() is not None for w in cluster.workers)
-            for w in cluster.workers:
-                code = w.poll()
-                if code not in (None, 0) and w not in failed:
-                    failed.append(w)
-                    log.error(
-                        "%s exited with code %s: %s (log: %s)", w.name, code, w.tail(), w.log_path
-                    )
-            for server in cluster.servers:
-                if server.poll() is not None:
-                    raise ParamServerError(
-                        f"{server.name} exited with code {server.poll()}: {server.tail()}"
-                    )
+            _check_children(cluster, failed)
             st = cluster.status()
             if failed and st.workers_joined < scfg.start_workers:
                 # The run waits for --workers joins: without this one it would never start.
@@ -181,43 +211,44 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                 )
             bar.update(st.samples - bar.n)
             bar.set_postfix(
-                loss=f"{st.train_loss:.3f}", v=st.version, stale=st.max_staleness,
-                live=len(st.workers), refresh=False,
-            )  # fmt: skip
-            while evaluated < scfg.epochs - 1 and st.batches_done >= (evaluated + 1) * per_epoch:
+                loss=f"{st.train_loss:.3f}",
+                v=st.version,
+                stale=st.max_staleness,
+                live=len(st.workers),
+                refresh=False,
+            )
+            while (
+                evaluated < scfg.epochs - 1 and st.batches_done >= (evaluated + 1) * job.per_epoch
+            ):
                 evaluated += 1
-                _record_epoch(
-                    run,
-                    cluster,
-                    model,
-                    (manifest, tensors),
-                    dataset,
-                    evaluated,
-                    t0,
-                    bar if cfg.progress else None,
-                )
+                _record_epoch(run, cluster, job, evaluated, t0, bar if cfg.progress else None)
             if finished:
-                break
+                return evaluated
             time.sleep(0.5)  # progress refresh period
-        bar.close()
-        evaluated += 1
-        # The checkpoint holds exactly the weights the last evaluation saw.
-        st, header = _record_epoch(
-            run, cluster, model, (manifest, tensors), dataset, evaluated, t0, None
-        )
-        state = model.state_dict()
-        for spec in specs:  # the tables, read whole from the servers
-            assert tables is not None
-            state[f"{spec.name}.weight"] = tables.read_all(spec.name)
-        checkpoint.save(
-            run.file("checkpoint.pt"), state,
-            version=header.version, policy=st.policy, model=scfg.model,
-        )  # fmt: skip
     finally:
-        cluster.stop()
-    run.plot(f"{scfg.model}, {st.policy}, {scfg.workers} workers")
+        bar.close()
+
+
+def _check_children(cluster: _Cluster, failed: list[Child]) -> None:
+    """Logs each worker that failed, once (adding it to ``failed``); raises if a server exited."""
+    for w in cluster.workers:
+        code = w.poll()
+        if code not in (None, 0) and w not in failed:
+            failed.append(w)
+            log.error("%s exited with code %s: %s (log: %s)", w.name, code, w.tail(), w.log_path)
+    for server in cluster.servers:
+        if server.poll() is not None:
+            raise ParamServerError(
+                f"{server.name} exited with code {server.poll()}: {server.tail()}"
+            )
+
+
+def _summary(
+    scfg: ServerConfig, st: pb.StatusResponse, run: RunDir, failed: list[Child], wall: float
+) -> dict[str, Any]:
+    """What ``launch --json`` prints: the run's last evaluation and the server's counters."""
     last = run.read_metrics()[-1]
-    summary = {
+    return {
         "policy": st.policy,
         "workers": scfg.workers,
         "epochs": scfg.epochs,
@@ -228,30 +259,22 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         "samples": st.samples,
         "samples_per_s": st.samples / st.train_seconds if st.train_seconds > 0 else 0.0,
         "train_s": st.train_seconds,
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall,
         "max_staleness": st.max_staleness,
         "staleness_histogram": {str(k): v for k, v in sorted(st.staleness_histogram.items())},
         "version": st.version,
         "failed_workers": [w.name for w in failed],
         "run_dir": str(run.path),
     }
-    run.write_json("summary.json", summary)
-    return summary
 
 
 def _record_epoch(
-    run: RunDir,
-    cluster: _Cluster,
-    model: torch.nn.Module,
-    state: tuple[layout.Manifest, list[torch.Tensor]],
-    dataset: data.Data,
-    epoch: int,
-    t0: float,
-    bar: tqdm | None,
+    run: RunDir, cluster: _Cluster, job: _Job, epoch: int, t0: float, bar: tqdm | None
 ) -> tuple[pb.StatusResponse, pb.PullHeader]:
-    """Load the server's current weights and buffers into ``model`` (``state``: its
-    ``models.state``), evaluate it, append a metrics line; returns what it read."""
-    manifest, tensors = state
+    """Load the server's current weights and buffers into the job's model, evaluate it,
+    append a metrics line; returns what it read."""
+    model, dataset = job.model, job.dataset
+    manifest, tensors = job.state
     st = cluster.status()
     header, flat = cluster.observe(manifest)
     layout.unflatten_into(manifest, torch.from_numpy(flat), tensors)

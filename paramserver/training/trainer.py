@@ -88,77 +88,8 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
 
     worker = Worker(cfg.addresses, **worker_arguments(cfg, device), train_samples=load)
     started = time.perf_counter()
-    steps = samples = empty = 0
     try:
-        plan, dataset = worker.plan, loaded["data"]
-        n = dataset.train_size
-        per_epoch = data.batches_per_epoch(n, plan.batch_size)
-        model = worker.model
-        model.train()
-        log.info(
-            "rank %d: %d batches of %d per epoch, %d epochs, on %s",
-            worker.rank,
-            per_epoch,
-            plan.batch_size,
-            plan.epochs,
-            device,
-        )
-        perms: dict[int, torch.Tensor] = {}  # this epoch's, and a prefetch's next one
-        perms_lock = threading.Lock()  # the training thread and the row prefetch's
-
-        def rows_of(batch: int) -> torch.Tensor:
-            epoch, position = divmod(batch, per_epoch)
-            with perms_lock:
-                if epoch not in perms:
-                    for old in [e for e in perms if e < epoch - 1]:
-                        del perms[old]
-                    perms[epoch] = data.epoch_permutation(n, epoch, plan.seed)
-                perm = perms[epoch]
-            return perm[position * plan.batch_size : (position + 1) * plan.batch_size]
-
-        table_ids = getattr(model, "table_ids", None)  # the daemon's row prefetch (if any)
-
-        def ids_of(batches: list[int]) -> dict[str, object] | None:
-            return table_ids(torch.cat([dataset.batch(rows_of(b))[0] for b in batches]))  # type: ignore[misc]
-
-        prefetch = ids_of if callable(table_ids) and worker.tables else None
-        # a batch's rows of every table in one request per shard before its forward pass
-        # (which would fetch them table by table): all of them with blocking steps; with
-        # prefetching ones, those the background prefetch did not bring or the last push
-        # took out of the cache
-        fetch_first = prefetch is not None
-        if prefetch:
-            worker.prefetch_next(prefetch)
-        while not worker.finished:
-            if cfg.max_steps is not None and steps >= cfg.max_steps:
-                log.info("rank %d: --max-steps %d reached; leaving", worker.rank, cfg.max_steps)
-                break
-            if worker.batch is None:
-                # sync, and every batch left is taken this round: count in it, empty-handed.
-                worker.step(empty=True)
-                empty += 1
-                continue
-            # One batch, or with --push-every K up to K: their gradients accumulate, each
-            # weighted by its share, so the push is the mean gradient over all their samples.
-            batches = worker.batches or [worker.batch]
-            taken, losses = 0, 0.0
-            for batch in batches:
-                idx = rows_of(batch)
-                x, y = dataset.batch(idx)
-                if fetch_first:
-                    worker.prefetch(table_ids(x))  # type: ignore[misc]
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(model(x), y)
-                (loss / len(batches)).backward()
-                taken += len(idx)
-                losses += loss.item()
-            if cfg.step_delay:
-                time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
-            worker.step(samples=taken, loss=losses / len(batches))
-            if prefetch:
-                worker.prefetch_next(prefetch)
-            steps += 1
-            samples += taken
+        steps, samples, empty = _train(cfg, worker, loaded["data"], device)
         worker.close()
     except BaseException:
         worker.close_quietly()
@@ -168,14 +99,95 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
     if worker.tables:
         log.info("rank %d: row caches %d hits, %d misses (%d rows fetched in all)",
                  worker.rank, cache.hits, cache.misses, cache.fetched)  # fmt: skip
-    log.info(
-        "rank %d finished: %d steps (%d empty), %d samples in %.1fs, %d rejoins",
-        worker.rank,
-        steps,
-        empty,
-        samples,
-        seconds,
-        worker.rejoins,
-    )
+    log.info("rank %d finished: %d steps (%d empty), %d samples in %.1fs, %d rejoins",
+             worker.rank, steps, empty, samples, seconds, worker.rejoins)  # fmt: skip
     return WorkerSummary(worker.rank, steps, samples, seconds, worker.rejoins, cache.hits,
                          cache.misses)  # fmt: skip
+
+
+class _Order:
+    """The run's batches as rows of the data set: each epoch's seeded permutation, kept for
+    that epoch and the next (the row prefetch runs ahead, on its own thread)."""
+
+    def __init__(self, dataset: data.Data, plan: pb.TrainingPlan, per_epoch: int):
+        self.dataset, self.plan, self.per_epoch = dataset, plan, per_epoch
+        self._perms: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()  # the training thread and the row prefetch's
+
+    def rows(self, batch: int) -> torch.Tensor:
+        epoch, position = divmod(batch, self.per_epoch)
+        with self._lock:
+            if epoch not in self._perms:
+                for old in [e for e in self._perms if e < epoch - 1]:
+                    del self._perms[old]
+                n = self.dataset.train_size
+                self._perms[epoch] = data.epoch_permutation(n, epoch, self.plan.seed)
+            perm = self._perms[epoch]
+        size = self.plan.batch_size
+        return perm[position * size : (position + 1) * size]
+
+    def inputs(self, batches: list[int]) -> torch.Tensor:
+        return torch.cat([self.dataset.batch(self.rows(b))[0] for b in batches])
+
+
+def _train(
+    cfg: WorkerConfig, worker: Worker, dataset: data.Data, device: torch.device
+) -> tuple[int, int, int]:
+    """Steps until the run is finished (or ``--max-steps``); (steps, samples, empty steps)."""
+    plan = worker.plan
+    order = _Order(dataset, plan, data.batches_per_epoch(dataset.train_size, plan.batch_size))
+    worker.model.train()
+    log.info("rank %d: %d batches of %d per epoch, %d epochs, on %s",
+             worker.rank, order.per_epoch, plan.batch_size, plan.epochs, device)  # fmt: skip
+    table_ids = getattr(worker.model, "table_ids", None)  # the daemon's row prefetch (if any)
+    prefetch = None
+    if callable(table_ids) and worker.tables:
+        prefetch = lambda batches: table_ids(order.inputs(batches))  # noqa: E731
+    # a batch's rows of every table in one request per shard before its forward pass
+    # (which would fetch them table by table): all of them with blocking steps; with
+    # prefetching ones, those the background prefetch did not bring or the last push
+    # took out of the cache
+    fetch_first = table_ids if prefetch else None
+    if prefetch:
+        worker.prefetch_next(prefetch)
+    steps = samples = empty = 0
+    while not worker.finished:
+        if cfg.max_steps is not None and steps >= cfg.max_steps:
+            log.info("rank %d: --max-steps %d reached; leaving", worker.rank, cfg.max_steps)
+            break
+        if worker.batch is None:
+            # sync, and every batch left is taken this round: count in it, empty-handed.
+            worker.step(empty=True)
+            empty += 1
+            continue
+        taken, loss = _compute(worker, order, device, fetch_first)
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
+        worker.step(samples=taken, loss=loss)
+        if prefetch:
+            worker.prefetch_next(prefetch)
+        steps += 1
+        samples += taken
+    return steps, samples, empty
+
+
+def _compute(
+    worker: Worker, order: _Order, device: torch.device, fetch_first: Any
+) -> tuple[int, float]:
+    """The gradients of this step's batch, or with --push-every K up to K of them: they
+    accumulate, each weighted by its share, so the push is the mean gradient over all their
+    samples. (samples, mean loss)."""
+    assert worker.batch is not None, "the caller steps empty-handed when there is no batch"
+    batches = worker.batches or [worker.batch]
+    taken, losses = 0, 0.0
+    for batch in batches:
+        idx = order.rows(batch)
+        x, y = order.dataset.batch(idx)
+        if fetch_first is not None:
+            worker.prefetch(fetch_first(x))
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(worker.model(x), y)
+        (loss / len(batches)).backward()
+        taken += len(idx)
+        losses += loss.item()
+    return taken, losses / len(batches)
