@@ -40,10 +40,13 @@ def resolution(ctx: click.Context) -> Resolution:
     return found
 
 
-def _group() -> click.Group:
-    from paramserver.cli.main import cli  # every command's table of a file is checked
-
-    return cli
+def _group(ctx: click.Context) -> click.Group:
+    """The command group this command runs under (every command's table of a file is
+    checked against it); a command run on its own stands alone."""
+    root = ctx.find_root().command
+    if isinstance(root, click.Group):
+        return root
+    return click.Group(commands=[root])
 
 
 def _read_file(ctx: click.Context, _param: click.Parameter, path: str | None) -> None:
@@ -51,7 +54,7 @@ def _read_file(ctx: click.Context, _param: click.Parameter, path: str | None) ->
     defaults that the command line and the variables override (click's default map)."""
     if path is None:
         return
-    values = load(path, ctx, _group())
+    values = load(path, ctx, _group(ctx))
     ctx.default_map = {**(ctx.default_map or {}), **values.defaults()}
     resolution(ctx).file = values
 

@@ -65,6 +65,7 @@ def imports(path: Path) -> set[str]:
                 found.update(f"paramserver.{alias.name}" for alias in node.names)
             elif target.startswith("paramserver."):
                 found.add(target)
+                found.update(f"{target}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("paramserver"))
     return found
