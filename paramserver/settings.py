@@ -145,9 +145,16 @@ def option(
     if flag.required:
         kwargs["required"] = True
     return click.option(
-        name, _dest(f, flag), cls=SettingOption, setting=flag, envvar=flag.envvar,
-        show_envvar=True, show_default=True, **kwargs, **extra,
-    )  # fmt: skip
+        name,
+        _dest(f, flag),
+        cls=SettingOption,
+        setting=flag,
+        envvar=flag.envvar,
+        show_envvar=True,
+        show_default=True,
+        **kwargs,
+        **extra,
+    )
 
 
 def options(*parts: Part | type) -> Callable[[F], F]:

@@ -108,9 +108,12 @@ def sync_workers(
 
 
 def large_batch_reference(
-    model: nn.Module, optimizer: Callable[[list], torch.optim.Optimizer], batch: Batch,
-    steps: int, workers: int,
-) -> nn.Module:  # fmt: skip
+    model: nn.Module,
+    optimizer: Callable[[list], torch.optim.Optimizer],
+    batch: Batch,
+    steps: int,
+    workers: int,
+) -> nn.Module:
     """What ``sync`` with ``workers`` workers should equal: one process whose step t takes
     the batches of round t together (the server hands batches out in order, so round t is
     batches workers*t ... workers*t + workers - 1)."""

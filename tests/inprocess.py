@@ -72,8 +72,9 @@ class FakeServer:
         if self.config.cuts:
             cfg = self.config
             assert cfg.checkpoint_dir is not None
-            self.checkpointer = Checkpointer(coordinator, cfg.checkpoint_dir,
-                                             cfg.checkpoint_every, cuts=True)  # fmt: skip
+            self.checkpointer = Checkpointer(
+                coordinator, cfg.checkpoint_dir, cfg.checkpoint_every, cuts=True
+            )
             self.checkpointer.start()
             rewind = self.checkpointer.rewind
         self.shared = Attachments(coordinator.manifest.total_bytes, coordinator.manifest.dtype)
@@ -177,8 +178,10 @@ class InProcessChannel(Channel):
         if segment is None:
             self._buffers = spec.streams
         else:
-            self._buffers = (torch.from_numpy(segment.weights),
-                             [torch.from_numpy(a) for a in segment.slots])  # fmt: skip
+            self._buffers = (
+                torch.from_numpy(segment.weights),
+                [torch.from_numpy(a) for a in segment.slots],
+            )
 
     def withdraw(self) -> None:
         offered, self._offered = self._offered, None

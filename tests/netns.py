@@ -72,16 +72,22 @@ class Network:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.ns[host], *argv],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
     def call(self, host: str, argv: list[str], env: dict[str, str], timeout: float):
         return subprocess.run(
             ["ip", "netns", "exec", self.ns[host], *argv],
-            env=env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def close(self) -> None:
         for proc in self.procs:

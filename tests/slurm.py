@@ -94,15 +94,32 @@ class Cluster:
             os.chown(p, ids.pw_uid, ids.pw_gid)
         home.chmod(0o755)
         munge.chmod(0o711)  # munged: the socket's folder searchable by all, written by it alone
-        (home / "slurm.conf").write_text(CONF.format(
-            home=home, host=socket.gethostname(), ctld_port=_free_port(),
-            port1=_free_port(), port2=_free_port(),
-        ))  # fmt: skip
+        (home / "slurm.conf").write_text(
+            CONF.format(
+                home=home,
+                host=socket.gethostname(),
+                ctld_port=_free_port(),
+                port1=_free_port(),
+                port2=_free_port(),
+            )
+        )
         try:
-            self._start(["runuser", "-u", "munge", "--", "munged", "--foreground",
-                         f"--key-file={key}", f"--socket={munge}/munge.socket",
-                         f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log",
-                         f"--seed-file={munge}/munged.seed"], "munged")  # fmt: skip
+            self._start(
+                [
+                    "runuser",
+                    "-u",
+                    "munge",
+                    "--",
+                    "munged",
+                    "--foreground",
+                    f"--key-file={key}",
+                    f"--socket={munge}/munge.socket",
+                    f"--pid-file={munge}/munged.pid",
+                    f"--log-file={munge}/munged.log",
+                    f"--seed-file={munge}/munged.seed",
+                ],
+                "munged",
+            )
             self._wait("munged", lambda: (munge / "munge.socket").exists(), deadline)
             self._start(["slurmctld", "-D", "-i"], "slurmctld")
             self._wait("slurmctld", lambda: self._ok(["scontrol", "ping"]), deadline)
@@ -134,8 +151,10 @@ class Cluster:
         while not ready():
             dead = [p for p in self.procs if p.poll() is not None]
             if dead or time.monotonic() > end:
-                logs = "".join(f"\n--- {f.name}\n{f.read_text(errors='replace')[-1500:]}"
-                               for f in sorted(self.home.glob("*.log")) + sorted(self.home.glob("*.out")))  # fmt: skip
+                logs = "".join(
+                    f"\n--- {f.name}\n{f.read_text(errors='replace')[-1500:]}"
+                    for f in sorted(self.home.glob("*.log")) + sorted(self.home.glob("*.out"))
+                )
                 raise RuntimeError(f"Slurm: {what} not ready within {deadline:.0f} s{logs}")
             time.sleep(0.2)  # polling daemons we do not control; the deadline bounds it
 

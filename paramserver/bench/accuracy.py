@@ -37,12 +37,18 @@ POLICIES = ("sync", "delay-1", "async")
 
 
 def _schedule(epochs: int, steps_per_epoch: int) -> OptimizerConfig:
-    return OptimizerConfig("adam", lr=1e-3, schedule="cosine",
-                           total_steps=epochs * steps_per_epoch)  # fmt: skip
+    return OptimizerConfig("adam", lr=1e-3, schedule="cosine", total_steps=epochs * steps_per_epoch)
 
 
-def _epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: OptimizerConfig,
-           ds: data.Dataset, epoch: int, rank: int = 0, world: int = 1) -> None:  # fmt: skip
+def _epoch(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    cfg: OptimizerConfig,
+    ds: data.Dataset,
+    epoch: int,
+    rank: int = 0,
+    world: int = 1,
+) -> None:
     order = data.epoch_permutation(len(ds.train_x), epoch, seed=0)
     # Every rank takes the same number of batches: DDP's collectives must pair up.
     usable = data.batches_per_epoch(len(order), BATCH) // world * world
@@ -80,8 +86,13 @@ def ddp_main(argv: list[str]) -> None:
     rank, world, port, epochs = (int(a) for a in argv[:4])
     dataset, out = argv[4], argv[5]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(minutes=5))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=5),
+    )
     ds = data.load_builtin(dataset)
     model = DistributedDataParallel(models.build("mlp", seed=0))
     cfg = _schedule(epochs, data.batches_per_epoch(len(ds.train_x), BATCH) // world)
@@ -100,8 +111,9 @@ def ddp_main(argv: list[str]) -> None:
 
 
 def ddp_curve(dataset: str, epochs: int, logs: Path) -> list[tuple[float, float]]:
-    results = run_ranks("paramserver.bench.accuracy", [str(epochs), dataset], 2, logs,
-                        "ddp-acc", timeout=900)  # fmt: skip
+    results = run_ranks(
+        "paramserver.bench.accuracy", [str(epochs), dataset], 2, logs, "ddp-acc", timeout=900
+    )
     return [tuple(point) for point in results[0]]
 
 
@@ -112,8 +124,9 @@ def ps_curve(policy: str, dataset: str, epochs: int, logs: Path) -> list[tuple[f
     evaluation), like the local and DDP figures: starting the processes is not counted.
     """
     run_dir = logs / f"run-{policy}"
-    server = ServerConfig(model="mlp", policy=policy, workers=2, dataset=dataset,
-                          epochs=epochs, batch_size=BATCH)  # fmt: skip
+    server = ServerConfig(
+        model="mlp", policy=policy, workers=2, dataset=dataset, epochs=epochs, batch_size=BATCH
+    )
     steps = planned_optimizer_steps(server, data.train_size(dataset))  # what launch works out
     optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
     cfg = LaunchConfig(
@@ -136,15 +149,26 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
 
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     dataset, target, epochs = ("synthetic", 0.6, 2) if quick else ("fashion-mnist", 0.88, 10)
-    figures: dict[str, Any] = {"dataset": dataset, "target_accuracy": target, "epochs": epochs,
-                               "batch": BATCH, "curves": {}, "time_to_target_s": {}}  # fmt: skip
+    figures: dict[str, Any] = {
+        "dataset": dataset,
+        "target_accuracy": target,
+        "epochs": epochs,
+        "batch": BATCH,
+        "curves": {},
+        "time_to_target_s": {},
+    }
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         logs = Path(tmp)
         curves = {"local": local_curve(dataset, epochs), "ddp": ddp_curve(dataset, epochs, logs)}
         for policy in POLICIES:
             curves[policy] = ps_curve(policy, dataset, epochs, logs)
-    rows = [("setup", f"mlp, batch {BATCH} per process, Adam 1e-3 cosine, {dataset}, target "
-                      f"{100 * target:.0f}% test accuracy, evaluated after each of {epochs} epochs")]  # fmt: skip
+    rows = [
+        (
+            "setup",
+            f"mlp, batch {BATCH} per process, Adam 1e-3 cosine, {dataset}, target "
+            f"{100 * target:.0f}% test accuracy, evaluated after each of {epochs} epochs",
+        )
+    ]
     for name, curve in curves.items():
         figures["curves"][name] = curve
         seconds = figures["time_to_target_s"][name] = time_to(curve, target)
@@ -152,8 +176,13 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             name, f"paramserver {name}, 2 workers"
         )
         best = max(acc for _, acc in curve)
-        rows.append((label, (f"{seconds:.1f} s" if seconds is not None else "not reached")
-                            + f"  (best {100 * best:.2f}% in {curve[-1][0]:.1f} s)"))  # fmt: skip
+        rows.append(
+            (
+                label,
+                (f"{seconds:.1f} s" if seconds is not None else "not reached")
+                + f"  (best {100 * best:.2f}% in {curve[-1][0]:.1f} s)",
+            )
+        )
     rows.append(("note", "training time only: process start-up and evaluation are not counted"))
     return rows, figures
 

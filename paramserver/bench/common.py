@@ -82,17 +82,31 @@ def cluster_rate(
     process per entry of ``delays`` (its injected per-step sleep, ``shm`` its --shm),
     measured from the server's counters over ``window`` seconds once all have started: the
     total, and each worker's."""
-    cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy=policy,
-                       workers=len(delays), dataset="synthetic", batch_size=batch, epochs=100000,
-                       lease_seconds=30, optimizer_thread=optimizer_thread)  # fmt: skip
+    cfg = ServerConfig(
+        model="mlp",
+        optimizer=OptimizerConfig("adam"),
+        policy=policy,
+        workers=len(delays),
+        dataset="synthetic",
+        batch_size=batch,
+        epochs=100000,
+        lease_seconds=30,
+        optimizer_thread=optimizer_thread,
+    )
     with server_process(cfg) as address:
         children = [
-            Child(f"worker-{i}",
-                  worker_command(WorkerConfig(address, device="cpu", threads=1, name=f"w{i}",
-                                              step_delay=delay, shm=shm)),
-                  logs / f"{policy}-{len(delays)}-{shm}-worker-{i}.log", env=CHILD_ENV)
+            Child(
+                f"worker-{i}",
+                worker_command(
+                    WorkerConfig(
+                        address, device="cpu", threads=1, name=f"w{i}", step_delay=delay, shm=shm
+                    )
+                ),
+                logs / f"{policy}-{len(delays)}-{shm}-worker-{i}.log",
+                env=CHILD_ENV,
+            )
             for i, delay in enumerate(delays)
-        ]  # fmt: skip
+        ]
         channel = connect(address, 60)
         stub = Stub(channel)
         try:

@@ -41,9 +41,11 @@ def main(argv: list[str]) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
     dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
         world_size=world,
-    )  # fmt: skip
+    )
     model = DistributedDataParallel(models.build("mlp", seed=0).to(device))
     opt = build_optimizer(list(model.parameters()), OptimizerConfig("adam"))
     g = torch.Generator().manual_seed(rank)
@@ -83,8 +85,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(module: str, args: list[str], world: int, logs: Path, name: str,
-              timeout: float) -> list[Any]:  # fmt: skip
+def run_ranks(
+    module: str, args: list[str], world: int, logs: Path, name: str, timeout: float
+) -> list[Any]:
     """Run ``python -m MODULE RANK WORLD PORT *ARGS OUT`` for every rank; their results.
 
     Raises RuntimeError naming the rank and its log's tail if a rank fails before writing
@@ -99,11 +102,22 @@ def run_ranks(module: str, args: list[str], world: int, logs: Path, name: str,
     try:
         for rank in range(world):
             with open(log_paths[rank], "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", module, str(rank), str(world), str(port), *args,
-                     str(outs[rank])],
-                    stdout=subprocess.DEVNULL, stderr=log,
-                ))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            module,
+                            str(rank),
+                            str(world),
+                            str(port),
+                            *args,
+                            str(outs[rank]),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=log,
+                    )
+                )
         for rank, p in enumerate(procs):
             try:
                 code = p.wait(timeout)
@@ -115,8 +129,11 @@ def run_ranks(module: str, args: list[str], world: int, logs: Path, name: str,
             if code is None or not outs[rank].exists():
                 what = "did not finish" if code is None else f"failed (exit {code})"
                 raise RuntimeError(f"{name} rank {rank} {what}: {tail}")
-            print(f"warning: {name} rank {rank} exited {code} after writing its result "
-                  f"(process-group teardown): {tail.strip()[-200:]}", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: {name} rank {rank} exited {code} after writing its result "
+                f"(process-group teardown): {tail.strip()[-200:]}",
+                file=sys.stderr,
+            )
     finally:
         for p in procs:
             if p.poll() is None:

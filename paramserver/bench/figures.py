@@ -60,8 +60,13 @@ def straggler(figures: dict, out: Path) -> None:
 
 def accuracy(figures: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = {"local": "one local process", "ddp": "DDP, 2 processes", "sync": "paramserver sync",
-             "delay-1": "paramserver delay-1", "async": "paramserver async"}  # fmt: skip
+    names = {
+        "local": "one local process",
+        "ddp": "DDP, 2 processes",
+        "sync": "paramserver sync",
+        "delay-1": "paramserver delay-1",
+        "async": "paramserver async",
+    }
     for key, label in names.items():
         curve = figures["curves"].get(key)
         if curve:

@@ -27,33 +27,55 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     local = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
     counts = (1, 2) if quick else (1, 2, 4)
     warmup, window = (0.5, 1.0) if quick else (2.0, 8.0)
-    figures: dict[str, Any] = {"batch": BATCH, "local_samples_per_s": local, "workers": list(counts),
-                               "window_s": window, "cores": cores,
-                               "local_all_cores_samples_per_s": local_all}  # fmt: skip
-    rows = [("one local process", f"{local:.0f} samples/s (mlp, batch {BATCH}, Adam, 1 thread)"),
-            (f"... with {cores} threads", f"{local_all:.0f} samples/s")]  # fmt: skip
+    figures: dict[str, Any] = {
+        "batch": BATCH,
+        "local_samples_per_s": local,
+        "workers": list(counts),
+        "window_s": window,
+        "cores": cores,
+        "local_all_cores_samples_per_s": local_all,
+    }
+    rows = [
+        ("one local process", f"{local:.0f} samples/s (mlp, batch {BATCH}, Adam, 1 thread)"),
+        (f"... with {cores} threads", f"{local_all:.0f} samples/s"),
+    ]
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         for policy in POLICIES:
             for shm, suffix in (("on", ""), ("payloads", "_grpc")):
-                rates = [cluster_rate(policy, [0.0] * n, BATCH, warmup, window, Path(tmp), shm)[0]
-                         for n in counts]  # fmt: skip
+                rates = [
+                    cluster_rate(policy, [0.0] * n, BATCH, warmup, window, Path(tmp), shm)[0]
+                    for n in counts
+                ]
                 key = policy.replace("-", "") + suffix
                 figures[f"{key}_samples_per_s"] = rates
                 figures[f"{key}_vs_local"] = [r / local for r in rates]
                 figures[f"{key}_vs_local_all_cores"] = [r / local_all for r in rates]
-                rows.append((f"{policy}{', gRPC control' if suffix else ''}",
-                             "  ".join(f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
-                                       for n, r in zip(counts, rates, strict=True))))  # fmt: skip
+                rows.append(
+                    (
+                        f"{policy}{', gRPC control' if suffix else ''}",
+                        "  ".join(
+                            f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
+                            for n, r in zip(counts, rates, strict=True)
+                        ),
+                    )
+                )
         # the server's optimizer on its own thread (--optimizer-thread), 2 workers
-        rate = cluster_rate("async", [0.0, 0.0], BATCH, warmup, window, Path(tmp),
-                            optimizer_thread=True)[0]  # fmt: skip
+        rate = cluster_rate(
+            "async", [0.0, 0.0], BATCH, warmup, window, Path(tmp), optimizer_thread=True
+        )[0]
         figures["async_optimizer_thread_samples_per_s"] = rate
         figures["async_optimizer_thread_vs_local"] = rate / local
-        rows.append(("async, --optimizer-thread", f"2 workers: {rate:.0f} ({rate / local:.2f} x local)"))  # fmt: skip
+        rows.append(
+            ("async, --optimizer-thread", f"2 workers: {rate:.0f} ({rate / local:.2f} x local)")
+        )
     two = counts.index(2)
     best = max(figures[f"{p.replace('-', '')}_vs_local"][two] for p in POLICIES)
     figures["target_2_workers_vs_local"] = 1.3
     figures["target_met"] = best >= 1.3
-    rows.append(("target", f"2 workers >= 1.3 x local: best {best:.2f} x, "
-                           + ("met" if best >= 1.3 else "missed")))  # fmt: skip
+    rows.append(
+        (
+            "target",
+            f"2 workers >= 1.3 x local: best {best:.2f} x, " + ("met" if best >= 1.3 else "missed"),
+        )
+    )
     return rows, figures

@@ -37,23 +37,37 @@ def ps_run(case: Case, sparse: bool, steps: int, logs: Path, evaluate: bool) -> 
     from paramserver.api import serve
 
     logging.getLogger("paramserver").setLevel(logging.WARNING)  # the server's joins and leaves
-    server = serve(build_model(case, sparse), optimizer=case.optimizer, lr=LR,
-                      policy="async", workers=WORLD, lease_seconds=120)  # fmt: skip
+    server = serve(
+        build_model(case, sparse),
+        optimizer=case.optimizer,
+        lr=LR,
+        policy="async",
+        workers=WORLD,
+        lease_seconds=120,
+    )
     saved = logs / f"train-{case.name}.pt"  # made once here, not in each worker
     if not saved.exists():
         torch.save(data(case)[:2], saved)
     try:
         name = f"ps-{case.name}-{'tables' if sparse else 'dense'}"
-        results = run_ranks(RANKS, ["ps", server.address, case.name, "1" if sparse else "0",
-                                    str(steps), str(saved)], WORLD, logs, name,
-                            timeout=1800)  # fmt: skip
+        results = run_ranks(
+            RANKS,
+            ["ps", server.address, case.name, "1" if sparse else "0", str(steps), str(saved)],
+            WORLD,
+            logs,
+            name,
+            timeout=1800,
+        )
         status = server.status()
         state = server.model_state_dict() if evaluate else None
     finally:
         server.stop(grace=0)
     steps_done = sum(r["steps"] for r in results)
-    moved = sum((r["rows_fetched"] + r["rows_pushed"]) * case.row_bytes
-                + 2 * 4 * r["dense_numel"] * r["steps"] for r in results)  # fmt: skip
+    moved = sum(
+        (r["rows_fetched"] + r["rows_pushed"]) * case.row_bytes
+        + 2 * 4 * r["dense_numel"] * r["steps"]
+        for r in results
+    )
     out = {
         "samples_per_s": sum(r["samples"] for r in results) / max(r["seconds"] for r in results),
         "bytes_per_step": moved / steps_done,
@@ -78,8 +92,10 @@ def ddp_run(case: Case, logs: Path) -> dict[str, Any]:
     except RuntimeError as exc:
         print(f"warning: the DDP baseline failed once, running it again: {exc}", file=sys.stderr)
         results = run_ranks(RANKS, [case.name], WORLD, logs, f"ddp-{case.name}", timeout=1800)
-    return {"samples_per_s": sum(r["samples"] for r in results)
-            / max(r["seconds"] for r in results), "auc": results[0]["auc"]}  # fmt: skip
+    return {
+        "samples_per_s": sum(r["samples"] for r in results) / max(r["seconds"] for r in results),
+        "auc": results[0]["auc"],
+    }
 
 
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
@@ -96,42 +112,71 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     local_rate = local["samples"] / local["seconds"]
     big_mb = large["rows_held"] * big.dim * 4 / 2**20
     figures = {
-        "case": main.name, "table_rows": main.table_rows, "dim": main.dim, "batch": main.batch,
-        "samples_per_s": {"tables": tables["samples_per_s"], "dense": dense["samples_per_s"],
-                          "local": local_rate, "ddp": ddp["samples_per_s"]},
+        "case": main.name,
+        "table_rows": main.table_rows,
+        "dim": main.dim,
+        "batch": main.batch,
+        "samples_per_s": {
+            "tables": tables["samples_per_s"],
+            "dense": dense["samples_per_s"],
+            "local": local_rate,
+            "ddp": ddp["samples_per_s"],
+        },
         "sparse_vs_dense": tables["samples_per_s"] / dense["samples_per_s"],
         "sparse_vs_ddp": tables["samples_per_s"] / ddp["samples_per_s"],
         "sparse_vs_local": tables["samples_per_s"] / local_rate,
-        "auc": tables["auc"], "auc_local": local["auc"], "auc_ddp": ddp["auc"],
+        "auc": tables["auc"],
+        "auc_local": local["auc"],
+        "auc_ddp": ddp["auc"],
         "bytes_per_step_sparse": tables["bytes_per_step"],
         "bytes_per_step_dense": dense["bytes_per_step"],
         "rows_per_step": tables["rows_per_step"],
         "bytes_per_row_moved": tables["bytes_per_step"] / max(tables["rows_per_step"], 1),
-        "big_case": big.name, "big_table_declared_mb": big.table_mb, "big_table_mb": big_mb,
+        "big_case": big.name,
+        "big_table_declared_mb": big.table_mb,
+        "big_table_mb": big_mb,
         "big_worker_rss_mb": large["worker_rss_mb"],
         "big_rss_over_table": large["worker_rss_mb"] / big_mb,
         "big_samples_per_s": large["samples_per_s"],
-        "big_bytes_per_step": large["bytes_per_step"], "big_rows_per_step": large["rows_per_step"],
-    }  # fmt: skip
+        "big_bytes_per_step": large["bytes_per_step"],
+        "big_rows_per_step": large["rows_per_step"],
+    }
     rate = figures["samples_per_s"]
     rows = [
-        ("setup", f"DLRM, one table of {main.table_rows:,} rows x {main.dim} "
-                  f"({main.table_mb:.0f} MB), {main.fields} fields, batch {main.batch}, "
-                  f"{main.optimizer} lr {LR}, {WORLD} workers async, 1 epoch of {main.train:,}"),
-        ("(a) tables", f"{rate['tables']:,.0f} samples/s, {tables['bytes_per_step'] / 2**20:.2f} "
-                       f"MB/step ({tables['rows_per_step']:,.0f} rows), AUC {tables['auc']:.4f}"),
-        ("(b) dense", f"{rate['dense']:,.0f} samples/s, {dense['bytes_per_step'] / 2**20:.1f} "
-                      f"MB/step ({main.dense_steps} steps a worker)"),
+        (
+            "setup",
+            f"DLRM, one table of {main.table_rows:,} rows x {main.dim} "
+            f"({main.table_mb:.0f} MB), {main.fields} fields, batch {main.batch}, "
+            f"{main.optimizer} lr {LR}, {WORLD} workers async, 1 epoch of {main.train:,}",
+        ),
+        (
+            "(a) tables",
+            f"{rate['tables']:,.0f} samples/s, {tables['bytes_per_step'] / 2**20:.2f} "
+            f"MB/step ({tables['rows_per_step']:,.0f} rows), AUC {tables['auc']:.4f}",
+        ),
+        (
+            "(b) dense",
+            f"{rate['dense']:,.0f} samples/s, {dense['bytes_per_step'] / 2**20:.1f} "
+            f"MB/step ({main.dense_steps} steps a worker)",
+        ),
         ("(c) local", f"{local_rate:,.0f} samples/s, AUC {local['auc']:.4f}"),
         ("(d) DDP", f"{rate['ddp']:,.0f} samples/s, AUC {ddp['auc']:.4f}"),
         ("sparse_vs_dense", f"{figures['sparse_vs_dense']:.1f}x"),
-        ("sparse_vs_ddp", f"{figures['sparse_vs_ddp']:.2f}x  (vs local "
-                          f"{figures['sparse_vs_local']:.2f}x)"),
+        (
+            "sparse_vs_ddp",
+            f"{figures['sparse_vs_ddp']:.2f}x  (vs local {figures['sparse_vs_local']:.2f}x)",
+        ),
         ("AUC tables - local", f"{tables['auc'] - local['auc']:+.4f}"),
-        ("big table", f"{big.table_rows:,} rows x {big.dim} declared ({big.table_mb:,.0f} MB); "
-                      f"{large['rows_held']:,} rows held on the server = {big_mb:,.0f} MB"),
-        ("big: worker peak RSS", f"{large['worker_rss_mb']:.0f} MB = "
-                                 f"{100 * figures['big_rss_over_table']:.1f}% of the rows held; "
-                                 f"{large['samples_per_s']:,.0f} samples/s"),
-    ]  # fmt: skip
+        (
+            "big table",
+            f"{big.table_rows:,} rows x {big.dim} declared ({big.table_mb:,.0f} MB); "
+            f"{large['rows_held']:,} rows held on the server = {big_mb:,.0f} MB",
+        ),
+        (
+            "big: worker peak RSS",
+            f"{large['worker_rss_mb']:.0f} MB = "
+            f"{100 * figures['big_rss_over_table']:.1f}% of the rows held; "
+            f"{large['samples_per_s']:,.0f} samples/s",
+        ),
+    ]
     return rows, figures

@@ -85,7 +85,7 @@ CASES = {
             zipf=0.0,
             optimizer="sgd",
             cache_rows=1 << 15,
-        ),  # fmt: skip
+        ),
         Case("quick-main", 4, 500, 8, 8_192, 2_048, 256, dense_steps=4),
         Case("quick-big", 4, 4_000, 32, 8_192, 1_024, 512, zipf=0.0, optimizer="sgd"),
     )
@@ -93,8 +93,9 @@ CASES = {
 
 
 def data(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return clicks.make(case.train, case.test, seed=0, fields=case.fields, rows=case.rows,
-                       zipf=case.zipf)  # fmt: skip
+    return clicks.make(
+        case.train, case.test, seed=0, fields=case.fields, rows=case.rows, zipf=case.zipf
+    )
 
 
 def build_model(case: Case, sparse: bool) -> nn.Module:
@@ -146,8 +147,7 @@ def local_run(case: Case) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     seconds = time.perf_counter() - started
-    return {"samples": batches * case.batch, "seconds": seconds,
-            "auc": auc(model, test_x, test_y)}  # fmt: skip
+    return {"samples": batches * case.batch, "seconds": seconds, "auc": auc(model, test_x, test_y)}
 
 
 def ps_main(argv: list[str]) -> None:
@@ -171,10 +171,19 @@ def ps_main(argv: list[str]) -> None:
         seconds = time.perf_counter() - started
         counters = worker.tables.counters
         numel = worker.manifest.numel
-    write_result(out, {"rank": rank, "steps": len(mine), "samples": len(mine) * case.batch,
-                       "seconds": seconds, "rows_fetched": counters.fetched,
-                       "rows_pushed": counters.pushed, "dense_numel": numel,
-                       "peak_rss_mb": peak_rss_mb()})  # fmt: skip
+    write_result(
+        out,
+        {
+            "rank": rank,
+            "steps": len(mine),
+            "samples": len(mine) * case.batch,
+            "seconds": seconds,
+            "rows_fetched": counters.fetched,
+            "rows_pushed": counters.pushed,
+            "dense_numel": numel,
+            "peak_rss_mb": peak_rss_mb(),
+        },
+    )
 
 
 def ddp_main(argv: list[str]) -> None:
@@ -186,8 +195,13 @@ def ddp_main(argv: list[str]) -> None:
     rank, world, port = (int(a) for a in argv[:3])
     case, out = CASES[argv[3]], argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(minutes=5))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=5),
+    )
     train_x, train_y, test_x, test_y = data(case)
     torch.manual_seed(0)
     model = models.DLRM(case.fields, case.rows, case.dim, sparse=True, shared=True)

@@ -39,8 +39,9 @@ def worker_step_seconds(
     x, y = _batch(batch)
     with Worker(address, model, overlap=overlap, shm_control=control) as worker:
         if worker.control_active is not control:
-            raise RuntimeError(f"the worker {'could not' if control else 'did'} use the "
-                               "server's control socket")  # fmt: skip
+            raise RuntimeError(
+                f"the worker {'could not' if control else 'did'} use the server's control socket"
+            )
 
         def step() -> None:
             F.cross_entropy(model(x), y).backward()
@@ -59,10 +60,16 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     torch.set_num_threads(1)
     reps = 20 if quick else 400
     figures: dict[str, Any] = {"threads": 1, "reps": reps, "model": "mlp", "optimizer": "adam"}
-    rows = [("model", f"mlp, Adam, 1 torch thread, median of {reps} steps; payloads in shared "
-                      "memory, control over the same-host socket or gRPC")]  # fmt: skip
-    cfg = ServerConfig(model="mlp", optimizer=OptimizerConfig("adam"), policy="async",
-                       workers=1, lease_seconds=600)  # fmt: skip
+    rows = [
+        (
+            "model",
+            f"mlp, Adam, 1 torch thread, median of {reps} steps; payloads in shared "
+            "memory, control over the same-host socket or gRPC",
+        )
+    ]
+    cfg = ServerConfig(
+        model="mlp", optimizer=OptimizerConfig("adam"), policy="async", workers=1, lease_seconds=600
+    )
     with server_child(cfg) as (address, server):
         for batch in (64, 256):
             local = local_step_seconds(batch, reps)
@@ -82,15 +89,26 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
                 figures[f"worker_overlap_ms_{batch}{suffix}"] = 1000 * ahead
                 figures[f"step_vs_local_{batch}{suffix}"] = waiting / local
                 figures[f"step_vs_local_overlap_{batch}{suffix}"] = ahead / local
-                rows.append((f"  {path} control", f"worker {1000 * waiting:.2f} ms "
-                                                 f"({waiting / local:.2f} x local; server CPU "
-                                                 f"{server_ms:.2f} ms), with --overlap "
-                                                 f"on {1000 * ahead:.2f} ms ({ahead / local:.2f} x local)"))  # fmt: skip
+                rows.append(
+                    (
+                        f"  {path} control",
+                        f"worker {1000 * waiting:.2f} ms "
+                        f"({waiting / local:.2f} x local; server CPU "
+                        f"{server_ms:.2f} ms), with --overlap "
+                        f"on {1000 * ahead:.2f} ms ({ahead / local:.2f} x local)",
+                    )
+                )
     figures["step_vs_local"] = {str(b): figures[f"step_vs_local_{b}"] for b in (64, 256)}
     figures["targets"] = {str(b): t for b, t in TARGETS.items()}
     met = {b: figures[f"step_vs_local_{b}"] <= t for b, t in TARGETS.items()}
     figures["target_met"] = all(met.values())
-    rows.append(("targets", "; ".join(f"<= {t} x local at batch {b} (default settings): "
-                                      f"{'met' if met[b] else 'missed'}"
-                                      for b, t in TARGETS.items())))  # fmt: skip
+    rows.append(
+        (
+            "targets",
+            "; ".join(
+                f"<= {t} x local at batch {b} (default settings): {'met' if met[b] else 'missed'}"
+                for b, t in TARGETS.items()
+            ),
+        )
+    )
     return rows, figures

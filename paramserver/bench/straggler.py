@@ -30,10 +30,19 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     # meaningful against the per-step communication on a loaded 2-core machine.
     delay = max(2 * compute, 0.01)
     warmup, window = (0.5, 1.5) if quick else (3.0, 15.0)
-    figures: dict[str, Any] = {"batch": BATCH, "delay_s": delay, "window_s": window,
-                               "local_step_ms": 1000 * compute}  # fmt: skip
-    rows = [("setup", f"mlp, batch {BATCH}, 2 workers, worker 1 sleeps {1000 * delay:.1f} ms a step "
-                      f"(local step {1000 * compute:.1f} ms); {window:.0f} s window")]  # fmt: skip
+    figures: dict[str, Any] = {
+        "batch": BATCH,
+        "delay_s": delay,
+        "window_s": window,
+        "local_step_ms": 1000 * compute,
+    }
+    rows = [
+        (
+            "setup",
+            f"mlp, batch {BATCH}, 2 workers, worker 1 sleeps {1000 * delay:.1f} ms a step "
+            f"(local step {1000 * compute:.1f} ms); {window:.0f} s window",
+        )
+    ]
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         logs = Path(tmp)
         ddp_steps = max(10, int((warmup + window) / (compute + delay)))
@@ -46,8 +55,13 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             figures[f"{key}_samples_per_s"] = total
             figures[f"{key}_per_worker"] = per_worker
             figures["ps_vs_ddp"][policy] = total / ddp
-            rows.append((f"paramserver {policy}", f"{total:.0f} samples/s (fast {per_worker[0]:.0f}, "
-                                                   f"slow {per_worker[-1]:.0f}): {total / ddp:.2f} x DDP"))  # fmt: skip
+            rows.append(
+                (
+                    f"paramserver {policy}",
+                    f"{total:.0f} samples/s (fast {per_worker[0]:.0f}, "
+                    f"slow {per_worker[-1]:.0f}): {total / ddp:.2f} x DDP",
+                )
+            )
     figures["target_ps_vs_ddp"] = 1.5
     rows.append(("target", ">= 1.5 x DDP"))
     return rows, figures

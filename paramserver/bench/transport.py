@@ -100,9 +100,13 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     figures: dict[str, Any] = {"payload_mib": nbytes // MIB, "reps": reps}
     figures["memcpy_gbps"] = memcpy_gbps(nbytes, reps)
     figures["tcp_gbps"] = tcp_gbps(nbytes, reps)
-    cfg = ServerConfig(model=f"paramserver.bench.transport:{model}",
-                       optimizer=OptimizerConfig("sgd", lr=1e-9), policy="async", workers=1,
-                       lease_seconds=600)  # fmt: skip
+    cfg = ServerConfig(
+        model=f"paramserver.bench.transport:{model}",
+        optimizer=OptimizerConfig("sgd", lr=1e-9),
+        policy="async",
+        workers=1,
+        lease_seconds=600,
+    )
     with server_process(cfg) as address:
         # Same host: the shared-memory path (the default); then the gRPC streams, which
         # workers on other hosts use.
@@ -121,8 +125,16 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             [first, second], nbytes, reps, False
         )
     tcp = figures["tcp_gbps"]
-    for key in ("push", "pull", "push_grpc", "pull_grpc", "push_grpc_fp16", "push_grpc_bf16",
-                "push_grpc_2shards", "pull_grpc_2shards"):  # fmt: skip
+    for key in (
+        "push",
+        "pull",
+        "push_grpc",
+        "pull_grpc",
+        "push_grpc_fp16",
+        "push_grpc_bf16",
+        "push_grpc_2shards",
+        "pull_grpc_2shards",
+    ):
         figures[f"{key}_vs_tcp"] = figures[f"{key}_gbps"] / tcp
     figures["target_push_vs_tcp"] = 0.6
     figures["target_met"] = figures["push_vs_tcp"] >= 0.6
@@ -134,8 +146,10 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         ("payload", f"{nbytes // MIB} MiB, median of {reps}; server applies SGD to each push"),
         ("memcpy", f"{figures['memcpy_gbps']:.2f} GB/s"),
         ("raw TCP loopback", f"{tcp:.2f} GB/s"),
-        ("push, same host (shared memory)", rate("push") + "  target 0.6 x TCP: "
-         + ("met" if figures["target_met"] else "missed")),
+        (
+            "push, same host (shared memory)",
+            rate("push") + "  target 0.6 x TCP: " + ("met" if figures["target_met"] else "missed"),
+        ),
         ("pull, same host (shared memory)", rate("pull")),
         ("push, gRPC stream (other hosts)", rate("push_grpc")),
         ("pull, gRPC stream (other hosts)", rate("pull_grpc")),
@@ -143,5 +157,5 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         ("push, gRPC stream, --compress bf16", rate("push_grpc_bf16")),
         ("push, gRPC stream, 2 server shards", rate("push_grpc_2shards")),
         ("pull, gRPC stream, 2 server shards", rate("pull_grpc_2shards")),
-    ]  # fmt: skip
+    ]
     return rows, figures

@@ -27,6 +27,19 @@ from paramserver.cli.run import (
     worker,
 )
 
-__all__ = ["bench", "cli", "export", "fill_defaults", "health", "launch", "main",
-           "model_defaults", "plot", "security_config", "server", "server_config", "status",
-           "worker"]  # fmt: skip
+__all__ = [
+    "bench",
+    "cli",
+    "export",
+    "fill_defaults",
+    "health",
+    "launch",
+    "main",
+    "model_defaults",
+    "plot",
+    "security_config",
+    "server",
+    "server_config",
+    "status",
+    "worker",
+]

@@ -112,8 +112,9 @@ def load(path: str, ctx: click.Context, group: click.Group) -> Values:
             tables[key] = _check(path, f"[{key}] ", value, group.commands[key], ctx)
         else:
             known = ", ".join(f"[{name}]" for name in sorted(group.commands))
-            raise _fail(path, f"[{key}] = {toml(value)}: unknown table; a table is a "
-                        f"command's: {known}.")  # fmt: skip
+            raise _fail(
+                path, f"[{key}] = {toml(value)}: unknown table; a table is a command's: {known}."
+            )
     name = str(ctx.command.name)
     return Values(path, name, _check(path, "", top, group, ctx), tables.get(name, {}))
 
@@ -134,8 +135,9 @@ def _check(
             hint = f"; did you mean {close[0]}?" if close else "."
             raise _fail(path, f"{where}{key} = {toml(raw)}: unknown key: {why}{hint}")
         if param.name in out:
-            raise _fail(path, f"{where}{key} = {toml(raw)}: given twice, as "
-                        f"{out[str(param.name)].key} too.")  # fmt: skip
+            raise _fail(
+                path, f"{where}{key} = {toml(raw)}: given twice, as {out[str(param.name)].key} too."
+            )
         out[str(param.name)] = Entry(key, raw, _convert(path, where, key, raw, param, ctx))
     return out
 
@@ -186,7 +188,9 @@ def group_setting(ctx: click.Context, file: Values | None, name: str) -> tuple[A
     return value, where
 
 
-def blame(ctx: click.Context, file: Values | None, sources: dict[str, str], message: str) -> str | None:  # fmt: skip
+def blame(
+    ctx: click.Context, file: Values | None, sources: dict[str, str], message: str
+) -> str | None:
     """``message`` (a setting's refusal) as the file's fault, if it names an option
     whose value came from the file; else None."""
     if file is None:

@@ -29,21 +29,37 @@ class Logging:
 class ConfigFile:
     """Every command's two last options."""
 
-    config: str | None = setting(None, "--config", "TOML file of settings: a table per command ([server], [worker], ...) whose keys are the options' names (lr = 0.01, checkpoint-dir = \"/ckpt\"). The command line and the variables win over it.", type=click.Path(exists=True, dir_okay=False))  # fmt: skip
-    print_config: bool = setting(False, "--print-config", "Print the settings as resolved, as a config file that says where each came from (command line, env, file, default), and exit without starting anything.", is_flag=True)  # fmt: skip
+    config: str | None = setting(
+        None,
+        "--config",
+        'TOML file of settings: a table per command ([server], [worker], ...) whose keys are the options\' names (lr = 0.01, checkpoint-dir = "/ckpt"). The command line and the variables win over it.',
+        type=click.Path(exists=True, dir_okay=False),
+    )
+    print_config: bool = setting(
+        False,
+        "--print-config",
+        "Print the settings as resolved, as a config file that says where each came from (command line, env, file, default), and exit without starting anything.",
+        is_flag=True,
+    )
 
 
 @dataclass(frozen=True)
 class Query:
     """The server that ``status`` and ``health`` ask."""
 
-    server: str = setting("127.0.0.1:50051", "--server", "The server's HOST:PORT.", dest="server_address")  # fmt: skip
+    server: str = setting(
+        "127.0.0.1:50051", "--server", "The server's HOST:PORT.", dest="server_address"
+    )
 
 
 @dataclass(frozen=True)
 class Status:
-    json: bool = setting(False, "--json", "Print the status as one JSON line.", dest="as_json", is_flag=True)  # fmt: skip
-    watch: float | None = setting(None, "--watch", "Redraw every this many seconds until Ctrl-C.", type=float)  # fmt: skip
+    json: bool = setting(
+        False, "--json", "Print the status as one JSON line.", dest="as_json", is_flag=True
+    )
+    watch: float | None = setting(
+        None, "--watch", "Redraw every this many seconds until Ctrl-C.", type=float
+    )
     timeout: float = setting(5.0, "--timeout", "Seconds to wait for the server.")
 
     def __post_init__(self) -> None:
@@ -54,23 +70,41 @@ class Status:
 @dataclass(frozen=True)
 class Health:
     timeout: float = setting(5.0, "--timeout", "Seconds to wait for an answer.")
-    service: str = setting("paramserver.v1.ParameterServer", "--service", "The service to ask about: paramserver.v1.Checkpoints is NOT_SERVING while checkpoint writes fail.", env="HEALTH_SERVICE")  # fmt: skip
+    service: str = setting(
+        "paramserver.v1.ParameterServer",
+        "--service",
+        "The service to ask about: paramserver.v1.Checkpoints is NOT_SERVING while checkpoint writes fail.",
+        env="HEALTH_SERVICE",
+    )
 
 
 @dataclass(frozen=True)
 class Plot:
-    out: str | None = setting(None, "--out", "PNG to write [default: RUN_DIR/curve.png].", env="PLOT_OUT")  # fmt: skip
+    out: str | None = setting(
+        None, "--out", "PNG to write [default: RUN_DIR/curve.png].", env="PLOT_OUT"
+    )
 
 
 @dataclass(frozen=True)
 class Export:
     model: str = setting(REQUIRED, "--model", "The run's --model.", required=True)
     seed: int = setting(0, "--seed", "The run's --seed (frozen parameters).")
-    round: int | None = setting(None, "--round", "Export the cuts of this round [default: the last checkpoints, if they agree].", dest="round_", env="EXPORT_ROUND", type=int)  # fmt: skip
+    round: int | None = setting(
+        None,
+        "--round",
+        "Export the cuts of this round [default: the last checkpoints, if they agree].",
+        dest="round_",
+        env="EXPORT_ROUND",
+        type=int,
+    )
     out: str = setting("model.pt", "--out", "Checkpoint to write.", env="EXPORT_OUT")
 
 
 @dataclass(frozen=True)
 class Bench:
-    json: bool = setting(False, "--json", "Print one JSON line of figures and ratios.", dest="as_json", is_flag=True)  # fmt: skip
-    quick: bool = setting(False, "--quick", "A few seconds' version (CI runs it).", env="BENCH_QUICK", is_flag=True)  # fmt: skip
+    json: bool = setting(
+        False, "--json", "Print one JSON line of figures and ratios.", dest="as_json", is_flag=True
+    )
+    quick: bool = setting(
+        False, "--quick", "A few seconds' version (CI runs it).", env="BENCH_QUICK", is_flag=True
+    )

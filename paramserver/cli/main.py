@@ -27,8 +27,16 @@ def cli(log_level: str) -> None:
     )
 
 
-for _command in (run.server, run.worker, run.launch, inspect.status, inspect.health,
-                 inspect.plot, inspect.export, inspect.bench):  # fmt: skip
+for _command in (
+    run.server,
+    run.worker,
+    run.launch,
+    inspect.status,
+    inspect.health,
+    inspect.plot,
+    inspect.export,
+    inspect.bench,
+):
     cli.add_command(_command)
 
 

@@ -89,11 +89,13 @@ def command(*parts: settings.Part | type, **attrs: Any) -> Callable[[F], click.C
 
     def decorate(func: F) -> click.Command:
         f, flag = own["print_config"]
-        func = settings.option(f, flag, flag.flag, False, expose_value=False,
-                               callback=_set_printing)(func)  # fmt: skip
+        func = settings.option(
+            f, flag, flag.flag, False, expose_value=False, callback=_set_printing
+        )(func)
         f, flag = own["config"]
-        func = settings.option(f, flag, flag.flag, None, expose_value=False, is_eager=True,
-                               callback=_read_file)(func)  # fmt: skip
+        func = settings.option(
+            f, flag, flag.flag, None, expose_value=False, is_eager=True, callback=_read_file
+        )(func)
         func = settings.options(*parts)(func)
         return click.command(cls=SettingsCommand, **attrs)(func)
 

@@ -15,12 +15,31 @@ def as_json(st: pb.StatusResponse) -> str:
     d: dict[str, Any] = MessageToDict(
         st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-    for key in ("version", "pushes_applied", "bytes_in", "bytes_out", "max_staleness",
-                "samples", "workers_joined", "workers_expired", "batches_done",
-                "batches_total", "pushes_skipped", "duplicates", "checkpoint_version",
-                "rounds", "pulls_answered", "rows_held", "rows_pulled", "rows_pushed",
-                "checkpoint_failures", "cuts_pending", "cut_written", "batches_applied",
-                "pushes_repeated"):  # fmt: skip
+    for key in (
+        "version",
+        "pushes_applied",
+        "bytes_in",
+        "bytes_out",
+        "max_staleness",
+        "samples",
+        "workers_joined",
+        "workers_expired",
+        "batches_done",
+        "batches_total",
+        "pushes_skipped",
+        "duplicates",
+        "checkpoint_version",
+        "rounds",
+        "pulls_answered",
+        "rows_held",
+        "rows_pulled",
+        "rows_pushed",
+        "checkpoint_failures",
+        "cuts_pending",
+        "cut_written",
+        "batches_applied",
+        "pushes_repeated",
+    ):
         d[key] = int(d[key])
     for w in d["workers"]:
         for key in ("clock", "samples", "lag", "row_cache_hits", "row_cache_misses"):
@@ -62,15 +81,19 @@ def render(st: pb.StatusResponse, address: str) -> str:
     if not st.workers:
         lines.append("  (no live workers)")
     if st.checkpoint_failing_seconds >= 0:
-        lines.append(f"CHECKPOINTS FAILING for {st.checkpoint_failing_seconds:.0f}s "
-                     f"({st.checkpoint_failures} failed writes, {st.cuts_pending} cuts waiting): "
-                     f"{st.checkpoint_error}")  # fmt: skip
+        lines.append(
+            f"CHECKPOINTS FAILING for {st.checkpoint_failing_seconds:.0f}s "
+            f"({st.checkpoint_failures} failed writes, {st.cuts_pending} cuts waiting): "
+            f"{st.checkpoint_error}"
+        )
     if st.rows_held:
         hits = sum(w.row_cache_hits for w in st.workers)
         looked = hits + sum(w.row_cache_misses for w in st.workers)
-        lines.append(f"tables: {st.rows_held} rows held, {st.rows_pulled} pulled, "
-                     f"{st.rows_pushed} pushed; live workers' row caches "
-                     f"{100 * hits / max(looked, 1):.1f}% hits")  # fmt: skip
+        lines.append(
+            f"tables: {st.rows_held} rows held, {st.rows_pulled} pulled, "
+            f"{st.rows_pushed} pushed; live workers' row caches "
+            f"{100 * hits / max(looked, 1):.1f}% hits"
+        )
     hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
     lines.append(f"staleness histogram {{{hist}}}")
     return "\n".join(lines)

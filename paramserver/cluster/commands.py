@@ -22,7 +22,12 @@ CHILD_ENV = {"PARAMSERVER_CONFIG": ""}
 class Procs:
     """``worker``'s own setting."""
 
-    procs: int = setting(1, "--procs", "Worker processes to start on this host (one per GPU when there are several).", type=int)  # fmt: skip
+    procs: int = setting(
+        1,
+        "--procs",
+        "Worker processes to start on this host (one per GPU when there are several).",
+        type=int,
+    )
 
     def __post_init__(self) -> None:
         if self.procs < 1:
@@ -33,15 +38,25 @@ class Procs:
 class LaunchOutput:
     """``launch``'s own setting."""
 
-    json: bool = setting(False, "--json", "Print one final JSON line (progress goes to stderr).", dest="as_json", is_flag=True)  # fmt: skip
+    json: bool = setting(
+        False,
+        "--json",
+        "Print one final JSON line (progress goes to stderr).",
+        dest="as_json",
+        is_flag=True,
+    )
 
 
 # A server's own place: where it listens, its threads and its shard (launch picks them).
 LOCAL = ("host", "port", "threads", "metrics_port", "metrics_host", "shard")
 # What `server` and `launch` share: the run and its optimizer.
 RUN = (Part(ServerConfig, exclude=LOCAL), Part(OptimizerConfig, exclude=("schedule",)))
-SERVER = (*RUN, Part(OptimizerConfig, only=("schedule",)), Part(ServerConfig, only=LOCAL),
-          Part(Security))  # fmt: skip
+SERVER = (
+    *RUN,
+    Part(OptimizerConfig, only=("schedule",)),
+    Part(ServerConfig, only=LOCAL),
+    Part(Security),
+)
 WORKER = (Part(WorkerConfig), Part(Procs), Part(Security))
 LAUNCH = (
     *RUN,

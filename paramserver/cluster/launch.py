@@ -62,8 +62,9 @@ class _Cluster:
         for i in range(shards):
             args = server_args(dataclasses.replace(self.cfg.server, shard=i, shards=shards))
             name = "server" if shards == 1 else f"server-{i}"
-            server = Child(name, args, self.run.file(f"{name}.log"), capture_stdout=True,
-                           env=CHILD_ENV)  # fmt: skip
+            server = Child(
+                name, args, self.run.file(f"{name}.log"), capture_stdout=True, env=CHILD_ENV
+            )
             self.children.append(server)
             line = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout)
             addresses.append(line.rsplit(" ", 1)[-1])
@@ -297,8 +298,10 @@ def _record_epoch(
     }
     run.append_metrics(record)
     auc_text = f", test AUC {area:.4f}" if area is not None else ""
-    message = (f"epoch {epoch}: test accuracy {100 * acc:.2f}%{auc_text}, test loss {loss:.4f}, "
-               f"version {header.version}")  # fmt: skip
+    message = (
+        f"epoch {epoch}: test accuracy {100 * acc:.2f}%{auc_text}, test loss {loss:.4f}, "
+        f"version {header.version}"
+    )
     if bar is not None:
         bar.write(message, file=sys.stderr)
     else:

@@ -80,8 +80,11 @@ def server_settings(task: Task) -> dict[str, Any]:
     port = task.ps[task.index].rsplit(":", 1)[1]
     if not port.isdigit():
         raise ConfigError(f"TF_CONFIG's ps entry {task.ps[task.index]!r} has no port number.")
-    settings: dict[str, Any] = {"shard": f"{task.index}/{len(task.ps)}", "port": int(port),
-                                "host": "0.0.0.0"}  # fmt: skip
+    settings: dict[str, Any] = {
+        "shard": f"{task.index}/{len(task.ps)}",
+        "port": int(port),
+        "host": "0.0.0.0",
+    }
     if task.workers:
         settings["workers"] = len(task.workers)
     return settings

@@ -131,7 +131,7 @@ class Manifest:
                     offset=s.offset,
                     nbytes=s.nbytes,
                     role=s.role,
-                )  # fmt: skip
+                )
                 for s in self.tensors
             ],
             total_bytes=self.total_bytes,
@@ -153,7 +153,7 @@ class Manifest:
             tuple(
                 TensorSpec(
                     t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.role or "param", itemsize
-                )  # fmt: skip
+                )
                 for t in msg.tensors
             ),
             msg.total_bytes,
@@ -192,8 +192,7 @@ def shard_range(numel: int, shard: int, shards: int) -> tuple[int, int]:
 
 
 # The tensors a shard's manifest names, one per section of its range (None: the flat dtype).
-SHARD_TENSORS = {"param": ("flat", None), "buffer": ("buffers", None),
-                 "count": ("counts", "int64")}  # fmt: skip
+SHARD_TENSORS = {"param": ("flat", None), "buffer": ("buffers", None), "count": ("counts", "int64")}
 
 
 def shard_manifest(model: Manifest, lo: int, hi: int) -> Manifest:

@@ -27,8 +27,9 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.dim < 1:
-            raise ValueError(f"Table {self.name!r} needs rows and dim >= 1; got "
-                             f"{self.rows} x {self.dim}.")  # fmt: skip
+            raise ValueError(
+                f"Table {self.name!r} needs rows and dim >= 1; got {self.rows} x {self.dim}."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"Table {self.name!r}: dtype {self.dtype} is not one of {DTYPES}.")
 
@@ -49,8 +50,9 @@ ROWS_IN_HEADER = 8 << 20
 
 
 def spec_to_proto(spec: TableSpec, optimizer: str = "", lr: float = 0.0) -> pb.TableSpec:
-    return pb.TableSpec(name=spec.name, rows=spec.rows, dim=spec.dim, dtype=spec.dtype,
-                        optimizer=optimizer, lr=lr)  # fmt: skip
+    return pb.TableSpec(
+        name=spec.name, rows=spec.rows, dim=spec.dim, dtype=spec.dtype, optimizer=optimizer, lr=lr
+    )
 
 
 def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
@@ -75,14 +77,17 @@ def rows_to_bytes(rows: torch.Tensor) -> bytes:
 def rows_from_bytes(data: bytes, n: int, spec: TableSpec, what: str) -> torch.Tensor:
     dtype = np.dtype(spec.dtype).newbyteorder("<")
     if len(data) != n * spec.dim * dtype.itemsize:
-        raise InvalidRequest(f"{what} of table {spec.name!r}: {len(data)} bytes for {n} rows of "
-                             f"{spec.dim} {spec.dtype} values.")  # fmt: skip
+        raise InvalidRequest(
+            f"{what} of table {spec.name!r}: {len(data)} bytes for {n} rows of "
+            f"{spec.dim} {spec.dtype} values."
+        )
     return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(n, spec.dim).copy())
 
 
 def gradients_to_proto(push: RowGradients) -> pb.RowGradients:
-    return pb.RowGradients(table=push.table, ids=ids_to_bytes(push.ids),
-                           values=rows_to_bytes(push.grads))  # fmt: skip
+    return pb.RowGradients(
+        table=push.table, ids=ids_to_bytes(push.ids), values=rows_to_bytes(push.grads)
+    )
 
 
 def split_rows(
@@ -110,9 +115,14 @@ def _pieces(msg: pb.RowGradients, limit: int) -> list[pb.RowGradients]:
     size = len(msg.values) // n  # one row's values
     framing = pb.RowGradients(table=msg.table).ByteSize() + 2 * 11  # the name, two lengths
     step = max(1, (limit - framing) // (IDS.itemsize + size))  # rows a piece
-    return [pb.RowGradients(table=msg.table, ids=msg.ids[lo * IDS.itemsize : hi * IDS.itemsize],
-                            values=msg.values[lo * size : hi * size])
-            for lo, hi in ((lo, lo + step) for lo in range(0, n, step))]  # fmt: skip
+    return [
+        pb.RowGradients(
+            table=msg.table,
+            ids=msg.ids[lo * IDS.itemsize : hi * IDS.itemsize],
+            values=msg.values[lo * size : hi * size],
+        )
+        for lo, hi in ((lo, lo + step) for lo in range(0, n, step))
+    ]
 
 
 def gradients_from_proto(
@@ -131,8 +141,9 @@ def gradients_from_proto(
         if spec is None:
             raise InvalidRequest(f"A push names table {msg.table!r}, which is not held here.")
         ids = ids_from_bytes(msg.ids, f"A push of table {msg.table!r}")
-        out.append(RowGradients(msg.table, ids, rows_from_bytes(msg.values, len(ids), spec,
-                                                                 "A push")))  # fmt: skip
+        out.append(
+            RowGradients(msg.table, ids, rows_from_bytes(msg.values, len(ids), spec, "A push"))
+        )
     return out
 
 
@@ -144,5 +155,4 @@ def _merged(chunks: Sequence[pb.RowGradients]) -> list[pb.RowGradients]:
     for c in chunks:
         ids.setdefault(c.table, []).append(c.ids)
         values.setdefault(c.table, []).append(c.values)
-    return [pb.RowGradients(table=t, ids=b"".join(ids[t]), values=b"".join(values[t]))
-            for t in ids]  # fmt: skip
+    return [pb.RowGradients(table=t, ids=b"".join(ids[t]), values=b"".join(values[t])) for t in ids]

@@ -187,8 +187,10 @@ def decode_push_rows(
         msg = next(stream, None)
         if msg is None or msg.WhichOneof("kind") != "rows":
             got = "its end" if msg is None else f"a {msg.WhichOneof('kind')} chunk"
-            raise InvalidRequest(f"A push announced {header.row_chunks} row chunks after its "
-                                 f"header; chunk {i + 1} is {got}.")  # fmt: skip
+            raise InvalidRequest(
+                f"A push announced {header.row_chunks} row chunks after its "
+                f"header; chunk {i + 1} is {got}."
+            )
         rows.append(msg.rows)
     return rows
 
@@ -199,8 +201,10 @@ def decode_payload(
     """Read the data chunks that follow a header into ``assembler``."""
     for msg in stream:
         if msg.WhichOneof("kind") != "data":
-            raise InvalidRequest("Only data chunks may follow the header (and the row chunks "
-                                 "it announces) of a stream.")  # fmt: skip
+            raise InvalidRequest(
+                "Only data chunks may follow the header (and the row chunks "
+                "it announces) of a stream."
+            )
         assembler.add(msg.data)
     return assembler.finish()
 

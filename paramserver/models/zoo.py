@@ -90,13 +90,21 @@ class DLRM(nn.Module):
     large table, as ``bench sparse`` measures).
     """
 
-    def __init__(self, fields: int, rows: int, dim: int = 16, hidden: int = 64,
-                 sparse: bool = False, shared: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        fields: int,
+        rows: int,
+        dim: int = 16,
+        hidden: int = 64,
+        sparse: bool = False,
+        shared: bool = False,
+    ):
         super().__init__()
         self.fields, self.rows, self.shared = fields, rows, shared
-        self.tables = nn.ModuleList(nn.Embedding(rows * (fields if shared else 1), dim,
-                                                 sparse=sparse)
-                                    for _ in range(1 if shared else fields))  # fmt: skip
+        self.tables = nn.ModuleList(
+            nn.Embedding(rows * (fields if shared else 1), dim, sparse=sparse)
+            for _ in range(1 if shared else fields)
+        )
         self.scale = dim**-0.5
         pairs = fields * (fields - 1) // 2
         self.register_buffer("_left", torch.triu_indices(fields, fields, 1)[0], persistent=False)
@@ -135,5 +143,9 @@ def dlrm_sparse() -> nn.Module:
 
 
 FACTORIES: dict[str, Callable[[], nn.Module]] = {
-    "mlp": mlp, "cnn": cnn, "resnet": resnet, "dlrm": dlrm, "dlrm-sparse": dlrm_sparse,
-}  # fmt: skip
+    "mlp": mlp,
+    "cnn": cnn,
+    "resnet": resnet,
+    "dlrm": dlrm,
+    "dlrm-sparse": dlrm_sparse,
+}

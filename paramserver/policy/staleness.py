@@ -121,8 +121,10 @@ def check_pull_iteration(worker_id: str, iteration: int, clock: int, window: int
     """A worker may pull iterations within ``window`` of its clock (its pushes in flight
     ahead, a retry behind); any other is OutOfOrder."""
     if iteration > clock + window:
-        raise OutOfOrder(f"Worker {worker_id} asked for iteration {iteration} but its clock "
-                         f"is {clock}.")  # fmt: skip
+        raise OutOfOrder(
+            f"Worker {worker_id} asked for iteration {iteration} but its clock is {clock}."
+        )
     if iteration < clock - window:
-        raise OutOfOrder(f"Worker {worker_id} asked for iteration {iteration} but its clock "
-                         f"is already {clock}.")  # fmt: skip
+        raise OutOfOrder(
+            f"Worker {worker_id} asked for iteration {iteration} but its clock is already {clock}."
+        )

@@ -108,11 +108,20 @@ def build_coordinator(
             n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad
         }
     if resume and snapshot is None and config.checkpoint_dir:
-        snapshot = saved_state(config.checkpoint_dir, manifest, config.shard, config.shards,
-                               config.cuts)  # fmt: skip
+        snapshot = saved_state(
+            config.checkpoint_dir, manifest, config.shard, config.shards, config.cuts
+        )
     store = ParameterStore(manifest, flat, config.optimizer)
-    return Coordinator(config, store, now, tables=tables, frozen=frozen, model_numel=model_numel,
-                       shard_offset=offset, snapshot=snapshot)  # fmt: skip
+    return Coordinator(
+        config,
+        store,
+        now,
+        tables=tables,
+        frozen=frozen,
+        model_numel=model_numel,
+        shard_offset=offset,
+        snapshot=snapshot,
+    )
 
 
 class ServerApp:
@@ -159,8 +168,12 @@ class ServerApp:
         rewind = self.checkpointer.rewind if self.checkpointer and config.cuts else None
         servicer = Servicer(self.coordinator, self.shared, rewind)
         self._servicer = servicer
-        self.doorbell = Doorbell(servicer.steps, self.shared, self.coordinator.notify,
-                                 self.metrics.latency.labels(SOCKET_METHOD).observe)  # fmt: skip
+        self.doorbell = Doorbell(
+            servicer.steps,
+            self.shared,
+            self.coordinator.notify,
+            self.metrics.latency.labels(SOCKET_METHOD).observe,
+        )
         stub.register(servicer, self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = BoundedHealth()
@@ -273,8 +286,9 @@ class ServerApp:
                 self.health.expire()
             except Exception:  # noqa: BLE001 - leases must keep expiring: say it, go on
                 self.reaper_failures += 1
-                log.exception("the lease reaper failed (%d times); it goes on",
-                              self.reaper_failures)  # fmt: skip
+                log.exception(
+                    "the lease reaper failed (%d times); it goes on", self.reaper_failures
+                )
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers as this server holds them now, with its sparse
@@ -287,9 +301,11 @@ class ServerApp:
                 ``paramserver export`` builds it from every shard's checkpoint).
         """
         if self.config.shards > 1:
-            raise ConfigError(f"Shard {self.config.shard} of {self.config.shards} holds a part "
-                              "of the model; read every shard (launch's checkpoint.pt does, "
-                              "and paramserver export from their checkpoints).")  # fmt: skip
+            raise ConfigError(
+                f"Shard {self.config.shard} of {self.config.shards} holds a part "
+                "of the model; read every shard (launch's checkpoint.pt does, "
+                "and paramserver export from their checkpoints)."
+            )
         return checkpoint.server_model_state_dict(
             self.coordinator.manifest,
             self.coordinator.checkpoint_state().as_dict(),

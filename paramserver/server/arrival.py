@@ -67,9 +67,16 @@ class Arrival:
         self.round = round_ or SyncRound()  # the sync round in progress
         self.row_round = row_round or RowRound()  # its row gradients
 
-    def take(self, worker_id: str, iteration: int, grad: np.ndarray | None,
-             rows: list[RowGradients], finite: bool, batches: Sequence[int],
-             live: list[str]) -> bool:  # fmt: skip
+    def take(
+        self,
+        worker_id: str,
+        iteration: int,
+        grad: np.ndarray | None,
+        rows: list[RowGradients],
+        finite: bool,
+        batches: Sequence[int],
+        live: list[str],
+    ) -> bool:
         """Take in an accepted push of ``batches`` (``grad`` None: an empty push; ``rows``:
         its tables' checked rows); whether a gradient of it reaches the model.
 
@@ -78,13 +85,20 @@ class Arrival:
         """
         if grad is not None and self.ledger.seen(batches, f"Worker {worker_id}'s push"):
             self.ledger.repeated += 1
-            log.warning("worker %s pushed batches %s, which this shard applied already: "
-                        "counted for its clock, not applied", worker_id, list(batches))  # fmt: skip
+            log.warning(
+                "worker %s pushed batches %s, which this shard applied already: "
+                "counted for its clock, not applied",
+                worker_id,
+                list(batches),
+            )
             grad, rows, finite = None, [], True
         if not finite:
             self.counters.skipped += 1
-            log.warning("skipped the non-finite gradient of worker %s for iteration %d",
-                        worker_id, iteration)  # fmt: skip
+            log.warning(
+                "skipped the non-finite gradient of worker %s for iteration %d",
+                worker_id,
+                iteration,
+            )
             grad, rows = None, []
         elif grad is not None:  # its buffers' values follow the parameters' gradient
             self.counters.bytes_in += grad.nbytes
@@ -107,8 +121,9 @@ class Arrival:
         """Where a worker that joins when none is live starts (None: the slowest clock seen)."""
         return None
 
-    def arrive(self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients],
-               live: list[str]) -> None:  # fmt: skip
+    def arrive(
+        self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
+    ) -> None:
         """``grad``, the parameters' gradient (None: nothing reaches the model), and ``rows``
         of ``worker_id``'s push."""
         raise NotImplementedError
@@ -150,8 +165,9 @@ class Arrival:
 class OnArrival(Arrival):
     """``ssp:K`` and ``async``: each gradient is applied as it arrives."""
 
-    def arrive(self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients],
-               live: list[str]) -> None:  # fmt: skip
+    def arrive(
+        self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
+    ) -> None:
         if grad is None:
             return
         if rows and self.tables is not None:  # at this step's rate (--lr-schedule)
@@ -175,14 +191,17 @@ class Rounds(Arrival):
         cls, saved: CoordinatorSnapshot, live: Sequence[str]
     ) -> tuple[SyncRound | None, RowRound | None]:
         """The snapshot's round less its contributors that are not ``live``."""
-        return (SyncRound.from_state(saved.sync_round, list(live)),
-                RowRound.from_state(saved.row_round or {}))  # fmt: skip
+        return (
+            SyncRound.from_state(saved.sync_round, list(live)),
+            RowRound.from_state(saved.row_round or {}),
+        )
 
     def start_clock(self) -> int | None:
         return self.rounds
 
-    def arrive(self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients],
-               live: list[str]) -> None:  # fmt: skip
+    def arrive(
+        self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
+    ) -> None:
         self.round.add(worker_id, grad)
         self.row_round.add(rows)
 
@@ -233,5 +252,6 @@ def arrival(
         tables.load_state_dict(saved.tables)
     buffers.load(saved.buffers, live)
     ledger = Ledger.from_state(saved.ledger)
-    return chosen(store, tables, buffers, counters, ledger, saved.rounds,
-                  *chosen.round_in(saved, live))  # fmt: skip
+    return chosen(
+        store, tables, buffers, counters, ledger, saved.rounds, *chosen.round_in(saved, live)
+    )

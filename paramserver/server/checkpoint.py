@@ -133,8 +133,11 @@ def server_model_state_dict(
     bytes left out, by default 1 GiB)."""
     from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, whole_tables
 
-    tables = whole_tables(state.get("table_layouts") or {}, [state.get("tables") or {}],
-                          WHOLE_TABLE_BYTES if table_limit is None else table_limit)  # fmt: skip
+    tables = whole_tables(
+        state.get("table_layouts") or {},
+        [state.get("tables") or {}],
+        WHOLE_TABLE_BYTES if table_limit is None else table_limit,
+    )
     frozen = state.get("frozen", {})
     return {**layout.state_dict(manifest, state["weights"]), **frozen, **tables}
 

@@ -161,8 +161,11 @@ class Checkpointer:
                 self._failed(exc, f"retrying in {retry_delay(self._failures + 1):.1f}s")
                 return False
             if self._failures:
-                log.warning("checkpoint writes to %s succeed again after %d failures",
-                            self.directory, self._failures)  # fmt: skip
+                log.warning(
+                    "checkpoint writes to %s succeed again after %d failures",
+                    self.directory,
+                    self._failures,
+                )
                 self._failures = 0
                 self._health(True)
             return True
@@ -199,8 +202,13 @@ class Checkpointer:
             checkpoint.save_server(self.directory, self.coordinator.manifest, state.as_dict(), name)
             self._last_version = max(self._last_version, state.version)
             self.coordinator.saving.saved(state.version, time.time())
-            log.info("%s of version %d written to %s in %.2fs", what, state.version, path,
-                     time.perf_counter() - started)  # fmt: skip
+            log.info(
+                "%s of version %d written to %s in %.2fs",
+                what,
+                state.version,
+                path,
+                time.perf_counter() - started,
+            )
             return path
 
     def _write_cut(self, state: CoordinatorSnapshot) -> None:
@@ -234,8 +242,9 @@ class Checkpointer:
             if saved is not None:
                 saved = copy.deepcopy(saved)  # it may still be written: keep it apart
             elif round_ in cuts:
-                loaded = checkpoint.load_server(self.directory, self.coordinator.manifest,
-                                                cuts[round_].name)  # fmt: skip
+                loaded = checkpoint.load_server(
+                    self.directory, self.coordinator.manifest, cuts[round_].name
+                )
                 saved = CoordinatorSnapshot.from_dict(*loaded) if loaded is not None else None
             else:
                 raise OutOfOrder(
@@ -248,8 +257,12 @@ class Checkpointer:
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
                 cuts.pop(later).unlink(missing_ok=True)
             self.coordinator.rewind(saved, on_disk=cuts)
-            log.warning("rewound from round %s to the cut at round %d (incarnation %s)", was,
-                        round_, self.coordinator.incarnation)  # fmt: skip
+            log.warning(
+                "rewound from round %s to the cut at round %d (incarnation %s)",
+                was,
+                round_,
+                self.coordinator.incarnation,
+            )
 
     def abandon(self) -> None:
         """Stop the thread without writing anything more, as a killed process would."""

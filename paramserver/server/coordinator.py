@@ -95,16 +95,22 @@ class Coordinator:
         """Go on from snapshot ``s``: its workers come back with a fresh lease (``Members``),
         the model and its rounds as they were (``arrival``)."""
         if s.policy != self.policy.name:
-            log.warning("the checkpoint was written under %s; going on under %s", s.policy,
-                        self.policy.name)  # fmt: skip
+            log.warning(
+                "the checkpoint was written under %s; going on under %s", s.policy, self.policy.name
+            )
         self.members = Members.restored(self.config, self._now, s)
         live = self.membership.live_ids()
-        self.arrival = arrival(self.policy, self.store, self.tables, self.buffers, self.counters,
-                               s, live)  # fmt: skip
+        self.arrival = arrival(
+            self.policy, self.store, self.tables, self.buffers, self.counters, s, live
+        )
         self.saving.resumed(s.cut, s.version)
         self.counters.load(s.counters)
-        log.info("resumed from incarnation %s at version %d with %d workers", s.incarnation,
-                 self.store.version, len(self.membership.members))  # fmt: skip
+        log.info(
+            "resumed from incarnation %s at version %d with %d workers",
+            s.incarnation,
+            self.store.version,
+            len(self.membership.members),
+        )
 
     # --- its parts, as status and the tests read them -----------------------------------
 
@@ -220,8 +226,14 @@ class Coordinator:
         """
         skip = self.config.skip_nonfinite  # NaN or Inf anywhere, rows too: skipped, counted
         checked = self._tables("A push").check(rows, skip) if rows else []
-        finite = check_gradient(grad, samples, self.manifest, skip,
-                                f"The gradient of worker {worker_id} for iteration {iteration}", checked)  # fmt: skip
+        finite = check_gradient(
+            grad,
+            samples,
+            self.manifest,
+            skip,
+            f"The gradient of worker {worker_id} for iteration {iteration}",
+            checked,
+        )
         with self._cond:
             self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
             window = max(1, self.policy.max_inflight_pushes())
@@ -309,8 +321,15 @@ class Coordinator:
                 while (result := self._try_answer(worker_id, iteration, batches, sink)) is None:
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
-                        raise Timeout(self.members.waiting(worker_id, iteration, timeout,
-                                                           self.policy.name, self.saving.waiting()))  # fmt: skip
+                        raise Timeout(
+                            self.members.waiting(
+                                worker_id,
+                                iteration,
+                                timeout,
+                                self.policy.name,
+                                self.saving.waiting(),
+                            )
+                        )
                     self._cond.wait(min(remaining, self.config.lease_seconds))
                     self.check_incarnation(incarnation)  # rewound while waiting: ABORTED
                     self.membership.get(worker_id)  # evicted while waiting: UnknownWorker

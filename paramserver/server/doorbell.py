@@ -90,8 +90,12 @@ class Refusals:
             if due:
                 self._logged[reason] = now
         if due:
-            log.warning("control socket: refused a connection (%s: %s); %d so far for that",
-                        reason, detail, count)  # fmt: skip
+            log.warning(
+                "control socket: refused a connection (%s: %s); %d so far for that",
+                reason,
+                detail,
+                count,
+            )
 
 
 class Doorbell:
@@ -168,8 +172,13 @@ class Doorbell:
             return self._refuse_now(conn, grpc.StatusCode.PERMISSION_DENIED, why, "no peer")
         if uid not in self._uids:
             why = f"The control socket serves user {os.geteuid()}'s processes, not user {uid}'s."
-            return self._refuse_now(conn, grpc.StatusCode.PERMISSION_DENIED, why,
-                                    "another user", f"pid {pid}, uid {uid}")  # fmt: skip
+            return self._refuse_now(
+                conn,
+                grpc.StatusCode.PERMISSION_DENIED,
+                why,
+                "another user",
+                f"pid {pid}, uid {uid}",
+            )
         with self._lock:
             closed, full = self._closed, self._pending >= self.max_pending
             if not (closed or full):
@@ -180,15 +189,22 @@ class Doorbell:
             return None
         if full:
             why = f"{self.max_pending} control connections are already waiting for their hello."
-            return self._refuse_now(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, why,
-                                    "too many pending", f"pid {pid}")  # fmt: skip
+            return self._refuse_now(
+                conn, grpc.StatusCode.RESOURCE_EXHAUSTED, why, "too many pending", f"pid {pid}"
+            )
         try:
-            threading.Thread(target=self._serve, args=(conn,), name="ps-doorbell-conn",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._serve, args=(conn,), name="ps-doorbell-conn", daemon=True
+            ).start()
         except RuntimeError as exc:  # can't start new thread
             self._forget(conn, "", pending=True)
-            self._refuse_now(conn, grpc.StatusCode.UNAVAILABLE, f"No thread for it: {exc}.",
-                             "no thread", str(exc))  # fmt: skip
+            self._refuse_now(
+                conn,
+                grpc.StatusCode.UNAVAILABLE,
+                f"No thread for it: {exc}.",
+                "no thread",
+                str(exc),
+            )
         return None
 
     def _refuse_now(
@@ -267,8 +283,7 @@ class Doorbell:
             if worker_id:
                 self._workers[worker_id] = conn
         if earlier is not None:
-            log.info("worker %s opened another control connection; its earlier one ends",
-                     worker_id)  # fmt: skip
+            log.info("worker %s opened another control connection; its earlier one ends", worker_id)
             with contextlib.suppress(OSError):
                 earlier.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
 
@@ -308,8 +323,11 @@ class Doorbell:
                 request = pb.PushPullRequest.FromString(frame.payload)
             except DecodeError:
                 raise InvalidRequest("A control frame that is not a PushPullRequest.") from None
-            ids = {getattr(request, part).worker_id for part in ("push", "pull")
-                   if request.HasField(part)}  # fmt: skip
+            ids = {
+                getattr(request, part).worker_id
+                for part in ("push", "pull")
+                if request.HasField(part)
+            }
             if ids != {worker_id}:
                 raise Unauthenticated(f"This connection is worker {worker_id}'s, not {ids}.")
             remaining = frame.seconds if frame.seconds > 0 else None

@@ -35,8 +35,10 @@ def shard_count(directory: Path) -> int:
         counts.add(1)
     if len(counts) != 1:
         found = "none" if not counts else f"shard counts {sorted(counts)}"
-        raise ConfigError(f"{directory} should hold the server checkpoints of one run; it "
-                          f"holds {found}: give the --checkpoint-dir of one run's servers.")  # fmt: skip
+        raise ConfigError(
+            f"{directory} should hold the server checkpoints of one run; it "
+            f"holds {found}: give the --checkpoint-dir of one run's servers."
+        )
     return counts.pop()
 
 
@@ -50,15 +52,19 @@ def choose(finals: list[int | None], cuts: list[set[int]], round_: int | None) -
     common = set.intersection(*cuts) if cuts else set()
     if round_ is not None:
         if round_ not in common:
-            raise ConfigError(f"Not every shard has a cut at round {round_}; the rounds all "
-                              f"have: {sorted(common) or 'none'}.")  # fmt: skip
+            raise ConfigError(
+                f"Not every shard has a cut at round {round_}; the rounds all "
+                f"have: {sorted(common) or 'none'}."
+            )
         return round_
     if None not in finals and len(set(finals)) == 1:
         return None
     if common:
         return max(common)
-    raise ConfigError(f"The shards' last checkpoints hold versions {finals} (None: missing) "
-                      "and no round has a cut on every shard: no consistent model to export.")  # fmt: skip
+    raise ConfigError(
+        f"The shards' last checkpoints hold versions {finals} (None: missing) "
+        "and no round has a cut on every shard: no consistent model to export."
+    )
 
 
 def files(directory: str | Path, round_: int | None = None) -> list[Path]:
@@ -105,8 +111,10 @@ def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, 
         sections += [p.reshape(-1).to(manifest.torch_dtype) for p in parts]
     flat = torch.cat(sections) if sections else torch.empty(0, dtype=manifest.torch_dtype)
     if flat.numel() != manifest.numel:
-        raise ConfigError(f"The checkpoints hold {flat.numel()} values; the model has "
-                          f"{manifest.numel}: is it the run's --model?")  # fmt: skip
+        raise ConfigError(
+            f"The checkpoints hold {flat.numel()} values; the model has "
+            f"{manifest.numel}: is it the run's --model?"
+        )
     out = dict(model.state_dict())  # frozen parameters: as the model built with the seed
     out.update(layout.state_dict(manifest, flat.numpy()))
     tables = [s.get("tables") or {} for s in states]
@@ -114,8 +122,9 @@ def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, 
     return out
 
 
-def export(directory: str | Path, model: str, seed: int, out: str | Path,
-           round_: int | None = None) -> tuple[Path, int]:  # fmt: skip
+def export(
+    directory: str | Path, model: str, seed: int, out: str | Path, round_: int | None = None
+) -> tuple[Path, int]:
     """Write the whole model of the run whose server checkpoints are in ``directory`` to
     ``out`` (a checkpoint that ``torch.load(weights_only=True)`` reads); returns the path
     and the version.
@@ -131,9 +140,13 @@ def export(directory: str | Path, model: str, seed: int, out: str | Path,
     try:
         built.load_state_dict(state, strict=True)  # it loads, or the model is not the run's
     except RuntimeError as exc:
-        raise ConfigError(f"The checkpoints in {directory} do not load into --model "
-                          f"{model}: {exc}") from None  # fmt: skip
+        raise ConfigError(
+            f"The checkpoints in {directory} do not load into --model {model}: {exc}"
+        ) from None
     version = max(versions)
-    meta = {"version": version, "policy": states[0].get("policy", ""),
-            "exported_from": [str(p) for p in paths]}  # fmt: skip
+    meta = {
+        "version": version,
+        "policy": states[0].get("policy", ""),
+        "exported_from": [str(p) for p in paths],
+    }
     return checkpoint.save(out, state, model=model, **meta), version

@@ -58,12 +58,20 @@ class Ledger:
             self.below += 1
 
     def state(self) -> dict[str, Any]:
-        return {"below": self.below, "above": sorted(self.above), "applied": self.applied,
-                "repeated": self.repeated}  # fmt: skip
+        return {
+            "below": self.below,
+            "above": sorted(self.above),
+            "applied": self.applied,
+            "repeated": self.repeated,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Ledger:
         if not state:
             return cls()
-        return cls(int(state["below"]), {int(b) for b in state["above"]},
-                   int(state["applied"]), int(state["repeated"]))  # fmt: skip
+        return cls(
+            int(state["below"]),
+            {int(b) for b in state["above"]},
+            int(state["applied"]),
+            int(state["repeated"]),
+        )

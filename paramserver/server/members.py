@@ -49,8 +49,12 @@ class Members:
         """The snapshot's workers, back as live members with a fresh lease: a worker that
         rejoins with its id goes on from its clock; one that does not come back within the
         lease is dropped, and the batches it held go to the others."""
-        membership = Membership.from_state({"members": snapshot.members, **snapshot.membership},
-                                           config.workers, config.lease_seconds, now)  # fmt: skip
+        membership = Membership.from_state(
+            {"members": snapshot.members, **snapshot.membership},
+            config.workers,
+            config.lease_seconds,
+            now,
+        )
         queue = BatchQueue.from_state(snapshot.queue) if snapshot.queue is not None else None
         started = bool(membership.members) or snapshot.version > 0
         return cls(config, now, membership, queue, started)
@@ -58,8 +62,11 @@ class Members:
     def state(self) -> dict[str, Any]:
         """The snapshot's ``members``, ``membership`` and ``queue``."""
         membership = self.membership.state()
-        return {"members": membership.pop("members"), "membership": membership,
-                "queue": self.queue.state() if self.queue is not None else None}  # fmt: skip
+        return {
+            "members": membership.pop("members"),
+            "membership": membership,
+            "queue": self.queue.state() if self.queue is not None else None,
+        }
 
     def join(
         self, name: str, worker_id: str, train_samples: int, join_id: str, start: int | None
@@ -83,8 +90,15 @@ class Members:
             what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
         if not self.started and len(self.membership.members) >= cfg.start_workers:
             self.started = True
-        log.info("worker %s (%s) %s as rank %d at clock %d; %d live", member.worker_id, name,
-                 what, member.rank, member.clock, len(self.membership.members))  # fmt: skip
+        log.info(
+            "worker %s (%s) %s as rank %d at clock %d; %d live",
+            member.worker_id,
+            name,
+            what,
+            member.rank,
+            member.clock,
+            len(self.membership.members),
+        )
         return member
 
     def leave(self, worker_id: str) -> list[Member]:
@@ -99,9 +113,15 @@ class Members:
         """Drop the workers whose lease ran out; returns them."""
         dead = self.membership.expire()
         for m in dead:
-            log.warning("worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
-                        "longer holds back the others", m.worker_id, m.name, m.rank,
-                        self.config.lease_seconds, m.clock)  # fmt: skip
+            log.warning(
+                "worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
+                "longer holds back the others",
+                m.worker_id,
+                m.name,
+                m.rank,
+                self.config.lease_seconds,
+                m.clock,
+            )
         return dead
 
     def release(self, gone: list[Member]) -> None:
@@ -126,11 +146,15 @@ class Members:
         member = self.membership.get(worker_id)
         action = staleness.push_action(iteration, member.clock, window)
         if action is PushAction.AHEAD:
-            raise OutOfOrder(f"Worker {worker_id} pushed iteration {iteration} but its clock "
-                             f"is {member.clock}: iterations were skipped.")  # fmt: skip
+            raise OutOfOrder(
+                f"Worker {worker_id} pushed iteration {iteration} but its clock "
+                f"is {member.clock}: iterations were skipped."
+            )
         if action is PushAction.PAST:
-            raise OutOfOrder(f"Worker {worker_id} pushed iteration {iteration} but its clock "
-                             f"is {member.clock}: older than any retry can be.")  # fmt: skip
+            raise OutOfOrder(
+                f"Worker {worker_id} pushed iteration {iteration} but its clock "
+                f"is {member.clock}: older than any retry can be."
+            )
         self.membership.touch(worker_id)
         return member, action is PushAction.APPLY
 

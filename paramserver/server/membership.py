@@ -70,8 +70,9 @@ class Membership:
         if clock is None:
             clock = self._floor if start_clock is None else start_clock
         now = self.now()
-        member = Member(uuid.uuid4().hex[:16], name, rank, clock, now, joined_at=now,
-                        join_id=join_id)  # fmt: skip
+        member = Member(
+            uuid.uuid4().hex[:16], name, rank, clock, now, joined_at=now, join_id=join_id
+        )
         self.members[member.worker_id] = member
         self.joined_total += 1
         return member
@@ -138,14 +139,20 @@ class Membership:
         """For a checkpoint: the members' clocks say which pushes the weights hold."""
         return {
             "members": [
-                {"worker_id": m.worker_id, "name": m.name, "rank": m.rank, "clock": m.clock,
-                 "samples": m.samples, "join_id": m.join_id}
+                {
+                    "worker_id": m.worker_id,
+                    "name": m.name,
+                    "rank": m.rank,
+                    "clock": m.clock,
+                    "samples": m.samples,
+                    "join_id": m.join_id,
+                }
                 for m in self.members.values()
             ],
             "floor": self._floor,
             "joined_total": self.joined_total,
             "expired_total": self.expired_total,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_state(
@@ -159,12 +166,18 @@ class Membership:
         t = now()
         members = {
             m["worker_id"]: Member(
-                m["worker_id"], m["name"], int(m["rank"]), int(m["clock"]), t,
-                int(m["samples"]), joined_at=t, samples_at_join=int(m["samples"]),
+                m["worker_id"],
+                m["name"],
+                int(m["rank"]),
+                int(m["clock"]),
+                t,
+                int(m["samples"]),
+                joined_at=t,
+                samples_at_join=int(m["samples"]),
                 join_id=str(m.get("join_id", "")),
             )
             for m in state["members"]
-        }  # fmt: skip
+        }
         return cls(
             capacity,
             lease_seconds,

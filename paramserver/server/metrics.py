@@ -50,20 +50,29 @@ class StatusCollector(Collector):
         yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
         yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
         yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)
-        yield _counter("barrier_wait_seconds", "Time pulls waited for the staleness policy.",
-                       s.barrier_wait_seconds)  # fmt: skip
+        yield _counter(
+            "barrier_wait_seconds",
+            "Time pulls waited for the staleness policy.",
+            s.barrier_wait_seconds,
+        )
         yield _gauge("batches_done", "Batches of the run applied.", s.batches_done)
         yield _gauge("batches_total", "Batches in the whole run.", s.batches_total)
         yield _gauge("learning_rate", "Learning rate of the next optimizer step.", s.learning_rate)
         yield _gauge("train_loss", "Moving average of pushed batch losses.", s.train_loss)
         if s.checkpoint_age_seconds >= 0:
-            yield _gauge("checkpoint_age_seconds", "Seconds since the last checkpoint was written.",
-                         s.checkpoint_age_seconds)  # fmt: skip
-        yield _counter("checkpoint_failures", "Checkpoint or cut writes that failed.",
-                       s.checkpoint_failures)  # fmt: skip
-        yield _gauge("checkpoint_failing_seconds", "Seconds since checkpoint writes began "
-                     "failing; 0 while the last write succeeded.",
-                     max(s.checkpoint_failing_seconds, 0.0))  # fmt: skip
+            yield _gauge(
+                "checkpoint_age_seconds",
+                "Seconds since the last checkpoint was written.",
+                s.checkpoint_age_seconds,
+            )
+        yield _counter(
+            "checkpoint_failures", "Checkpoint or cut writes that failed.", s.checkpoint_failures
+        )
+        yield _gauge(
+            "checkpoint_failing_seconds",
+            "Seconds since checkpoint writes began failing; 0 while the last write succeeded.",
+            max(s.checkpoint_failing_seconds, 0.0),
+        )
         yield _gauge("cuts_pending", "Consistent cuts taken and not yet on disk.", s.cuts_pending)
         yield _gauge("rows_held", "Sparse table rows held (created on first touch).", s.rows_held)
         yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)

@@ -91,5 +91,7 @@ class Saving:
         """What the cuts add to why a pull waits: none, or that they wait for the disk."""
         if not self.cuts.full:
             return ""
-        return (f" {len(self.cuts.pending)} consistent cuts wait to be written to disk"
-                f" ({self.saves.error or 'a slow disk'}).")  # fmt: skip
+        return (
+            f" {len(self.cuts.pending)} consistent cuts wait to be written to disk"
+            f" ({self.saves.error or 'a slow disk'})."
+        )

@@ -116,8 +116,15 @@ class Counters:
     last_push: float | None = None
 
     # what a checkpoint keeps of them
-    SAVED = ("pushes_applied", "duplicates", "skipped", "samples", "bytes_in", "bytes_out",
-             "max_staleness")  # fmt: skip
+    SAVED = (
+        "pushes_applied",
+        "duplicates",
+        "skipped",
+        "samples",
+        "bytes_in",
+        "bytes_out",
+        "max_staleness",
+    )
 
     def state(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in self.SAVED}

@@ -159,10 +159,15 @@ class Steps:
         wanted = [(t.table, t.ids) for t in (request, *request.more)]
         if len({table for table, _ in wanted}) < len(wanted):
             raise InvalidRequest("A row pull names a table twice; ask for its rows once.")
-        ids = [sparse_wire.ids_from_bytes(data, f"A row pull of table {table!r}")
-               for table, data in wanted]  # fmt: skip
-        rows = self.c.pull_rows(request.worker_id, request.incarnation,
-                                [(table, i) for (table, _), i in zip(wanted, ids, strict=True)])  # fmt: skip
+        ids = [
+            sparse_wire.ids_from_bytes(data, f"A row pull of table {table!r}")
+            for table, data in wanted
+        ]
+        rows = self.c.pull_rows(
+            request.worker_id,
+            request.incarnation,
+            [(table, i) for (table, _), i in zip(wanted, ids, strict=True)],
+        )
         values = [sparse_wire.rows_to_bytes(r) for r in rows]
         return pb.RowsResponse(values=values[0], more=values[1:])
 

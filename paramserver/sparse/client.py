@@ -60,8 +60,10 @@ class LocalTables:
 
     def spec(self, table: str) -> TableSpec:
         if table not in self.shards:
-            raise ValueError(f"No table {table!r} is served here (tables: "
-                             f"{', '.join(sorted(self.shards)) or 'none'}).")  # fmt: skip
+            raise ValueError(
+                f"No table {table!r} is served here (tables: "
+                f"{', '.join(sorted(self.shards)) or 'none'})."
+            )
         return self.shards[table][0].spec
 
     def pull(self, table: str, ids: np.ndarray) -> torch.Tensor:

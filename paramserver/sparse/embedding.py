@@ -68,8 +68,10 @@ class RowCache:
         """The slots of ``ids`` (distinct), fetching the rows not held; when they do not all
         fit, every other row is dropped first."""
         if len(ids) > self.capacity:
-            raise ValueError(f"{len(ids)} distinct rows do not fit a cache of {self.capacity}; "
-                             "give the table a larger cache.")  # fmt: skip
+            raise ValueError(
+                f"{len(ids)} distinct rows do not fit a cache of {self.capacity}; "
+                "give the table a larger cache."
+            )
         found = self.index.find(ids)
         missing = found < 0
         if missing.any():
@@ -109,8 +111,13 @@ class TableEmbedding(nn.Module):
     """An embedding (``bag`` None) or embedding bag (``bag`` its mode) over ``table``, a
     table that ``tables`` serves."""
 
-    def __init__(self, table: str, tables: Tables, cache_rows: int = DEFAULT_CACHE_ROWS,
-                 bag: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        table: str,
+        tables: Tables,
+        cache_rows: int = DEFAULT_CACHE_ROWS,
+        bag: str | None = None,
+    ):
         super().__init__()
         self.table, self.tables, self.bag = table, tables, bag
         self.spec = tables.spec(table)
@@ -167,8 +174,11 @@ class TableEmbedding(nn.Module):
         unique, inverse = np.unique(ids, return_inverse=True)
         first = used[0][1]
         grads = torch.zeros((len(unique), self.spec.dim), dtype=first.dtype, device=first.device)
-        grads.index_add_(0, torch.from_numpy(inverse.reshape(-1)).to(grads.device),
-                         torch.cat([g for _, g in used]))  # fmt: skip
+        grads.index_add_(
+            0,
+            torch.from_numpy(inverse.reshape(-1)).to(grads.device),
+            torch.cat([g for _, g in used]),
+        )
         return unique, grads
 
     def push(self) -> int:
@@ -217,9 +227,12 @@ def _served_from(
 def table_specs(model: nn.Module) -> list[TableSpec]:
     """A ``TableSpec`` for each trainable sparse embedding of ``model``, named by its module
     path, in its weight's dtype."""
-    return [TableSpec(name, m.num_embeddings, m.embedding_dim,
-                      str(m.weight.dtype).removeprefix("torch."))
-            for name, m in _sparse_embeddings(model)]  # fmt: skip
+    return [
+        TableSpec(
+            name, m.num_embeddings, m.embedding_dim, str(m.weight.dtype).removeprefix("torch.")
+        )
+        for name, m in _sparse_embeddings(model)
+    ]
 
 
 def make_tables(model: nn.Module, min_rows: int = 0, names: Iterable[str] = ()) -> list[str]:
@@ -242,13 +255,17 @@ def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.Em
     found = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
-            unsupported = [what for what, value in (("padding_idx", m.padding_idx),
-                                                    ("max_norm", m.max_norm)) if value is not None]  # fmt: skip
+            unsupported = [
+                what
+                for what, value in (("padding_idx", m.padding_idx), ("max_norm", m.max_norm))
+                if value is not None
+            ]
             if isinstance(m, nn.EmbeddingBag) and m.include_last_offset:
                 unsupported.append("include_last_offset")
             if unsupported:
-                raise ValueError(f"Embedding {name!r}: a table cannot take "
-                                 f"{', '.join(unsupported)} yet.")  # fmt: skip
+                raise ValueError(
+                    f"Embedding {name!r}: a table cannot take {', '.join(unsupported)} yet."
+                )
             found.append((name, m))
     return found
 
@@ -264,8 +281,10 @@ def attach_tables(
             raise ValueError("A sparse embedding that is the whole model: wrap it in a module.")
         spec = tables.spec(name)
         if (spec.rows, spec.dim) != (m.num_embeddings, m.embedding_dim):
-            raise ValueError(f"Embedding {name!r} is {m.num_embeddings} x {m.embedding_dim}; "
-                             f"its table is {spec.rows} x {spec.dim}.")  # fmt: skip
+            raise ValueError(
+                f"Embedding {name!r} is {m.num_embeddings} x {m.embedding_dim}; "
+                f"its table is {spec.rows} x {spec.dim}."
+            )
         bag = m.mode if isinstance(m, nn.EmbeddingBag) else None
         replacement = TableEmbedding(name, tables, cache_rows, bag)
         parent, _, leaf = name.rpartition(".")

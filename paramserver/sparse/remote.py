@@ -61,8 +61,13 @@ class RemoteTables:
     """The tables in ``specs``, served by ``sessions`` (shard i by session i). ``rejoin()``
     joins a lost session again and says whether it did (so the pull is made again)."""
 
-    def __init__(self, sessions: Sequence[Any], specs: Sequence[TableSpec], rpc_timeout: float,
-                 rejoin: Callable[[], bool] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        sessions: Sequence[Any],
+        specs: Sequence[TableSpec],
+        rpc_timeout: float,
+        rejoin: Callable[[], bool] | None = None,
+    ):
         self.sessions = sessions
         self.specs = {s.name: s for s in specs}
         self.rpc_timeout = rpc_timeout
@@ -71,8 +76,10 @@ class RemoteTables:
     def spec(self, table: str) -> TableSpec:
         spec = self.specs.get(table)
         if spec is None:
-            raise ValueError(f"The servers hold no table {table!r} (tables: "
-                             f"{', '.join(sorted(self.specs)) or 'none'}).")  # fmt: skip
+            raise ValueError(
+                f"The servers hold no table {table!r} (tables: "
+                f"{', '.join(sorted(self.specs)) or 'none'})."
+            )
         return spec
 
     def pull(self, table: str, ids: np.ndarray) -> torch.Tensor:
@@ -82,13 +89,17 @@ class RemoteTables:
         """The rows ``wanted[table]`` of each table: one request per shard for all of them
         (several when their values pass ``PULL_BYTES``)."""
         specs = [self.spec(name) for name in wanted]
-        out = {spec.name: torch.empty((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
-               for spec, ids in zip(specs, wanted.values(), strict=True)}  # fmt: skip
+        out = {
+            spec.name: torch.empty((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
+            for spec, ids in zip(specs, wanted.values(), strict=True)
+        }
         where = {name: split_by_shard(ids, len(self.sessions)) for name, ids in wanted.items()}
         for i, s in enumerate(self.sessions):
-            parts = [(spec, ids[where[spec.name][i]])
-                     for spec, ids in zip(specs, wanted.values(), strict=True)
-                     if len(where[spec.name][i])]  # fmt: skip
+            parts = [
+                (spec, ids[where[spec.name][i]])
+                for spec, ids in zip(specs, wanted.values(), strict=True)
+                if len(where[spec.name][i])
+            ]
             for (spec, _), rows in zip(parts, self._pull_shard(s, parts), strict=True):
                 out[spec.name][torch.from_numpy(where[spec.name][i])] = rows
         return out
@@ -125,11 +136,14 @@ class RemoteTables:
 
         def call() -> pb.RowsResponse:
             request = pb.RowsRequest(
-                worker_id=s.worker_id, incarnation=s.incarnation, table=first.name,
+                worker_id=s.worker_id,
+                incarnation=s.incarnation,
+                table=first.name,
                 ids=wire.ids_to_bytes(first_ids),
-                more=[pb.TableIds(table=spec.name, ids=wire.ids_to_bytes(ids))
-                      for spec, ids in rest],
-            )  # fmt: skip
+                more=[
+                    pb.TableIds(table=spec.name, ids=wire.ids_to_bytes(ids)) for spec, ids in rest
+                ],
+            )
             return s.pull_rows(request, timeout=self.rpc_timeout)  # type: ignore[no-any-return]
 
         while True:
@@ -141,16 +155,24 @@ class RemoteTables:
                     raise
         values = [reply.values, *reply.more]
         if len(values) != len(pieces):
-            raise ConfigError(f"The server at {s.address} answered a row pull of {len(pieces)} "
-                              f"tables with {len(values)}: is it older than this worker?")  # fmt: skip
-        return [wire.rows_from_bytes(v, len(ids), spec, "A row pull")
-                for v, (spec, ids) in zip(values, pieces, strict=True)]  # fmt: skip
+            raise ConfigError(
+                f"The server at {s.address} answered a row pull of {len(pieces)} "
+                f"tables with {len(values)}: is it older than this worker?"
+            )
+        return [
+            wire.rows_from_bytes(v, len(ids), spec, "A row pull")
+            for v, (spec, ids) in zip(values, pieces, strict=True)
+        ]
 
     def read_all(self, table: str, chunk: int = 1 << 16) -> torch.Tensor:
         """The whole table (for a checkpoint), in pulls of ``chunk`` rows."""
         spec = self.spec(table)
-        return torch.cat([self.pull(table, np.arange(lo, min(lo + chunk, spec.rows)))
-                          for lo in range(0, spec.rows, chunk)])  # fmt: skip
+        return torch.cat(
+            [
+                self.pull(table, np.arange(lo, min(lo + chunk, spec.rows)))
+                for lo in range(0, spec.rows, chunk)
+            ]
+        )
 
     def push(self, table: str, ids: np.ndarray, grads: torch.Tensor) -> None:
         raise NotImplementedError("Rows are pushed with the dense gradient: Worker.step().")
@@ -193,8 +215,10 @@ def attach_remote(
         make_tables(model, names=[t.name for t in specs])  # --table-rows: dense ones too
         mine = {t.name for t in table_specs(model)}
         if mine != {t.name for t in specs}:
-            raise ConfigError(f"The model's sparse embeddings {sorted(mine)} are not the "
-                              f"servers' tables {sorted(t.name for t in specs)}.")  # fmt: skip
+            raise ConfigError(
+                f"The model's sparse embeddings {sorted(mine)} are not the "
+                f"servers' tables {sorted(t.name for t in specs)}."
+            )
         if not specs:
             return {}
         return attach_tables(model, RemoteTables(sessions, specs, rpc_timeout, rejoin), cache_rows)

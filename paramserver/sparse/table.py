@@ -39,8 +39,9 @@ class ShardTable:
         self.index = RowIndex(capacity)
         dtype = getattr(torch, spec.dtype)
         self.values = torch.empty((capacity, spec.dim), dtype=dtype)
-        self.state = [torch.empty((capacity, spec.dim), dtype=dtype)
-                      for _ in range(optimizer.state_width)]  # fmt: skip
+        self.state = [
+            torch.empty((capacity, spec.dim), dtype=dtype) for _ in range(optimizer.state_width)
+        ]
 
     @property
     def held(self) -> int:
@@ -53,13 +54,17 @@ class ShardTable:
         """``ids`` as int64, or InvalidRequest naming what is wrong."""
         arr = np.asarray(ids)
         if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
-            raise InvalidRequest(f"{what} of table {self.spec.name!r}: ids must be a 1-D "
-                                 f"array of integers, not {arr.dtype} of shape {arr.shape}.")  # fmt: skip
+            raise InvalidRequest(
+                f"{what} of table {self.spec.name!r}: ids must be a 1-D "
+                f"array of integers, not {arr.dtype} of shape {arr.shape}."
+            )
         arr = arr.astype(np.int64, copy=False)
         bad = (arr < 0) | (arr >= self.spec.rows)
         if bad.any():
-            raise InvalidRequest(f"{what} of table {self.spec.name!r}: id {int(arr[bad][0])} is "
-                                 f"outside [0, {self.spec.rows}).")  # fmt: skip
+            raise InvalidRequest(
+                f"{what} of table {self.spec.name!r}: id {int(arr[bad][0])} is "
+                f"outside [0, {self.spec.rows})."
+            )
         if self.shards > 1:
             elsewhere = shard_of(arr, self.shards) != self.shard
             if elsewhere.any():
@@ -77,8 +82,9 @@ class ShardTable:
         ``nonfinite``: NaN or Inf passes (the server skips the push, ``--skip-nonfinite``)."""
         arr = self.check_ids(ids, "A push")
         if len(np.unique(arr)) != len(arr):
-            raise InvalidRequest(f"A push of table {self.spec.name!r} names an id twice; "
-                                 "coalesce the rows first.")  # fmt: skip
+            raise InvalidRequest(
+                f"A push of table {self.spec.name!r} names an id twice; coalesce the rows first."
+            )
         g = torch.as_tensor(grads)
         if g.dtype != self.values.dtype or tuple(g.shape) != (len(arr), self.spec.dim):
             raise InvalidRequest(
@@ -155,15 +161,20 @@ class ShardTable:
     def state_dict(self) -> dict[str, Any]:
         ids, slots = self.index.items()
         take = torch.from_numpy(slots)
-        return {"ids": torch.from_numpy(ids), "values": self.values[take].clone(),
-                "state": [s[take].clone() for s in self.state],
-                "steps": self.optimizer.steps}  # fmt: skip
+        return {
+            "ids": torch.from_numpy(ids),
+            "values": self.values[take].clone(),
+            "state": [s[take].clone() for s in self.state],
+            "steps": self.optimizer.steps,
+        }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         ids = self.check_ids(saved["ids"].numpy(), "A restored table")
         if len(saved["state"]) != len(self.state):
-            raise ValueError(f"Table {self.spec.name!r}: the saved optimizer state does not "
-                             f"match {self.optimizer.config.name}.")  # fmt: skip
+            raise ValueError(
+                f"Table {self.spec.name!r}: the saved optimizer state does not "
+                f"match {self.optimizer.config.name}."
+            )
         self.index = RowIndex(max(1024, 2 * len(ids)))
         slots = torch.from_numpy(self.index.insert(ids))
         self._reserve(len(ids))

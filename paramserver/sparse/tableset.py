@@ -39,8 +39,14 @@ def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
 class TableSet:
     """Shard ``shard`` of ``shards`` of every table in ``specs``."""
 
-    def __init__(self, specs: Sequence[TableSpec], optimizer: RowOptimizerConfig,
-                 seed: int = 0, shard: int = 0, shards: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        specs: Sequence[TableSpec],
+        optimizer: RowOptimizerConfig,
+        seed: int = 0,
+        shard: int = 0,
+        shards: int = 1,
+    ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"Two tables share a name: {names}.")
@@ -81,8 +87,9 @@ class TableSet:
         checked, seen = [], set()
         for push in pushes:
             if push.table in seen:
-                raise InvalidRequest(f"A push names table {push.table!r} twice; send its rows "
-                                     "once, coalesced.")  # fmt: skip
+                raise InvalidRequest(
+                    f"A push names table {push.table!r} twice; send its rows once, coalesced."
+                )
             seen.add(push.table)
             ids, grads = self.table(push.table).check_push(push.ids, push.grads, nonfinite)
             checked.append(RowGradients(push.table, ids, grads))
@@ -101,14 +108,22 @@ class TableSet:
     def layouts(self) -> dict[str, dict[str, Any]]:
         """What ``whole_tables`` needs besides the rows: each table's size, dtype and key,
         and the shard count (plain values, for a checkpoint)."""
-        return {name: {"rows": t.spec.rows, "dim": t.spec.dim, "dtype": t.spec.dtype,
-                       "key": int(t.key), "shards": t.shards}
-                for name, t in self.tables.items()}  # fmt: skip
+        return {
+            name: {
+                "rows": t.spec.rows,
+                "dim": t.spec.dim,
+                "dtype": t.spec.dtype,
+                "key": int(t.key),
+                "shards": t.shards,
+            }
+            for name, t in self.tables.items()
+        }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if set(saved) != set(self.tables):
-            raise ValueError(f"The saved tables {sorted(saved)} are not this run's "
-                             f"{sorted(self.tables)}.")  # fmt: skip
+            raise ValueError(
+                f"The saved tables {sorted(saved)} are not this run's {sorted(self.tables)}."
+            )
         for name, table in self.tables.items():
             table.load_state_dict(saved[name])
 
@@ -135,8 +150,10 @@ class RowRound:
         return [_coalesce(table, pushes, n) for table, pushes in sorted(parts.items())]
 
     def state(self) -> dict[str, Any]:
-        return {table: [(torch.from_numpy(p.ids.copy()), p.grads.clone()) for p in pushes]
-                for table, pushes in self._parts.items()}  # fmt: skip
+        return {
+            table: [(torch.from_numpy(p.ids.copy()), p.grads.clone()) for p in pushes]
+            for table, pushes in self._parts.items()
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> RowRound:
@@ -158,8 +175,11 @@ def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
 WHOLE_TABLE_BYTES = 1 << 30  # larger tables are not written whole into a model_state_dict
 
 
-def whole_tables(layouts: dict[str, dict[str, Any]], saved: Sequence[dict[str, Any]],
-                 limit: int | None = WHOLE_TABLE_BYTES) -> dict[str, torch.Tensor]:  # fmt: skip
+def whole_tables(
+    layouts: dict[str, dict[str, Any]],
+    saved: Sequence[dict[str, Any]],
+    limit: int | None = WHOLE_TABLE_BYTES,
+) -> dict[str, torch.Tensor]:
     """``{"NAME.weight": the whole table}`` from the ``state_dict`` of every shard (``saved``,
     one a shard): their rows where touched, the seeded initial values elsewhere. Empty
     when ``saved`` lacks a shard (a shard of several holds a part of each table), and for

@@ -69,12 +69,15 @@ def make(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(train_x, train_y, test_x, test_y)`` of the click log for ``seed``."""
     if fields < 1 or rows < 2 or train < 1 or test < 1:
-        raise ValueError(f"clicks needs fields >= 1, rows >= 2 and samples; got {fields} fields "
-                         f"of {rows} rows, {train} + {test} samples.")  # fmt: skip
+        raise ValueError(
+            f"clicks needs fields >= 1, rows >= 2 and samples; got {fields} fields "
+            f"of {rows} rows, {train} + {test} samples."
+        )
     rng = np.random.default_rng(seed)
     n = train + test
-    x = np.stack([ids_of_ranks(zipf_ranks(rng, n, rows, zipf), f, rows)
-                  for f in range(fields)], axis=1)  # fmt: skip
+    x = np.stack(
+        [ids_of_ranks(zipf_ranks(rng, n, rows, zipf), f, rows) for f in range(fields)], axis=1
+    )
     p = 1.0 / (1.0 + np.exp(-teacher_logits(x, seed)))
     y = (rng.random(n) < p).astype(np.int64)
     tx, ty = torch.from_numpy(x), torch.from_numpy(y)

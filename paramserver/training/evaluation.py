@@ -22,8 +22,9 @@ class Evaluation(NamedTuple):
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> Evaluation:
     """``evaluate_batches`` over ``(x, y)`` in slices of ``batch``."""
-    return evaluate_batches(model, ((x[i : i + batch], y[i : i + batch])
-                                    for i in range(0, len(x), batch)))  # fmt: skip
+    return evaluate_batches(
+        model, ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch))
+    )
 
 
 @torch.no_grad()

@@ -72,8 +72,14 @@ def worker_arguments(cfg: WorkerConfig, device: torch.device) -> dict[str, Any]:
     takes under the same name, as it is, and those Worker takes in another form."""
     takes = inspect.signature(Worker).parameters
     same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in takes}
-    return {**same, "device": device, "connect_timeout": cfg.rpc_timeout,
-            "overlap": cfg.overlap_flag, "shm": cfg.shm != "off", "shm_control": cfg.shm == "on"}  # fmt: skip
+    return {
+        **same,
+        "device": device,
+        "connect_timeout": cfg.rpc_timeout,
+        "overlap": cfg.overlap_flag,
+        "shm": cfg.shm != "off",
+        "shm_control": cfg.shm == "on",
+    }
 
 
 def run(cfg: WorkerConfig) -> WorkerSummary:
@@ -97,12 +103,25 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
     seconds = time.perf_counter() - started
     cache = worker.tables.counters
     if worker.tables:
-        log.info("rank %d: row caches %d hits, %d misses (%d rows fetched in all)",
-                 worker.rank, cache.hits, cache.misses, cache.fetched)  # fmt: skip
-    log.info("rank %d finished: %d steps (%d empty), %d samples in %.1fs, %d rejoins",
-             worker.rank, steps, empty, samples, seconds, worker.rejoins)  # fmt: skip
-    return WorkerSummary(worker.rank, steps, samples, seconds, worker.rejoins, cache.hits,
-                         cache.misses)  # fmt: skip
+        log.info(
+            "rank %d: row caches %d hits, %d misses (%d rows fetched in all)",
+            worker.rank,
+            cache.hits,
+            cache.misses,
+            cache.fetched,
+        )
+    log.info(
+        "rank %d finished: %d steps (%d empty), %d samples in %.1fs, %d rejoins",
+        worker.rank,
+        steps,
+        empty,
+        samples,
+        seconds,
+        worker.rejoins,
+    )
+    return WorkerSummary(
+        worker.rank, steps, samples, seconds, worker.rejoins, cache.hits, cache.misses
+    )
 
 
 class _Order:
@@ -137,8 +156,14 @@ def _train(
     plan = worker.plan
     order = _Order(dataset, plan, data.batches_per_epoch(dataset.train_size, plan.batch_size))
     worker.model.train()
-    log.info("rank %d: %d batches of %d per epoch, %d epochs, on %s",
-             worker.rank, order.per_epoch, plan.batch_size, plan.epochs, device)  # fmt: skip
+    log.info(
+        "rank %d: %d batches of %d per epoch, %d epochs, on %s",
+        worker.rank,
+        order.per_epoch,
+        plan.batch_size,
+        plan.epochs,
+        device,
+    )
     table_ids = getattr(worker.model, "table_ids", None)  # the daemon's row prefetch (if any)
     prefetch = None
     if callable(table_ids) and worker.tables:

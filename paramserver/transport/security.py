@@ -100,9 +100,13 @@ class _ClientToken(
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = [*(details.metadata or ()), self._entry]
         return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
-        )  # fmt: skip
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return continuation(self._details(details), request)

@@ -186,8 +186,11 @@ class Attachments:
         with self._lock:
             declined = worker_id in self._declined
         if declined:
-            log.info("worker %s offered a segment again; this server cannot use its segments "
-                     "(see above): streaming", worker_id)  # fmt: skip
+            log.info(
+                "worker %s offered a segment again; this server cannot use its segments "
+                "(see above): streaming",
+                worker_id,
+            )
             return False
         if not _NAME.fullmatch(name) or not 1 <= slots <= 64:
             log.info("worker %s offered a malformed segment %r; streaming", worker_id, name)
@@ -196,8 +199,12 @@ class Attachments:
         try:
             fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
         except OSError as exc:
-            log.info("worker %s: cannot open %s (%s): not on this host; streaming", worker_id,
-                     path, exc.strerror)  # fmt: skip
+            log.info(
+                "worker %s: cannot open %s (%s): not on this host; streaming",
+                worker_id,
+                path,
+                exc.strerror,
+            )
             return False
         size = segment_bytes(self.total_bytes, slots)
         try:
@@ -332,9 +339,10 @@ class Attachments:
             raise BrokenSegment(worker_id, f"cannot be examined ({exc.strerror})") from None
         if size != seg.size:
             raise BrokenSegment(
-                worker_id, f"holds {size} bytes, not the {seg.size} it held at Join (truncated "
-                "or resized while in use)"
-            )  # fmt: skip
+                worker_id,
+                f"holds {size} bytes, not the {seg.size} it held at Join (truncated "
+                "or resized while in use)",
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -54,9 +54,16 @@ class Attacher:
     def spec(self, i: int) -> PayloadSpec:
         """Session i's payloads: its range, the streams' views of it, its codec."""
         lo, hi = self.ranges[i]
-        return PayloadSpec(self.manifest.itemsize * (hi - lo), self.manifest.dtype, self.slots,
-                           self.buffers.views(lo, hi), self.codec(hi - lo),
-                           self.shm, self.control, self.sessions[i].rpc_timeout)  # fmt: skip
+        return PayloadSpec(
+            self.manifest.itemsize * (hi - lo),
+            self.manifest.dtype,
+            self.slots,
+            self.buffers.views(lo, hi),
+            self.codec(hi - lo),
+            self.shm,
+            self.control,
+            self.sessions[i].rpc_timeout,
+        )
 
     def attach(self, i: int, retry: bool) -> None:
         """Join session i (again) under its id, offering buffers for its range, and open its

@@ -195,9 +195,15 @@ class Pipeline:
     # --- calls ------------------------------------------------------------------------
 
     def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
-        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
-                               staged.rows.get(s.reply.shard, ()), staged.row_cache,
-                               staged.batches)  # fmt: skip
+        header = s.push_header(
+            iteration,
+            staged.samples,
+            staged.loss,
+            staged.empty,
+            staged.rows.get(s.reply.shard, ()),
+            staged.row_cache,
+            staged.batches,
+        )
         channel = s.channel
         return s.retrying(
             f"push of iteration {iteration}",
@@ -215,9 +221,15 @@ class Pipeline:
     def _push_pull(
         self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
     ) -> pb.PullHeader:
-        header = s.push_header(iteration, staged.samples, staged.loss, staged.empty,
-                               staged.rows.get(s.reply.shard, ()), staged.row_cache,
-                               staged.batches)  # fmt: skip
+        header = s.push_header(
+            iteration,
+            staged.samples,
+            staged.loss,
+            staged.empty,
+            staged.rows.get(s.reply.shard, ()),
+            staged.row_cache,
+            staged.batches,
+        )
         request = s.pull_request(pull, batches)
         channel = s.channel
         return s.retrying(
@@ -254,8 +266,11 @@ class Pipeline:
         it) with its pull, while the others pull."""
         pool = self._fg
         assert pool is not None
-        pushes = [pool.submit(self._push, s, staged, staged.iterations[i])
-                  for i, s in enumerate(self.sessions) if i > 0]  # fmt: skip
+        pushes = [
+            pool.submit(self._push, s, staged, staged.iterations[i])
+            for i, s in enumerate(self.sessions)
+            if i > 0
+        ]
         lost = next((e for f in pushes if (e := f.exception()) is not None), None)
         if lost is not None and not isinstance(lost, RejoinRequired):
             raise lost  # shard 0 not told: the batches go back when this worker's lease ends

@@ -60,6 +60,7 @@ class Replica:
         if self.bound == len(self.tensors):
             return  # every tensor is a view of its range's buffer: the pull wrote them
         for lo, hi, buffer in parts:
-            unflatten_into(self.manifest, buffer.to(self.device, non_blocking=True),
-                           self.tensors, lo, hi)  # fmt: skip
+            unflatten_into(
+                self.manifest, buffer.to(self.device, non_blocking=True), self.tensors, lo, hi
+            )
         sync(self.device)

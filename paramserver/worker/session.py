@@ -171,9 +171,14 @@ class Session:
             self.rejoins += 1
             log.warning(
                 "rejoined %s (incarnation %s, was %s) as %s (was %s) at clock %d (was %d)",
-                self.address, self.incarnation, was[1], self.worker_id, was[0], self.clock,
+                self.address,
+                self.incarnation,
+                was[1],
+                self.worker_id,
+                was[0],
+                self.clock,
                 was[2],
-            )  # fmt: skip
+            )
         self.state = SessionState.LIVE
         return reply
 
@@ -226,10 +231,16 @@ class Session:
 
     # --- payload requests ---------------------------------------------------------------
 
-    def push_header(self, iteration: int, samples: int, loss: float, empty: bool,
-                    rows: Iterable[pb.RowGradients] = (),
-                    row_cache: tuple[int, int] = (0, 0),
-                    batches: Iterable[int] = ()) -> pb.PushHeader:  # fmt: skip
+    def push_header(
+        self,
+        iteration: int,
+        samples: int,
+        loss: float,
+        empty: bool,
+        rows: Iterable[pb.RowGradients] = (),
+        row_cache: tuple[int, int] = (0, 0),
+        batches: Iterable[int] = (),
+    ) -> pb.PushHeader:
         return pb.PushHeader(
             batches=() if empty else batches,
             worker_id=self.worker_id,

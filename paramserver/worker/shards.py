@@ -94,8 +94,12 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
     for s in sessions:
         if s.clock == low:
             continue
-        log.warning("shard at %s is at clock %d, another restarted at clock %d: rewinding it "
-                    "to that cut", s.address, s.clock, low)  # fmt: skip
+        log.warning(
+            "shard at %s is at clock %d, another restarted at clock %d: rewinding it to that cut",
+            s.address,
+            s.clock,
+            low,
+        )
         request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
         # another worker rewound it first, or it restarted too (every shard was killed):
         # either way it is lost, joined again next, and brought back to the cut then; a

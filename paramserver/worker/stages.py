@@ -54,8 +54,16 @@ class Stager:
         rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}
         clocks = tuple(s.clock for s in self.sessions)
         cache = self.tables.counters
-        staged = StagedPush(slot, clocks, samples, loss, empty, rows, (cache.hits, cache.misses),
-                            () if empty else tuple(batches))  # fmt: skip
+        staged = StagedPush(
+            slot,
+            clocks,
+            samples,
+            loss,
+            empty,
+            rows,
+            (cache.hits, cache.misses),
+            () if empty else tuple(batches),
+        )
         for s in self.sessions:
             s.clock += 1
         self.replica.zero_grad()
@@ -179,7 +187,8 @@ class Binder(Loader):
         )
 
 
-def loader(mode: StepMode, replica: Replica, sessions: Sequence[Session],
-           ranges: Sequence[tuple[int, int]]) -> Loader:  # fmt: skip
+def loader(
+    mode: StepMode, replica: Replica, sessions: Sequence[Session], ranges: Sequence[tuple[int, int]]
+) -> Loader:
     """Views where nothing computes while a pull lands (blocking steps), else copies."""
     return (Binder if mode is StepMode.BLOCKING else Loader)(replica, sessions, ranges)

@@ -104,18 +104,30 @@ class Worker(WorkerView):
         clock, sleep: the monotonic clock and the wait between retries (tests pass fakes).
     """
 
-    def __init__(self, address: str | Sequence[str], model: nn.Module | None = None, *,
-                 device: str | torch.device | None = None, name: str | None = None,
-                 rpc_timeout: float = 60.0, barrier_timeout: float = 900.0,
-                 connect_timeout: float = 30.0, overlap: bool | None = None,
-                 server_timeout: float = 300.0, security: Security | None = None,
-                 train_samples: int | Callable[[pb.TrainingPlan], int] = 0, shm: bool = True,
-                 shm_control: bool = True, compress: str = compression.AUTO,
-                 push_every: int = 1, cache_rows: int = DEFAULT_CACHE_ROWS,
-                 transport: Callable[[str], Any] | None = None,
-                 channel: ChannelFactory | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], bool] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        model: nn.Module | None = None,
+        *,
+        device: str | torch.device | None = None,
+        name: str | None = None,
+        rpc_timeout: float = 60.0,
+        barrier_timeout: float = 900.0,
+        connect_timeout: float = 30.0,
+        overlap: bool | None = None,
+        server_timeout: float = 300.0,
+        security: Security | None = None,
+        train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
+        shm: bool = True,
+        shm_control: bool = True,
+        compress: str = compression.AUTO,
+        push_every: int = 1,
+        cache_rows: int = DEFAULT_CACHE_ROWS,
+        transport: Callable[[str], Any] | None = None,
+        channel: ChannelFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], bool] | None = None,
+    ):
         self.addresses = addresses_of(address)
         _check(push_every, compress)
         self.address, self.push_every = ",".join(self.addresses), push_every
@@ -161,8 +173,14 @@ class Worker(WorkerView):
         self.plan: pb.TrainingPlan = replies[0].plan
         self.policy = Policy.parse(replies[0].policy)
         self.model = model = _local_model(self.plan, model, device)
-        self.tables = WorkerTables(model, replies[0].manifest, self.sessions, rpc_timeout,
-                                   cache_rows, self._rejoin_mid_step)  # fmt: skip
+        self.tables = WorkerTables(
+            model,
+            replies[0].manifest,
+            self.sessions,
+            rpc_timeout,
+            cache_rows,
+            self._rejoin_mid_step,
+        )
         self._replica = Replica(model)
         self.device, self.manifest = self._replica.device, self._replica.manifest
         params = (s.dtype for s in self.manifest.tensors if s.role == "param")
@@ -175,9 +193,17 @@ class Worker(WorkerView):
         if callable(train_samples):
             self.train_samples = train_samples(self.plan)
         self._slots = self.policy.max_inflight_pushes()
-        self._attacher = Attacher(self.sessions, self.ranges, self.manifest, self._slots,
-                                  self.device, self._codec, self.shm, self.shm_control,
-                                  self.train_samples)  # fmt: skip
+        self._attacher = Attacher(
+            self.sessions,
+            self.ranges,
+            self.manifest,
+            self._slots,
+            self.device,
+            self._codec,
+            self.shm,
+            self.shm_control,
+            self.train_samples,
+        )
         self._attacher.attach_all()
 
     def _start(self, rpc_timeout: float, barrier_timeout: float) -> None:
@@ -187,9 +213,17 @@ class Worker(WorkerView):
         self._loader = stages.loader(self.mode, self._replica, self.sessions, self.ranges)
         self._reopened()
         self._heartbeats = Heartbeats(self.sessions, self._stop).start()
-        log.info("joined %s as %s (rank %d of %d) at clock %d under %s; steps %s; payloads %s",
-                 self.address, self.worker_id, self.rank, self.plan.world_size, self.clock,
-                 self.policy.name, self.mode.value, self.sessions[0].channel.description)  # fmt: skip
+        log.info(
+            "joined %s as %s (rank %d of %d) at clock %d under %s; steps %s; payloads %s",
+            self.address,
+            self.worker_id,
+            self.rank,
+            self.plan.world_size,
+            self.clock,
+            self.policy.name,
+            self.mode.value,
+            self.sessions[0].channel.description,
+        )
         try:
             self.pull()
         except BaseException:

@@ -150,7 +150,7 @@ def test_every_malformed_hello_is_refused_with_a_reply(serve, unhandled, caplog)
                 records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0),
                 False,
                 invalid,
-            ),  # fmt: skip
+            ),
             "longer than a hello": (_frame(nonce + b"w" * 65_536), False, invalid),
             "garbage header": (b"\xff" * records.HEADER.size, False, invalid),
             "truncated header": (_frame(nonce + me)[:9], True, invalid),
@@ -196,8 +196,14 @@ def test_a_worker_has_one_authenticated_connection_at_most(serve, unhandled):
 
 
 def _no_slot(worker: ps.Worker) -> pb.PushPullRequest:
-    header = pb.PushHeader(worker_id=worker.worker_id, iteration=worker.clock, shm=True,
-                           incarnation=worker.incarnation, samples=1, shm_slot=9)  # fmt: skip
+    header = pb.PushHeader(
+        worker_id=worker.worker_id,
+        iteration=worker.clock,
+        shm=True,
+        incarnation=worker.incarnation,
+        samples=1,
+        shm_slot=9,
+    )
     return pb.PushPullRequest(push=header)
 
 
@@ -225,8 +231,12 @@ print(struct.unpack("<Iid", head)[1] if len(head) == 16 else "closed")
 def _connect_as(uid: int, name: str, hello: bytes) -> str:
     """What a process running as ``uid`` gets back from the control socket for ``hello``:
     the reply's status code, or "closed"."""
-    child = subprocess.run([sys.executable, "-c", _AS_USER, str(uid), name, hello.hex(), str(WAIT)],
-                           capture_output=True, text=True, timeout=WAIT * 2)  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-c", _AS_USER, str(uid), name, hello.hex(), str(WAIT)],
+        capture_output=True,
+        text=True,
+        timeout=WAIT * 2,
+    )
     assert child.returncode == 0, child.stderr
     return child.stdout.strip()
 

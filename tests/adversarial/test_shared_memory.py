@@ -39,12 +39,17 @@ class Peer:
         self.stub = Stub(self.channel)
         join = pb.JoinRequest(name=name, train_samples=train_samples)
         first = self.stub.Join(join, timeout=10)  # to learn the model's size
-        self.segment = shm.Segment(first.manifest.total_bytes, SLOTS,
-                                   first.manifest.dtype or "float32")  # fmt: skip
+        self.segment = shm.Segment(
+            first.manifest.total_bytes, SLOTS, first.manifest.dtype or "float32"
+        )
         self.fd = os.open(self.segment.path, os.O_RDWR)
-        request = pb.JoinRequest(name=name, worker_id=first.worker_id,
-                                 shm_name=self.segment.name, shm_nonce=self.segment.nonce,
-                                 shm_slots=SLOTS)  # fmt: skip
+        request = pb.JoinRequest(
+            name=name,
+            worker_id=first.worker_id,
+            shm_name=self.segment.name,
+            shm_nonce=self.segment.nonce,
+            shm_slots=SLOTS,
+        )
         self.reply = self.stub.Join(request, timeout=10)
         self.segment.unlink()
         assert self.reply.shm, "the server did not map the segment"
@@ -52,13 +57,23 @@ class Peer:
         self.clock = self.reply.clock
 
     def push(self, slot: int = 0) -> pb.PushPullRequest:
-        header = pb.PushHeader(worker_id=self.worker_id, iteration=self.clock, shm=True,
-                               shm_slot=slot, samples=1, incarnation=self.reply.incarnation)  # fmt: skip
+        header = pb.PushHeader(
+            worker_id=self.worker_id,
+            iteration=self.clock,
+            shm=True,
+            shm_slot=slot,
+            samples=1,
+            incarnation=self.reply.incarnation,
+        )
         return pb.PushPullRequest(push=header)
 
     def pull(self) -> pb.PullRequest:
-        return pb.PullRequest(worker_id=self.worker_id, iteration=self.clock, shm=True,
-                              incarnation=self.reply.incarnation)  # fmt: skip
+        return pb.PullRequest(
+            worker_id=self.worker_id,
+            iteration=self.clock,
+            shm=True,
+            incarnation=self.reply.incarnation,
+        )
 
     def truncate(self, size: int) -> None:
         os.ftruncate(self.fd, size)
@@ -87,10 +102,32 @@ def _refused_and_dropped(server: Child, stub: Stub, peer: Peer, call) -> None:
 
 
 def test_a_truncated_segment_is_refused_and_its_worker_dropped_the_server_goes_on(tmp_path):
-    server = Child("server", ["server", "--host", "127.0.0.1", "--port", "0", "--model", "mlp",
-                              "--dataset", "synthetic", "--policy", "async", "--workers", "4",
-                              "--min-workers", "1", "--optimizer", "sgd", "--lr", "0.1"],
-                   tmp_path / "server.log", capture_stdout=True)  # fmt: skip
+    server = Child(
+        "server",
+        [
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--model",
+            "mlp",
+            "--dataset",
+            "synthetic",
+            "--policy",
+            "async",
+            "--workers",
+            "4",
+            "--min-workers",
+            "1",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.1",
+        ],
+        tmp_path / "server.log",
+        capture_stdout=True,
+    )
     peers: list[Peer] = []
     try:
         address = server.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
@@ -102,27 +139,34 @@ def test_a_truncated_segment_is_refused_and_its_worker_dropped_the_server_goes_o
         peer = Peer(address, "truncates-then-pulls")
         peers.append(peer)
         peer.truncate(0)
-        _refused_and_dropped(server, observer.stub, peer,
-                             lambda: list(peer.stub.Pull(peer.pull(), timeout=10)))  # fmt: skip
+        _refused_and_dropped(
+            server, observer.stub, peer, lambda: list(peer.stub.Pull(peer.pull(), timeout=10))
+        )
 
         # a push from a slot past the end of a segment cut in half, through gRPC
         half = Peer(address, "halves-then-pushes")
         peers.append(half)
         half.truncate(size // 2)
-        _refused_and_dropped(server, observer.stub, half,
-                             lambda: half.stub.PushPull(half.push(SLOTS - 1), timeout=10))  # fmt: skip
+        _refused_and_dropped(
+            server,
+            observer.stub,
+            half,
+            lambda: half.stub.PushPull(half.push(SLOTS - 1), timeout=10),
+        )
 
         # a push and pull through the control socket, the segment gone
         ringer = Peer(address, "truncates-then-rings")
         peers.append(ringer)
-        control = ControlSocket(ringer.reply.shm_control, ringer.worker_id, ringer.segment.nonce,
-                                10)  # fmt: skip
+        control = ControlSocket(
+            ringer.reply.shm_control, ringer.worker_id, ringer.segment.nonce, 10
+        )
         try:
             ringer.truncate(0)
             request = ringer.push()
             request.pull.CopyFrom(ringer.pull())
-            _refused_and_dropped(server, observer.stub, ringer,
-                                 lambda: control.push_pull(request, 10))  # fmt: skip
+            _refused_and_dropped(
+                server, observer.stub, ringer, lambda: control.push_pull(request, 10)
+            )
         finally:
             control.close()
 
@@ -202,18 +246,23 @@ def test_a_gradient_changed_while_it_is_pushed_never_brings_nan_into_the_weights
     pushes from it. Before the gradient was copied first, a NaN got into the weights in
     most runs (not all: the flips must land between the check and the step); the next test
     makes them land there every time."""
-    server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.1,
-                   skip_nonfinite=False)  # fmt: skip
+    server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.1, skip_nonfinite=False)
     peer = Peer(server.address, "flips-while-pushing")
     slot_offset = shm.segment_bytes(peer.segment.total_bytes, 0)  # where slot 0 starts
     flipper = None
     try:
         peer.segment.slots[0][:] = 0.001
         flipper = subprocess.Popen(
-            [sys.executable, "-c", FLIPPER, f"/proc/{os.getpid()}/fd/{peer.fd}",
-             str(slot_offset + 4 * 1000)],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                FLIPPER,
+                f"/proc/{os.getpid()}/fd/{peer.fd}",
+                str(slot_offset + 4 * 1000),
+            ],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
         assert flipper.stdout is not None
         assert flipper.stdout.readline().strip() == b"flipping"
         applied = refused = 0
@@ -243,8 +292,7 @@ def test_a_gradient_changed_while_it_is_pushed_never_brings_nan_into_the_weights
 def test_a_gradient_changed_right_after_its_check_is_applied_as_it_was_checked(serve, monkeypatch):
     """The worst moment for the worker's change, every time: between the check and the
     optimizer's step the worker writes a NaN into the slot it pushed from."""
-    server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.5,
-                   skip_nonfinite=False)  # fmt: skip
+    server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.5, skip_nonfinite=False)
     peer = Peer(server.address, "writes-after-the-check")
     before = server.coordinator.store.weights.copy()
     real = coordinator_module.check_gradient
@@ -294,8 +342,11 @@ def test_the_server_copies_a_segment_only_while_it_keeps_its_size():
         size = shm.segment_bytes(1024, SLOTS)
         for wrong in (size + 4096, size // 2, 0):
             os.ftruncate(fd, wrong)
-            for call in (lambda: att.check("w1"), lambda: att.gradient("w1", 0),
-                         lambda: att.put_weights("w1", np.zeros(256, np.float32))):  # fmt: skip
+            for call in (
+                lambda: att.check("w1"),
+                lambda: att.gradient("w1", 0),
+                lambda: att.put_weights("w1", np.zeros(256, np.float32)),
+            ):
                 with pytest.raises(shm.BrokenSegment, match=f"holds {wrong} bytes"):
                     call()
         att.detach("w1")

@@ -40,8 +40,10 @@ def test_health_watches_without_the_token_cannot_starve_the_workers(serve):
     open watches end when their time is up."""
     server = serve(tiny_model(), policy="async", workers=1, security=Security(token=TOKEN))
     # a connection each, as 41 clients
-    channels = [grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(41)]  # fmt: skip
+    channels = [
+        grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(41)
+    ]
     stubs = [health_pb2_grpc.HealthStub(c) for c in channels]
     streams = [s.Watch(health_pb2.HealthCheckRequest(), timeout=DEADLINE) for s in stubs[1:]]
     opened, refused = [], 0
@@ -53,8 +55,9 @@ def test_health_watches_without_the_token_cannot_starve_the_workers(serve):
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             refused += 1
     assert (len(opened), refused) == (MAX_WATCHES, 40 - MAX_WATCHES)
-    checks = [stubs[0].Check.future(health_pb2.HealthCheckRequest(), timeout=DEADLINE)
-              for _ in range(100)]  # fmt: skip
+    checks = [
+        stubs[0].Check.future(health_pb2.HealthCheckRequest(), timeout=DEADLINE) for _ in range(100)
+    ]
     assert _train(server.address, 5) == 5  # while the watches stay open
     assert all(f.result().status == SERVING for f in checks)
     assert server.health.watching == MAX_WATCHES
@@ -81,8 +84,12 @@ def test_calls_without_the_token_are_refused_before_their_body_is_read(tmp_path,
     server's peak memory within 64 MiB of where it was; a message over the receive limit
     (17 MiB) is refused by gRPC before it is read."""
     monkeypatch.setenv("PARAMSERVER_TOKEN", TOKEN)
-    server = Child("server", ["server", "--host", "127.0.0.1", "--port", "0", "--model", "mlp",
-                              "--workers", "1"], tmp_path / "server.log", capture_stdout=True)  # fmt: skip
+    server = Child(
+        "server",
+        ["server", "--host", "127.0.0.1", "--port", "0", "--model", "mlp", "--workers", "1"],
+        tmp_path / "server.log",
+        capture_stdout=True,
+    )
     try:
         address = server.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
         channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)])

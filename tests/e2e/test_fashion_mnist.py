@@ -21,11 +21,27 @@ def test_one_epoch_of_fashion_mnist_reaches_84_percent(tmp_path):
     except data.DataUnavailable as exc:  # say exactly what is missing, do not skip silently
         pytest.fail(f"{exc} (`make install` installs it as root)")
     out = subprocess.run(
-        paramserver_cmd("launch", "--workers", "2", "--policy", "delay-1", "--model", "mlp",
-                        "--epochs", "1", "--device", "cpu", "--json", "--no-progress",
-                        "--runs-dir", str(tmp_path)),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        paramserver_cmd(
+            "launch",
+            "--workers",
+            "2",
+            "--policy",
+            "delay-1",
+            "--model",
+            "mlp",
+            "--epochs",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+            "--no-progress",
+            "--runs-dir",
+            str(tmp_path),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(summary))

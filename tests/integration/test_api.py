@@ -166,8 +166,13 @@ def test_the_log_names_the_address_the_server_is_bound_to(serve, caplog):
 
 
 def test_serve_takes_a_whole_config_and_settings_that_replace_its_fields(serve):
-    base = ps.ServerConfig(policy="sync", workers=2, batch_size=32, host="127.0.0.1",
-                           optimizer=ps.OptimizerConfig("sgd", 0.5, momentum=0.0))  # fmt: skip
+    base = ps.ServerConfig(
+        policy="sync",
+        workers=2,
+        batch_size=32,
+        host="127.0.0.1",
+        optimizer=ps.OptimizerConfig("sgd", 0.5, momentum=0.0),
+    )
     server = serve(config=base, lr=0.25, seed=4)
     assert server.config == dataclasses.replace(
         base, port=0, seed=4, optimizer=ps.OptimizerConfig("sgd", 0.25, momentum=0.0)

@@ -29,28 +29,63 @@ CLEAR = {
     grpc.StatusCode.ABORTED,
 }
 PUSH_FAULTS = [
-    "header_bytes", "short_stream", "long_stream", "odd_bytes", "dtype", "non_finite",
-    "unknown_worker", "ahead", "past", "negative_iteration", "incarnation", "shard", "no_header",
-    "empty_stream", "two_headers", "empty_with_data",
+    "header_bytes",
+    "short_stream",
+    "long_stream",
+    "odd_bytes",
+    "dtype",
+    "non_finite",
+    "unknown_worker",
+    "ahead",
+    "past",
+    "negative_iteration",
+    "incarnation",
+    "shard",
+    "no_header",
+    "empty_stream",
+    "two_headers",
+    "empty_with_data",
     # the rows of a sparse table that ride with the push
-    "rows_unknown_table", "rows_ids_bytes", "rows_values_bytes", "rows_out_of_range",
-    "rows_duplicate", "rows_non_finite", "rows_table_twice", "rows_with_empty",
+    "rows_unknown_table",
+    "rows_ids_bytes",
+    "rows_values_bytes",
+    "rows_out_of_range",
+    "rows_duplicate",
+    "rows_non_finite",
+    "rows_table_twice",
+    "rows_with_empty",
     # rows that follow the header as row chunks (PushHeader.row_chunks)
-    "row_chunks_short", "row_chunks_duplicate", "row_chunks_and_header_rows",
-    "row_chunks_unannounced", "row_chunks_out_of_range",
+    "row_chunks_short",
+    "row_chunks_duplicate",
+    "row_chunks_and_header_rows",
+    "row_chunks_unannounced",
+    "row_chunks_out_of_range",
     # the server-handed batches a push names (PushHeader.batches)
-    "batches_too_many", "batches_negative", "batches_twice",
-]  # fmt: skip
+    "batches_too_many",
+    "batches_negative",
+    "batches_twice",
+]
 OTHER_FAULTS = [
-    "pull_unknown_worker", "pull_incarnation", "pull_ahead", "heartbeat_unknown",
-    "heartbeat_incarnation", "join_negative_samples", "rewind",
-    "pull_rows_unknown_table", "pull_rows_ids_bytes", "pull_rows_out_of_range",
-    "pull_rows_incarnation", "pull_rows_unknown_worker",
+    "pull_unknown_worker",
+    "pull_incarnation",
+    "pull_ahead",
+    "heartbeat_unknown",
+    "heartbeat_incarnation",
+    "join_negative_samples",
+    "rewind",
+    "pull_rows_unknown_table",
+    "pull_rows_ids_bytes",
+    "pull_rows_out_of_range",
+    "pull_rows_incarnation",
+    "pull_rows_unknown_worker",
     # a pull of several tables at once (RowsRequest.more): nothing is read or created
-    "pull_rows_more_unknown_table", "pull_rows_table_twice", "pull_rows_more_out_of_range",
+    "pull_rows_more_unknown_table",
+    "pull_rows_table_twice",
+    "pull_rows_more_out_of_range",
     # PushPull: neither part, or a pull alone that does not go through shared memory
-    "pushpull_empty", "pushpull_pull_not_shm",
-]  # fmt: skip
+    "pushpull_empty",
+    "pushpull_pull_not_shm",
+]
 ROWS, DIM = 100, 4  # the probed model's sparse table "emb"
 
 
@@ -70,8 +105,9 @@ class WithTable(nn.Module):
 def _rows(ids: list[int], values: np.ndarray | None = None, table: str = "emb") -> pb.RowGradients:
     if values is None:
         values = np.full((len(ids), DIM), 0.5, np.float32)
-    return pb.RowGradients(table=table, ids=np.array(ids, "<i8").tobytes(),
-                           values=values.astype("<f4").tobytes())  # fmt: skip
+    return pb.RowGradients(
+        table=table, ids=np.array(ids, "<i8").tobytes(), values=values.astype("<f4").tobytes()
+    )
 
 
 class Target:
@@ -108,9 +144,12 @@ def _payload(n: int, fill: float = 0.01) -> bytes:
 
 def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
     h = pb.PushHeader(
-        worker_id=t.worker_id, iteration=t.CLOCK, total_bytes=t.nbytes, samples=1,
+        worker_id=t.worker_id,
+        iteration=t.CLOCK,
+        total_bytes=t.nbytes,
+        samples=1,
         incarnation=t.incarnation,
-    )  # fmt: skip
+    )
     body = _payload(t.nbytes)
     row_chunks: list[pb.RowGradients] = []
     if fault.startswith("row_chunks"):  # two chunks of the table, then the faults' changes
@@ -175,7 +214,8 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
     elif fault == "rows_non_finite":
         values = np.full((2, DIM), 0.5, np.float32)
         values[data.draw(st.integers(0, 1)), data.draw(st.integers(0, DIM - 1))] = data.draw(
-            st.sampled_from([math.nan, math.inf, -math.inf]))  # fmt: skip
+            st.sampled_from([math.nan, math.inf, -math.inf])
+        )
         h.rows.append(_rows([4, 5], values))
     elif fault == "rows_table_twice":
         h.rows.extend([_rows([1]), _rows([2])])
@@ -225,21 +265,29 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
     elif fault == "pushpull_empty":
         t.stub.PushPull(pb.PushPullRequest(), timeout=10)
     elif fault == "pushpull_pull_not_shm":
-        request = pb.PullRequest(worker_id=t.worker_id, iteration=t.CLOCK,
-                                 incarnation=t.incarnation)  # fmt: skip
+        request = pb.PullRequest(
+            worker_id=t.worker_id, iteration=t.CLOCK, incarnation=t.incarnation
+        )
         t.stub.PushPull(pb.PushPullRequest(pull=request), timeout=10)
     elif fault == "heartbeat_incarnation":
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10)
     elif fault == "rewind":  # this server keeps no cuts: any rewind, even well formed, is refused
         incarnation = data.draw(st.sampled_from([t.incarnation, wrong]))
         t.stub.Rewind(
-            pb.RewindRequest(round=data.draw(st.integers(-(1 << 62), 1 << 62)),
-                             incarnation=incarnation, worker_id=t.worker_id),
+            pb.RewindRequest(
+                round=data.draw(st.integers(-(1 << 62), 1 << 62)),
+                incarnation=incarnation,
+                worker_id=t.worker_id,
+            ),
             timeout=10,
-        )  # fmt: skip
+        )
     elif fault.startswith("pull_rows"):
-        request = pb.RowsRequest(worker_id=t.worker_id, incarnation=t.incarnation, table="emb",
-                                 ids=np.array([1, 2], "<i8").tobytes())  # fmt: skip
+        request = pb.RowsRequest(
+            worker_id=t.worker_id,
+            incarnation=t.incarnation,
+            table="emb",
+            ids=np.array([1, 2], "<i8").tobytes(),
+        )
         if fault == "pull_rows_unknown_table":
             request.table = wrong
         elif fault == "pull_rows_ids_bytes":
@@ -273,8 +321,12 @@ def test_a_thousand_malformed_requests_change_nothing(serve):
     before = target.state()
     seen: dict[str, int] = {}
 
-    @settings(max_examples=1200, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    @settings(
+        max_examples=1200,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(fault=st.sampled_from(PUSH_FAULTS + OTHER_FAULTS), data=st.data())
     def probe(fault: str, data: st.DataObject) -> None:
         try:
@@ -306,10 +358,15 @@ def test_a_thousand_malformed_requests_change_nothing(serve):
     assert header.version == clock + 1
     np.testing.assert_allclose(weights, expected, rtol=1e-6, atol=1e-9)
     # and a correct row pull: the table's seeded rows, untouched by the faults
-    rows = target.stub.PullRows(pb.RowsRequest(worker_id=target.worker_id, table="emb",
-                                               incarnation=target.incarnation,
-                                               ids=np.array([1, 2], "<i8").tobytes()),
-                                timeout=10)  # fmt: skip
+    rows = target.stub.PullRows(
+        pb.RowsRequest(
+            worker_id=target.worker_id,
+            table="emb",
+            incarnation=target.incarnation,
+            ids=np.array([1, 2], "<i8").tobytes(),
+        ),
+        timeout=10,
+    )
     initial = np.frombuffer(before[2], np.float32).reshape(ROWS, DIM)[[1, 2]]
     np.testing.assert_array_equal(np.frombuffer(rows.values, "<f4").reshape(2, DIM), initial)
     target.channel.close()

@@ -21,9 +21,12 @@ BATCH, STEPS, WORKERS, SHIFT = 32, 40, 2, 3.0
 def bn_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Flatten(), nn.Linear(8 * 14 * 14, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 14 * 14, 10),
+    )
 
 
 def _batch(ds: data.Dataset, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +43,15 @@ def _accuracy(model: nn.Module, ds: data.Dataset) -> float:
 def test_sync_workers_share_batchnorm_statistics(serve):
     ds = data.synthetic(train=WORKERS * BATCH * STEPS, test=512)
     model = bn_model()
-    server = serve(replica(model), optimizer="sgd", lr=0.05, policy="sync", workers=WORKERS,
-                   dataset="synthetic", batch_size=BATCH)  # fmt: skip
+    server = serve(
+        replica(model),
+        optimizer="sgd",
+        lr=0.05,
+        policy="sync",
+        workers=WORKERS,
+        dataset="synthetic",
+        batch_size=BATCH,
+    )
 
     def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _batch(ds, b)
@@ -76,8 +86,14 @@ def test_a_server_checkpoint_loads_strictly_and_resumes(serve, tmp_path):
     model = bn_model()
     model[0].weight.requires_grad_(False)  # frozen: never sent, but in the checkpoint
     ds = data.synthetic(train=4 * BATCH, test=16)
-    first = serve(replica(model), policy="async", workers=1, batch_size=BATCH,
-                  dataset="synthetic", checkpoint_dir=str(tmp_path))  # fmt: skip
+    first = serve(
+        replica(model),
+        policy="async",
+        workers=1,
+        batch_size=BATCH,
+        dataset="synthetic",
+        checkpoint_dir=str(tmp_path),
+    )
     local = replica(model)
     with ps.Worker(first.address, local, train_samples=len(ds.train_x)) as w:
         for _ in range(3):
@@ -92,7 +108,13 @@ def test_a_server_checkpoint_loads_strictly_and_resumes(serve, tmp_path):
     assert int(fresh[1].num_batches_tracked) == 3 and fresh[1].running_mean.abs().sum() > 0
     for name, value in local.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
-    again = serve(replica(model), policy="async", workers=1, batch_size=BATCH,
-                  dataset="synthetic", checkpoint_dir=str(tmp_path))  # fmt: skip
+    again = serve(
+        replica(model),
+        policy="async",
+        workers=1,
+        batch_size=BATCH,
+        dataset="synthetic",
+        checkpoint_dir=str(tmp_path),
+    )
     assert again.coordinator.store.version == 3
     assert again.coordinator.store.weights.tolist() == first.coordinator.store.weights.tolist()

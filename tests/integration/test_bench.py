@@ -59,8 +59,10 @@ KEYS = {
 def test_bench_quick_json(name):
     out = subprocess.run(
         paramserver_cmd("bench", name, "--quick", "--json"),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["bench"] == name and figures["quick"] is True

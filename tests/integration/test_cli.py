@@ -17,9 +17,12 @@ def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = DEADLINE
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        paramserver_cmd(*args), capture_output=True, text=True, timeout=timeout,
+        paramserver_cmd(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def test_every_option_has_help_and_an_environment_variable():
@@ -121,8 +124,9 @@ def test_health_says_serving_and_status_watch_redraws(serve):
     assert out.stdout.strip() == f"{server.address} SERVING"
     proc = subprocess.Popen(
         paramserver_cmd("status", "--server", server.address, "--watch", "0.2"),
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         seen = [proc.stdout.readline() for _ in range(40)]
         assert sum("policy ssp:1" in line for line in seen) >= 2, seen
@@ -141,18 +145,35 @@ def test_a_worker_without_its_data_fails_with_one_line(serve):
 
 def test_a_metrics_port_in_use_is_reported(serve):
     server = serve("mlp", host="127.0.0.1", metrics_port=0)
-    out = run_cli("server", "--host", "127.0.0.1", "--port", "0",
-                  "--metrics-port", str(server.metrics.port))  # fmt: skip
+    out = run_cli(
+        "server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(server.metrics.port)
+    )
     assert out.returncode == 2
     assert f"Cannot serve metrics on 127.0.0.1:{server.metrics.port}" in out.stderr
 
 
 def test_launch_json_on_synthetic_data(tmp_path):
     out = run_cli(
-        "launch", "--dataset", "synthetic", "--workers", "2", "--epochs", "2", "--policy", "sync",
-        "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
-        "--lr-schedule", "cosine", "--lr", "0.003",
-    )  # fmt: skip
+        "launch",
+        "--dataset",
+        "synthetic",
+        "--workers",
+        "2",
+        "--epochs",
+        "2",
+        "--policy",
+        "sync",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
+        "--lr-schedule",
+        "cosine",
+        "--lr",
+        "0.003",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in (
@@ -191,9 +212,18 @@ def test_launch_fails_fast_when_a_worker_cannot_start(tmp_path):
     # On a machine without CUDA the workers refuse --device cuda; the run could never
     # start, so launch must say why at once instead of waiting out the barrier.
     out = run_cli(
-        "launch", "--dataset", "synthetic", "--workers", "2", "--device", "cuda",
-        "--no-progress", "--runs-dir", str(tmp_path), timeout=90,
-    )  # fmt: skip
+        "launch",
+        "--dataset",
+        "synthetic",
+        "--workers",
+        "2",
+        "--device",
+        "cuda",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
+        timeout=90,
+    )
     if out.returncode == 0:
         pytest.skip("this machine has CUDA")
     last = out.stderr.strip().splitlines()[-1]
@@ -215,10 +245,24 @@ def test_worker_procs_starts_several_processes(serve):
 
 def test_launch_trains_on_a_users_data_set(tmp_path):
     out = run_cli(
-        "launch", "--dataset", "tests.user_data:small", "--workers", "2", "--epochs", "3",
-        "--policy", "sync", "--device", "cpu", "--json", "--no-progress", "--lr", "0.003",
-        "--runs-dir", str(tmp_path),
-    )  # fmt: skip
+        "launch",
+        "--dataset",
+        "tests.user_data:small",
+        "--workers",
+        "2",
+        "--epochs",
+        "3",
+        "--policy",
+        "sync",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--lr",
+        "0.003",
+        "--runs-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 3 * (512 // 64) * 64  # every batch of the user's set, once
@@ -230,9 +274,22 @@ def test_launch_trains_the_resnet_with_its_buffers(tmp_path):
     given, an evaluation that uses the shared statistics, and a checkpoint that loads with
     strict=True."""
     out = run_cli(
-        "launch", "--model", "resnet", "--dataset", "synthetic", "--workers", "2", "--epochs",
-        "2", "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
-    )  # fmt: skip
+        "launch",
+        "--model",
+        "resnet",
+        "--dataset",
+        "synthetic",
+        "--workers",
+        "2",
+        "--epochs",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == 2 and summary["test_accuracy"] > 0.5
@@ -257,9 +314,20 @@ def test_launch_trains_dlrm_on_the_click_log_and_reports_auc(tmp_path):
     """``--model dlrm`` alone brings ``--dataset clicks`` and its other defaults; launch
     reports the test AUC per epoch and in the summary."""
     out = run_cli(
-        "launch", "--model", "dlrm", "--workers", "2", "--epochs", "1", "--device", "cpu",
-        "--json", "--no-progress", "--runs-dir", str(tmp_path),
-    )  # fmt: skip
+        "launch",
+        "--model",
+        "dlrm",
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["samples"] == (200_000 // 256) * 256  # every batch of the log, once

@@ -17,19 +17,38 @@ LEASE = 1.0
 def test_sync_run_survives_a_killed_worker(serve, children, tmp_path):
     epochs, batch, workers = 2, 32, 4
     server = serve(
-        "mlp", policy="sync", workers=workers, optimizer="sgd", lr=0.05, dataset="synthetic",
-        batch_size=batch, epochs=epochs, lease_seconds=LEASE,
-    )  # fmt: skip
+        "mlp",
+        policy="sync",
+        workers=workers,
+        optimizer="sgd",
+        lr=0.05,
+        dataset="synthetic",
+        batch_size=batch,
+        epochs=epochs,
+        lease_seconds=LEASE,
+    )
     total = epochs * data.batches_per_epoch(data.SYNTHETIC_TRAIN, batch)
     logs = []
     for i in range(workers):
         log = open(tmp_path / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
-        children.append(subprocess.Popen(
-            paramserver_cmd("worker", "--server", server.address, "--device", "cpu",
-                            "--name", f"w{i}", "--rpc-timeout", "60"),
-            stdout=log, stderr=subprocess.STDOUT,
-        ))  # fmt: skip
+        children.append(
+            subprocess.Popen(
+                paramserver_cmd(
+                    "worker",
+                    "--server",
+                    server.address,
+                    "--device",
+                    "cpu",
+                    "--name",
+                    f"w{i}",
+                    "--rpc-timeout",
+                    "60",
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
 
     # Let the run get going, then kill one worker without warning.
     assert server.wait_for_version(5, DEADLINE), "the run never reached version 5"

@@ -105,10 +105,13 @@ def test_compose_cluster_trains_across_network_namespaces(tmp_path):
     if reason:
         pytest.skip(reason)
     run_env = {
-        "PARAMSERVER_DATASET": "synthetic", "PARAMSERVER_EPOCHS": "1",
-        "PARAMSERVER_WORKERS": "2", "PARAMSERVER_MIN_WORKERS": "2",
-        "PARAMSERVER_CHECKPOINT_EVERY": "20", "PARAMSERVER_LOG_LEVEL": "info",
-    }  # fmt: skip
+        "PARAMSERVER_DATASET": "synthetic",
+        "PARAMSERVER_EPOCHS": "1",
+        "PARAMSERVER_WORKERS": "2",
+        "PARAMSERVER_MIN_WORKERS": "2",
+        "PARAMSERVER_CHECKPOINT_EVERY": "20",
+        "PARAMSERVER_LOG_LEVEL": "info",
+    }
     services = compose_config(tmp_path, BASE, env=run_env)["services"]
 
     def process(service: dict) -> tuple[list[str], dict[str, str]]:
@@ -120,8 +123,10 @@ def test_compose_cluster_trains_across_network_namespaces(tmp_path):
             source, target = volume.split(":")[:2]
             folder = tmp_path / "volumes" / source
             folder.mkdir(parents=True, exist_ok=True)
-            env = {k: v.replace(target, str(folder)) if v.startswith(target) else v
-                   for k, v in env.items()}  # fmt: skip
+            env = {
+                k: v.replace(target, str(folder)) if v.startswith(target) else v
+                for k, v in env.items()
+            }
         base = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSERVER_")}
         return [sys.executable, "-m", *argv], {**base, **env}
 
@@ -144,8 +149,15 @@ def test_compose_cluster_trains_across_network_namespaces(tmp_path):
         for host, proc in zip(hosts[1:], workers, strict=True):
             assert proc.wait(DEADLINE) == 0, (tmp_path / f"{host}.log").read_text()[-3000:]
 
-        status_argv = [sys.executable, "-m", "paramserver", "status", "--json",
-                       "--server", "127.0.0.1:50051"]  # fmt: skip
+        status_argv = [
+            sys.executable,
+            "-m",
+            "paramserver",
+            "status",
+            "--json",
+            "--server",
+            "127.0.0.1:50051",
+        ]
         out = net.call("server", status_argv, env, 60)
         assert out.returncode == 0, out.stderr
         st = json.loads(out.stdout)

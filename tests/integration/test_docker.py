@@ -66,8 +66,11 @@ def docker_env(tmp_path_factory) -> Iterator[dict[str, str]]:
         pytest.skip("no Docker engine answers, and dockerd cannot be started (needs root)")
     home = tmp_path_factory.mktemp("dockerd")
     # dockerd rewrites iptables (FORWARD policy DROP, its chains): put them back afterwards.
-    saved = subprocess.run(["iptables-save"], capture_output=True, timeout=30) if shutil.which(
-        "iptables-save") else None  # fmt: skip
+    saved = (
+        subprocess.run(["iptables-save"], capture_output=True, timeout=30)
+        if shutil.which("iptables-save")
+        else None
+    )
     had_bridge = (
         subprocess.run(["ip", "link", "show", "docker0"], capture_output=True).returncode == 0
     )
@@ -75,10 +78,20 @@ def docker_env(tmp_path_factory) -> Iterator[dict[str, str]]:
     env["DOCKER_HOST"] = f"unix://{sock}"
     log = open(home / "dockerd.log", "wb")  # noqa: SIM115 - closed below
     daemon = subprocess.Popen(
-        [DOCKERD, "--host", env["DOCKER_HOST"], "--data-root", str(home / "data"),
-         "--exec-root", str(home / "exec"), "--pidfile", str(home / "dockerd.pid")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            DOCKERD,
+            "--host",
+            env["DOCKER_HOST"],
+            "--data-root",
+            str(home / "data"),
+            "--exec-root",
+            str(home / "exec"),
+            "--pidfile",
+            str(home / "dockerd.pid"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         end = time.monotonic() + 60
         while not answers(env):
@@ -98,8 +111,9 @@ def docker_env(tmp_path_factory) -> Iterator[dict[str, str]]:
         if not had_bridge:
             subprocess.run(["ip", "link", "del", "docker0"], capture_output=True, timeout=30)
         if saved is not None and saved.returncode == 0:
-            subprocess.run(["iptables-restore"], input=saved.stdout, capture_output=True,
-                           timeout=30)  # fmt: skip
+            subprocess.run(
+                ["iptables-restore"], input=saved.stdout, capture_output=True, timeout=30
+            )
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -108,8 +122,13 @@ def image(docker_env) -> Iterator[str]:
     """``make image``'s script, tagged ``IMAGE``; removed afterwards (the base stays cached)."""
     env = {**docker_env, "PYTHON": sys.executable}
     started = time.monotonic()
-    out = subprocess.run([str(ROOT / "deploy/build-image.sh"), IMAGE], capture_output=True,
-                         text=True, env=env, timeout=1800)  # fmt: skip
+    out = subprocess.run(
+        [str(ROOT / "deploy/build-image.sh"), IMAGE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     print(f"image built in {time.monotonic() - started:.0f} s: {out.stderr.strip()[-300:]}")
     yield IMAGE
@@ -120,19 +139,27 @@ def test_the_image_runs_the_cli(docker_env, image):
     out = run([DOCKER, "run", "--rm", image, "--version"], env=docker_env)
     assert out.startswith("paramserver")
     # Fashion-MNIST is in the image, where the workers look for it by default
-    run([DOCKER, "run", "--rm", "--entrypoint", "ls", image, "/usr/share/datasets/fashion-mnist"],
-        env=docker_env)  # fmt: skip
+    run(
+        [DOCKER, "run", "--rm", "--entrypoint", "ls", image, "/usr/share/datasets/fashion-mnist"],
+        env=docker_env,
+    )
 
 
 def test_compose_cluster_trains_and_survives_kill_9_of_the_server(docker_env, image, tmp_path):
     port, metrics = free_port(), free_port()
     settings = {
-        "PARAMSERVER_IMAGE": image, "PARAMSERVER_DATASET": "synthetic", "PARAMSERVER_POLICY": "sync",
-        "PARAMSERVER_EPOCHS": str(EPOCHS), "PARAMSERVER_WORKERS": "2",
-        "PARAMSERVER_MIN_WORKERS": "2", "PARAMSERVER_CHECKPOINT_EVERY": "10",
-        "PARAMSERVER_STEP_DELAY": "0.05", "PARAMSERVER_PUBLISH_PORT": str(port),
-        "PARAMSERVER_METRICS_PUBLISH_PORT": str(metrics), "PARAMSERVER_LR": "0.003",
-    }  # fmt: skip
+        "PARAMSERVER_IMAGE": image,
+        "PARAMSERVER_DATASET": "synthetic",
+        "PARAMSERVER_POLICY": "sync",
+        "PARAMSERVER_EPOCHS": str(EPOCHS),
+        "PARAMSERVER_WORKERS": "2",
+        "PARAMSERVER_MIN_WORKERS": "2",
+        "PARAMSERVER_CHECKPOINT_EVERY": "10",
+        "PARAMSERVER_STEP_DELAY": "0.05",
+        "PARAMSERVER_PUBLISH_PORT": str(port),
+        "PARAMSERVER_METRICS_PUBLISH_PORT": str(metrics),
+        "PARAMSERVER_LR": "0.003",
+    }
     env = {k: v for k, v in docker_env.items() if not k.startswith("PARAMSERVER_")}
     env.update(settings)
     compose = [COMPOSE, "-p", f"pstest{os.getpid()}", "-f", str(BASE)]
@@ -141,8 +168,10 @@ def test_compose_cluster_trains_and_survives_kill_9_of_the_server(docker_env, im
     def status() -> dict | None:
         out = subprocess.run(
             paramserver_cmd("status", "--server", address, "--json", "--timeout", "2"),
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return json.loads(out.stdout) if out.returncode == 0 else None
 
     def container(service: str, index: int = 1) -> dict:
@@ -152,19 +181,26 @@ def test_compose_cluster_trains_and_survives_kill_9_of_the_server(docker_env, im
     started = time.monotonic()
     try:
         run([*compose, "up", "-d", "--no-build", "--scale", "worker=2"], env=env, timeout=300)
-        first = wait_for("training under way, past a checkpoint",
-                         lambda: (s := status()) and s.get("version", 0) >= 30 and s, 180)  # fmt: skip
+        first = wait_for(
+            "training under way, past a checkpoint",
+            lambda: (s := status()) and s.get("version", 0) >= 30 and s,
+            180,
+        )
         up_after = time.monotonic() - started
         server = container("server")
         os.kill(server["State"]["Pid"], signal.SIGKILL)  # the host's view of its process
         back = wait_for(
             "the server back from its checkpoint",
-            lambda: (s := status()) and s["incarnation"] != first["incarnation"] and s, 180,
-        )  # fmt: skip
+            lambda: (s := status()) and s["incarnation"] != first["incarnation"] and s,
+            180,
+        )
         assert back["version"] >= 30  # it resumed, not started over
         for i in (1, 2):
-            wait_for(f"worker {i} done",
-                     lambda i=i: container("worker", i)["State"]["Status"] == "exited", 300)  # fmt: skip
+            wait_for(
+                f"worker {i} done",
+                lambda i=i: container("worker", i)["State"]["Status"] == "exited",
+                300,
+            )
             assert container("worker", i)["State"]["ExitCode"] == 0
         final = status()
         assert final is not None and container("server")["RestartCount"] >= 1
@@ -172,13 +208,21 @@ def test_compose_cluster_trains_and_survives_kill_9_of_the_server(docker_env, im
         assert final["batches_done"] == EPOCHS * BATCHES
         assert final["samples"] == EPOCHS * BATCHES * 64
         assert final["version"] == EPOCHS * BATCHES // 2  # sync: one step per round of 2
-        print(f"compose: training after {up_after:.0f} s, all done after "
-              f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        print(
+            f"compose: training after {up_after:.0f} s, all done after "
+            f"{time.monotonic() - started:.0f} s"
+        )
     except BaseException:
-        logs = subprocess.run([*compose, "logs", "--no-color", "--tail", "40"], env=env,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        logs = subprocess.run(
+            [*compose, "logs", "--no-color", "--tail", "40"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         print(logs.stdout[-6000:])
         raise
     finally:
-        subprocess.run([*compose, "down", "-v", "--timeout", "10"], env=env,
-                       capture_output=True, timeout=180)  # fmt: skip
+        subprocess.run(
+            [*compose, "down", "-v", "--timeout", "10"], env=env, capture_output=True, timeout=180
+        )

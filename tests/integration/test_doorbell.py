@@ -32,8 +32,14 @@ def _socket(worker: ps.Worker) -> ControlSocket:
 
 
 def _push(worker: ps.Worker, iteration: int, **kw) -> pb.PushPullRequest:
-    header = pb.PushHeader(worker_id=worker.worker_id, iteration=iteration, shm=True,
-                           incarnation=worker.incarnation, samples=1, **kw)  # fmt: skip
+    header = pb.PushHeader(
+        worker_id=worker.worker_id,
+        iteration=iteration,
+        shm=True,
+        incarnation=worker.incarnation,
+        samples=1,
+        **kw,
+    )
     return pb.PushPullRequest(push=header)
 
 

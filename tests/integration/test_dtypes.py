@@ -38,8 +38,15 @@ def _train(server: ps.ServerApp, model: nn.Module, ds: data.Dataset, autocast: b
 def test_a_16_bit_model_trains_against_float32_master_weights(serve, dtype):
     ds = data.synthetic(train=2 * BATCH * STEPS, test=16)
     model = tiny_model().to(dtype)
-    server = serve(replica(model), optimizer="adam", lr=3e-3, policy="sync", workers=2,
-                   dataset="synthetic", batch_size=BATCH)  # fmt: skip
+    server = serve(
+        replica(model),
+        optimizer="adam",
+        lr=3e-3,
+        policy="sync",
+        workers=2,
+        dataset="synthetic",
+        batch_size=BATCH,
+    )
     locals_ = [replica(model) for _ in range(2)]
     threads = [WorkerThread(lambda m=m: _train(server, m, ds, False)) for m in locals_]
     for t in threads:
@@ -61,8 +68,15 @@ def test_a_16_bit_model_trains_against_float32_master_weights(serve, dtype):
 def test_autocast_works_unchanged(serve):
     ds = data.synthetic(train=BATCH * STEPS, test=16)
     model = tiny_model()
-    server = serve(replica(model), optimizer="adam", lr=3e-3, policy="async", workers=1,
-                   dataset="synthetic", batch_size=BATCH)  # fmt: skip
+    server = serve(
+        replica(model),
+        optimizer="adam",
+        lr=3e-3,
+        policy="async",
+        workers=1,
+        dataset="synthetic",
+        batch_size=BATCH,
+    )
     losses, codec = _train(server, replica(model), ds, autocast=True)
     assert codec == "float32" and np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
 
@@ -71,8 +85,16 @@ def test_autocast_works_unchanged(serve):
 def test_a_float64_model_trains_against_float64_master_weights(serve, shm):
     ds = data.synthetic(train=BATCH * STEPS, test=16)
     model = tiny_model().double()
-    server = serve(replica(model), optimizer="sgd", lr=0.1, policy="sync", workers=1,
-                   dataset="synthetic", batch_size=BATCH, shards=1)  # fmt: skip
+    server = serve(
+        replica(model),
+        optimizer="sgd",
+        lr=0.1,
+        policy="sync",
+        workers=1,
+        dataset="synthetic",
+        batch_size=BATCH,
+        shards=1,
+    )
     local, ref = replica(model), replica(model)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     with ps.Worker(server.address, local, train_samples=len(ds.train_x), shm=shm) as w:
@@ -94,7 +116,8 @@ def test_a_float64_model_trains_against_float64_master_weights(serve, shm):
 
 def test_non_floating_parameters_are_refused_naming_them(serve):
     model = tiny_model()
-    model.register_parameter("steps", nn.Parameter(torch.zeros(1, dtype=torch.int64),
-                                                   requires_grad=False))  # fmt: skip
+    model.register_parameter(
+        "steps", nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+    )
     with pytest.raises(ConfigError, match="Parameter 'steps' has dtype int64"):
         serve(model)

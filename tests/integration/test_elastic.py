@@ -12,9 +12,17 @@ from tests.conftest import DEADLINE, WorkerThread
 def test_workers_join_and_leave_a_sync_run_and_no_batch_is_lost_or_repeated(serve):
     epochs, batch = 2, 32
     server = serve(
-        "mlp", policy="sync", workers=3, min_workers=2, optimizer="sgd", lr=0.05,
-        dataset="synthetic", batch_size=batch, epochs=epochs, lease_seconds=5.0,
-    )  # fmt: skip
+        "mlp",
+        policy="sync",
+        workers=3,
+        min_workers=2,
+        optimizer="sgd",
+        lr=0.05,
+        dataset="synthetic",
+        batch_size=batch,
+        epochs=epochs,
+        lease_seconds=5.0,
+    )
     total = epochs * data.batches_per_epoch(data.SYNTHETIC_TRAIN, batch)
 
     def worker(name: str, **kw) -> WorkerThread:

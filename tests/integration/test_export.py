@@ -35,7 +35,7 @@ def _train(serve, directory, shards: int) -> dict[str, torch.Tensor] | None:
             shards=shards,
             checkpoint_dir=str(directory),
             checkpoint_every="5",
-        )  # fmt: skip
+        )
         for i in range(shards)
     ]
     model = models.build(MODEL, seed=SEED)
@@ -75,10 +75,21 @@ def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tm
     assert set(checkpoint.list_cuts(tmp_path, 0, 2)) >= {5, 10}
     (tmp_path / checkpoint.server_file(1, 2)).unlink()  # shard 1's last checkpoint is lost
     result = subprocess.run(
-        [*paramserver_cmd(), "export", str(tmp_path), "--model", MODEL, "--seed", str(SEED),
-         "--out", str(tmp_path / "cut.pt")],
-        capture_output=True, text=True, timeout=DEADLINE,
-    )  # fmt: skip
+        [
+            *paramserver_cmd(),
+            "export",
+            str(tmp_path),
+            "--model",
+            MODEL,
+            "--seed",
+            str(SEED),
+            "--out",
+            str(tmp_path / "cut.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{tmp_path / 'cut.pt'}: version 10"
     cut = torch.load(tmp_path / "cut.pt", weights_only=True)["model_state_dict"]

@@ -28,8 +28,12 @@ ROLE_VARIABLES = {"PARAMSERVER_SHARDS"}
 
 
 def build(path: str) -> list[dict]:
-    out = subprocess.run([KUBECTL or "kubectl", "kustomize", str(K8S / path)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [KUBECTL or "kubectl", "kustomize", str(K8S / path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -39,8 +43,12 @@ def validate(tmp_path: Path, docs: list[dict], version: str) -> subprocess.Compl
     path.write_text(yaml.safe_dump_all(docs))
     tool = str(VALIDATE) if VALIDATE.exists() else shutil.which("kubernetes-validate")
     assert tool, "kubernetes-validate is a dev dependency: make install installs it"
-    return subprocess.run([tool, "--strict", "--quiet", "-k", version, str(path)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [tool, "--strict", "--quiet", "-k", version, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def by_kind(docs: list[dict]) -> dict[str, dict]:

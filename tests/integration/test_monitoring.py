@@ -42,9 +42,17 @@ def one(samples: dict[str, list], name: str, **labels: str) -> float:
 
 def test_metrics_follow_a_training_run(serve, tmp_path):
     server = serve(
-        "mlp", policy="delay-1", workers=2, dataset="synthetic", batch_size=64, epochs=1,
-        host="127.0.0.1", metrics_port=0, checkpoint_dir=str(tmp_path), checkpoint_every="10",
-    )  # fmt: skip
+        "mlp",
+        policy="delay-1",
+        workers=2,
+        dataset="synthetic",
+        batch_size=64,
+        epochs=1,
+        host="127.0.0.1",
+        metrics_port=0,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every="10",
+    )
     assert _check(server.address) == health_pb2.HealthCheckResponse.SERVING
     before = scrape(server.metrics.port)
     assert one(before, "paramserver_version") == 0

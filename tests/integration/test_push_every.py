@@ -17,9 +17,15 @@ from tests.conftest import WorkerThread
 def test_push_every_k_applies_every_batch_once_in_fewer_steps(serve, policy):
     epochs, batch, k = 2, 64, 3
     server = serve(
-        "mlp", policy=policy, workers=2, optimizer="adam", lr=1e-3,
-        dataset="synthetic", batch_size=batch, epochs=epochs,
-    )  # fmt: skip
+        "mlp",
+        policy=policy,
+        workers=2,
+        optimizer="adam",
+        lr=1e-3,
+        dataset="synthetic",
+        batch_size=batch,
+        epochs=epochs,
+    )
     total = epochs * data.batches_per_epoch(data.SYNTHETIC_TRAIN, batch)
     threads = []
     for name, every in (("a", k), ("b", 1)):  # chosen per worker

@@ -62,8 +62,9 @@ def test_join_is_idempotent_a_retried_join_whose_reply_was_lost_admits_no_ghost(
 
     def train() -> int:
         model = tiny_model()
-        with ps.Worker(server.address, model, transport=transport, server_timeout=3.0,
-                       overlap=False) as w:  # fmt: skip
+        with ps.Worker(
+            server.address, model, transport=transport, server_timeout=3.0, overlap=False
+        ) as w:
             for _ in range(3):
                 for p in model.parameters():
                     p.grad = torch.ones_like(p)
@@ -109,10 +110,35 @@ CKPT_EVERY = 5  # optimizer steps
 
 
 def _ckpt_server(tmp_path, n: int, port: int = 0, metrics: int | None = None) -> Child:
-    args = ["server", "--host", "127.0.0.1", "--port", str(port), "--policy", "async",
-            "--workers", "1", "--dataset", "synthetic", "--batch-size", "16", "--epochs", "50",
-            "--optimizer", "sgd", "--lr", "0.05", "--model", "mlp", "--lease-timeout", "30",
-            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(CKPT_EVERY)]  # fmt: skip
+    args = [
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "async",
+        "--workers",
+        "1",
+        "--dataset",
+        "synthetic",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "50",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--model",
+        "mlp",
+        "--lease-timeout",
+        "30",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        str(CKPT_EVERY),
+    ]
     if metrics is not None:
         args += ["--metrics-port", str(metrics)]
     return Child(f"server-{n}", args, tmp_path / f"server-{n}.log", capture_stdout=True)
@@ -130,9 +156,21 @@ def test_a_failed_checkpoint_write_never_ends_checkpointing(tmp_path):
         server = _ckpt_server(tmp_path, 1, metrics=metrics_port)
         procs.append(server)
         address = server.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
-        worker = Child("worker", ["worker", "--server", address, "--device", "cpu",
-                                  "--step-delay", "0.01", "--server-timeout", "120"],
-                       tmp_path / "worker.log")  # fmt: skip
+        worker = Child(
+            "worker",
+            [
+                "worker",
+                "--server",
+                address,
+                "--device",
+                "cpu",
+                "--step-delay",
+                "0.01",
+                "--server-timeout",
+                "120",
+            ],
+            tmp_path / "worker.log",
+        )
         procs.append(worker)
         _wait(address, "a first checkpoint", lambda s: s.checkpoint_version >= CKPT_EVERY)
         assert _checkpoint_health(address) == health_pb2.HealthCheckResponse.SERVING
@@ -147,21 +185,31 @@ def test_a_failed_checkpoint_write_never_ends_checkpointing(tmp_path):
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
         text = scraped.read().decode()
         assert re.search(r"^paramserver_checkpoint_failures_total [1-9]", text, re.M), text
-        shown = subprocess.run(paramserver_cmd("status", "--server", address), text=True,
-                               capture_output=True, timeout=DEADLINE, check=True)  # fmt: skip
+        shown = subprocess.run(
+            paramserver_cmd("status", "--server", address),
+            text=True,
+            capture_output=True,
+            timeout=DEADLINE,
+            check=True,
+        )
         assert "CHECKPOINTS FAILING" in shown.stdout, shown.stdout
         probe = subprocess.run(
             paramserver_cmd("health", "--server", address, "--service", CHECKPOINT_HEALTH),
-            text=True, capture_output=True, timeout=DEADLINE,
-        )  # fmt: skip
+            text=True,
+            capture_output=True,
+            timeout=DEADLINE,
+        )
         assert probe.returncode != 0 and "NOT_SERVING" in probe.stderr, probe
         assert "retrying in" in server.log_path.read_text()
         stuck = _status(address)
         assert stuck is not None
 
         resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
-        again = _wait(address, "checkpoints again", lambda s: s.checkpoint_failing_seconds < 0
-                      and s.checkpoint_version > stuck.version)  # fmt: skip
+        again = _wait(
+            address,
+            "checkpoints again",
+            lambda s: s.checkpoint_failing_seconds < 0 and s.checkpoint_version > stuck.version,
+        )
         assert again.checkpoint_error == ""
         assert _checkpoint_health(address) == health_pb2.HealthCheckResponse.SERVING
 
@@ -221,10 +269,21 @@ def test_each_shard_applies_each_batch_once_when_a_worker_dies_between_its_pushe
     start = nn.Linear(8, 1, bias=False)
     nn.init.zeros_(start.weight)
     shards = [
-        serve(copy.deepcopy(start), optimizer="sgd", lr=1.0, momentum=0.0, policy=policy,
-              workers=2, min_workers=1, batch_size=64, epochs=1, shard=i, shards=2)
+        serve(
+            copy.deepcopy(start),
+            optimizer="sgd",
+            lr=1.0,
+            momentum=0.0,
+            policy=policy,
+            workers=2,
+            min_workers=1,
+            batch_size=64,
+            epochs=1,
+            shard=i,
+            shards=2,
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     addresses = [s.address for s in shards]
 
     def cut_off_from_a_shard(address: str) -> Any:
@@ -233,8 +292,15 @@ def test_each_shard_applies_each_batch_once_when_a_worker_dies_between_its_pushe
         return Stub(connect(address, DEADLINE))
 
     first = copy.deepcopy(start)
-    dying = ps.Worker(addresses, first, train_samples=64, transport=cut_off_from_a_shard,
-                      shm=False, overlap=False, server_timeout=1.0)  # fmt: skip
+    dying = ps.Worker(
+        addresses,
+        first,
+        train_samples=64,
+        transport=cut_off_from_a_shard,
+        shm=False,
+        overlap=False,
+        server_timeout=1.0,
+    )
     assert dying.batches == [0]
     with pytest.raises(ps.ServerUnavailable):
         _ones_step(dying, first, 64)

@@ -20,13 +20,22 @@ def test_tf_config_alone_places_the_server_and_the_worker(tmp_path):
     base = {"PARAMSERVER_DATASET": "synthetic", "PARAMSERVER_EPOCHS": "1"}
     procs: list[Child] = []
     try:
-        server = Child("server", ["server"], tmp_path / "server.log", capture_stdout=True,
-                       env={**base, "TF_CONFIG": tf["ps"]})  # fmt: skip
+        server = Child(
+            "server",
+            ["server"],
+            tmp_path / "server.log",
+            capture_stdout=True,
+            env={**base, "TF_CONFIG": tf["ps"]},
+        )
         procs.append(server)
         address = server.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
         assert address == f"127.0.0.1:{port}"
-        worker = Child("worker", ["worker", "--device", "cpu"], tmp_path / "worker.log",
-                       env={"TF_CONFIG": tf["worker"]})  # fmt: skip
+        worker = Child(
+            "worker",
+            ["worker", "--device", "cpu"],
+            tmp_path / "worker.log",
+            env={"TF_CONFIG": tf["worker"]},
+        )
         procs.append(worker)
         assert worker.proc.wait(DEADLINE) == 0, worker.tail(20)
         st = _status(address)

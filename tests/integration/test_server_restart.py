@@ -31,13 +31,38 @@ STEP_DELAY = "0.05"
 def _server(tmp_path, port: int, ckpt, n: int) -> Child:
     return Child(
         f"server-{n}",
-        ["server", "--host", "127.0.0.1", "--port", str(port), "--policy", "sync",
-         "--workers", str(WORKERS), "--dataset", "synthetic", "--batch-size", str(BATCH),
-         "--epochs", str(EPOCHS), "--optimizer", "sgd", "--lr", "0.05", "--model", "mlp",
-         "--lease-timeout", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"],
+        [
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "sync",
+            "--workers",
+            str(WORKERS),
+            "--dataset",
+            "synthetic",
+            "--batch-size",
+            str(BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--model",
+            "mlp",
+            "--lease-timeout",
+            "5",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "10",
+        ],
         tmp_path / f"server-{n}.log",
         capture_stdout=True,
-    )  # fmt: skip
+    )
 
 
 def _status(address: str) -> pb.StatusResponse:
@@ -71,12 +96,27 @@ def test_workers_survive_a_server_restart_from_its_checkpoint(tmp_path):
         address = first.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
         port = int(address.rsplit(":", 1)[1])
         workers = [
-            Child(f"worker-{i}",
-                  ["worker", "--server", address, "--device", "cpu", "--name", f"w{i}",
-                   "--server-timeout", "120", "--rpc-timeout", "30", "--step-delay", STEP_DELAY],
-                  tmp_path / f"worker-{i}.log")
+            Child(
+                f"worker-{i}",
+                [
+                    "worker",
+                    "--server",
+                    address,
+                    "--device",
+                    "cpu",
+                    "--name",
+                    f"w{i}",
+                    "--server-timeout",
+                    "120",
+                    "--rpc-timeout",
+                    "30",
+                    "--step-delay",
+                    STEP_DELAY,
+                ],
+                tmp_path / f"worker-{i}.log",
+            )
             for i in range(WORKERS)
-        ]  # fmt: skip
+        ]
         procs += workers
 
         # Mid-run, with a checkpoint behind us: kill -9, no warning, no last checkpoint.

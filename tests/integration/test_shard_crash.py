@@ -37,14 +37,42 @@ TABLES = ("tests.sparse_models:dlrm_sparse", "tests.sparse_models:small_clicks")
 def _shard(tmp_path, tag: str, i: int, port: int, n: int, policy: str, what=MLP) -> Child:
     return Child(
         f"{tag}-shard{i}-{n}",
-        ["server", "--host", "127.0.0.1", "--port", str(port), "--shard", f"{i}/{SHARDS}",
-         "--policy", policy, "--workers", str(WORKERS), "--dataset", what[1],
-         "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--optimizer", "sgd",
-         "--lr", "0.05", "--model", what[0], "--seed", "3", "--lease-timeout", "5",
-         "--checkpoint-dir", str(tmp_path / tag), "--checkpoint-every", str(CUT_EVERY)],
+        [
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--shard",
+            f"{i}/{SHARDS}",
+            "--policy",
+            policy,
+            "--workers",
+            str(WORKERS),
+            "--dataset",
+            what[1],
+            "--batch-size",
+            str(BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--model",
+            what[0],
+            "--seed",
+            "3",
+            "--lease-timeout",
+            "5",
+            "--checkpoint-dir",
+            str(tmp_path / tag),
+            "--checkpoint-every",
+            str(CUT_EVERY),
+        ],
         tmp_path / f"{tag}-shard{i}-{n}.log",
         capture_stdout=True,
-    )  # fmt: skip
+    )
 
 
 def _status(address: str) -> pb.StatusResponse | None:
@@ -73,13 +101,27 @@ def _run(
         procs += shards
         addresses = [s.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1] for s in shards]
         workers = [
-            Child(f"{tag}-worker-{i}",
-                  ["worker", "--server", ",".join(addresses), "--device", "cpu",
-                   "--name", f"w{i}", "--step-delay", "0.01", "--server-timeout", "120",
-                   "--rpc-timeout", "30"],
-                  tmp_path / f"{tag}-worker-{i}.log")
+            Child(
+                f"{tag}-worker-{i}",
+                [
+                    "worker",
+                    "--server",
+                    ",".join(addresses),
+                    "--device",
+                    "cpu",
+                    "--name",
+                    f"w{i}",
+                    "--step-delay",
+                    "0.01",
+                    "--server-timeout",
+                    "120",
+                    "--rpc-timeout",
+                    "30",
+                ],
+                tmp_path / f"{tag}-worker-{i}.log",
+            )
             for i in range(WORKERS)
-        ]  # fmt: skip
+        ]
         procs += workers
         if every:
             newest = _kill_every_shard(shards, tmp_path / tag, addresses)
@@ -122,8 +164,10 @@ def _run(
             assert any("rewinding" in w.log_path.read_text() for w in workers)
             # shard 0 went back from where it was to the round shard 1 resumed from: its
             # newest cut on disk when it was killed
-            rewound = re.search(r"rewound from round (\d+) to the cut at round (\d+)",
-                                shards[0].log_path.read_text())  # fmt: skip
+            rewound = re.search(
+                r"rewound from round (\d+) to the cut at round (\d+)",
+                shards[0].log_path.read_text(),
+            )
             assert rewound is not None, shards[0].tail(30)
             assert int(rewound[2]) == killed_at < int(rewound[1])
         return np.concatenate(parts), statuses

@@ -50,7 +50,7 @@ def test_sharded_servers_train_exactly_like_one(serve, tmp_path, optimizer, shar
             shards=shards,
             checkpoint_dir=str(tmp_path),
             checkpoint_every="5",
-        )  # fmt: skip
+        )
         for i in range(shards)
     ]
     model = replica(start)
@@ -97,10 +97,26 @@ def test_bad_shard_options_are_one_line_errors():
 
 def test_launch_with_two_server_shards(tmp_path):
     out = run_cli(
-        "launch", "--dataset", "synthetic", "--workers", "2", "--servers", "2", "--epochs", "2",
-        "--policy", "delay-1", "--device", "cpu", "--json", "--no-progress", "--runs-dir",
-        str(tmp_path), "--lr", "0.003",
-    )  # fmt: skip
+        "launch",
+        "--dataset",
+        "synthetic",
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        "--epochs",
+        "2",
+        "--policy",
+        "delay-1",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
+        "--lr",
+        "0.003",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 2 * (4096 // 64) * 64
@@ -109,8 +125,9 @@ def test_launch_with_two_server_shards(tmp_path):
     assert (run_dir / "server-0.log").exists() and (run_dir / "server-1.log").exists()
     # the run's checkpoint holds the whole model, gathered from both shards
     state = checkpoint.load(run_dir / "checkpoint.pt")
-    assert set(state["model_state_dict"]) == {n for n, _ in ps.models.parameters(
-        ps.models.build("mlp"))}  # fmt: skip
+    assert set(state["model_state_dict"]) == {
+        n for n, _ in ps.models.parameters(ps.models.build("mlp"))
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -119,9 +136,11 @@ def test_shards_carry_buffers_and_float64_like_one_server(serve, dtype):
     holds buffers only: the same parameters and buffers as one server, bit for bit."""
     torch.manual_seed(0)
     start = torch.nn.Sequential(
-        torch.nn.Flatten(), torch.nn.Linear(784, 4), torch.nn.BatchNorm1d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(784, 4),
+        torch.nn.BatchNorm1d(4),
         torch.nn.Linear(4, 10),
-    ).to(dtype)  # fmt: skip
+    ).to(dtype)
     start.register_buffer("seen", torch.zeros(8000, dtype=dtype))
 
     def train(address) -> dict[str, torch.Tensor]:
@@ -140,8 +159,10 @@ def test_shards_carry_buffers_and_float64_like_one_server(serve, dtype):
 
     one = serve(replica(start), optimizer="sgd", lr=0.1, policy="sync", workers=1)
     expected = train(one.address)
-    servers = [serve(replica(start), optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i,
-                     shards=3) for i in range(3)]  # fmt: skip
+    servers = [
+        serve(replica(start), optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i, shards=3)
+        for i in range(3)
+    ]
     roles = [{s.role for s in srv.coordinator.manifest.tensors} for srv in servers]
     assert roles[-1] == {"buffer", "count"}  # the last shard holds no parameter at all
     got = train([s.address for s in servers])

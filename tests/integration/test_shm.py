@@ -56,8 +56,9 @@ def test_shared_memory_gives_the_same_weights_as_streaming(serve, policy):
     for path, kw in PATHS.items():
         kw = dict(kw)
         model = tiny_model()
-        server = serve(replica(model), optimizer="adam", policy=policy, workers=1,
-                       **kw.pop("server", {}))  # fmt: skip
+        server = serve(
+            replica(model), optimizer="adam", policy=policy, workers=1, **kw.pop("server", {})
+        )
         before = _segments()
         worker = _train(server, model, 12, **kw)
         try:
@@ -137,9 +138,12 @@ def test_shared_memory_requests_without_a_segment_are_refused(serve):
         stub = Stub(channel)
         try:
             header = pb.PushHeader(
-                worker_id=worker.worker_id, iteration=worker.clock, shm=True, shm_slot=0,
+                worker_id=worker.worker_id,
+                iteration=worker.clock,
+                shm=True,
+                shm_slot=0,
                 incarnation=worker.incarnation,
-            )  # fmt: skip
+            )
             for request in (
                 pb.PushPullRequest(push=header),
                 pb.PushPullRequest(push=pb.PushHeader(worker_id=worker.worker_id)),

@@ -38,11 +38,17 @@ def cluster() -> Iterator[slurm.Cluster]:
 
 
 def submit(cluster: slurm.Cluster, workdir: Path, **settings: str) -> str:
-    env = dict(cluster.env, PARAMSERVER_CMD=f"{sys.executable} -m paramserver",
-               PARAMSERVER_DATASET="synthetic", PARAMSERVER_DEVICE="cpu", **settings)  # fmt: skip
+    env = dict(
+        cluster.env,
+        PARAMSERVER_CMD=f"{sys.executable} -m paramserver",
+        PARAMSERVER_DATASET="synthetic",
+        PARAMSERVER_DEVICE="cpu",
+        **settings,
+    )
     workdir.mkdir()
-    out = cluster.run_env(["sbatch", "--parsable", "--export=ALL", f"--chdir={workdir}",
-                           str(SBATCH)], env)  # fmt: skip
+    out = cluster.run_env(
+        ["sbatch", "--parsable", "--export=ALL", f"--chdir={workdir}", str(SBATCH)], env
+    )
     return out.strip().split(";")[0]
 
 
@@ -68,8 +74,11 @@ def saved_version(directory: Path) -> int:
 def test_the_heterogeneous_job_trains_to_the_end(cluster, tmp_path):
     started = time.monotonic()
     jid = submit(cluster, tmp_path / "run", PARAMSERVER_EPOCHS="2")
-    state = wait("the job done", lambda: (j := job(cluster, jid))["JobState"] in
-                 ("COMPLETED", "FAILED", "CANCELLED") and j, 240)  # fmt: skip
+    state = wait(
+        "the job done",
+        lambda: (j := job(cluster, jid))["JobState"] in ("COMPLETED", "FAILED", "CANCELLED") and j,
+        240,
+    )
     log = (tmp_path / "run" / f"paramserver-{jid}.out").read_text()
     assert state["JobState"] == "COMPLETED", log[-3000:]
     assert "1 shard(s) at 127.0.0.1:50051, 2 worker(s)" in log
@@ -83,15 +92,28 @@ def test_the_heterogeneous_job_trains_to_the_end(cluster, tmp_path):
 
 
 def test_a_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
-    jid = submit(cluster, tmp_path / "run", PARAMSERVER_EPOCHS="4", PARAMSERVER_STEP_DELAY="0.1",
-                 PARAMSERVER_CHECKPOINT_EVERY="10", PARAMSERVER_LEASE_TIMEOUT="5")  # fmt: skip
+    jid = submit(
+        cluster,
+        tmp_path / "run",
+        PARAMSERVER_EPOCHS="4",
+        PARAMSERVER_STEP_DELAY="0.1",
+        PARAMSERVER_CHECKPOINT_EVERY="10",
+        PARAMSERVER_LEASE_TIMEOUT="5",
+    )
     ckpt = tmp_path / "run" / f"paramserver-{jid}"
     reached = wait("a checkpoint mid-run", lambda: (v := saved_version(ckpt)) >= 40 and v, 240)
     assert reached < 4 * BATCHES
     started = time.monotonic()
     cluster.run(["scontrol", "requeue", jid])
-    state = wait("the requeued job done", lambda: (j := job(cluster, jid))["JobState"] in
-                 ("COMPLETED", "FAILED", "CANCELLED") and j["Restarts"] != "0" and j, 300)  # fmt: skip
+    state = wait(
+        "the requeued job done",
+        lambda: (
+            (j := job(cluster, jid))["JobState"] in ("COMPLETED", "FAILED", "CANCELLED")
+            and j["Restarts"] != "0"
+            and j
+        ),
+        300,
+    )
     log = (tmp_path / "run" / f"paramserver-{jid}.out").read_text()
     assert state["JobState"] == "COMPLETED", log[-3000:]
     assert "(restart 1)" in log and "resumed from incarnation" in log

@@ -22,9 +22,14 @@ def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
     ds = data.synthetic(train=1024, test=16)
     model = tiny_model()
     server = serve(
-        replica(model), optimizer=optimizer, lr=lr, policy="sync", workers=WORKERS,
-        dataset="synthetic", batch_size=BATCH,
-    )  # fmt: skip
+        replica(model),
+        optimizer=optimizer,
+        lr=lr,
+        policy="sync",
+        workers=WORKERS,
+        dataset="synthetic",
+        batch_size=BATCH,
+    )
 
     def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _batch(ds, b)
@@ -32,9 +37,12 @@ def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
     results = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x))
     # The reference: one process, batch 2b made of the round's two batches, same optimizer.
     ref = large_batch_reference(
-        model, lambda p: ps.store.build_optimizer(p, ps.OptimizerConfig(optimizer, lr)),
-        batch, STEPS, WORKERS,
-    )  # fmt: skip
+        model,
+        lambda p: ps.store.build_optimizer(p, ps.OptimizerConfig(optimizer, lr)),
+        batch,
+        STEPS,
+        WORKERS,
+    )
 
     assert server.status()["version"] == STEPS
     for name, expected in ref.state_dict().items():

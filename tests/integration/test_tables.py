@@ -89,8 +89,10 @@ def test_rows_too_many_for_one_message_follow_the_header_in_chunks(serve, shm, m
 def _trains_as_torch(serve, shards: int, shm: bool) -> None:
     torch.manual_seed(0)
     model = Clicky()
-    servers = [serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1,
-                     shard=i, shards=shards) for i in range(shards)]  # fmt: skip
+    servers = [
+        serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i, shards=shards)
+        for i in range(shards)
+    ]
     local = _local_twin(model, servers)
     opt = torch.optim.SGD(local.parameters(), lr=0.1)
 
@@ -172,12 +174,30 @@ def test_launch_trains_a_model_with_tables_and_checkpoints_them(tmp_path):
     tables, so it loads strictly into the model and scores what launch reported."""
     out = subprocess.run(
         paramserver_cmd(
-            "launch", "--model", "tests.sparse_models:dlrm_sparse", "--dataset", "clicks",
-            "--epochs", "1", "--batch-size", "256", "--lr", "0.01", "--workers", "2",
-            "--device", "cpu", "--json", "--no-progress", "--runs-dir", str(tmp_path),
+            "launch",
+            "--model",
+            "tests.sparse_models:dlrm_sparse",
+            "--dataset",
+            "clicks",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "256",
+            "--lr",
+            "0.01",
+            "--workers",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            "--no-progress",
+            "--runs-dir",
+            str(tmp_path),
         ),
-        capture_output=True, text=True, timeout=DEADLINE,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["test_auc"] > 0.7
@@ -223,8 +243,9 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     model = Clicky()
     start = Clicky()
     start.load_state_dict(model.state_dict())
-    server = serve(model, optimizer="adam", lr=0.05, policy="async", workers=1,
-                   checkpoint_dir=str(tmp_path))  # fmt: skip
+    server = serve(
+        model, optimizer="adam", lr=0.05, policy="async", workers=1, checkpoint_dir=str(tmp_path)
+    )
     with ps.Worker(server.address, model) as worker:
         for x, y in _batches(5):
             F.cross_entropy(model(x), y).backward()
@@ -232,8 +253,9 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     trained = _table([server], "emb")
     held = server.coordinator.tables.held
     server.stop()  # writes a last checkpoint
-    resumed = serve(start, optimizer="adam", lr=0.05, policy="async", workers=1,
-                    checkpoint_dir=str(tmp_path))  # fmt: skip
+    resumed = serve(
+        start, optimizer="adam", lr=0.05, policy="async", workers=1, checkpoint_dir=str(tmp_path)
+    )
     assert resumed.coordinator.tables.held == held
     torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
     saved = resumed.coordinator.tables.table("emb").state_dict()
@@ -247,8 +269,7 @@ def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(
     if not shm_module.available():
         pytest.skip("no writable /dev/shm here")
     wide = 4096  # 300 rows x 4096 float32 = 4.9 MB of row gradients, above one frame
-    model = nn.Sequential(nn.EmbeddingBag(1000, wide, mode="sum", sparse=True),
-                          nn.Linear(wide, 2))  # fmt: skip
+    model = nn.Sequential(nn.EmbeddingBag(1000, wide, mode="sum", sparse=True), nn.Linear(wide, 2))
     server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1)
     with ps.Worker(server.address, model) as worker:
         assert worker.control_active

@@ -70,8 +70,10 @@ def test_a_prefetch_of_several_tables_is_one_request_a_shard(serve, monkeypatch)
     finds them cached, with the servers' values."""
     torch.manual_seed(5)
     model = Clicky()
-    servers = [serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i,
-                     shards=2) for i in range(2)]  # fmt: skip
+    servers = [
+        serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i, shards=2)
+        for i in range(2)
+    ]
     monkeypatch.setattr(remote, "PULL_BYTES", 5 * DIM * 4)
     requests: list[list[tuple[str, int]]] = []
     pull_part = RemoteTables._pull_part
@@ -112,8 +114,9 @@ def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path
     model = Clicky()
     start = Clicky()
     start.load_state_dict(model.state_dict())
-    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1,
-                   checkpoint_dir=str(tmp_path))  # fmt: skip
+    server = serve(
+        model, optimizer="sgd", lr=0.1, policy="async", workers=1, checkpoint_dir=str(tmp_path)
+    )
     port = int(server.address.rsplit(":", 1)[1])
     batches = _batches(6)
     with ps.Worker(server.address, model, server_timeout=60) as worker:
@@ -121,8 +124,15 @@ def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path
             F.cross_entropy(model(x), y).backward()
             worker.step(samples=len(x))
         server.stop()  # writes a last checkpoint, at version 3
-        resumed = serve(start, optimizer="sgd", lr=0.1, policy="async", workers=1,
-                        checkpoint_dir=str(tmp_path), port=port)  # fmt: skip
+        resumed = serve(
+            start,
+            optimizer="sgd",
+            lr=0.1,
+            policy="async",
+            workers=1,
+            checkpoint_dir=str(tmp_path),
+            port=port,
+        )
         assert resumed.status()["version"] == 3
         for x, y in batches[3:]:
             F.cross_entropy(model(x), y).backward()  # its rows: pulled from the new server
@@ -149,10 +159,17 @@ def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap
         return pull_part(self, s, pieces)
 
     monkeypatch.setattr(RemoteTables, "_pull_part", count)
-    server = serve("tests.sparse_models:dlrm_sparse", optimizer="adam", lr=0.01,
-                   policy="async", workers=1, dataset="clicks", batch_size=256, epochs=1)  # fmt: skip
-    summary = trainer.run(WorkerConfig(server.address, device="cpu", overlap=overlap,
-                                       max_steps=30))  # fmt: skip
+    server = serve(
+        "tests.sparse_models:dlrm_sparse",
+        optimizer="adam",
+        lr=0.01,
+        policy="async",
+        workers=1,
+        dataset="clicks",
+        batch_size=256,
+        epochs=1,
+    )
+    summary = trainer.run(WorkerConfig(server.address, device="cpu", overlap=overlap, max_steps=30))
     assert summary.steps == 30
     assert summary.row_cache_hits > 0
     assert summary.row_cache_misses == 0  # every row was there before the forward pass
@@ -172,8 +189,9 @@ def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, mo
     monkeypatch.setattr(remote, "PULL_BYTES", 3 * 8 * 4)  # 3 rows of DIM 8 float32
     torch.manual_seed(6)
     model = Clicky()
-    server = serve(model, optimizer="adam", lr=0.05, policy="async", workers=1,
-                   checkpoint_dir=str(tmp_path))  # fmt: skip
+    server = serve(
+        model, optimizer="adam", lr=0.05, policy="async", workers=1, checkpoint_dir=str(tmp_path)
+    )
     with ps.Worker(server.address, model) as worker:
         for x, y in _batches(4):
             F.cross_entropy(model(x), y).backward()
@@ -202,8 +220,9 @@ def test_table_rows_makes_a_large_dense_embedding_a_table(serve):
 
     def build() -> nn.Module:
         torch.manual_seed(7)
-        return nn.ModuleDict({"big": nn.Embedding(300, 4), "small": nn.Embedding(20, 4),
-                              "head": nn.Linear(8, 2)})  # fmt: skip
+        return nn.ModuleDict(
+            {"big": nn.Embedding(300, 4), "small": nn.Embedding(20, 4), "head": nn.Linear(8, 2)}
+        )
 
     class Two(nn.Module):
         def __init__(self) -> None:
@@ -245,10 +264,10 @@ def test_a_prefetching_daemon_runs_to_the_end_of_the_servers_batches(serve, poli
 
     if not shm_module.available():
         pytest.skip("prefetching steps need a writable /dev/shm")
-    server = serve("mlp", policy=policy, workers=1, dataset="synthetic", batch_size=256,
-                   epochs=1)  # fmt: skip
-    run = WorkerThread(lambda: trainer.run(WorkerConfig(server.address, device="cpu",
-                                                        overlap="on")))  # fmt: skip
+    server = serve("mlp", policy=policy, workers=1, dataset="synthetic", batch_size=256, epochs=1)
+    run = WorkerThread(
+        lambda: trainer.run(WorkerConfig(server.address, device="cpu", overlap="on"))
+    )
     run.start()
     summary = run.result(timeout=DEADLINE)
     status = server.status()
@@ -264,8 +283,15 @@ def test_the_tables_follow_the_servers_learning_rate_schedule(serve):
     torch.manual_seed(8)
     model = Clicky()
     steps = 5
-    server = serve(model, optimizer="sgd", lr=0.2, lr_schedule="cosine", lr_total_steps=steps,
-                   policy="async", workers=1)  # fmt: skip
+    server = serve(
+        model,
+        optimizer="sgd",
+        lr=0.2,
+        lr_schedule="cosine",
+        lr_total_steps=steps,
+        policy="async",
+        workers=1,
+    )
     (spec,) = [t for t in server._servicer.steps.manifest().tables if t.name == "emb"]
     assert (spec.optimizer, spec.lr) == ("sgd", pytest.approx(0.2))
     local = _local_twin(model, [server])
@@ -289,8 +315,7 @@ def test_skip_nonfinite_skips_a_push_whose_rows_hold_nan(serve):
     a dense one is: neither its rows nor its dense gradient are applied; the next push is."""
     torch.manual_seed(9)
     model = Clicky()
-    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1,
-                   skip_nonfinite=True)  # fmt: skip
+    server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1, skip_nonfinite=True)
     (x, y), (x2, y2) = _batches(2)
     with ps.Worker(server.address, model) as worker:
         before = _table([server], "emb")

@@ -34,8 +34,13 @@ def make(
 ) -> Coordinator:
     m = manifest()
     store = ParameterStore(m, np.zeros(m.numel, np.float32), OptimizerConfig("sgd", lr=1.0))
-    config = ServerConfig(policy=policy, workers=workers, lease_seconds=10.0,
-                          optimizer=OptimizerConfig("sgd", lr=1.0), dataset="synthetic")  # fmt: skip
+    config = ServerConfig(
+        policy=policy,
+        workers=workers,
+        lease_seconds=10.0,
+        optimizer=OptimizerConfig("sgd", lr=1.0),
+        dataset="synthetic",
+    )
     return Coordinator(config, store, now=clock, snapshot=snapshot)
 
 
@@ -95,8 +100,12 @@ def test_a_batchnorm_model_lays_out_parameters_then_buffers() -> None:
     model.register_buffer("scratch", torch.zeros(9), persistent=False)  # not in the state
     m, tensors = models.state(model)
     assert [(s.name, s.role) for s in m.tensors] == [
-        ("0.weight", "param"), ("0.bias", "param"), ("1.weight", "param"), ("1.bias", "param"),
-        ("1.running_mean", "buffer"), ("1.running_var", "buffer"),
+        ("0.weight", "param"),
+        ("0.bias", "param"),
+        ("1.weight", "param"),
+        ("1.bias", "param"),
+        ("1.running_mean", "buffer"),
+        ("1.running_var", "buffer"),
         ("1.num_batches_tracked", "count"),
-    ]  # fmt: skip
+    ]
     assert tensors[-1] is model[1].num_batches_tracked

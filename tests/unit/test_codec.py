@@ -78,7 +78,9 @@ def test_half_parameters_take_float32_elements(dtype: torch.dtype) -> None:
     t = torch.tensor([1.5, -2.25, 3.0], dtype=dtype)
     m = Manifest.from_tensors([("h", t), ("n", torch.tensor([7]))], ["param", "count"])
     assert [(s.dtype, s.offset, s.nbytes, s.role) for s in m.tensors] == [
-        (str(dtype)[6:], 0, 12, "param"), ("int64", 12, 4, "count")]  # fmt: skip
+        (str(dtype)[6:], 0, 12, "param"),
+        ("int64", 12, 4, "count"),
+    ]
     assert m.section("param") == (0, 3) and m.section("buffer") == (3, 3)
     assert m.section("count") == (3, 4)
     flat = torch.empty(4)
@@ -107,7 +109,10 @@ def test_shard_manifest_names_each_section_of_its_range() -> None:
         ("flat", 4, "param")
     ]
     assert [(s.name, s.numel, s.role) for s in shard_manifest(m, 3, 7).tensors] == [
-        ("flat", 1, "param"), ("buffers", 2, "buffer"), ("counts", 1, "count")]  # fmt: skip
+        ("flat", 1, "param"),
+        ("buffers", 2, "buffer"),
+        ("counts", 1, "count"),
+    ]
     only = shard_manifest(m, 5, 7)
     assert [(s.name, s.numel) for s in only.tensors] == [("buffers", 1), ("counts", 1)]
     assert only.section("param") == (0, 0) and Manifest.from_proto(only.to_proto()) == only

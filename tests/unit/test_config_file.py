@@ -56,14 +56,19 @@ def write(tmp_path: Path, text: str) -> str:
 # the file, the variable and the command line give, as TOML and as the option reads them).
 PRECEDENCE = [
     ("server", [], "policy", "PARAMSERVER_POLICY", ('"ssp:2"', "async", "sync")),
-    ("worker", ["--server", "127.0.0.1:1"], "push-every", "PARAMSERVER_PUSH_EVERY",
-     ("2", "3", "4")),
+    (
+        "worker",
+        ["--server", "127.0.0.1:1"],
+        "push-every",
+        "PARAMSERVER_PUSH_EVERY",
+        ("2", "3", "4"),
+    ),
     ("launch", ["--dataset", "synthetic"], "epochs", "PARAMSERVER_EPOCHS", ("2", "3", "4")),
     ("status", [], "timeout", "PARAMSERVER_TIMEOUT", ("1.5", "2.5", "3.5")),
     ("health", [], "service", "PARAMSERVER_HEALTH_SERVICE", ('"a"', "b", "c")),
     ("plot", ["{tmp}"], "out", "PARAMSERVER_PLOT_OUT", ('"a.png"', "b.png", "c.png")),
     ("export", ["{tmp}", "--model", "mlp"], "seed", "PARAMSERVER_SEED", ("1", "2", "3")),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("command,args,key,variable,given", PRECEDENCE)
@@ -90,8 +95,9 @@ def test_a_switch_follows_the_same_order(capsys, monkeypatch, tmp_path):
     assert printed(capsys, "bench", "step", "--config", path)["quick"] == ("true", f"file {path}")
     monkeypatch.setenv("PARAMSERVER_BENCH_QUICK", "false")
     assert printed(capsys, "bench", "step", "--config", path)["quick"] == (
-        "false", "env PARAMSERVER_BENCH_QUICK",
-    )  # fmt: skip
+        "false",
+        "env PARAMSERVER_BENCH_QUICK",
+    )
     got = printed(capsys, "bench", "step", "--config", path, "--quick")["quick"]
     assert got == ("true", "command line")
 
@@ -110,8 +116,9 @@ def test_print_config_names_every_source_and_hides_the_token(capsys, monkeypatch
     path = write(tmp_path, 'log-level = "warning"\n[server]\nlr = 0.01\n[worker]\nshm = "off"\n')
     monkeypatch.setenv("PARAMSERVER_WORKERS", "4")
     monkeypatch.setenv("PARAMSERVER_TOKEN", "s3cret")
-    code, out, err = run(capsys, "server", "--config", path, "--epochs", "3", "--model",
-                         "resnet", "--print-config")  # fmt: skip
+    code, out, err = run(
+        capsys, "server", "--config", path, "--epochs", "3", "--model", "resnet", "--print-config"
+    )
     assert code == 0, err
     assert "s3cret" not in out
     lines = out.splitlines()
@@ -124,17 +131,33 @@ def test_print_config_names_every_source_and_hides_the_token(capsys, monkeypatch
         ("# token: set, not shown", "env PARAMSERVER_TOKEN"),
         ("# min-workers: unset", "default"),
     ):
-        assert any(ln.startswith(expected[0]) and ln.endswith("# " + expected[1])
-                   for ln in lines), (expected, out)  # fmt: skip
+        assert any(
+            ln.startswith(expected[0]) and ln.endswith("# " + expected[1]) for ln in lines
+        ), (expected, out)
     # a built-in model's defaults say so
     got = printed(capsys, "server", "--model", "dlrm")
     assert got["dataset"] == ('"clicks"', "model dlrm") and got["epochs"][1] == "model dlrm"
 
 
 def test_print_config_is_a_config_file_that_gives_the_same_settings(capsys, tmp_path):
-    args = ["server", "--policy", "ssp:3", "--workers", "5", "--lr", "0.05", "--shard", "1/2",
-            "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "200", "--skip-nonfinite",
-            "--port", "0"]  # fmt: skip
+    args = [
+        "server",
+        "--policy",
+        "ssp:3",
+        "--workers",
+        "5",
+        "--lr",
+        "0.05",
+        "--shard",
+        "1/2",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "200",
+        "--skip-nonfinite",
+        "--port",
+        "0",
+    ]
     code, out, err = run(capsys, *args, "--print-config")
     assert code == 0, err
     path = write(tmp_path, out)
@@ -170,7 +193,9 @@ def test_launch_takes_its_settings_from_the_file(capsys, monkeypatch, tmp_path):
         return {"failed_workers": [], "ok": True}
 
     monkeypatch.setattr(paramserver.cluster.launch, "launch", fake_launch)
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [launch]
         dataset = "synthetic"
         policy = "sync"
@@ -185,43 +210,77 @@ def test_launch_takes_its_settings_from_the_file(capsys, monkeypatch, tmp_path):
         json = true
         [server]
         policy = "async"   # another command's table: not launch's
-    """.replace("\n        ", "\n"))  # fmt: skip
+    """.replace("\n        ", "\n"),
+    )
     code, out, err = run(capsys, "launch", "--config", path, "--epochs", "3")
     assert code == 0, err
     (cfg,) = seen
     assert (cfg.server.policy, cfg.server.workers, cfg.server.epochs) == ("sync", 3, 3)
     assert (cfg.server.dataset, cfg.server.threads, cfg.server.optimizer.schedule) == (
-        "synthetic", 2, "constant",
-    )  # fmt: skip
+        "synthetic",
+        2,
+        "constant",
+    )
     assert (cfg.device, cfg.servers, cfg.push_every, cfg.progress) == ("cpu", 2, 2, False)
     assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 0)
     assert out.strip() == '{"failed_workers": [], "ok": true}'  # json = true
 
 
 BAD = [
-    ("[server]\npolcy = \"sync\"\n", "server", '[server] polcy = "sync": unknown key',
-     "did you mean policy?"),
-    ("[srever]\npolicy = \"sync\"\n", "server", '[srever] = {policy = "sync"}: unknown table',
-     "[server]"),
-    ("[server]\nworkers = \"many\"\n", "server", '[server] workers = "many"',
-     "is not a valid integer"),
+    (
+        '[server]\npolcy = "sync"\n',
+        "server",
+        '[server] polcy = "sync": unknown key',
+        "did you mean policy?",
+    ),
+    (
+        '[srever]\npolicy = "sync"\n',
+        "server",
+        '[srever] = {policy = "sync"}: unknown table',
+        "[server]",
+    ),
+    (
+        '[server]\nworkers = "many"\n',
+        "server",
+        '[server] workers = "many"',
+        "is not a valid integer",
+    ),
     ("[server]\nworkers = 2.5\n", "server", "[server] workers = 2.5", "not a valid integer"),
-    ("[server]\noptimizer = \"lbfgs\"\n", "server", '[server] optimizer = "lbfgs"',
-     "is not one of"),
-    ("[server]\nskip-nonfinite = 1\n", "server", "[server] skip-nonfinite = 1",
-     "takes true or false"),
+    ('[server]\noptimizer = "lbfgs"\n', "server", '[server] optimizer = "lbfgs"', "is not one of"),
+    (
+        "[server]\nskip-nonfinite = 1\n",
+        "server",
+        "[server] skip-nonfinite = 1",
+        "takes true or false",
+    ),
     ("[server]\nlr = [1, 2]\n", "server", "[server] lr = [1, 2]", "takes one value"),
-    ("[worker]\nshm = \"maybe\"\n", "status", '[worker] shm = "maybe"', "is not one of"),
-    ("log-levle = \"debug\"\n", "status", 'log-levle = "debug": unknown key',
-     "did you mean log-level?"),
-    ("[server]\nworkers = 0\n", "server", "[server] workers = 0",
-     "--workers must be at least 1; got 0"),
-    ("[server]\npolicy = \"never\"\n", "server", '[server] policy = "never"',
-     "Unknown staleness policy (--policy) 'never'"),
-    ("[worker]\ndevice = \"tpu\"\n", "worker", '[worker] device = "tpu"',
-     "--device must be auto, cpu, cuda or cuda:N"),
+    ('[worker]\nshm = "maybe"\n', "status", '[worker] shm = "maybe"', "is not one of"),
+    (
+        'log-levle = "debug"\n',
+        "status",
+        'log-levle = "debug": unknown key',
+        "did you mean log-level?",
+    ),
+    (
+        "[server]\nworkers = 0\n",
+        "server",
+        "[server] workers = 0",
+        "--workers must be at least 1; got 0",
+    ),
+    (
+        '[server]\npolicy = "never"\n',
+        "server",
+        '[server] policy = "never"',
+        "Unknown staleness policy (--policy) 'never'",
+    ),
+    (
+        '[worker]\ndevice = "tpu"\n',
+        "worker",
+        '[worker] device = "tpu"',
+        "--device must be auto, cpu, cuda or cuda:N",
+    ),
     ("[server]\nmodel = \n", "server", "is not TOML", ""),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("text,command,names,why", BAD)

@@ -20,9 +20,14 @@ from tests.conftest import DEADLINE, FakeClock
 def _shard(tmp_path, every: str = "2", resume: bool = False):
     nn.init.zeros_((model := nn.Linear(4, 1, bias=False)).weight)
     config = ServerConfig(
-        policy="sync", workers=1, shard=0, shards=2, checkpoint_dir=str(tmp_path),
-        checkpoint_every=every, optimizer=OptimizerConfig("sgd", lr=1.0),
-    )  # fmt: skip
+        policy="sync",
+        workers=1,
+        shard=0,
+        shards=2,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=every,
+        optimizer=OptimizerConfig("sgd", lr=1.0),
+    )
     coordinator = build_coordinator(config, model, now=FakeClock(), resume=resume)
     return coordinator, Checkpointer(coordinator, tmp_path, every, cuts=True)
 
@@ -103,9 +108,14 @@ def test_a_shard_must_cut_by_iterations_not_seconds(tmp_path):
 def test_under_async_every_worker_meets_at_the_cut_and_it_is_taken_there(tmp_path):
     nn.init.zeros_((model := nn.Linear(4, 1, bias=False)).weight)
     config = ServerConfig(
-        policy="async", workers=2, shard=0, shards=2, checkpoint_dir=str(tmp_path),
-        checkpoint_every="2", optimizer=OptimizerConfig("sgd", lr=1.0),
-    )  # fmt: skip
+        policy="async",
+        workers=2,
+        shard=0,
+        shards=2,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every="2",
+        optimizer=OptimizerConfig("sgd", lr=1.0),
+    )
     c = build_coordinator(config, model, now=FakeClock())
     saver = Checkpointer(c, tmp_path, "2", cuts=True).start()
     a, b = c.join("a"), c.join("b")

@@ -58,8 +58,11 @@ def test_a_group_goes_out_again_whole_and_an_empty_push_gives_its_batches_back()
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["take", "complete", "leave"]), st.integers(0, 3)),
-                max_size=200))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "complete", "leave"]), st.integers(0, 3)), max_size=200
+    )
+)
 def test_any_interleaving_applies_each_batch_at_most_once_and_loses_none(ops) -> None:
     q = BatchQueue(per_epoch=7, epochs=3)
     clocks = {f"w{i}": 0 for i in range(4)}

@@ -14,11 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generated_code_is_current(tmp_path):
     pytest.importorskip("grpc_tools")
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'protos'}",
-         f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-         str(ROOT / "protos/paramserver/v1/paramserver.proto")],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'protos'}",
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            str(ROOT / "protos/paramserver/v1/paramserver.proto"),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     out = tmp_path / "paramserver" / "v1"
     grpc_code = (out / "paramserver_pb2_grpc.py").read_text()
     grpc_code = grpc_code.replace("from paramserver.v1 import", "from paramserver._proto import")

@@ -49,11 +49,17 @@ def test_sparse_embeddings_are_tables_outside_the_flat_buffer():
     from paramserver import models
     from paramserver.errors import ConfigError
 
-    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2),
-                          nn.EmbeddingBag(7, 3, sparse=True), nn.Embedding(5, 2))  # fmt: skip
+    model = nn.Sequential(
+        nn.Embedding(10, 4, sparse=True),
+        nn.Linear(4, 2),
+        nn.EmbeddingBag(7, 3, sparse=True),
+        nn.Embedding(5, 2),
+    )
     assert [n for n, _ in models.parameters(model)] == ["1.weight", "1.bias", "3.weight"]
     assert [(t.name, t.rows, t.dim) for t in models.table_specs(model)] == [
-        ("0", 10, 4), ("2", 7, 3)]  # fmt: skip
+        ("0", 10, 4),
+        ("2", 7, 3),
+    ]
     model[0].requires_grad_(False)  # frozen: a constant, neither a table nor pushed
     assert [t.name for t in models.table_specs(model)] == ["2"]
     with pytest.raises(ConfigError, match="padding_idx"):

@@ -23,8 +23,10 @@ def pair():
 
 def test_frames_round_trip_in_order(pair):
     a, b = pair
-    frames = [records.Frame(b"x" * n, code, seconds) for n, code, seconds in
-              [(0, 0, 0.0), (1, 5, 1.5), (70_000, 10, 60.0)]]  # fmt: skip
+    frames = [
+        records.Frame(b"x" * n, code, seconds)
+        for n, code, seconds in [(0, 0, 0.0), (1, 5, 1.5), (70_000, 10, 60.0)]
+    ]
     for f in frames:
         records.send(a, f)
     assert [records.recv(b) for _ in frames] == frames

@@ -20,15 +20,21 @@ def env(kind: str, index: int, cluster: dict | None = None) -> dict[str, str]:
 
 def test_a_ps_task_is_a_shard_on_its_own_port_for_every_worker():
     task = roles.tf_config(env("ps", 1))
-    assert roles.server_settings(task) == {"shard": "1/2", "port": 2223, "host": "0.0.0.0",
-                                           "workers": 3}  # fmt: skip
+    assert roles.server_settings(task) == {
+        "shard": "1/2",
+        "port": 2223,
+        "host": "0.0.0.0",
+        "workers": 3,
+    }
 
 
 def test_a_worker_or_chief_task_dials_every_ps_in_order():
     for kind, index in (("worker", 1), ("chief", 0)):
         settings = roles.worker_settings(roles.tf_config(env(kind, index)))
-        assert settings == {"server_address": "ps-0.ps:2222,ps-1.ps:2223",
-                            "name": f"{kind}-{index}"}  # fmt: skip
+        assert settings == {
+            "server_address": "ps-0.ps:2222,ps-1.ps:2223",
+            "name": f"{kind}-{index}",
+        }
 
 
 def test_no_tf_config_changes_nothing():

@@ -22,13 +22,28 @@ def _parse(command: str, args: list[str]) -> dict:
 
 def test_a_server_config_survives_argv_and_the_command_line(tmp_path):
     cfg = ServerConfig(
-        model="cnn", policy="ssp:3", workers=5, dataset="synthetic", batch_size=32, epochs=3,
-        seed=7, host="127.0.0.1", port=0, lease_seconds=2.5, chunk_bytes=8192, threads=2,
-        min_workers=3, checkpoint_dir=str(tmp_path), checkpoint_every="7", skip_nonfinite=True,
-        metrics_port=9101, shard=1, shards=2,
+        model="cnn",
+        policy="ssp:3",
+        workers=5,
+        dataset="synthetic",
+        batch_size=32,
+        epochs=3,
+        seed=7,
+        host="127.0.0.1",
+        port=0,
+        lease_seconds=2.5,
+        chunk_bytes=8192,
+        threads=2,
+        min_workers=3,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every="7",
+        skip_nonfinite=True,
+        metrics_port=9101,
+        shard=1,
+        shards=2,
         optimizer=OptimizerConfig("momentum", 0.05, 0.8, 1e-4, "cosine", 1000),
         security=Security(token="s3cret"),
-    )  # fmt: skip
+    )
     args = settings.argv(cfg, exclude=("shard", "shards"))
     assert "s3cret" not in args and settings.secrets(cfg) == {"PARAMSERVER_TOKEN": "s3cret"}
     kw = _parse("server", [*args, "--shard", "1/2", "--token", "s3cret"])
@@ -39,10 +54,21 @@ def test_a_server_config_survives_argv_and_the_command_line(tmp_path):
 
 def test_a_worker_config_survives_argv_and_the_command_line():
     cfg = WorkerConfig(
-        server="10.0.0.1:50051,10.0.0.2:50051", device="cpu", threads=3, data_dir="/data",
-        rpc_timeout=12.5, barrier_timeout=99.0, max_steps=40, step_delay=0.25, name="w7",
-        overlap="on", shm="off", compress="bf16", push_every=4, server_timeout=42.0,
-    )  # fmt: skip
+        server="10.0.0.1:50051,10.0.0.2:50051",
+        device="cpu",
+        threads=3,
+        data_dir="/data",
+        rpc_timeout=12.5,
+        barrier_timeout=99.0,
+        max_steps=40,
+        step_delay=0.25,
+        name="w7",
+        overlap="on",
+        shm="off",
+        compress="bf16",
+        push_every=4,
+        server_timeout=42.0,
+    )
     kw = _parse("worker", ["--server", cfg.server, *settings.argv(cfg, exclude=("server",))])
     address, procs = kw.pop("server_address"), kw.pop("procs")
     assert (address, procs) == (cfg.server, 1)
@@ -56,8 +82,16 @@ def test_a_worker_config_survives_argv_and_the_command_line():
 def test_launch_passes_its_worker_settings_to_its_workers_as_declared():
     from paramserver.cluster.launch import worker_args
 
-    cfg = LaunchConfig(server=ServerConfig(), device="cpu", threads=2, step_delay=0.5,
-                       overlap="off", shm="off", compress="fp16", push_every=2)  # fmt: skip
+    cfg = LaunchConfig(
+        server=ServerConfig(),
+        device="cpu",
+        threads=2,
+        step_delay=0.5,
+        overlap="off",
+        shm="off",
+        compress="fp16",
+        push_every=2,
+    )
     args = worker_args(cfg, "127.0.0.1:1234", "worker-3")
     kw = _parse("worker", args[1:])
     got = WorkerConfig(server=kw.pop("server_address"), **settings.values(WorkerConfig, kw))
@@ -96,10 +130,16 @@ def test_a_launch_config_survives_argv_and_the_command_line():
     from paramserver.cluster.launch import launch_args
 
     server = ServerConfig(
-        host="127.0.0.1", port=0, policy="sync", workers=3, epochs=2, dataset="synthetic",
-        threads=2, min_workers=2, optimizer=OptimizerConfig("sgd", 0.1, schedule="cosine",
-                                                           total_steps=50),
-    )  # fmt: skip
+        host="127.0.0.1",
+        port=0,
+        policy="sync",
+        workers=3,
+        epochs=2,
+        dataset="synthetic",
+        threads=2,
+        min_workers=2,
+        optimizer=OptimizerConfig("sgd", 0.1, schedule="cosine", total_steps=50),
+    )
     cfg = LaunchConfig(server=server, device="cpu", servers=2, push_every=2, run_dir="/tmp/r")
     kw = _parse("launch", launch_args(cfg)[1:])
     kw.pop("as_json"), kw.pop("progress")
@@ -133,8 +173,12 @@ def test_a_built_in_model_brings_its_defaults_for_what_the_command_line_leaves_u
 def _tls_files(tmp_path) -> Security:
     for name in ("cert.pem", "key.pem", "ca.pem"):
         (tmp_path / name).write_text("-")
-    return Security(cert=str(tmp_path / "cert.pem"), key=str(tmp_path / "key.pem"),
-                    ca=str(tmp_path / "ca.pem"), token="s3cret")  # fmt: skip
+    return Security(
+        cert=str(tmp_path / "cert.pem"),
+        key=str(tmp_path / "key.pem"),
+        ca=str(tmp_path / "ca.pem"),
+        token="s3cret",
+    )
 
 
 def test_every_childs_argv_is_derived_from_its_config_and_parses_back_into_it(
@@ -153,28 +197,59 @@ def test_every_childs_argv_is_derived_from_its_config_and_parses_back_into_it(
     # The token never goes by argv: the child inherits it by its variable.
     monkeypatch.setenv("PARAMSERVER_TOKEN", "s3cret")
     server = ServerConfig(
-        model="cnn", policy="ssp:3", workers=4, min_workers=2, dataset="synthetic", epochs=3,
-        host="127.0.0.1", port=0, threads=2, shard=2, shards=3, checkpoint_dir=str(tmp_path),
-        checkpoint_every="7", optimizer_thread=True, metrics_port=0, metrics_host="0.0.0.0",
+        model="cnn",
+        policy="ssp:3",
+        workers=4,
+        min_workers=2,
+        dataset="synthetic",
+        epochs=3,
+        host="127.0.0.1",
+        port=0,
+        threads=2,
+        shard=2,
+        shards=3,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every="7",
+        optimizer_thread=True,
+        metrics_port=0,
+        metrics_host="0.0.0.0",
         optimizer=OptimizerConfig("sgd", 0.5, schedule="cosine", total_steps=9),
         security=security,
-    )  # fmt: skip
+    )
     args = server_args(server)
     assert args[0] == "server" and "s3cret" not in args and "2/3" in args
     assert cli.server_config(_parse("server", args[1:])) == server
 
-    worker = WorkerConfig("10.0.0.1:1,10.0.0.2:2", device="cpu", threads=2, max_steps=5,
-                          name="w", shm="off", compress="fp16", security=security)  # fmt: skip
+    worker = WorkerConfig(
+        "10.0.0.1:1,10.0.0.2:2",
+        device="cpu",
+        threads=2,
+        max_steps=5,
+        name="w",
+        shm="off",
+        compress="fp16",
+        security=security,
+    )
     args = worker_command(worker)
     assert args[0] == "worker" and "s3cret" not in args
     kw = _parse("worker", args[1:])
     assert settings.build(Procs, kw) == Procs()
     assert settings.build(WorkerConfig, kw) == worker and kw == {}
 
-    launch = LaunchConfig(server=dataclasses.replace(server, security=Security(), shard=0,
-                                                     shards=1, metrics_port=None,
-                                                     metrics_host="127.0.0.1"),
-                          progress=False, servers=3, cache_rows=99, overlap="on")  # fmt: skip
+    launch = LaunchConfig(
+        server=dataclasses.replace(
+            server,
+            security=Security(),
+            shard=0,
+            shards=1,
+            metrics_port=None,
+            metrics_host="127.0.0.1",
+        ),
+        progress=False,
+        servers=3,
+        cache_rows=99,
+        overlap="on",
+    )
     kw = _parse("launch", launch_args(launch)[1:])
     assert settings.build(LaunchOutput, kw) == LaunchOutput()
     local = cli.server_config(kw, host="127.0.0.1", port=0)
@@ -182,9 +257,18 @@ def test_every_childs_argv_is_derived_from_its_config_and_parses_back_into_it(
 
 
 def test_a_launchs_workers_get_every_worker_setting_of_the_launch():
-    launch = LaunchConfig(server=ServerConfig(), device="cpu", threads=3, data_dir="/d",
-                          step_delay=0.5, overlap="on", shm="payloads", compress="bf16",
-                          push_every=3, cache_rows=7)  # fmt: skip
+    launch = LaunchConfig(
+        server=ServerConfig(),
+        device="cpu",
+        threads=3,
+        data_dir="/d",
+        step_delay=0.5,
+        overlap="on",
+        shm="payloads",
+        compress="bf16",
+        push_every=3,
+        cache_rows=7,
+    )
     worker = launch.worker("127.0.0.1:9", "worker-1")
     shared = [f.name for f, _ in settings.declared(LaunchConfig) if hasattr(worker, f.name)]
     assert len(shared) == 9
@@ -200,9 +284,18 @@ def test_the_trainer_hands_the_worker_every_setting_it_takes():
     from paramserver.training.trainer import worker_arguments
     from paramserver.worker.worker import Worker
 
-    cfg = WorkerConfig("127.0.0.1:1", name="w", rpc_timeout=7.0, barrier_timeout=8.0,
-                       server_timeout=9.0, compress="bf16", push_every=3, cache_rows=11,
-                       shm="payloads", overlap="off")  # fmt: skip
+    cfg = WorkerConfig(
+        "127.0.0.1:1",
+        name="w",
+        rpc_timeout=7.0,
+        barrier_timeout=8.0,
+        server_timeout=9.0,
+        compress="bf16",
+        push_every=3,
+        cache_rows=11,
+        shm="payloads",
+        overlap="off",
+    )
     got = worker_arguments(cfg, torch.device("cpu"))
     takes = inspect.signature(Worker).parameters
     assert set(got) <= set(takes)

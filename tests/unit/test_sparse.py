@@ -56,9 +56,11 @@ def _torch_twin(table: ShardTable, name: str, lr: float):
     with torch.no_grad():
         emb.weight.copy_(table.read(np.arange(ROWS)))
     params = [emb.weight]
-    opt = {"sgd": lambda: torch.optim.SGD(params, lr=lr),
-           "adagrad": lambda: torch.optim.Adagrad(params, lr=lr),
-           "adam": lambda: torch.optim.SparseAdam(params, lr=lr)}[name]()  # fmt: skip
+    opt = {
+        "sgd": lambda: torch.optim.SGD(params, lr=lr),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=lr),
+        "adam": lambda: torch.optim.SparseAdam(params, lr=lr),
+    }[name]()
     return emb, opt
 
 
@@ -66,8 +68,7 @@ def _torch_twin(table: ShardTable, name: str, lr: float):
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
 def test_row_optimizers_train_a_table_as_torch_trains_a_sparse_embedding(name):
     lr = 0.05
-    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=3,
-                       capacity=16)  # fmt: skip
+    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=3, capacity=16)
     emb, opt = _torch_twin(table, name, lr)
     rng = np.random.default_rng(0)
     touched: set[int] = set()
@@ -76,31 +77,38 @@ def test_row_optimizers_train_a_table_as_torch_trains_a_sparse_embedding(name):
         touched |= set(batch.tolist())
         rows = table.pull(batch)
         # sgd and adagrad bit for bit; lazy adam to an ulp or so (torch's sparse ops order)
-        torch.testing.assert_close(rows, emb(torch.from_numpy(batch)).detach(),
-                                   rtol=1e-6, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            rows, emb(torch.from_numpy(batch)).detach(), rtol=1e-6, atol=1e-6
+        )
         ids = np.unique(batch)
         grads = torch.from_numpy(rng.standard_normal((len(ids), DIM)).astype(np.float32))
         table.push(ids, grads)
         opt.zero_grad()
-        emb.weight.grad = torch.sparse_coo_tensor(torch.from_numpy(ids)[None], grads,
-                                                  (ROWS, DIM), check_invariants=True)  # fmt: skip
+        emb.weight.grad = torch.sparse_coo_tensor(
+            torch.from_numpy(ids)[None], grads, (ROWS, DIM), check_invariants=True
+        )
         opt.step()
         if step == 10:
             table.push(np.array([], np.int64), torch.empty(0, DIM))  # an empty push is a step
-            emb.weight.grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long),
-                                                      torch.empty(0, DIM), (ROWS, DIM),
-                                                      check_invariants=True)  # fmt: skip
+            emb.weight.grad = torch.sparse_coo_tensor(
+                torch.empty(1, 0, dtype=torch.long),
+                torch.empty(0, DIM),
+                (ROWS, DIM),
+                check_invariants=True,
+            )
             opt.step()
-    torch.testing.assert_close(table.read(np.arange(ROWS)), emb.weight.detach(),
-                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    torch.testing.assert_close(
+        table.read(np.arange(ROWS)), emb.weight.detach(), rtol=1e-6, atol=1e-7
+    )
     assert table.held == len(touched) < ROWS  # untouched rows were never created
 
 
 def test_a_sharded_table_is_the_unsharded_one():
     cfg = RowOptimizerConfig("adam", 0.01)
     whole = ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=1)
-    shards = [ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=1, shard=i, shards=3)
-              for i in range(3)]  # fmt: skip
+    shards = [
+        ShardTable(TableSpec("t", ROWS, DIM), cfg, seed=1, shard=i, shards=3) for i in range(3)
+    ]
     rng = np.random.default_rng(1)
     for _ in range(10):
         ids = np.unique(rng.integers(0, ROWS, 50))
@@ -118,8 +126,9 @@ def test_a_sharded_table_is_the_unsharded_one():
 
 
 def test_bad_requests_are_refused_and_change_nothing():
-    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig("adagrad", 0.1),
-                       shard=1, shards=2)  # fmt: skip
+    table = ShardTable(
+        TableSpec("t", ROWS, DIM), RowOptimizerConfig("adagrad", 0.1), shard=1, shards=2
+    )
     mine = np.arange(ROWS)[shard_of(np.arange(ROWS), 2) == 1]
     table.push(mine[:5], torch.ones(5, DIM))
     before = table.state_dict()
@@ -193,8 +202,10 @@ def test_rows_split_into_chunks_read_back_as_the_header_held_them(sizes, limit):
 
     specs = {f"t{i}": TableSpec(f"t{i}", 1000, 3) for i in range(len(sizes))}
     g = torch.Generator().manual_seed(sum(sizes))
-    pushes = [RowGradients(f"t{i}", np.arange(n, dtype=np.int64) * 7, torch.randn(n, 3, generator=g))
-              for i, n in enumerate(sizes)]  # fmt: skip
+    pushes = [
+        RowGradients(f"t{i}", np.arange(n, dtype=np.int64) * 7, torch.randn(n, 3, generator=g))
+        for i, n in enumerate(sizes)
+    ]
     header = pb.PushHeader(worker_id="w", rows=[wire.gradients_to_proto(p) for p in pushes])
     before = header.SerializeToString()
     sent, chunks = wire.split_rows(header, limit)

@@ -24,8 +24,14 @@ def Clicky() -> nn.Module:  # noqa: N802 - stands for the class
 
 
 def _shards(specs: list[TableSpec], shards: int, optimizer: RowOptimizerConfig) -> LocalTables:
-    return LocalTables({s.name: [ShardTable(s, optimizer, seed=7, shard=i, shards=shards)
-                                 for i in range(shards)] for s in specs})  # fmt: skip
+    return LocalTables(
+        {
+            s.name: [
+                ShardTable(s, optimizer, seed=7, shard=i, shards=shards) for i in range(shards)
+            ]
+            for s in specs
+        }
+    )
 
 
 def _batches(steps: int, batch: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,8 +77,12 @@ def test_tables_train_the_model_as_torch_trains_its_sparse_embeddings(prefetch):
         dense_remote.zero_grad()
 
     for name in ("emb", "bag"):
-        torch.testing.assert_close(tables.pull(name, np.arange(ROWS)),
-                                   getattr(local, name).weight.detach(), rtol=1e-5, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            tables.pull(name, np.arange(ROWS)),
+            getattr(local, name).weight.detach(),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     torch.testing.assert_close(remote.head.weight, local.head.weight)
     counters = attached["emb"].cache.counters
     if prefetch:

@@ -74,8 +74,9 @@ def test_a_sync_round_of_row_gradients_is_one_large_batch_step(optimizer):
             rnd.add(checked)
         rnd = RowRound.from_state(rnd.state())  # a round survives a checkpoint
         tables.apply(rnd.take_mean(2))
-    torch.testing.assert_close(tables.table("a").read(np.arange(ROWS)), emb.weight.detach(),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        tables.table("a").read(np.arange(ROWS)), emb.weight.detach(), rtol=1e-5, atol=1e-6
+    )
     assert rnd.take_mean(2) == []  # the round started afresh
 
 
@@ -122,8 +123,9 @@ def test_whole_tables_are_the_held_rows_over_the_seeded_initial_values():
     from paramserver.sparse.rows import shard_of
 
     ids = np.array([7, 2])
-    shards = [TableSet([spec], row_optimizer("sgd", 0.5), seed=3, shard=i, shards=2)
-              for i in range(2)]  # fmt: skip
+    shards = [
+        TableSet([spec], row_optimizer("sgd", 0.5), seed=3, shard=i, shards=2) for i in range(2)
+    ]
     for i, part in enumerate(shards):
         mine = ids[shard_of(ids, 2) == i]
         part.apply(part.check([RowGradients("t", mine, torch.ones(len(mine), 4))]))

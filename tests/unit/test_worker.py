@@ -243,13 +243,22 @@ def test_one_worker_drives_every_shard_through_one_flat_buffer(clock, shards, sh
 @pytest.mark.parametrize("policy", ["sync", "delay-1", "async"])
 def test_a_restarted_shard_and_the_others_resume_from_one_cut(clock, tmp_path, policy):
     servers = {
-        f"s{i}": FakeServer(zero_model(6), clock, policy=policy, workers=1, shard=i, shards=2,
-                            checkpoint_dir=str(tmp_path), checkpoint_every="2")
+        f"s{i}": FakeServer(
+            zero_model(6),
+            clock,
+            policy=policy,
+            workers=1,
+            shard=i,
+            shards=2,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every="2",
+        )
         for i in range(2)
-    }  # fmt: skip
+    }
     model = zero_model(6)
-    worker = ps.Worker(list(servers), model, channel=lambda a: servers[a].channel(a), shm=False,
-                       clock=clock)  # fmt: skip
+    worker = ps.Worker(
+        list(servers), model, channel=lambda a: servers[a].channel(a), shm=False, clock=clock
+    )
     for _ in range(3):
         one_step(worker, model)
     servers["s1"].restart()  # from its newest cut, at clock 2; s0 is at clock 3

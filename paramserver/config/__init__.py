@@ -1,0 +1,44 @@
+"""Frozen, validated settings; each field the command line sets declares its flag, variable
+and help (``settings.setting``). Every field is checked in ``__post_init__``; a bad value
+raises ConfigError with a sentence that names the setting (its flag) and the value.
+
+- ``base``: the choices and limits, ``OptimizerConfig``, ``Security``, the ``--shard`` and
+  ``--checkpoint-every`` parsers;
+- ``server``: ``ServerConfig``;
+- ``worker``: ``WorkerConfig`` and ``LaunchConfig`` (a server's and its workers').
+
+May import: ``settings``, ``codec``, ``policy``, ``errors``.
+"""
+
+from paramserver.config.base import (
+    DATASETS,
+    DEFAULT_CACHE_ROWS,
+    LR_SCHEDULES,
+    MAX_PUSH_EVERY,
+    MODEL_DEFAULTS,
+    OPTIMIZERS,
+    SHM_CHOICES,
+    OptimizerConfig,
+    Security,
+    parse_every,
+    parse_shard,
+)
+from paramserver.config.server import ServerConfig
+from paramserver.config.worker import LaunchConfig, WorkerConfig
+
+__all__ = [
+    "DATASETS",
+    "DEFAULT_CACHE_ROWS",
+    "LR_SCHEDULES",
+    "MAX_PUSH_EVERY",
+    "MODEL_DEFAULTS",
+    "OPTIMIZERS",
+    "SHM_CHOICES",
+    "LaunchConfig",
+    "OptimizerConfig",
+    "Security",
+    "ServerConfig",
+    "WorkerConfig",
+    "parse_every",
+    "parse_shard",
+]

@@ -1,0 +1,188 @@
+"""What every config shares: the choices and limits of settings, the optimizer's and the
+security settings, and the parsers of ``--shard`` and ``--checkpoint-every``."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from paramserver.errors import ConfigError
+from paramserver.settings import setting
+
+DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
+SHM_CHOICES = ("on", "payloads", "off")
+DATASETS = ("fashion-mnist", "synthetic", "clicks")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# The most batches a worker computes per push (--push-every K); the server enforces it too.
+MAX_PUSH_EVERY = 1024
+# What a built-in model brings on the command line (``server``, ``launch``) for settings left
+# at their defaults: the run that reaches the accuracy docs/RESULTS.md reports. Keys are the
+# click parameters' names.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "resnet": {"epochs": 10, "lr": 2e-3},
+    "dlrm": {"dataset": "clicks", "epochs": 2, "batch_size": 256, "lr": 1e-2},
+}
+MODEL_DEFAULTS["dlrm-sparse"] = MODEL_DEFAULTS["dlrm"]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be positive; got {value!r}.")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{name} must be zero or more; got {value!r}.")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The server-side optimizer."""
+
+    name: str = setting(
+        "adam", "--optimizer", "Server-side optimizer.", dest="optimizer", choices=OPTIMIZERS
+    )
+    lr: float = setting(1e-3, "--lr", "Learning rate.")
+    momentum: float = setting(0.9, "--momentum", "Momentum (optimizer 'momentum' only).")
+    weight_decay: float = setting(0.0, "--weight-decay", "Weight decay.")
+    schedule: str = setting(
+        "constant",
+        "--lr-schedule",
+        "constant, or cosine decay to 0 over --lr-total-steps optimizer steps.",
+        choices=LR_SCHEDULES,
+        dest="lr_schedule",
+    )
+    total_steps: int | None = setting(
+        None,
+        "--lr-total-steps",
+        "Optimizer steps the cosine schedule spans [launch: the whole run].",
+        type=int,
+        dest="lr_total_steps",
+    )
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(
+                f"Unknown optimizer (--optimizer) {self.name!r}: choose one of {', '.join(OPTIMIZERS)}."
+            )
+        _positive("The learning rate (--lr)", self.lr)
+        _non_negative("--momentum", self.momentum)
+        _non_negative("--weight-decay", self.weight_decay)
+        if self.schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                f"Unknown learning-rate schedule (--lr-schedule) {self.schedule!r}: choose one "
+                f"of {', '.join(LR_SCHEDULES)}."
+            )
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps < 1):
+            raise ConfigError(
+                "--lr-schedule cosine needs --lr-total-steps, the number of optimizer steps "
+                f"it decays over (at least 1); got {self.total_steps!r}."
+            )
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if self.schedule == "constant" or self.total_steps is None:
+            return self.lr
+        progress = min(step, self.total_steps) / self.total_steps
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS files and the shared token, the same options on servers and workers.
+
+    Server: ``cert``/``key`` serve TLS; with ``ca`` too, clients must present a
+    certificate signed by it (mutual TLS). Worker: ``ca`` verifies the server;
+    ``cert``/``key`` are the client certificate. ``token``: every call carries it and the
+    server refuses calls without it.
+    """
+
+    cert: str | None = setting(
+        None,
+        "--tls-cert",
+        "PEM certificate: the server's, or the worker's client certificate.",
+        dest="tls_cert",
+    )
+    key: str | None = setting(None, "--tls-key", "PEM private key of --tls-cert.", dest="tls_key")
+    ca: str | None = setting(
+        None,
+        "--tls-ca",
+        "PEM CA bundle: on the server, clients must present a certificate it signed (mutual TLS); on clients, it verifies the server.",
+        dest="tls_ca",
+    )
+    token: str | None = setting(
+        None,
+        "--token",
+        "Shared secret: the server refuses calls without it (UNAUTHENTICATED). Prefer the variable to the flag, which shows in ps.",
+        secret=True,
+    )
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("--tls-cert and --tls-key go together: give both or neither.")
+        for option, path in (
+            ("--tls-cert", self.cert),
+            ("--tls-key", self.key),
+            ("--tls-ca", self.ca),
+        ):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{option} {path!r} is not a readable file.")
+        if self.token is not None and not self.token.strip():
+            raise ConfigError("--token (PARAMSERVER_TOKEN) is set but empty.")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert or self.ca)
+
+    def read(self, which: str) -> bytes | None:
+        path = getattr(self, which)
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    def __repr__(self) -> str:  # never print the token
+        token = "set" if self.token else None
+        return f"Security(cert={self.cert!r}, key={self.key!r}, ca={self.ca!r}, token={token})"
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard I/S`` as (I, S).
+
+    Raises:
+        ConfigError: not two integers with 0 <= I < S.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if match is None or not 0 <= int(match[1]) < int(match[2]):
+        raise ConfigError(f"--shard must be I/S with 0 <= I < S, e.g. 0/2; got {text!r}.")
+    return int(match[1]), int(match[2])
+
+
+def _shard_fields(text: str) -> dict[str, int]:
+    index, shards = parse_shard(text)
+    return {"shard": index, "shards": shards}
+
+
+def parse_every(text: str) -> tuple[int | None, float | None]:
+    """``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds (also ``Nm``).
+
+    Raises:
+        ConfigError: neither form.
+    """
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(s|m)?\s*$", text or "")
+    if m and m.group(2):
+        seconds = float(m.group(1)) * (60 if m.group(2) == "m" else 1)
+        if seconds > 0:
+            return None, seconds
+    elif m and "." not in m.group(1) and int(m.group(1)) > 0:
+        return int(m.group(1)), None
+    raise ConfigError(
+        f"--checkpoint-every must be a number of optimizer steps (500) or of seconds (30s, "
+        f"5m), above zero; got {text!r}."
+    )

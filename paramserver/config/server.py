@@ -1,0 +1,180 @@
+"""A server's settings: the model, optimizer, policy and the training plan."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from paramserver.config.base import (
+    DATASETS,
+    OptimizerConfig,
+    Security,
+    _non_negative,
+    _positive,
+    _shard_fields,
+    parse_every,
+)
+from paramserver.errors import ConfigError
+from paramserver.policy.staleness import Policy
+from paramserver.settings import setting
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server needs: the model, optimizer, policy and the training plan."""
+
+    model: str = setting(
+        "mlp",
+        "--model",
+        "Model factory: mlp, cnn, resnet, dlrm (a click model for --dataset clicks), dlrm-sparse (dlrm with its tables held by the servers row by row) or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: 10 epochs at lr 0.002; dlrm and dlrm-sparse: the clicks data set, 2 epochs, batches of 256, lr 0.01).",
+    )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")
+    workers: int = setting(
+        1,
+        "--workers",
+        "Most workers live at once; training starts when --min-workers have joined.",
+        cli_default=2,
+    )
+    dataset: str = setting(
+        "fashion-mnist",
+        "--dataset",
+        "Training data: fashion-mnist, synthetic, clicks (a synthetic click log, for --model dlrm), or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.",
+    )
+    batch_size: int = setting(64, "--batch-size", "Batch size of each worker.")
+    epochs: int = setting(1, "--epochs", "Passes over the training set.", cli_default=8)
+    seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")
+    host: str = setting("0.0.0.0", "--host", "Address to listen on.")
+    port: int = setting(50051, "--port", "Port to listen on (0: any free port).")
+    lease_seconds: float = setting(
+        10.0,
+        "--lease-timeout",
+        "Seconds without a call after which a worker is dropped from every barrier.",
+    )
+    chunk_bytes: int = setting(
+        1 << 20, "--chunk-bytes", "Size of the streamed payload chunks (4 KiB to 16 MiB)."
+    )
+    threads: int = setting(
+        1,
+        "--threads",
+        "Torch threads of the optimizer.",
+        env="SERVER_THREADS",
+        dest="server_threads",
+    )
+    barrier_timeout: float = 600.0
+    min_workers: int | None = setting(
+        None,
+        "--min-workers",
+        "Workers that must join before training starts [default: --workers]; more may join later.",
+        type=int,
+    )
+    checkpoint_dir: str | None = setting(
+        None,
+        "--checkpoint-dir",
+        "Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one.",
+    )
+    checkpoint_every: str = setting(
+        "60s",
+        "--checkpoint-every",
+        "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); shards: every N iterations, a consistent cut.",
+    )
+    optimizer_thread: bool = setting(
+        False,
+        "--optimizer-thread",
+        "Apply every push on one optimizer thread that the request threads hand pushes to (measured slower on CPU: see docs/BENCHMARKS.md).",
+        is_flag=True,
+    )
+    table_rows: int = setting(
+        0,
+        "--table-rows",
+        "Also hold as a sparse table on the servers every trainable nn.Embedding or nn.EmbeddingBag of at least this many rows, built with sparse=True or not (0: only those built with sparse=True).",
+    )
+    skip_nonfinite: bool = setting(
+        False,
+        "--skip-nonfinite",
+        "Skip and count gradients holding NaN or Inf instead of failing the push.",
+        is_flag=True,
+    )
+    security: Security = field(default_factory=Security)
+    shard: int = setting(
+        0,
+        "--shard",
+        "I/S: hold the I-th of S equal contiguous ranges of the flat parameters; run one server per shard and give workers every address, in order (--server A,B,...). auto: I is the host name's ordinal (a StatefulSet pod's), S is PARAMSERVER_SHARDS.",
+        type=str,
+        cli_default="0/1",
+        parse=_shard_fields,
+        show=lambda c: f"{c.shard}/{c.shards}",
+    )
+    shards: int = 1  # of the shard above: --shard I/S
+    metrics_port: int | None = setting(
+        None,
+        "--metrics-port",
+        "Serve Prometheus metrics on http://METRICS_HOST:PORT/metrics [default: off].",
+        type=int,
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "--metrics-host",
+        "Address the metrics listen on; 0.0.0.0 opens them to every interface (no token guards them: they show worker names and the loss).",
+    )
+
+    def __post_init__(self) -> None:
+        Policy.parse(self.policy)
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1; got {self.workers}.")
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
+            raise ConfigError(
+                f"--min-workers must be between 1 and --workers ({self.workers}); got "
+                f"{self.min_workers}."
+            )
+        parse_every(self.checkpoint_every)
+        if self.dataset not in DATASETS and not re.fullmatch(r"[\w.]+:\w+", self.dataset):
+            raise ConfigError(
+                f"Unknown dataset (--dataset) {self.dataset!r}: choose one of "
+                f"{', '.join(DATASETS)}, or module:function."
+            )
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}.")
+        if self.epochs < 1:
+            raise ConfigError(f"--epochs must be at least 1; got {self.epochs}.")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be between 0 and 65535; got {self.port}.")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."
+            )
+        _positive("--lease-timeout", self.lease_seconds)
+        _non_negative("--table-rows", self.table_rows)
+        if not 4096 <= self.chunk_bytes <= 16 << 20 or self.chunk_bytes % 4:
+            raise ConfigError(
+                "--chunk-bytes must be a multiple of 4 from 4096 to 16777216 (16 MiB); got "
+                f"{self.chunk_bytes}."
+            )
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+        _positive("--barrier-timeout", self.barrier_timeout)
+        if not 0 <= self.shard < self.shards:
+            raise ConfigError(
+                f"--shard must be I/S with 0 <= I < S; got {self.shard}/{self.shards}."
+            )
+        if self.cuts and parse_every(self.checkpoint_every)[0] is None:
+            raise ConfigError(
+                "A shard of a sharded run checkpoints every N iterations (sync rounds, or "
+                "worker clocks), so that every shard cuts at the same point: give "
+                f"--checkpoint-every a number (e.g. 200), not {self.checkpoint_every!r}."
+            )
+
+    @property
+    def parsed_policy(self) -> Policy:
+        return Policy.parse(self.policy)
+
+    @property
+    def cuts(self) -> bool:
+        """Whether this server writes consistent cuts: a shard of a sharded run that
+        checkpoints."""
+        return self.shards > 1 and bool(self.checkpoint_dir)
+
+    @property
+    def start_workers(self) -> int:
+        """Joins the run waits for before the first pull is answered."""
+        return self.workers if self.min_workers is None else self.min_workers

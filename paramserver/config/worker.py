@@ -1,0 +1,204 @@
+"""A worker's settings, and the local cluster's (``launch``: a server's and its workers')."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from paramserver.codec import compression
+from paramserver.config.base import (
+    _DEVICE,
+    DEFAULT_CACHE_ROWS,
+    MAX_PUSH_EVERY,
+    SHM_CHOICES,
+    Security,
+    _non_negative,
+    _positive,
+)
+from paramserver.config.server import ServerConfig
+from paramserver.errors import ConfigError
+from paramserver.settings import REQUIRED, setting, shared
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker daemon: where the server is and how to compute."""
+
+    server: str = setting(
+        REQUIRED,
+        "--server",
+        "The server's HOST:PORT; for sharded servers every shard's, in shard order: A,B,... [default: from TF_CONFIG's cluster.ps]",
+        dest="server_address",
+        cli_default=None,
+    )
+    device: str = setting("auto", "--device", "auto (CUDA when present), cpu, cuda or cuda:N.")
+    threads: int = setting(1, "--threads", "Torch threads per worker process.")
+    data_dir: str | None = setting(
+        None,
+        "--data-dir",
+        "Folder of Fashion-MNIST (or MNIST) IDX files [default: Debian's /usr/share/datasets/fashion-mnist].",
+    )
+    rpc_timeout: float = setting(
+        60.0, "--rpc-timeout", "Deadline of each call but pulls, in seconds."
+    )
+    barrier_timeout: float = setting(
+        900.0,
+        "--barrier-timeout",
+        "Seconds a pull may wait for slower workers before the worker fails.",
+    )
+    max_steps: int | None = setting(None, "--max-steps", "Stop after this many steps.", type=int)
+    step_delay: float = setting(
+        0.0, "--step-delay", "Extra seconds per step: simulates a straggler."
+    )
+    name: str | None = setting(
+        None, "--name", "Name shown in the server's status [default: host:pid]."
+    )
+    overlap: str = setting(
+        "auto",
+        "--overlap",
+        "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU.",
+        choices=("auto", "on", "off"),
+    )
+    shm: str = setting(
+        "on",
+        "--shm",
+        "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams). on: each step's control also goes over the server's same-host socket; payloads: control over gRPC; off: no segment.",
+        choices=SHM_CHOICES,
+    )
+    compress: str = setting(
+        compression.AUTO,
+        "--compress",
+        "Element type of gradients streamed over gRPC (fp16, bf16: half the bytes; the server keeps float32); auto: a float16 or bfloat16 model's own, else none. Not used through shared memory.",
+        choices=compression.CHOICES,
+    )
+    push_every: int = setting(
+        1,
+        "--push-every",
+        "Compute K of the server's batches, accumulating their gradients, per push: K times fewer round trips, K times the batch per optimizer step.",
+    )
+    cache_rows: int = setting(
+        DEFAULT_CACHE_ROWS,
+        "--cache-rows",
+        "Sparse tables: the most rows each table keeps on a worker (a batch's distinct ids must fit).",
+    )
+    server_timeout: float = setting(
+        300.0,
+        "--server-timeout",
+        "Seconds to keep retrying (backoff with jitter) while the server is unreachable, e.g. restarting, before the worker gives up.",
+    )
+    security: Security = field(default_factory=Security)
+
+    def __post_init__(self) -> None:
+        for address in self.addresses:
+            _check_address(address)
+        _check_compute(self.device, self.threads)
+        _positive("--rpc-timeout", self.rpc_timeout)
+        _positive("--barrier-timeout", self.barrier_timeout)
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be at least 1; got {self.max_steps}.")
+        _non_negative("--step-delay", self.step_delay)
+        _check_overlap(self.overlap)
+        _check_shm(self.shm)
+        _check_compress(self.compress)
+        _check_push_every(self.push_every)
+        _positive("--cache-rows", self.cache_rows)
+        _positive("--server-timeout", self.server_timeout)
+
+    @property
+    def addresses(self) -> list[str]:
+        """--server as a list: one address, or every shard's (A,B,...)."""
+        return [a.strip() for a in self.server.split(",")]
+
+    @property
+    def overlap_flag(self) -> bool | None:
+        """--overlap as the Worker argument: None for auto."""
+        return None if self.overlap == "auto" else self.overlap == "on"
+
+
+def _check_compute(device: str, threads: int) -> None:
+    if not _DEVICE.match(device):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
+    if threads < 1:
+        raise ConfigError(f"--threads must be at least 1; got {threads}.")
+
+
+def _check_address(address: str) -> None:
+    if not re.match(r"^[^:\s]+:\d+$", address) and not address.startswith(("unix:", "[")):
+        raise ConfigError(
+            f"--server must look like HOST:PORT (e.g. 127.0.0.1:50051), or a comma-separated "
+            f"list of them for sharded servers; got {address!r}."
+        )
+    port = address.rsplit(":", 1)[-1]
+    if not address.startswith("unix:") and not (port.isdigit() and 0 < int(port) <= 65535):
+        raise ConfigError(f"--server {address!r} has no valid port (1 to 65535).")
+
+
+def _check_push_every(value: int) -> None:
+    if not 1 <= value <= MAX_PUSH_EVERY:
+        raise ConfigError(f"--push-every must be 1 to {MAX_PUSH_EVERY}; got {value}.")
+
+
+def _check_compress(value: str) -> None:
+    try:
+        compression.by_name(value)
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
+
+
+def _check_shm(value: str) -> None:
+    if value not in SHM_CHOICES:
+        raise ConfigError(f"--shm must be one of {', '.join(SHM_CHOICES)}; got {value!r}.")
+
+
+def _check_overlap(value: str) -> None:
+    if value not in ("auto", "on", "off"):
+        raise ConfigError(f"--overlap must be auto, on or off; got {value!r}.")
+
+
+def _as_in_worker(name: str) -> Any:
+    """A launch setting that is the worker daemon's: the same default, flag and help."""
+    f = WorkerConfig.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A local cluster: one server process and ``server.workers`` worker processes."""
+
+    server: ServerConfig
+    device: str = _as_in_worker("device")
+    threads: int = _as_in_worker("threads")
+    data_dir: str | None = _as_in_worker("data_dir")
+    runs_root: str = setting("runs", "--runs-dir", "Where run folders are made.")
+    run_dir: str | None = setting(None, "--run-dir", "Use exactly this run folder.")
+    step_delay: float = _as_in_worker("step_delay")
+    startup_timeout: float = 120.0
+    progress: bool = setting(True, "--progress/--no-progress", "Show a progress bar on stderr.")
+    overlap: str = _as_in_worker("overlap")
+    shm: str = _as_in_worker("shm")
+    compress: str = _as_in_worker("compress")
+    push_every: int = _as_in_worker("push_every")
+    cache_rows: int = _as_in_worker("cache_rows")
+    servers: int = setting(
+        1,
+        "--servers",
+        "Server processes, each holding one shard of the parameters (--shard I/S).",
+        type=int,
+    )
+
+    def __post_init__(self) -> None:
+        _check_compute(self.device, self.threads)
+        _non_negative("--step-delay", self.step_delay)
+        _positive("--startup-timeout", self.startup_timeout)
+        _check_overlap(self.overlap)
+        _check_shm(self.shm)
+        _check_compress(self.compress)
+        _check_push_every(self.push_every)
+        if not 1 <= self.servers <= 64:
+            raise ConfigError(f"--servers must be 1 to 64; got {self.servers}.")
+
+    def worker(self, address: str, name: str) -> WorkerConfig:
+        """The config of one of this launch's workers: its worker settings are the
+        daemon's own (``_as_in_worker``)."""
+        return WorkerConfig(address, name=name, **shared(self, WorkerConfig))
