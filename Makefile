@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The main job: a local cluster training on Fashion-MNIST.
 RUN_ARGS ?= --workers 2 --policy delay-1 --model mlp --epochs 8
 
-.PHONY: install data proto lint typecheck test run image clean
+.PHONY: install data proto lint typecheck test run results image clean
 
 install: $(VENV)/.installed data
 
@@ -53,6 +53,12 @@ test: install
 
 run: install
 	$(PY) -m paramserver launch $(RUN_ARGS)
+
+# docs/RESULTS.md from measured runs' JSON (docs/results/): the main job per policy, a few
+# minutes; RESULTS_ARGS=--resnet adds the ResNet (about 30 min), --render only rewrites the page.
+RESULTS_ARGS ?=
+results: install
+	$(PY) -m paramserver.bench.results $(RESULTS_ARGS)
 
 # The Docker image (deploy/build-image.sh): needs a running Docker daemon, and works offline
 # (a wheelhouse made here; a Debian base made with debootstrap when no registry answers).
