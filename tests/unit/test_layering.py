@@ -173,3 +173,18 @@ def _cycles() -> list[list[str]]:
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
     assert _cycles() == []
+
+
+def test_the_architecture_page_shows_this_layering_and_every_package() -> None:
+    """docs/architecture.md's layering block, top to bottom, is LAYERS reversed, and its
+    layout names every package."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = page.split("## Layering", 1)[1].split("```")[1]
+    shown = []
+    for line in block.strip().splitlines():
+        names = re.split(r"\s{2,}", line.strip())[0]
+        shown.append({n.strip() for n in re.split(r"[|,]", names)})
+    assert shown == list(reversed(LAYERS))
+    for package in {p.parent.name for p in PACKAGE.glob("*/__init__.py")}:
+        if package != "_proto":
+            assert f"paramserver/{package}/" in page or f"  {package}/" in page, package
