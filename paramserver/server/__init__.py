@@ -12,8 +12,9 @@ control socket.
   checkpointer's writes); the bookkeeping they hold: ``membership`` (leases, clocks),
   ``dataplan`` (the batch queue), ``rounds`` (the sync round), ``ledger`` (batches
   applied), ``buffers`` (BatchNorm statistics), ``store`` (the flat model and its
-  optimizer); ``checks`` (a push checked before the lock), ``answers`` (a push's and a
-  pull's results), ``applier`` (``--optimizer-thread``), ``status``;
+  optimizer); ``checks`` (a push checked before the lock), ``pulls`` (whether a
+  waiting pull may have its answer now), ``answers`` (a push's and a pull's results),
+  ``applier`` (``--optimizer-thread``), ``status``;
 - the disk: ``checkpoint`` (the file format), ``checkpointer`` (the writer thread, and the
   newest saved state a server is built from), ``cuts`` and ``saves`` (when to write and
   what was written), ``state`` (``CoordinatorSnapshot``: the coordinator's state as a

@@ -88,25 +88,9 @@ def build_coordinator(
     if model is None:
         model = models.build(config.model, seed=config.seed)
     make_tables(model, config.table_rows)  # --table-rows: large dense embeddings too
-    manifest, flat = initial_weights(model)
-    model_numel, offset = manifest.numel, 0
-    if config.shards > 1:  # this server holds one contiguous range of the flat buffer
-        offset, end = shard_range(manifest.numel, config.shard, config.shards)
-        if end <= offset:
-            raise ConfigError(
-                f"A model of {manifest.numel} parameters cannot be split into "
-                f"{config.shards} shards."
-            )
-        manifest, flat = shard_manifest(manifest, offset, end), flat[offset:end].copy()
-    tables, frozen = None, {}
-    specs = models.table_specs(model)
-    if specs:  # this shard's rows of every sparse table
-        optimizer = row_optimizer(config.optimizer.name, config.optimizer.lr)
-        tables = TableSet(specs, optimizer, config.seed, config.shard, config.shards)
-    if config.shards == 1:  # so that a checkpoint's model_state_dict loads strictly
-        frozen = {
-            n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad
-        }
+    whole, flat = initial_weights(model)
+    manifest, flat, offset = _shard_of(config, whole, flat)
+    tables, frozen = _tables_and_frozen(config, model)
     if resume and snapshot is None and config.checkpoint_dir:
         snapshot = saved_state(
             config.checkpoint_dir, manifest, config.shard, config.shards, config.cuts
@@ -118,9 +102,64 @@ def build_coordinator(
         now,
         tables=tables,
         frozen=frozen,
-        model_numel=model_numel,
+        model_numel=whole.numel,
         shard_offset=offset,
         snapshot=snapshot,
+    )
+
+
+def _shard_of(
+    config: ServerConfig, manifest: Manifest, flat: np.ndarray
+) -> tuple[Manifest, np.ndarray, int]:
+    """This server's range of the whole model's ``manifest`` and ``flat`` weights, and
+    where it starts (one contiguous range of the flat buffer; the whole of it unsharded).
+
+    Raises:
+        ConfigError: the model cannot be split into ``config.shards``.
+    """
+    if config.shards <= 1:
+        return manifest, flat, 0
+    offset, end = shard_range(manifest.numel, config.shard, config.shards)
+    if end <= offset:
+        raise ConfigError(
+            f"A model of {manifest.numel} parameters cannot be split into {config.shards} shards."
+        )
+    return shard_manifest(manifest, offset, end), flat[offset:end].copy(), offset
+
+
+def _tables_and_frozen(
+    config: ServerConfig, model: nn.Module
+) -> tuple[TableSet | None, dict[str, Any]]:
+    """This shard's rows of every sparse table of ``model`` (None: it has none), and its
+    frozen parameters (kept unsharded, so that a checkpoint's model_state_dict loads
+    strictly)."""
+    tables, frozen = None, {}
+    specs = models.table_specs(model)
+    if specs:
+        optimizer = row_optimizer(config.optimizer.name, config.optimizer.lr)
+        tables = TableSet(specs, optimizer, config.seed, config.shard, config.shards)
+    if config.shards == 1:
+        frozen = {
+            n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad
+        }
+    return tables, frozen
+
+
+def _grpc_server(config: ServerConfig, timing: grpc.ServerInterceptor) -> grpc.Server:
+    """The gRPC server of ``config`` (its security's interceptors, then ``timing``), not
+    yet bound or started."""
+    # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
+    # hold a thread each, so the pool is sized to never starve a push.
+    threads = 3 * config.workers + 8
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=threads,
+        interceptors=[*security.server_interceptors(config.security), timing],
     )
 
 
@@ -148,22 +187,7 @@ class ServerApp:
                 on_health=self._checkpoint_health,
             )
         self.metrics = Metrics(self.coordinator.status)
-        # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
-        # hold a thread each, so the pool is sized to never starve a push.
-        threads = 3 * config.workers + 8
-        self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
-            options=[
-                ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-                ("grpc.max_send_message_length", MAX_SEND_BYTES),
-                ("grpc.so_reuseport", 0),
-            ],
-            maximum_concurrent_rpcs=threads,
-            interceptors=[
-                *security.server_interceptors(config.security),
-                self.metrics.interceptor,
-            ],
-        )
+        self._grpc = _grpc_server(config, self.metrics.interceptor)
         self.shared = Attachments(manifest.total_bytes, manifest.dtype)
         rewind = self.checkpointer.rewind if self.checkpointer and config.cuts else None
         servicer = Servicer(self.coordinator, self.shared, rewind)

@@ -1,7 +1,8 @@
 """The server's state machine: membership, staleness policy and store behind one lock.
 
 No gRPC here: the servicer decodes requests, calls these methods and encodes replies.
-Waiting (for a barrier) happens on a condition variable that every state change notifies.
+Waiting (for a barrier) happens on a condition variable that every state change notifies;
+whether a waiting pull may have its answer, and the answer, are ``pulls``'s (``Pull``).
 
 Its parts own their state (only this module assigns the coordinator's fields): ``members``
 (who is in the run, their clocks and batches), ``arrival`` (what of a push reaches the model
@@ -23,8 +24,8 @@ import numpy as np
 
 from paramserver.codec.layout import Manifest
 from paramserver.codec.rows import RowGradients
-from paramserver.config import MAX_PUSH_EVERY, ServerConfig
-from paramserver.errors import InvalidRequest, Timeout, WrongIncarnation
+from paramserver.config import ServerConfig
+from paramserver.errors import InvalidRequest, WrongIncarnation
 from paramserver.policy.staleness import Policy
 from paramserver.server.answers import PullResult, PushResult, answer
 from paramserver.server.arrival import Arrival, arrival
@@ -35,6 +36,7 @@ from paramserver.server.dataplan import BatchQueue
 from paramserver.server.ledger import Ledger
 from paramserver.server.members import Members
 from paramserver.server.membership import Member, Membership
+from paramserver.server.pulls import Pull
 from paramserver.server.saves import Saves
 from paramserver.server.saving import Saving
 from paramserver.server.state import CoordinatorSnapshot
@@ -307,10 +309,7 @@ class Coordinator:
             Whatever ``sink`` raises (``BrokenSegment``): the batches taken stay the
                 worker's until it leaves.
         """
-        if not 1 <= batches <= MAX_PUSH_EVERY:
-            raise InvalidRequest(
-                f"A pull may ask for 1 to {MAX_PUSH_EVERY} batches, not {batches}."
-            )
+        pull = Pull(worker_id, iteration, batches, incarnation, sink)
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
@@ -318,53 +317,15 @@ class Coordinator:
             self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
             waited_from = self._now()
             try:
-                while (result := self._try_answer(worker_id, iteration, batches, sink)) is None:
+                while (result := pull.answer(self)) is None:
                     remaining = deadline - self._now()
                     if remaining <= 0 or not is_active():
-                        raise Timeout(
-                            self.members.waiting(
-                                worker_id,
-                                iteration,
-                                timeout,
-                                self.policy.name,
-                                self.saving.waiting(),
-                            )
-                        )
+                        raise pull.timed_out(self, timeout)
                     self._cond.wait(min(remaining, self.config.lease_seconds))
-                    self.check_incarnation(incarnation)  # rewound while waiting: ABORTED
-                    self.membership.get(worker_id)  # evicted while waiting: UnknownWorker
+                    pull.still_meant(self)  # rewound (ABORTED) or evicted while waiting
                 return result
             finally:
                 self.counters.barrier_wait_seconds += self._now() - waited_from
-
-    def _try_answer(
-        self,
-        worker_id: str,
-        iteration: int,
-        batches: int,
-        sink: Callable[[np.ndarray], None] | None,
-    ) -> PullResult | None:
-        """The pull's answer if it can have one now; None: it waits."""
-        if self.members.finished:  # nothing left to compute: no staleness to speak of
-            return answer(self.store, self.counters, None, None, (), True, sink)
-        if not self._pull_ready(iteration):
-            return None
-        wait = self.arrival.waits_for_batch  # for a batch, or the end
-        taken = self.members.hand_out(worker_id, iteration, batches, wait)
-        if taken is None:
-            return None
-        low = self.membership.min_clock()
-        return answer(self.store, self.counters, low, iteration, taken, sink=sink)
-
-    def _pull_ready(self, iteration: int) -> bool:
-        if not self.members.started:
-            return False
-        if self.cuts.full:
-            return False  # the cuts taken wait for the disk: no more until one is written
-        low = self.membership.min_clock()
-        if self.cuts.holds(iteration, low):
-            return False  # every worker reaches the cut before anyone computes past it
-        return self.policy.pull_ready(iteration, low, self.rounds)
 
     # --- checkpoints ------------------------------------------------------------------
 

@@ -39,63 +39,71 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._status()
-        yield _gauge("version", "Optimizer steps applied.", s.version)
-        yield _gauge("live_workers", "Workers holding a lease.", len(s.workers))
-        yield _counter("pushes_applied", "Gradients accepted.", s.pushes_applied)
-        yield _counter("pulls", "Worker pulls answered.", s.pulls_answered)
-        yield _counter(
-            "duplicate_pushes", "Retried pushes acknowledged, not applied.", s.duplicates
-        )
-        yield _counter("skipped_pushes", "Non-finite gradients skipped.", s.pushes_skipped)
-        yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
-        yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
-        yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)
-        yield _counter(
-            "barrier_wait_seconds",
-            "Time pulls waited for the staleness policy.",
-            s.barrier_wait_seconds,
-        )
-        yield _gauge("batches_done", "Batches of the run applied.", s.batches_done)
-        yield _gauge("batches_total", "Batches in the whole run.", s.batches_total)
-        yield _gauge("learning_rate", "Learning rate of the next optimizer step.", s.learning_rate)
-        yield _gauge("train_loss", "Moving average of pushed batch losses.", s.train_loss)
-        if s.checkpoint_age_seconds >= 0:
-            yield _gauge(
-                "checkpoint_age_seconds",
-                "Seconds since the last checkpoint was written.",
-                s.checkpoint_age_seconds,
-            )
-        yield _counter(
-            "checkpoint_failures", "Checkpoint or cut writes that failed.", s.checkpoint_failures
-        )
-        yield _gauge(
-            "checkpoint_failing_seconds",
-            "Seconds since checkpoint writes began failing; 0 while the last write succeeded.",
-            max(s.checkpoint_failing_seconds, 0.0),
-        )
-        yield _gauge("cuts_pending", "Consistent cuts taken and not yet on disk.", s.cuts_pending)
-        yield _gauge("rows_held", "Sparse table rows held (created on first touch).", s.rows_held)
-        yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)
-        yield _counter("rows_pushed", "Sparse table row gradients applied.", s.rows_pushed)
-        cache = GaugeMetricFamily(
-            "paramserver_worker_row_cache",
-            "Distinct ids a worker's forward passes found in its row caches (hit) or fetched "
-            "(miss), so far, as its last push said.",
-            labels=["worker_id", "name", "rank", "result"],
-        )
-        for w in s.workers:
-            for result, value in (("hit", w.row_cache_hits), ("miss", w.row_cache_misses)):
-                cache.add_metric([w.worker_id, w.name, str(w.rank), result], value)
-        yield cache
-        lag = GaugeMetricFamily(
-            "paramserver_worker_clock_lag",
-            "Iterations a worker is behind the fastest live worker.",
-            labels=["worker_id", "name", "rank"],
-        )
-        for w in s.workers:
-            lag.add_metric([w.worker_id, w.name, str(w.rank)], w.lag)
-        yield lag
+        yield from _totals(s)
+        yield from _per_worker(s)
         yield _histogram(s.staleness_histogram)
+
+
+def _totals(s: ServerStatus) -> Iterator[Metric]:
+    """The server's figures, one metric each."""
+    yield _gauge("version", "Optimizer steps applied.", s.version)
+    yield _gauge("live_workers", "Workers holding a lease.", len(s.workers))
+    yield _counter("pushes_applied", "Gradients accepted.", s.pushes_applied)
+    yield _counter("pulls", "Worker pulls answered.", s.pulls_answered)
+    yield _counter("duplicate_pushes", "Retried pushes acknowledged, not applied.", s.duplicates)
+    yield _counter("skipped_pushes", "Non-finite gradients skipped.", s.pushes_skipped)
+    yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
+    yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
+    yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)
+    yield _counter(
+        "barrier_wait_seconds",
+        "Time pulls waited for the staleness policy.",
+        s.barrier_wait_seconds,
+    )
+    yield _gauge("batches_done", "Batches of the run applied.", s.batches_done)
+    yield _gauge("batches_total", "Batches in the whole run.", s.batches_total)
+    yield _gauge("learning_rate", "Learning rate of the next optimizer step.", s.learning_rate)
+    yield _gauge("train_loss", "Moving average of pushed batch losses.", s.train_loss)
+    if s.checkpoint_age_seconds >= 0:
+        yield _gauge(
+            "checkpoint_age_seconds",
+            "Seconds since the last checkpoint was written.",
+            s.checkpoint_age_seconds,
+        )
+    yield _counter(
+        "checkpoint_failures", "Checkpoint or cut writes that failed.", s.checkpoint_failures
+    )
+    yield _gauge(
+        "checkpoint_failing_seconds",
+        "Seconds since checkpoint writes began failing; 0 while the last write succeeded.",
+        max(s.checkpoint_failing_seconds, 0.0),
+    )
+    yield _gauge("cuts_pending", "Consistent cuts taken and not yet on disk.", s.cuts_pending)
+    yield _gauge("rows_held", "Sparse table rows held (created on first touch).", s.rows_held)
+    yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)
+    yield _counter("rows_pushed", "Sparse table row gradients applied.", s.rows_pushed)
+
+
+def _per_worker(s: ServerStatus) -> Iterator[Metric]:
+    """The live workers' figures, labelled by worker."""
+    cache = GaugeMetricFamily(
+        "paramserver_worker_row_cache",
+        "Distinct ids a worker's forward passes found in its row caches (hit) or fetched "
+        "(miss), so far, as its last push said.",
+        labels=["worker_id", "name", "rank", "result"],
+    )
+    for w in s.workers:
+        for result, value in (("hit", w.row_cache_hits), ("miss", w.row_cache_misses)):
+            cache.add_metric([w.worker_id, w.name, str(w.rank), result], value)
+    yield cache
+    lag = GaugeMetricFamily(
+        "paramserver_worker_clock_lag",
+        "Iterations a worker is behind the fastest live worker.",
+        labels=["worker_id", "name", "rank"],
+    )
+    for w in s.workers:
+        lag.add_metric([w.worker_id, w.name, str(w.rank)], w.lag)
+    yield lag
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
