@@ -8,12 +8,12 @@ It is also the public API for a user's own training loop::
         worker.step()
     worker.close()
 
-One session per server shard (``session``), each owning its channel (``transport/client.py``)
-with a payload path over the shard's range of the model's flat buffer (``attach``). A step
-runs the ``stages``: it stages the gradients once into every range (one copy), exchanges
-them for the next weights as its step mode says (``pipeline``), and loads every range's
-weights into the model (one copy; none for blocking steps through shared memory, where the
-model's tensors live in the segments: ``Replica.bind``).
+One session per server shard (``session``), each owning its channel (``transport/client.py``),
+joined with a payload path over the shard's range of the model's flat buffer (``joining``,
+``attach``). A step runs the ``stages``: it stages the gradients once into every range (one
+copy), exchanges them for the next weights as its step mode says (``pipeline``), and loads
+every range's weights into the model (one copy; none for blocking steps through shared
+memory, where the model's tensors live in the segments: ``Replica.bind``).
 """
 
 from __future__ import annotations
@@ -30,23 +30,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
-from paramserver.config import MAX_PUSH_EVERY, Security
-from paramserver.errors import ConfigError, ParamServerError, RejoinRequired
-from paramserver.policy.staleness import Policy
+from paramserver.config import Security
+from paramserver.errors import ParamServerError, RejoinRequired
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS
 from paramserver.transport import shm as shmem
 from paramserver.transport.client import ChannelFactory, grpc_channels
-from paramserver.worker import stages
-from paramserver.worker.attach import Attacher
+from paramserver.worker import joining, stages
 from paramserver.worker.pipeline import Pipeline
-from paramserver.worker.replica import Replica
 from paramserver.worker.retry import Backoff
-from paramserver.worker.rows import IdsByTable, WorkerTables
+from paramserver.worker.rows import IdsByTable
 from paramserver.worker.session import Heartbeats, Session
-from paramserver.worker.shards import addresses_of, check_tiling, served_range
+from paramserver.worker.shards import addresses_of
 from paramserver.worker.stages import Stager
 from paramserver.worker.view import WorkerView
 
@@ -104,6 +100,10 @@ class Worker(WorkerView):
         clock, sleep: the monotonic clock and the wait between retries (tests pass fakes).
     """
 
+    batch: int | None  # the batch to compute next, when the server hands them out
+    batches: list[int]  # all of them, with push_every > 1
+    finished: bool  # the server has applied every batch of the run
+
     def __init__(
         self,
         address: str | Sequence[str],
@@ -129,27 +129,17 @@ class Worker(WorkerView):
         sleep: Callable[[float], bool] | None = None,
     ):
         self.addresses = addresses_of(address)
-        _check(push_every, compress)
+        joining.check(push_every, compress)
         self.address, self.push_every = ",".join(self.addresses), push_every
         self.compress = compress
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.shm, self.shm_control = shm and shmem.available(), shm_control
         self._stop, self._closed, self._drop_step = threading.Event(), False, False
-        self.version, self.last_staleness = 0, 0
-        self.batch: int | None = None  # the batch to compute next, when the server hands them out
-        self.batches: list[int] = []  # all of them, with push_every > 1
-        self.finished = False  # the server has applied every batch of the run
+        self.version, self.last_staleness, self.finished = 0, 0, False
+        self.batch, self.batches = None, []
         channels = channel or grpc_channels(connect_timeout, security, transport)
         backoff = Backoff(server_timeout, now=clock)
-        self.sessions: list[Session] = []
-        try:
-            for a in self.addresses:
-                s = Session(channels, a, self.name, rpc_timeout, backoff, self._stop, sleep)
-                self.sessions.append(s)
-            self._join(model, device, train_samples, rpc_timeout, cache_rows)
-        except BaseException:
-            self._close_sessions()
-            raise
+        self._join(channels, backoff, sleep, model, device, train_samples, rpc_timeout, cache_rows)
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._start(rpc_timeout, barrier_timeout)
 
@@ -157,54 +147,42 @@ class Worker(WorkerView):
 
     def _join(
         self,
+        channels: ChannelFactory,
+        backoff: Backoff,
+        sleep: Callable[[float], bool] | None,
         model: nn.Module | None,
         device: str | torch.device | None,
         train_samples: int | Callable[[pb.TrainingPlan], int],
         rpc_timeout: float,
         cache_rows: int,
     ) -> None:
-        """Join every shard: the plan, the policy and the manifest (shard 0's), the model
-        (built if None) and its tables; then each shard's range and payload path."""
-        self.train_samples = 0 if callable(train_samples) else train_samples
-        replies = [
-            s.join(pb.JoinRequest(train_samples=self.train_samples if i == 0 else 0))
-            for i, s in enumerate(self.sessions)
-        ]
-        self.plan: pb.TrainingPlan = replies[0].plan
-        self.policy = Policy.parse(replies[0].policy)
-        self.model = model = _local_model(self.plan, model, device)
-        self.tables = WorkerTables(
-            model,
-            replies[0].manifest,
-            self.sessions,
-            rpc_timeout,
-            cache_rows,
-            self._rejoin_mid_step,
-        )
-        self._replica = Replica(model)
+        """A session per shard, all joined (``joining``); if any of it fails, every session
+        opened is closed."""
+        self.sessions: list[Session] = []
+        try:
+            for a in self.addresses:
+                s = Session(channels, a, self.name, rpc_timeout, backoff, self._stop, sleep)
+                self.sessions.append(s)
+            joined = joining.join(
+                self.sessions,
+                model,
+                device,
+                train_samples,
+                rpc_timeout=rpc_timeout,
+                cache_rows=cache_rows,
+                rejoin=self._rejoin_mid_step,
+                compress=self.compress,
+                shm=self.shm,
+                shm_control=self.shm_control,
+            )
+        except BaseException:
+            self._close_sessions()
+            raise
+        self.plan, self.policy, self.model = joined.plan, joined.policy, joined.model
+        self.tables, self._replica, self._codec = joined.tables, joined.replica, joined.codec
         self.device, self.manifest = self._replica.device, self._replica.manifest
-        params = (s.dtype for s in self.manifest.tensors if s.role == "param")
-        self._codec = compression.by_name(self.compress, params, self.manifest.dtype)
-        self.ranges = [
-            served_range(a, i, len(self.addresses), r, self.manifest)
-            for i, (a, r) in enumerate(zip(self.addresses, replies, strict=True))
-        ]
-        check_tiling(self.ranges, self.addresses, self.manifest.numel)
-        if callable(train_samples):
-            self.train_samples = train_samples(self.plan)
-        self._slots = self.policy.max_inflight_pushes()
-        self._attacher = Attacher(
-            self.sessions,
-            self.ranges,
-            self.manifest,
-            self._slots,
-            self.device,
-            self._codec,
-            self.shm,
-            self.shm_control,
-            self.train_samples,
-        )
-        self._attacher.attach_all()
+        self.ranges, self.train_samples = joined.ranges, joined.train_samples
+        self._slots, self._attacher = joined.slots, joined.attacher
 
     def _start(self, rpc_timeout: float, barrier_timeout: float) -> None:
         """The step's stages over the joined sessions, the heartbeats, and the first pull."""
@@ -386,39 +364,6 @@ class Worker(WorkerView):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check(push_every: int, compress: str) -> None:
-    """The options, checked before anything connects.
-
-    Raises:
-        ConfigError: an option out of its range.
-    """
-    if not 1 <= push_every <= MAX_PUSH_EVERY:
-        raise ConfigError(f"push_every must be 1 to {MAX_PUSH_EVERY}; got {push_every}.")
-    try:
-        compression.by_name(compress)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _local_model(
-    plan: pb.TrainingPlan, model: nn.Module | None, device: str | torch.device | None
-) -> nn.Module:
-    """``model``, or the one the servers name when it is None.
-
-    Raises:
-        ConfigError: the servers hold a user-supplied model, so it cannot be built here.
-    """
-    if model is not None:
-        return model
-    if not plan.model:
-        raise ConfigError(
-            "The server holds a user-supplied model, so the worker cannot build it: pass the "
-            "model to Worker(address, model)."
-        )
-    # the server's seed: parameters it never sends (frozen ones) start the same
-    return models.build(plan.model, seed=plan.seed).to(device or "cpu")
 
 
 # One release of grace for code written against the old class: Worker takes the list now.
