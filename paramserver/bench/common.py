@@ -94,19 +94,7 @@ def cluster_rate(
         optimizer_thread=optimizer_thread,
     )
     with server_process(cfg) as address:
-        children = [
-            Child(
-                f"worker-{i}",
-                worker_command(
-                    WorkerConfig(
-                        address, device="cpu", threads=1, name=f"w{i}", step_delay=delay, shm=shm
-                    )
-                ),
-                logs / f"{policy}-{len(delays)}-{shm}-worker-{i}.log",
-                env=CHILD_ENV,
-            )
-            for i, delay in enumerate(delays)
-        ]
+        children = worker_children(address, delays, shm, logs, f"{policy}-{len(delays)}-{shm}")
         channel = connect(address, 60)
         stub = Stub(channel)
         try:
@@ -126,6 +114,26 @@ def cluster_rate(
     after = sorted(s2.workers, key=lambda w: w.name)
     per_worker = [(w.samples - before.get(w.name, 0)) / (t2 - t1) for w in after]
     return (s2.samples - s1.samples) / (t2 - t1), per_worker
+
+
+def worker_children(
+    address: str, delays: list[float], shm: str, logs: Path, prefix: str
+) -> list[Child]:
+    """A worker process of ``address`` per entry of ``delays`` (its injected per-step sleep,
+    ``shm`` its --shm), each logging to ``logs/PREFIX-worker-I.log``."""
+    return [
+        Child(
+            f"worker-{i}",
+            worker_command(
+                WorkerConfig(
+                    address, device="cpu", threads=1, name=f"w{i}", step_delay=delay, shm=shm
+                )
+            ),
+            logs / f"{prefix}-worker-{i}.log",
+            env=CHILD_ENV,
+        )
+        for i, delay in enumerate(delays)
+    ]
 
 
 def report(name: str, rows: list[tuple[str, str]], figures: dict[str, Any], as_json: bool) -> None:

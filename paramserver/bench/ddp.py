@@ -101,45 +101,51 @@ def run_ranks(
     procs = []
     try:
         for rank in range(world):
-            with open(log_paths[rank], "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            module,
-                            str(rank),
-                            str(world),
-                            str(port),
-                            *args,
-                            str(outs[rank]),
-                        ],
-                        stdout=subprocess.DEVNULL,
-                        stderr=log,
-                    )
-                )
+            argv = [str(rank), str(world), str(port), *args, str(outs[rank])]
+            procs.append(start_rank(module, argv, log_paths[rank]))
         for rank, p in enumerate(procs):
-            try:
-                code = p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                code = None
-            if code == 0:
-                continue
-            tail = log_paths[rank].read_text(errors="replace")[-800:]
-            if code is None or not outs[rank].exists():
-                what = "did not finish" if code is None else f"failed (exit {code})"
-                raise RuntimeError(f"{name} rank {rank} {what}: {tail}")
-            print(
-                f"warning: {name} rank {rank} exited {code} after writing its result "
-                f"(process-group teardown): {tail.strip()[-200:]}",
-                file=sys.stderr,
-            )
+            check_rank(p, timeout, outs[rank], log_paths[rank], f"{name} rank {rank}")
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     return [json.loads(out.read_text()) for out in outs]
+
+
+def start_rank(module: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``python -m MODULE *ARGV``, its stderr into ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+
+
+def check_rank(
+    p: subprocess.Popen[bytes], timeout: float, out: Path, log_path: Path, who: str
+) -> None:
+    """Wait up to ``timeout`` seconds for the rank ``who`` that ``p`` runs to finish.
+
+    Raises RuntimeError with its log's tail if it did not finish, or failed before writing
+    its result ``out``; warns if it failed after.
+    """
+    try:
+        code = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code == 0:
+        return
+    tail = log_path.read_text(errors="replace")[-800:]
+    if code is None or not out.exists():
+        what = "did not finish" if code is None else f"failed (exit {code})"
+        raise RuntimeError(f"{who} {what}: {tail}")
+    print(
+        f"warning: {who} exited {code} after writing its result "
+        f"(process-group teardown): {tail.strip()[-200:]}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -40,25 +40,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         (f"... with {cores} threads", f"{local_all:.0f} samples/s"),
     ]
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
-        for policy in POLICIES:
-            for shm, suffix in (("on", ""), ("payloads", "_grpc")):
-                rates = [
-                    cluster_rate(policy, [0.0] * n, BATCH, warmup, window, Path(tmp), shm)[0]
-                    for n in counts
-                ]
-                key = policy.replace("-", "") + suffix
-                figures[f"{key}_samples_per_s"] = rates
-                figures[f"{key}_vs_local"] = [r / local for r in rates]
-                figures[f"{key}_vs_local_all_cores"] = [r / local_all for r in rates]
-                rows.append(
-                    (
-                        f"{policy}{', gRPC control' if suffix else ''}",
-                        "  ".join(
-                            f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
-                            for n, r in zip(counts, rates, strict=True)
-                        ),
-                    )
-                )
+        policy_rates(counts, (warmup, window), Path(tmp), (local, local_all), figures, rows)
         # the server's optimizer on its own thread (--optimizer-thread), 2 workers
         rate = cluster_rate(
             "async", [0.0, 0.0], BATCH, warmup, window, Path(tmp), optimizer_thread=True
@@ -79,3 +61,36 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         )
     )
     return rows, figures
+
+
+def policy_rates(
+    counts: tuple[int, ...],
+    timing: tuple[float, float],
+    logs: Path,
+    locals_: tuple[float, float],
+    figures: dict[str, Any],
+    rows: list[tuple[str, str]],
+) -> None:
+    """Samples/s of ``counts`` workers under each policy, over the control socket and over
+    gRPC calls, measured after ``timing``'s warmup over its window, and each against the
+    local rates (1 thread, a thread per core): into ``figures`` and ``rows``."""
+    warmup, window = timing
+    local, local_all = locals_
+    for policy in POLICIES:
+        for shm, suffix in (("on", ""), ("payloads", "_grpc")):
+            rates = [
+                cluster_rate(policy, [0.0] * n, BATCH, warmup, window, logs, shm)[0] for n in counts
+            ]
+            key = policy.replace("-", "") + suffix
+            figures[f"{key}_samples_per_s"] = rates
+            figures[f"{key}_vs_local"] = [r / local for r in rates]
+            figures[f"{key}_vs_local_all_cores"] = [r / local_all for r in rates]
+            rows.append(
+                (
+                    f"{policy}{', gRPC control' if suffix else ''}",
+                    "  ".join(
+                        f"{n} workers: {r:.0f} ({r / local:.2f} x local)"
+                        for n, r in zip(counts, rates, strict=True)
+                    ),
+                )
+            )

@@ -21,7 +21,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -98,6 +98,16 @@ def ddp_run(case: Case, logs: Path) -> dict[str, Any]:
     }
 
 
+class Runs(NamedTuple):
+    """What each way measured on the main case, and the big case's run."""
+
+    local: dict[str, Any]
+    ddp: dict[str, Any]
+    tables: dict[str, Any]
+    dense: dict[str, Any]
+    large: dict[str, Any]
+
+
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     main, big = (
         (CASES["quick-main"], CASES["quick-big"]) if quick else (CASES["main"], CASES["big"])
@@ -109,9 +119,17 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         tables = ps_run(main, sparse=True, steps=0, logs=logs, evaluate=True)
         dense = ps_run(main, sparse=False, steps=main.dense_steps, logs=logs, evaluate=False)
         large = ps_run(big, sparse=True, steps=0, logs=logs, evaluate=False)
+    runs = Runs(local, ddp, tables, dense, large)
+    figures = figures_of(main, big, runs)
+    return rows_of(main, big, runs, figures), figures
+
+
+def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
+    """The report's figures: each way's rate and AUC, the payloads, the big table's memory."""
+    local, ddp, tables, dense, large = runs
     local_rate = local["samples"] / local["seconds"]
     big_mb = large["rows_held"] * big.dim * 4 / 2**20
-    figures = {
+    return {
         "case": main.name,
         "table_rows": main.table_rows,
         "dim": main.dim,
@@ -141,6 +159,13 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         "big_bytes_per_step": large["bytes_per_step"],
         "big_rows_per_step": large["rows_per_step"],
     }
+
+
+def rows_of(main: Case, big: Case, runs: Runs, figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """The readable table of ``figures``."""
+    local, ddp, tables, dense, large = runs
+    local_rate = figures["samples_per_s"]["local"]
+    big_mb = figures["big_table_mb"]
     rate = figures["samples_per_s"]
     rows = [
         (
@@ -179,4 +204,4 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             f"{large['samples_per_s']:,.0f} samples/s",
         ),
     ]
-    return rows, figures
+    return rows

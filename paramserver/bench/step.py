@@ -75,29 +75,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             local = local_step_seconds(batch, reps)
             figures[f"local_ms_{batch}"] = 1000 * local
             rows.append((f"batch {batch}", f"local {1000 * local:.2f} ms"))
-            for path, control in PATHS.items():
-                # overlap off (the CPU default): push, then pull, in one round trip; overlap
-                # on: that round trip runs while the next batch computes (prefetch).
-                cpu = cpu_seconds(server.proc.pid)
-                waiting = worker_step_seconds(address, batch, reps, False, control)
-                # the server's CPU per blocking step (clock ticks: about 10% resolution)
-                server_ms = 1000 * (cpu_seconds(server.proc.pid) - cpu) / (reps + 5)
-                ahead = worker_step_seconds(address, batch, reps, True, control)
-                suffix = "" if control else "_grpc"
-                figures[f"server_cpu_ms_{batch}{suffix}"] = server_ms
-                figures[f"worker_ms_{batch}{suffix}"] = 1000 * waiting
-                figures[f"worker_overlap_ms_{batch}{suffix}"] = 1000 * ahead
-                figures[f"step_vs_local_{batch}{suffix}"] = waiting / local
-                figures[f"step_vs_local_overlap_{batch}{suffix}"] = ahead / local
-                rows.append(
-                    (
-                        f"  {path} control",
-                        f"worker {1000 * waiting:.2f} ms "
-                        f"({waiting / local:.2f} x local; server CPU "
-                        f"{server_ms:.2f} ms), with --overlap "
-                        f"on {1000 * ahead:.2f} ms ({ahead / local:.2f} x local)",
-                    )
-                )
+            path_figures(address, server.proc.pid, batch, reps, local, figures, rows)
     figures["step_vs_local"] = {str(b): figures[f"step_vs_local_{b}"] for b in (64, 256)}
     figures["targets"] = {str(b): t for b, t in TARGETS.items()}
     met = {b: figures[f"step_vs_local_{b}"] <= t for b, t in TARGETS.items()}
@@ -112,3 +90,40 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         )
     )
     return rows, figures
+
+
+def path_figures(
+    address: str,
+    pid: int,
+    batch: int,
+    reps: int,
+    local: float,
+    figures: dict[str, Any],
+    rows: list[tuple[str, str]],
+) -> None:
+    """A worker's step at ``batch`` over each control path (``PATHS``), overlap off and on,
+    and the CPU of the server (process ``pid``) per blocking step, each against the local
+    step's ``local`` seconds: into ``figures`` and ``rows``."""
+    for path, control in PATHS.items():
+        # overlap off (the CPU default): push, then pull, in one round trip; overlap
+        # on: that round trip runs while the next batch computes (prefetch).
+        cpu = cpu_seconds(pid)
+        waiting = worker_step_seconds(address, batch, reps, False, control)
+        # the server's CPU per blocking step (clock ticks: about 10% resolution)
+        server_ms = 1000 * (cpu_seconds(pid) - cpu) / (reps + 5)
+        ahead = worker_step_seconds(address, batch, reps, True, control)
+        suffix = "" if control else "_grpc"
+        figures[f"server_cpu_ms_{batch}{suffix}"] = server_ms
+        figures[f"worker_ms_{batch}{suffix}"] = 1000 * waiting
+        figures[f"worker_overlap_ms_{batch}{suffix}"] = 1000 * ahead
+        figures[f"step_vs_local_{batch}{suffix}"] = waiting / local
+        figures[f"step_vs_local_overlap_{batch}{suffix}"] = ahead / local
+        rows.append(
+            (
+                f"  {path} control",
+                f"worker {1000 * waiting:.2f} ms "
+                f"({waiting / local:.2f} x local; server CPU "
+                f"{server_ms:.2f} ms), with --overlap "
+                f"on {1000 * ahead:.2f} ms ({ahead / local:.2f} x local)",
+            )
+        )

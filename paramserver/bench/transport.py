@@ -107,6 +107,14 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         workers=1,
         lease_seconds=600,
     )
+    worker_figures(cfg, nbytes, reps, figures)
+    against_tcp(figures)
+    return rows_of(figures, nbytes, reps), figures
+
+
+def worker_figures(cfg: ServerConfig, nbytes: int, reps: int, figures: dict[str, Any]) -> None:
+    """A Worker's push and pull GB/s into ``figures``: through shared memory, over gRPC (raw
+    and compressed) to a server of ``cfg``, and over gRPC to two server shards."""
     with server_process(cfg) as address:
         # Same host: the shared-memory path (the default); then the gRPC streams, which
         # workers on other hosts use.
@@ -124,6 +132,11 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         figures["push_grpc_2shards_gbps"], figures["pull_grpc_2shards_gbps"] = worker_gbps(
             [first, second], nbytes, reps, False
         )
+
+
+def against_tcp(figures: dict[str, Any]) -> None:
+    """Each path's GB/s over raw TCP's, and whether the push met its target, into
+    ``figures``."""
     tcp = figures["tcp_gbps"]
     for key in (
         "push",
@@ -139,10 +152,15 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     figures["target_push_vs_tcp"] = 0.6
     figures["target_met"] = figures["push_vs_tcp"] >= 0.6
 
+
+def rows_of(figures: dict[str, Any], nbytes: int, reps: int) -> list[tuple[str, str]]:
+    """The readable table of ``figures``."""
+    tcp = figures["tcp_gbps"]
+
     def rate(key: str) -> str:
         return f"{figures[key + '_gbps']:.2f} GB/s  ({figures[key + '_vs_tcp']:.2f} x TCP)"
 
-    rows = [
+    return [
         ("payload", f"{nbytes // MIB} MiB, median of {reps}; server applies SGD to each push"),
         ("memcpy", f"{figures['memcpy_gbps']:.2f} GB/s"),
         ("raw TCP loopback", f"{tcp:.2f} GB/s"),
@@ -158,4 +176,3 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         ("push, gRPC stream, 2 server shards", rate("push_grpc_2shards")),
         ("pull, gRPC stream, 2 server shards", rate("pull_grpc_2shards")),
     ]
-    return rows, figures
