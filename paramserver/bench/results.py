@@ -38,10 +38,24 @@ RESNET_ARGS = ("--workers", "2", "--model", "resnet")
 
 
 def runs(resnet: bool) -> list[Run]:
-    found = [Run(f"main-{p}", "main", (*MAIN_ARGS, "--policy", p)) for p in POLICIES]
+    found = [Run(f"main-{_file(p)}", "main", (*MAIN_ARGS, "--policy", p)) for p in POLICIES]
     if resnet:
-        found += [Run(f"resnet-{p}", "resnet", (*RESNET_ARGS, "--policy", p)) for p in POLICIES]
+        found += [
+            Run(f"resnet-{_file(p)}", "resnet", (*RESNET_ARGS, "--policy", p)) for p in POLICIES
+        ]
     return found
+
+
+def _file(policy: str) -> str:
+    return policy.replace(":", "")  # ssp:3 -> ssp3: no colon in a file name
+
+
+def policy_of(record: dict[str, Any]) -> str:
+    """The policy as the command named it (the server reports delay-1 as ssp:1)."""
+    words = record["command"].split()
+    return (
+        words[words.index("--policy") + 1] if "--policy" in words else record["summary"]["policy"]
+    )
 
 
 def machine() -> dict[str, Any]:
@@ -101,7 +115,7 @@ def measure(run: Run, out: Path) -> dict[str, Any]:
 def _row(record: dict[str, Any]) -> str:
     s = record["summary"]
     return (
-        f"| {s['policy']} | {100 * s['test_accuracy']:.2f}% | {s['samples_per_s']:,.0f} | "
+        f"| {policy_of(record)} | {100 * s['test_accuracy']:.2f}% | {s['samples_per_s']:,.0f} | "
         f"{s['train_s']:.1f} | {s['wall_s']:.1f} | {s['max_staleness']} | {s['version']:,} |"
     )
 
@@ -120,7 +134,7 @@ def _section(title: str, intro: str, records: list[dict[str, Any]]) -> list[str]
     lines += ["", "Test accuracy after each epoch (%):", ""]
     for r in records:
         accuracies = ", ".join(f"{100 * a:.2f}" for a in r["epochs"]) or "not recorded"
-        lines.append(f"- {r['summary']['policy']}: {accuracies}")
+        lines.append(f"- {policy_of(r)}: {accuracies}")
     return [*lines, ""]
 
 
