@@ -17,7 +17,16 @@ from paramserver.cli.run import security_config
 from paramserver.config import Security
 from paramserver.errors import ServerUnavailable
 
-BENCHMARKS = ("transport", "step", "straggler", "scaling", "accuracy", "wakeup", "sparse")
+BENCHMARKS = (
+    "transport",
+    "step",
+    "straggler",
+    "scaling",
+    "accuracy",
+    "wakeup",
+    "sparse",
+    "network",
+)
 
 
 def _connect(address: str, timeout: float, security: Security) -> Any:
@@ -132,6 +141,9 @@ def bench(name: str, **kw: Any) -> None:
     control path (gRPC call, Unix socket, pipe, eventfd, semaphore, futex).
     sparse: a DLRM with a 1M x 64 table as server rows, against the same table dense, one
     local process and DDP; then a table of which 2 GB of rows exist on the server.
+    network: a worker and a server on two hosts (network namespaces) joined by links shaped
+    to 100 Mbit/s, 1 and 10 Gbit/s: its push and pull over gRPC against raw TCP and the
+    rate (needs root).
     """
     opts: Bench = settings.build(Bench, kw)
     if printed():

@@ -8,7 +8,16 @@ import subprocess
 
 import pytest
 
+from tests import netns
 from tests.conftest import paramserver_cmd
+
+
+def _namespaces() -> set[str]:
+    if netns.unavailable() is not None:
+        return set()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
 
 KEYS = {
     "transport": [
@@ -41,6 +50,14 @@ KEYS = {
         "async_optimizer_thread_samples_per_s",
     ],
     "accuracy": ["time_to_target_s"],
+    "network": [
+        "tcp_gbps_1gbit",
+        "push_grpc_gbps_1gbit",
+        "pull_grpc_gbps_1gbit",
+        "tcp_link_util_1gbit",
+        "push_grpc_link_util_1gbit",
+        "push_grpc_vs_tcp_1gbit",
+    ],
     "sparse": [
         "sparse_vs_dense",
         "sparse_vs_ddp",
@@ -57,6 +74,9 @@ KEYS = {
 
 @pytest.mark.parametrize("name", sorted(KEYS))
 def test_bench_quick_json(name):
+    if name == "network" and (why := netns.unavailable()) is not None:
+        pytest.skip(why)
+    namespaces_before = _namespaces()
     out = subprocess.run(
         paramserver_cmd("bench", name, "--quick", "--json"),
         capture_output=True,
@@ -87,6 +107,11 @@ def test_bench_quick_json(name):
         assert figures["big_table_mb"] <= figures["big_table_declared_mb"]
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
+    if name == "network":
+        assert "no netem" in figures["delay"]
+        # the link is shaped: nothing crosses it faster than its rate (and the bucket)
+        assert figures["tcp_link_util_1gbit"] < 1.15
+        assert _namespaces() <= namespaces_before, "the bench left namespaces behind"
     if name == "accuracy":
         # every contender reached the quick target (60% on the synthetic set) in 2 epochs
         assert set(figures["time_to_target_s"]) == {"local", "ddp", "sync", "delay-1", "async"}

@@ -1,0 +1,193 @@
+"""Hosts in Linux network namespaces: one per host name, joined by veth pairs to a bridge,
+with an /etc/hosts in each (``ip netns exec`` mounts /etc/netns/NAME/hosts) so host names
+resolve to the namespaces' addresses, as on a compose network. A link's rate can be shaped
+with ``tc ... tbf`` in both directions (this kernel has no ``netem``: no added delay or loss).
+Needs root and iproute2; ``unavailable()`` says why not.
+
+Everything a ``Network`` makes (namespaces, veths, the bridge, /etc/netns folders, one
+iptables rule) is removed by ``close()``, which ``with`` calls also when the body fails;
+``leftovers()`` lists what a network with a given tag left behind, for tests to check.
+Addresses are the private 10.213.0.0/24, only the namespaces' own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from types import TracebackType
+
+from paramserver.errors import ConfigError
+
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add); CI runs the tests as root"
+    if shutil.which("ip") is None:
+        return "iproute2 is not installed (make installs it as root)"
+    probe = f"psprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add fails here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def rate_bits(rate: str) -> float:
+    """``100mbit``, ``1gbit``, ``10gbit`` (tc's units) in bits per second.
+
+    Raises:
+        ConfigError: not a number followed by kbit, mbit, gbit or bit.
+    """
+    text = rate.strip().lower()
+    for unit, scale in _UNITS.items():
+        if text.endswith(unit):
+            try:
+                value = float(text[: -len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return value * scale
+    raise ConfigError(f"--rate {rate!r}: give a positive rate in kbit, mbit or gbit (1gbit).")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Network:
+    """A bridge and one namespace per host name, on 10.213.0.0/24; each host's link shaped
+    to ``rate`` (tc's units, e.g. ``1gbit``) in both directions when given."""
+
+    def __init__(self, hosts: list[str], rate: str | None = None):
+        self.tag = os.getpid() % 100000
+        self.bridge = f"psbr{self.tag}"
+        self.ns = {h: f"ps{self.tag}-{h}" for h in hosts}
+        self.addr = {h: f"10.213.0.{i + 1}" for i, h in enumerate(hosts)}
+        self.rate = rate
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._made: list[str] = []
+        self._links: list[str] = []
+        self._forward = False
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            # A Docker engine sets iptables' FORWARD policy to DROP, and with br_netfilter
+            # that drops traffic across this bridge too: let it through, and take the rule
+            # out again in close().
+            self._forward = self._iptables("-I") == 0
+            for i, host in enumerate(hosts):
+                self._add_host(i, host, hosts)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_host(self, i: int, host: str, hosts: list[str]) -> None:
+        ns = self.ns[host]
+        _ip("netns", "add", ns)
+        self._made.append(ns)
+        outside, inside = f"psv{self.tag}x{i}", f"psv{self.tag}y{i}"
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        self._links.append(outside)
+        _ip("link", "set", inside, "netns", ns)
+        _ip("link", "set", outside, "master", self.bridge)
+        _ip("link", "set", outside, "up")
+        _ip("-n", ns, "addr", "add", f"{self.addr[host]}/24", "dev", inside)
+        _ip("-n", ns, "link", "set", inside, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        if self.rate is not None:
+            self._shape(outside, None)  # into the host
+            self._shape(inside, ns)  # out of it
+        etc = Path("/etc/netns") / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        etc.joinpath("hosts").write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{self.addr[h]} {h}\n" for h in hosts)
+        )
+
+    def _shape(self, dev: str, ns: str | None) -> None:
+        """A token bucket on ``dev``'s egress: ``rate``, a burst of 10 ms of it (at least
+        64 KiB, which tbf needs to reach the rate at the kernel's timer resolution)."""
+        assert self.rate is not None
+        burst = max(64 << 10, int(rate_bits(self.rate) / 8 / 100))
+        where = ["-n", ns] if ns else []
+        argv = ["tc", *where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate]
+        argv += ["burst", str(burst), "latency", "50ms"]
+        subprocess.run(argv, check=True, capture_output=True, text=True)
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def argv(self, host: str, argv: list[str]) -> list[str]:
+        """``argv`` run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.ns[host], *argv]
+
+    def run(
+        self, host: str, argv: list[str], env: dict[str, str], log: Path
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside ``host``'s namespace, output to ``log``; ``close`` kills it."""
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                self.argv(host, argv),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def call(
+        self, host: str, argv: list[str], env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.argv(host, argv), env=env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def close(self) -> None:
+        """Kills what ``run`` started and removes everything made; safe to call twice."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        self.procs.clear()
+        for link in self._links:  # the pair and its qdiscs; not left to the namespace's end,
+            subprocess.run(["ip", "link", "del", link], capture_output=True)  # which lags
+        self._links.clear()
+        for ns in self._made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        self._made.clear()
+        if self._forward:
+            self._iptables("-D")
+            self._forward = False
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def _iptables(self, action: str) -> int:
+        """Insert (-I) or delete (-D) the rule that accepts traffic across the bridge."""
+        if shutil.which("iptables") is None:
+            return 1
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        return subprocess.run(["iptables", action, *rule], capture_output=True).returncode
+
+
+def leftovers(tag: int) -> list[str]:
+    """What networks with ``tag`` left behind: namespaces, links, /etc/netns folders."""
+    found = []
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found += [n.split()[0] for n in names.splitlines() if n.startswith(f"ps{tag}-")]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    ours = (f"psbr{tag}:", f"psv{tag}x")
+    found += [ln.split(":")[1].strip() for ln in links.splitlines() if any(o in ln for o in ours)]
+    etc = Path("/etc/netns")
+    found += [str(p) for p in etc.glob(f"ps{tag}-*")] if etc.exists() else []
+    return found

@@ -1,0 +1,80 @@
+"""The namespace network the network bench and the deploy test build: shaped links, and
+nothing left behind, also when the body fails."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from paramserver.cluster import netns
+from paramserver.errors import ConfigError
+
+
+def test_rates_in_tcs_units() -> None:
+    assert netns.rate_bits("100mbit") == 100e6
+    assert netns.rate_bits("1gbit") == 1e9
+    assert netns.rate_bits("10GBIT") == 10e9
+    for bad in ("fast", "1gb", "-1gbit", "0mbit", ""):
+        with pytest.raises(ConfigError, match="--rate"):
+            netns.rate_bits(bad)
+
+
+needs_namespaces = pytest.mark.skipif(
+    netns.unavailable() is not None, reason=str(netns.unavailable())
+)
+
+RECEIVE = """
+import socket, sys
+listener = socket.create_server((sys.argv[1], 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+got = 0
+while True:
+    data = conn.recv(1 << 20)
+    if not data:
+        break
+    got += len(data)
+conn.sendall(str(got).encode())
+"""
+
+
+@needs_namespaces
+def test_a_shaped_link_carries_no_more_than_its_rate_and_is_removed(tmp_path) -> None:
+    with netns.Network(["a", "b"], "100mbit") as net:
+        tag = net.tag
+        qdiscs = net.call("a", ["tc", "qdisc", "show"], dict(os.environ), timeout=30).stdout
+        assert "tbf" in qdiscs and "100Mbit" in qdiscs
+        log = tmp_path / "recv.log"
+        net.run("b", [sys.executable, "-c", RECEIVE, net.addr["b"]], dict(os.environ), log)
+        deadline = time.monotonic() + 30
+        while not log.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        port = int(log.read_text().split()[0])
+        nbytes = 2_500_000  # 0.2 s at the rate
+        send = (
+            "import socket, sys, time\n"
+            "c = socket.create_connection((sys.argv[1], int(sys.argv[2])))\n"
+            "t = time.perf_counter(); c.sendall(bytes(int(sys.argv[3]))); c.shutdown(1)\n"
+            "got = c.recv(64); print(time.perf_counter() - t, got.decode())\n"
+        )
+        argv = [sys.executable, "-c", send, net.addr["b"], str(port), str(nbytes)]
+        done = net.call("a", argv, dict(os.environ), timeout=60)
+        assert done.returncode == 0, done.stderr
+        seconds, got = done.stdout.split()
+        assert int(got) == nbytes
+        util = nbytes * 8 / float(seconds) / 100e6
+        assert util < 1.15, f"{util:.2f} x the rate: the link is not shaped"
+        assert util > 0.3, f"{util:.2f} x the rate: far below it"
+    assert netns.leftovers(tag) == []
+
+
+@needs_namespaces
+def test_nothing_is_left_behind_when_the_body_fails() -> None:
+    with pytest.raises(RuntimeError, match="boom"), netns.Network(["a", "b"], "1gbit") as net:
+        tag = net.tag
+        assert net.call("a", ["true"], dict(os.environ), timeout=30).returncode == 0
+        raise RuntimeError("boom")
+    assert netns.leftovers(tag) == []
