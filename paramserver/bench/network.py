@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     if why is not None:
         raise click.ClickException(f"bench network needs network namespaces: {why}.")
     rates = ("1gbit",) if quick else FULL_RATES
+    # SIGTERM (a job's timeout, kill) unwinds like Ctrl-C, so every namespace is removed
+    signal.signal(signal.SIGTERM, _terminated)
     figures: dict[str, Any] = {"rates": list(rates), "delay": NO_DELAY, "reps": 3 if quick else 5}
     rows: list[tuple[str, str]] = [("link delay", NO_DELAY)]
     for rate in rates:
@@ -49,6 +52,10 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         figures.update(link)
         rows += rows_of(rate, nbytes, link)
     return rows, figures
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(f"bench network: signal {signum}; removing its namespaces")
 
 
 def link_figures(rate: str, nbytes: int, reps: int) -> dict[str, float]:

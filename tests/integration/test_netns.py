@@ -78,3 +78,41 @@ def test_nothing_is_left_behind_when_the_body_fails() -> None:
         assert net.call("a", ["true"], dict(os.environ), timeout=30).returncode == 0
         raise RuntimeError("boom")
     assert netns.leftovers(tag) == []
+
+
+@needs_namespaces
+def test_the_network_bench_removes_its_namespaces_when_terminated() -> None:
+    """SIGTERM in the middle of ``bench network``: it unwinds and removes what it made."""
+    import signal
+    import subprocess
+
+    from tests.conftest import paramserver_cmd
+
+    bench = subprocess.Popen(
+        paramserver_cmd("bench", "network", "--quick"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    tag = bench.pid % 100000
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(f"ps{tag}-") for n in _namespaces()):
+            assert bench.poll() is None, bench.stderr.read() if bench.stderr else ""
+            assert time.monotonic() < deadline, "the bench made no namespace within 60 s"
+            time.sleep(0.02)
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+        assert "removing its namespaces" in err
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(timeout=30)
+    assert netns.leftovers(tag) == []
+
+
+def _namespaces() -> list[str]:
+    import subprocess
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
