@@ -11,46 +11,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from paramserver.config import MAX_PUSH_EVERY
 from paramserver.errors import InvalidRequest, Timeout
 from paramserver.server.answers import PullResult, answer
+from paramserver.server.status import Parts
 
 if TYPE_CHECKING:
-    from paramserver.policy.staleness import Policy
     from paramserver.server.arrival import Arrival
-    from paramserver.server.cuts import Cuts
     from paramserver.server.members import Members
-    from paramserver.server.membership import Membership
     from paramserver.server.saving import Saving
-    from paramserver.server.status import Counters
-    from paramserver.server.store import ParameterStore
 
 
-class Pulled(Protocol):
+class Pulled(Parts, Protocol):
     """What a pull reads (the coordinator's parts), under the coordinator's lock."""
 
     @property
-    def policy(self) -> Policy: ...
-    @property
-    def store(self) -> ParameterStore: ...
-    @property
-    def counters(self) -> Counters: ...
-    @property
     def members(self) -> Members: ...
-    @property
-    def membership(self) -> Membership: ...
     @property
     def arrival(self) -> Arrival: ...
     @property
     def saving(self) -> Saving: ...
-    @property
-    def cuts(self) -> Cuts[Any]: ...
-    @property
-    def rounds(self) -> int: ...
     def check_incarnation(self, incarnation: str) -> None: ...
 
 

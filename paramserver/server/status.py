@@ -151,11 +151,9 @@ class Counters:
         self.max_staleness = max(self.max_staleness, lag)
 
 
-class Observed(Protocol):
-    """What a status is read from (the coordinator's parts), read under its lock."""
+class Parts(Protocol):
+    """The coordinator's parts that both a status and a pull read, under its lock."""
 
-    @property
-    def config(self) -> ServerConfig: ...
     @property
     def policy(self) -> Policy: ...
     @property
@@ -165,21 +163,28 @@ class Observed(Protocol):
     @property
     def membership(self) -> Membership: ...
     @property
+    def cuts(self) -> Cuts[Any]: ...
+    @property
+    def rounds(self) -> int: ...
+
+
+class Observed(Parts, Protocol):
+    """What a status is read from (the coordinator's parts), read under its lock."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
     def queue(self) -> BatchQueue | None: ...
     @property
     def tables(self) -> TableSet | None: ...
     @property
     def saves(self) -> Saves: ...
     @property
-    def cuts(self) -> Cuts[Any]: ...
-    @property
     def ledger(self) -> Ledger: ...
     @property
     def incarnation(self) -> str: ...
     @property
     def started_at(self) -> float: ...
-    @property
-    def rounds(self) -> int: ...
 
 
 def worker_statuses(membership: Membership, now: float) -> tuple[WorkerStatus, ...]:
