@@ -1,5 +1,5 @@
 """Which server-handed batches a shard has applied a gradient of, so that it applies each
-batch once (issue "Recovery that never loses or doubles work", guarantee 3).
+batch once, whatever the faults (a retried push, a rejoin, a restarted shard).
 
 A worker pushes one gradient to every shard, in separate calls; only shard 0 hands out the
 batches. When a worker dies after its push reached shard 1 but before shard 0, shard 0

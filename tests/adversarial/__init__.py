@@ -1,3 +1,3 @@
-"""Adversarial tests (issue "Hostile and broken peers"): peers without the token, other local
+"""Adversarial tests: peers without the token, other local
 processes and workers that lie, against real servers. Run them as one suite:
 ``pytest tests/adversarial``."""

@@ -1,4 +1,4 @@
-"""Clients without the token (issue "Hostile and broken peers", musts 1, 4 and 5): they may
+"""Clients without the token: they may
 learn SERVING or NOT_SERVING and nothing else, and hold nothing the workers need."""
 
 from __future__ import annotations

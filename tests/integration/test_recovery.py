@@ -1,4 +1,4 @@
-"""Recovery where faults meet (issue "Recovery that never loses or doubles work"): each test
+"""Recovery where faults meet: each test
 names the guarantee it checks, against real servers on 127.0.0.1."""
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_pa
 
 
 def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path):
-    """Guarantee 2 (issue "Recovery that never loses or doubles work"): shard 1's writes
+    """Nothing lost when shards crash: shard 1's writes
     fail while shard 0's succeed; shard 0 deletes no cut that shard 1 may restart from, and
     shard 1's cuts waiting for its disk are bounded (the run waits for them). kill -9 of
     shard 1 then, and a restart: the run recovers and ends as an uninterrupted run."""

@@ -1,4 +1,4 @@
-"""Sparse tables through real servers (issue 12): a model whose embeddings have
+"""Sparse tables through real servers: a model whose embeddings have
 ``sparse=True`` trains with only the touched rows on the wire, and ends as torch trains the
 same model locally, over one server or two shards, through each step path."""
 

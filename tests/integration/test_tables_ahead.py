@@ -1,4 +1,4 @@
-"""Sparse tables (issue 12): rows fetched ahead (``Worker.prefetch`` in a user's loop, the
+"""Sparse tables: rows fetched ahead (``Worker.prefetch`` in a user's loop, the
 daemon's background prefetch), the row figures in the servers' status and metrics, and a
 row pull that meets a restarted server."""
 

@@ -173,7 +173,7 @@ def test_cuts_wait_in_memory_until_on_disk_a_bounded_few_and_disk_keeps_the_comm
 def test_a_cut_whose_write_fails_stays_taken_pulls_wait_and_it_lands_once_the_disk_is_back(
     tmp_path,
 ):
-    """Guarantee 1 (issue "Recovery that never loses or doubles work"), in process: a write
+    """A failed checkpoint write loses nothing, in process: a write
     that fails (the folder is gone, a file in its place: as a read-only or unmounted folder,
     which root cannot be kept out of by permissions) leaves the cut taken; pulls wait while
     MAX_PENDING are; the write succeeds once the folder is back, and nothing was dropped."""
