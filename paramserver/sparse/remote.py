@@ -23,7 +23,7 @@ from torch import nn
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import rows as wire
 from paramserver.codec.rows import RowGradients, TableSpec
-from paramserver.errors import ConfigError, UnknownWorker, WrongIncarnation, from_rpc_error
+from paramserver.errors import ConfigError, RejoinRequired, from_rpc_error
 from paramserver.sparse.client import split_by_shard
 from paramserver.sparse.embedding import (
     DEFAULT_CACHE_ROWS,
@@ -150,7 +150,7 @@ class RemoteTables:
             try:
                 reply = s.retrying(f"row pull of table{'s' if rest else ''} {names}", call)
                 break
-            except (WrongIncarnation, UnknownWorker):
+            except RejoinRequired:
                 if self.rejoin is None or not self.rejoin():
                     raise
         values = [reply.values, *reply.more]

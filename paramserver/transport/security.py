@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from paramserver.config import Security
+from paramserver.errors import Unauthenticated, to_status
 from paramserver.transport.handlers import method_handler
 
 METADATA_KEY = "authorization"
@@ -48,11 +49,11 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 def _deny(requests: Any, context: grpc.ServicerContext) -> Any:
     """Refuses at once: ``requests`` (a stream, whatever the method) is never read."""
-    context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
+    refusal = Unauthenticated(
         "This server requires a token: start the worker with --token or PARAMSERVER_TOKEN "
-        "set to the server's.",
+        "set to the server's."
     )
+    context.abort(*to_status(refusal))
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -242,7 +242,7 @@ while True:
 
 
 def test_a_gradient_changed_while_it_is_pushed_never_brings_nan_into_the_weights(serve):
-    """The issue's case: another process flips one value of the slot while the worker
+    """Another process flips one value of the slot while the worker
     pushes from it. Before the gradient was copied first, a NaN got into the weights in
     most runs (not all: the flips must land between the check and the step); the next test
     makes them land there every time."""
