@@ -140,10 +140,12 @@ def test_an_unreachable_server_is_retried_with_backoff_then_given_up(clock):
     channel.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 3)
     worker.pull()
     assert len(sleeps.delays) == 3 and all(0 <= d < 0.1 * 2**i for i, d in enumerate(sleeps.delays))
+    sleeps.delays.clear()
     channel.fail["Pull"].extend([grpc.StatusCode.UNAVAILABLE] * 10_000)
     with pytest.raises(ps.ServerUnavailable, match="did not come back within 30s"):
         worker.pull()
-    assert 30.0 <= sum(sleeps.delays) < 30.0 + 2.0 + 0.4  # the budget, plus one capped delay
+    # the second outage alone: the budget, plus at most one capped delay
+    assert 30.0 <= sum(sleeps.delays) < 30.0 + 2.0
     channel.fail["Pull"].clear()
     worker.close()
 
