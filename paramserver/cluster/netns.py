@@ -80,7 +80,9 @@ class Network:
             # A Docker engine sets iptables' FORWARD policy to DROP, and with br_netfilter
             # that drops traffic across this bridge too: let it through, and take the rule
             # out again in close().
-            self._forward = self._iptables("-I") == 0
+            # recorded before it is made, as everything here: a signal may land mid-call
+            self._forward = shutil.which("iptables") is not None
+            self._iptables("-I")
             for i, host in enumerate(hosts):
                 self._add_host(i, host, hosts)
         except BaseException:
@@ -89,11 +91,11 @@ class Network:
 
     def _add_host(self, i: int, host: str, hosts: list[str]) -> None:
         ns = self.ns[host]
+        self._made.append(ns)  # before it exists: close() removes what a signal cut short
         _ip("netns", "add", ns)
-        self._made.append(ns)
         outside, inside = f"psv{self.tag}x{i}", f"psv{self.tag}y{i}"
-        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
         self._links.append(outside)
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", ns)
         _ip("link", "set", outside, "master", self.bridge)
         _ip("link", "set", outside, "up")
