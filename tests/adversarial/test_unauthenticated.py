@@ -81,8 +81,12 @@ def _peak_mib(pid: int) -> int:
 def test_calls_without_the_token_are_refused_before_their_body_is_read(tmp_path, monkeypatch):
     """Must 4: eight 16 MiB Joins without the token at once (each was received and parsed
     before its refusal: six 60 MiB ones took a server from 325 MB to 624 MB) leave the
-    server's peak memory within 64 MiB of where it was; a message over the receive limit
-    (17 MiB) is refused by gRPC before it is read."""
+    server's peak memory well under what reading them would take (128 MiB of bodies, twice
+    that parsed); a message over the receive limit (17 MiB) is refused by gRPC before it is
+    read. What does get in is what gRPC's flow control lets through before the refusal: its
+    window grows with the link's measured bandwidth-delay product and the refusal waits for
+    a thread, so it varies with load (11 to 19 MiB idle here, 71 MiB once on a loaded
+    2-core CI machine)."""
     monkeypatch.setenv("PARAMSERVER_TOKEN", TOKEN)
     server = Child(
         "server",
@@ -117,7 +121,7 @@ def test_calls_without_the_token_are_refused_before_their_body_is_read(tmp_path,
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         grown = _peak_mib(server.proc.pid) - before
         print(f"peak memory grew by {grown} MiB")
-        assert grown < 64, grown
+        assert grown < 100, grown
         channel.close()
     finally:
         stop_all([server])
