@@ -70,17 +70,25 @@ def tcp_gbps(nbytes: int, reps: int) -> float:
 
 
 def worker_gbps(
-    address: str | list[str], nbytes: int, reps: int, shm: bool, compress: str = "none"
+    address: str | list[str],
+    nbytes: int,
+    reps: int,
+    shm: bool,
+    compress: str = "none",
+    wire: str = "grpc",
 ) -> tuple[float, float]:
     """Push and pull GB/s of one Worker: the whole path, from the model's ``.grad`` to the
     server's optimizer step and from the server's weights into the model. GB/s of the
-    float32 model, whatever the wire carries."""
+    float32 model, whatever the wire carries. Without ``shm``: over the data port (``wire``
+    "auto") or gRPC streams ("grpc")."""
     model = Blob(nbytes)
     grad = torch.full_like(model.w, 1e-3)
-    worker = Worker(address, model, shm=shm, overlap=False, compress=compress)
+    worker = Worker(address, model, shm=shm, overlap=False, compress=compress, wire=wire)
     try:
         if worker.shm_active != shm:
             raise RuntimeError(f"the worker {'could not' if shm else 'did'} use shared memory")
+        if not shm and worker.data_port_active != (wire != "grpc"):
+            raise RuntimeError(f"the worker's payloads took the wrong path: {wire} asked")
 
         def push() -> None:
             model.w.grad = grad
@@ -122,6 +130,10 @@ def worker_figures(cfg: ServerConfig, nbytes: int, reps: int, figures: dict[str,
         figures["push_grpc_gbps"], figures["pull_grpc_gbps"] = worker_gbps(
             address, nbytes, reps, False
         )
+        # Other hosts, by default: the server's data port.
+        figures["push_remote_gbps"], figures["pull_remote_gbps"] = worker_gbps(
+            address, nbytes, reps, False, wire="auto"
+        )
         for kind in ("fp16", "bf16"):
             figures[f"push_grpc_{kind}_gbps"], _ = worker_gbps(address, nbytes, reps, False, kind)
     # Two server shards, each a process holding half the buffer, over gRPC.
@@ -147,6 +159,8 @@ def against_tcp(figures: dict[str, Any]) -> None:
         "push_grpc_bf16",
         "push_grpc_2shards",
         "pull_grpc_2shards",
+        "push_remote",
+        "pull_remote",
     ):
         figures[f"{key}_vs_tcp"] = figures[f"{key}_gbps"] / tcp
     figures["target_push_vs_tcp"] = 0.6
@@ -169,8 +183,10 @@ def rows_of(figures: dict[str, Any], nbytes: int, reps: int) -> list[tuple[str, 
             rate("push") + "  target 0.6 x TCP: " + ("met" if figures["target_met"] else "missed"),
         ),
         ("pull, same host (shared memory)", rate("pull")),
-        ("push, gRPC stream (other hosts)", rate("push_grpc")),
-        ("pull, gRPC stream (other hosts)", rate("pull_grpc")),
+        ("push, data port (other hosts)", rate("push_remote")),
+        ("pull, data port (other hosts)", rate("pull_remote")),
+        ("push, gRPC stream (--wire grpc)", rate("push_grpc")),
+        ("pull, gRPC stream (--wire grpc)", rate("pull_grpc")),
         ("push, gRPC stream, --compress fp16", rate("push_grpc_fp16")),
         ("push, gRPC stream, --compress bf16", rate("push_grpc_bf16")),
         ("push, gRPC stream, 2 server shards", rate("push_grpc_2shards")),

@@ -48,7 +48,7 @@ class LaunchOutput:
 
 
 # A server's own place: where it listens, its threads and its shard (launch picks them).
-LOCAL = ("host", "port", "threads", "metrics_port", "metrics_host", "shard")
+LOCAL = ("host", "port", "data_port", "threads", "metrics_port", "metrics_host", "shard")
 # What `server` and `launch` share: the run and its optimizer.
 RUN = (Part(ServerConfig, exclude=LOCAL), Part(OptimizerConfig, exclude=("schedule",)))
 SERVER = (

@@ -1,8 +1,14 @@
-"""Control records of the same-host path: length-prefixed frames on a Unix socket.
+"""Records of the socket paths: length-prefixed frames on the same-host Unix socket
+(``server/doorbell.py``) and on the data port other hosts use (``server/dataport.py``).
 
-A frame is a 16-byte header, then ``length`` payload bytes::
+A frame is a 24-byte header, then ``length`` payload bytes, then ``bulk`` bytes::
 
-    <I length  <i status code (0: OK, else a grpc.StatusCode's number)  <d seconds
+    <I length  <i status code (0: OK, else a grpc.StatusCode's number)  <d seconds  <Q bulk
+
+The payload is a protobuf message (a request or an answer, at most ``MAX_PAYLOAD`` bytes);
+the bulk is a step's raw tensor bytes (a push's gradient, a pull's weights), on the data
+port only: the receiver checks ``bulk`` against what the payload says before it reads a
+byte of it, and reads it straight into its own buffer (``recv_bulk``).
 
 A worker sends ``PushPullRequest`` bytes with ``seconds`` its deadline; the server answers
 ``PushPullResponse`` bytes with code 0, or a failure's UTF-8 details with its status code,
@@ -24,9 +30,11 @@ import grpc
 
 from paramserver.errors import InvalidRequest
 
-HEADER = struct.Struct("<Iid")
-MAX_PAYLOAD = 1 << 20  # control only: the payloads travel through the segment
+HEADER = struct.Struct("<IidQ")
+MAX_PAYLOAD = 1 << 20  # the message; tensors travel as bulk, or through the segment
 OK = 0
+NONCE_BYTES = 16  # a data-port nonce, issued at Join
+_TOKEN_LENGTH = struct.Struct("<H")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -35,6 +43,7 @@ class Frame:
     payload: bytes
     code: int = OK
     seconds: float = 0.0
+    bulk: int = 0  # bytes that follow the payload
 
 
 class ControlError(grpc.RpcError):
@@ -56,11 +65,17 @@ def number(code: grpc.StatusCode) -> int:
 
 
 def encode(frame: Frame) -> bytes:
-    return HEADER.pack(len(frame.payload), frame.code, frame.seconds) + frame.payload
+    """The header and payload (the bulk, if any, follows them)."""
+    return HEADER.pack(len(frame.payload), frame.code, frame.seconds, frame.bulk) + frame.payload
 
 
-def send(sock: socket.socket, frame: Frame) -> None:
+def send(sock: socket.socket, frame: Frame, bulk: memoryview | None = None) -> None:
+    """Send ``frame``, then ``bulk`` (``frame.bulk`` bytes of it) without a copy."""
+    if frame.bulk != (0 if bulk is None else bulk.nbytes):
+        raise ValueError(f"a frame announcing {frame.bulk} bulk bytes sent with other bulk")
     sock.sendall(encode(frame))
+    if bulk is not None and bulk.nbytes:
+        sock.sendall(bulk.cast("B"))
 
 
 def recv(
@@ -81,11 +96,45 @@ def recv(
     head = _exactly(sock, HEADER.size, deadline, at_start=True)
     if head is None:
         return None
-    length, code, seconds = HEADER.unpack(head)
+    length, code, seconds, bulk = HEADER.unpack(head)
     if length > limit:
         raise InvalidRequest(f"A control frame of {length} bytes; at most {limit}.")
     payload = _exactly(sock, length, deadline) if length else b""
-    return Frame(payload or b"", code, seconds)
+    return Frame(payload or b"", code, seconds, bulk)
+
+
+def recv_bulk(sock: socket.socket, out: memoryview, deadline: float | None = None) -> None:
+    """Read a frame's bulk into ``out``, all of it (``len(out)`` bytes, checked beforehand
+    against the frame's ``bulk``). Raises as ``recv`` does."""
+    _read_into(sock, out.cast("B"), deadline)
+
+
+def data_hello(token: str | None, nonce: bytes, worker_id: str) -> bytes:
+    """The first frame's payload on the data port: the token's length and the token (empty
+    without one), the nonce the Join answered, then the worker id in UTF-8."""
+    raw = (token or "").encode()
+    return _TOKEN_LENGTH.pack(len(raw)) + raw + nonce + worker_id.encode()
+
+
+def parse_data_hello(payload: bytes) -> tuple[bytes, bytes, str]:
+    """(token, nonce, worker id) of a data-port hello.
+
+    Raises:
+        InvalidRequest: it is not one.
+    """
+    size = _TOKEN_LENGTH.size
+    n = _TOKEN_LENGTH.unpack_from(payload)[0] if len(payload) >= size else len(payload)
+    rest = payload[size + n :]
+    if len(payload) < size + n or len(rest) <= NONCE_BYTES:
+        raise InvalidRequest(
+            f"A hello of {len(payload)} bytes: a token's length and the token, a "
+            f"{NONCE_BYTES}-byte nonce, then the worker id."
+        )
+    try:
+        worker_id = rest[NONCE_BYTES:].decode()
+    except UnicodeDecodeError:
+        raise InvalidRequest("A hello whose worker id is not UTF-8.") from None
+    return payload[size : size + n], rest[:NONCE_BYTES], worker_id
 
 
 def failure(code: grpc.StatusCode, details: str) -> Frame:
@@ -105,7 +154,16 @@ def _exactly(
     sock: socket.socket, n: int, deadline: float | None, at_start: bool = False
 ) -> bytes | None:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    if _read_into(sock, memoryview(buf), deadline, at_start) == 0 and n:
+        return None
+    return bytes(buf)
+
+
+def _read_into(
+    sock: socket.socket, view: memoryview, deadline: float | None, at_start: bool = False
+) -> int:
+    """Fill ``view``; 0 if the peer closed before its first byte and ``at_start``."""
+    n, got = view.nbytes, 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -115,7 +173,7 @@ def _exactly(
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             if at_start and got == 0:
-                return None
-            raise ConnectionError(f"the peer closed the control socket inside a frame ({got}/{n})")
+                return 0
+            raise ConnectionError(f"the peer closed the socket inside a frame ({got}/{n})")
         got += k
-    return bytes(buf)
+    return got

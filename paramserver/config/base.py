@@ -17,6 +17,7 @@ DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embe
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
 SHM_CHOICES = ("on", "payloads", "off")
+WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
 DATASETS = ("fashion-mnist", "synthetic", "clicks")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.

@@ -46,6 +46,11 @@ class ServerConfig:
     seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")
     host: str = setting("0.0.0.0", "--host", "Address to listen on.")
     port: int = setting(50051, "--port", "Port to listen on (0: any free port).")
+    data_port: str = setting(
+        "auto",
+        "--data-port",
+        "Port of the data path that workers on other hosts push and pull over (raw TCP frames, with the same TLS and token as gRPC). auto: --port + 1 (any free port with --port 0); off: none, payloads stream over gRPC; or a port number (0: any free port).",
+    )
     lease_seconds: float = setting(
         10.0,
         "--lease-timeout",
@@ -118,6 +123,23 @@ class ServerConfig:
         "Address the metrics listen on; 0.0.0.0 opens them to every interface (no token guards them: they show worker names and the loss).",
     )
 
+    @property
+    def data_port_number(self) -> int | None:
+        """The data port to bind (0: any free one), or None for none.
+
+        Raises:
+            ConfigError: --data-port is neither auto, off nor a port.
+        """
+        if self.data_port == "off":
+            return None
+        if self.data_port == "auto":
+            return self.port + 1 if 0 < self.port < 65535 else 0
+        if not self.data_port.isdigit() or not 0 <= int(self.data_port) <= 65535:
+            raise ConfigError(
+                f"--data-port must be auto, off or a port from 0 to 65535; got {self.data_port!r}."
+            )
+        return int(self.data_port)
+
     def __post_init__(self) -> None:
         Policy.parse(self.policy)
         if self.workers < 1:
@@ -139,6 +161,7 @@ class ServerConfig:
             raise ConfigError(f"--epochs must be at least 1; got {self.epochs}.")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535; got {self.port}.")
+        self.data_port_number  # noqa: B018 - checks --data-port
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(
                 f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."

@@ -12,6 +12,7 @@ from paramserver.config.base import (
     DEFAULT_CACHE_ROWS,
     MAX_PUSH_EVERY,
     SHM_CHOICES,
+    WIRE_CHOICES,
     Security,
     _non_negative,
     _positive,
@@ -66,6 +67,12 @@ class WorkerConfig:
         "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams). on: each step's control also goes over the server's same-host socket; payloads: control over gRPC; off: no segment.",
         choices=SHM_CHOICES,
     )
+    wire: str = setting(
+        "auto",
+        "--wire",
+        "How payloads reach a server that does not share the segment (another host): auto: over its data port, raw TCP frames with the same TLS and token, when it offers one, else gRPC streams; grpc: gRPC streams always.",
+        choices=WIRE_CHOICES,
+    )
     compress: str = setting(
         compression.AUTO,
         "--compress",
@@ -100,6 +107,7 @@ class WorkerConfig:
         _non_negative("--step-delay", self.step_delay)
         _check_overlap(self.overlap)
         _check_shm(self.shm)
+        _check_wire(self.wire)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
         _positive("--cache-rows", self.cache_rows)
@@ -146,6 +154,11 @@ def _check_compress(value: str) -> None:
         raise ConfigError(f"--{exc}") from None
 
 
+def _check_wire(value: str) -> None:
+    if value not in WIRE_CHOICES:
+        raise ConfigError(f"--wire must be one of {', '.join(WIRE_CHOICES)}; got {value!r}.")
+
+
 def _check_shm(value: str) -> None:
     if value not in SHM_CHOICES:
         raise ConfigError(f"--shm must be one of {', '.join(SHM_CHOICES)}; got {value!r}.")
@@ -177,6 +190,7 @@ class LaunchConfig:
     progress: bool = setting(True, "--progress/--no-progress", "Show a progress bar on stderr.")
     overlap: str = _as_in_worker("overlap")
     shm: str = _as_in_worker("shm")
+    wire: str = _as_in_worker("wire")
     compress: str = _as_in_worker("compress")
     push_every: int = _as_in_worker("push_every")
     cache_rows: int = _as_in_worker("cache_rows")
@@ -193,6 +207,7 @@ class LaunchConfig:
         _positive("--startup-timeout", self.startup_timeout)
         _check_overlap(self.overlap)
         _check_shm(self.shm)
+        _check_wire(self.wire)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
         if not 1 <= self.servers <= 64:

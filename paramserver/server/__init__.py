@@ -1,8 +1,9 @@
-"""A server shard: the global model's range and its optimizer, behind gRPC and a same-host
-control socket.
+"""A server shard: the global model's range and its optimizer, behind gRPC, a same-host
+control socket and a data port.
 
 - wiring: ``app`` (model -> store -> coordinator -> gRPC, start and stop), ``servicer``
-  (decode, call, encode; no decisions), ``doorbell`` (the control socket), ``steps`` (a
+  (decode, call, encode; no decisions), ``listener`` (what the socket doors share),
+  ``doorbell`` (the control socket), ``dataport`` (other hosts' steps), ``steps`` (a
   worker's step whichever door it came in by), ``payloads`` (where a payload's bytes are),
   ``metrics`` (Prometheus);
 - decisions under one lock: ``coordinator``, the only code that assigns its fields, and

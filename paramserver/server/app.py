@@ -22,8 +22,9 @@ from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
 from paramserver.server.checkpointer import Checkpointer, saved_state
 from paramserver.server.coordinator import Coordinator
+from paramserver.server.dataport import DataPort
 from paramserver.server.doorbell import Doorbell
-from paramserver.server.metrics import SOCKET_METHOD, Metrics
+from paramserver.server.metrics import DATA_METHOD, SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
@@ -198,6 +199,16 @@ class ServerApp:
             self.coordinator.notify,
             self.metrics.latency.labels(SOCKET_METHOD).observe,
         )
+        port = config.data_port_number
+        self.data = None
+        if port is not None:
+            self.data = DataPort(
+                servicer.steps,
+                config.security,
+                config.host,
+                port,
+                self.metrics.latency.labels(DATA_METHOD).observe,
+            )
         stub.register(servicer, self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = BoundedHealth()
@@ -246,6 +257,7 @@ class ServerApp:
                 "address is not on this machine."
             )
         self._servicer.control = self.doorbell.start()
+        self._start_data_port()
         self._grpc.start()
         if self.config.metrics_port is not None:
             self._serve_metrics()
@@ -257,6 +269,24 @@ class ServerApp:
             self.checkpointer.start()
         self._log_serving()
         return self
+
+    def _start_data_port(self) -> None:
+        """Serve the data port; the gRPC server stops if a port asked for cannot be bound.
+
+        Raises:
+            ConfigError: --data-port names a port that cannot be bound.
+        """
+        if self.data is None:
+            return
+        if self.data.start():
+            self._servicer.data = self.data
+            log.info("data port on %s:%d", _bracketed(self.config.host), self.data.port)
+        elif self.config.data_port != "auto":
+            self._grpc.stop(0)
+            raise ConfigError(
+                f"Cannot serve the data port on {_bracketed(self.config.host)}:"
+                f"{self.config.data_port} (see the log); --data-port off streams over gRPC."
+            )
 
     def _serve_metrics(self) -> None:
         """Serve --metrics-port; the gRPC server stops if it cannot be bound.
@@ -355,6 +385,8 @@ class ServerApp:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         done = self._grpc.stop(grace)
+        if self.data is not None:
+            self.data.close()
         self.doorbell.close()  # and wakes pulls blocked on a barrier so they see the end
         done.wait()
         self._servicer.steps.close()  # the optimizer's thread, where it has one

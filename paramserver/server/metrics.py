@@ -174,6 +174,7 @@ def _timed(inner: Behavior, streaming: bool, observe: Callable[[float], None]) -
 
 
 SOCKET_METHOD = "SocketPushPull"  # the method label of steps on the control socket
+DATA_METHOD = "DataPushPull"  # and of steps on the data port, from receipt to answer
 
 
 class Metrics:
@@ -184,7 +185,8 @@ class Metrics:
         self.latency = Histogram(
             "paramserver_rpc_seconds",
             "Time to serve an RPC, by method (Push: receive and apply; Pull: wait and send; "
-            f"{SOCKET_METHOD}: a step on the same-host control socket).",
+            f"{SOCKET_METHOD}: a step on the same-host control socket; {DATA_METHOD}: a "
+            "step on the data port, its gradient received).",
             ["method"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,

@@ -35,15 +35,19 @@ class Payloads:
 
     @contextmanager
     def gradient(
-        self, h: pb.PushHeader, rest: Iterator[pb.PushChunk]
+        self, h: pb.PushHeader, rest: Iterator[pb.PushChunk], received: np.ndarray | None = None
     ) -> Iterator[np.ndarray | None]:
         """The push's gradient while the block runs, copied from the worker's segment or
-        the stream into a receive buffer (reused afterwards); None if empty.
+        the stream into a receive buffer (reused afterwards), or the bytes ``received``
+        already (the data port's, in a buffer of ``received_buffer``); None if empty.
 
         Raises:
             BrokenSegment: the worker's segment changed size or cannot be read.
         """
-        if h.shm:
+        if received is not None:
+            wire.expect_end(rest, "A push received whole")
+            yield compression.to_float32(received, h.dtype).astype(self.dtype, copy=False)
+        elif h.shm:
             wire.expect_end(rest, "A push through shared memory")
             if h.empty:
                 yield None
@@ -60,9 +64,15 @@ class Payloads:
                 yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf))
 
     @contextmanager
+    def received_buffer(self, nbytes: int) -> Iterator[np.ndarray]:
+        """``nbytes`` bytes to receive a payload into while the block runs, kept for reuse."""
+        with self._buffer(nbytes) as buf:
+            yield buf.view(np.uint8)[:nbytes]
+
+    @contextmanager
     def _buffer(self, nbytes: int) -> Iterator[np.ndarray]:
         """A receive buffer of ``nbytes`` while the block runs, kept for reuse after."""
-        buf = self._take(nbytes // self.dtype.itemsize)
+        buf = self._take(-(-nbytes // self.dtype.itemsize))
         try:
             yield buf
         finally:

@@ -14,6 +14,7 @@ from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import wire
 from paramserver.errors import OutOfOrder, ParamServerError, to_status
 from paramserver.server.coordinator import Coordinator
+from paramserver.server.dataport import DataPort
 from paramserver.server.payloads import Payloads
 from paramserver.server.steps import Steps
 from paramserver.transport.shm import Attachments
@@ -69,6 +70,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
         self.steps = Steps(coordinator, Payloads(shared, coordinator.manifest.np_dtype))
         self.rewind = rewind
         self.control = control
+        self.data: DataPort | None = None  # the data port, once it serves
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
@@ -101,6 +103,8 @@ class Servicer(pb_grpc.ParameterServerServicer):
             incarnation=self.c.incarnation,
             shm=shm,
             shm_control=self.control if shm else "",
+            data_port=self.data.port if self.data and not shm else 0,
+            data_nonce=self.data.issue(member.worker_id) if self.data and not shm else b"",
             shard=cfg.shard,
             shards=cfg.shards,
             model_numel=self.c.model_numel,

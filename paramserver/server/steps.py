@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.codec import rows as sparse_wire
@@ -94,12 +96,20 @@ class Steps:
                 f"A push names {len(h.batches)} batches; at most {MAX_PUSH_EVERY} go in one."
             )
 
-    def push(self, header: pb.PushHeader, rest: Iterator[pb.PushChunk]) -> pb.PushResponse:
+    def push(
+        self,
+        header: pb.PushHeader,
+        rest: Iterator[pb.PushChunk],
+        received: np.ndarray | None = None,
+    ) -> pb.PushResponse:
+        """Apply a push whose gradient follows in ``rest``'s chunks, is in the worker's
+        segment (``header.shm``), or was ``received`` already (the data port's bytes)."""
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
         self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
         rows = self._rows(header, rest)
-        with self._dropping_broken_segments(), self.payloads.gradient(header, rest) as grad:
+        gradient = self.payloads.gradient(header, rest, received)
+        with self._dropping_broken_segments(), gradient as grad:
             result = self._apply(
                 self.c.push,
                 header.worker_id,

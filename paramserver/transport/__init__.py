@@ -11,8 +11,10 @@
 - ``shm``: the shared-memory segments a same-host worker's payloads travel in;
 - ``channels``: the worker's payload channels (``ShmChannel`` with its control-socket
   client, ``GrpcStreamChannel``), one interface for push, pull and both;
+- ``tcp``: the data port's client (``TcpChannel``), what workers on other hosts step over;
 - ``client``: the ``Channel`` seam, everything a worker's session sends to one server
-  (membership, queries and payloads), and ``GrpcChannel``, a stub with a payload channel.
+  (membership, queries and payloads), and ``GrpcChannel``, a stub with a payload channel
+  (``open_channel`` picks it: the segment, the data port, or streams).
 
 May import: ``codec``, ``config``, ``errors``, ``_proto``. Never ``server`` or ``worker``:
 both sit above it.

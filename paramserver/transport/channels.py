@@ -13,7 +13,7 @@ A session's ``GrpcChannel`` (``client.py``) holds one, opened after each Join.
   a gRPC call. A control socket that fails (the server died, a deadline passed) is dropped
   and that session's steps go over gRPC, whose retries and rejoins take over.
 
-``open_channel`` chooses: shared memory when the server mapped the segment, else streams.
+``client.open_channel`` chooses among them and the data port's ``TcpChannel`` (``tcp.py``).
 """
 
 from __future__ import annotations
@@ -281,34 +281,6 @@ def new_segment(nbytes: int, slots: int, dtype: str = "float32") -> shmem.Segmen
     except OSError as exc:
         log.warning("cannot create a shared-memory segment (%s); streaming over gRPC", exc)
         return None
-
-
-def open_channel(
-    stub: Stub,
-    segment: shmem.Segment | None,
-    reply: pb.JoinResponse,
-    private: tuple[torch.Tensor, list[torch.Tensor]],
-    codec: compression.Codec,
-    control: bool = True,
-    timeout: float = 60.0,
-) -> PayloadChannel:
-    """The channel for a session that offered ``segment`` (or none) at Join and got
-    ``reply``: shared memory if the server mapped it (steps over its control socket if it
-    offered one and ``control``; ``timeout`` bounds the connect), else streams over
-    ``private`` (weights, slots) buffers.
-
-    The segment's name is unlinked either way: the server holds its mapping, or declined.
-    """
-    if segment is not None:
-        segment.unlink()
-        if reply.shm:
-            name = reply.shm_control if control else ""
-            return ShmChannel(
-                stub, segment, open_control(name, reply.worker_id, segment.nonce, timeout)
-            )
-        segment.close()
-    weights, slots = private
-    return GrpcStreamChannel(stub, weights, slots, codec, reply.chunk_bytes)
 
 
 def observe(

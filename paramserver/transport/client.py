@@ -23,7 +23,15 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.config import Security
 from paramserver.transport import shm as shmem
-from paramserver.transport.channels import ControlSocket, PayloadChannel, new_segment, open_channel
+from paramserver.transport import tcp
+from paramserver.transport.channels import (
+    ControlSocket,
+    GrpcStreamChannel,
+    PayloadChannel,
+    ShmChannel,
+    new_segment,
+    open_control,
+)
 from paramserver.transport.stub import Stub, connect
 
 
@@ -32,7 +40,8 @@ class PayloadSpec:
     """What one session's payloads are: a range of ``nbytes`` bytes of ``dtype`` elements
     with ``slots`` push slots; ``streams`` (weights, slots) are the buffers streamed payloads use;
     ``codec`` encodes streamed gradients. ``shm``: offer a shared segment; ``control``: use
-    the server's control socket if it offers one, connecting within ``timeout``."""
+    the server's control socket if it offers one; ``remote``: use the server's data port
+    if it offers one (without the segment); either connecting within ``timeout``."""
 
     nbytes: int
     dtype: str
@@ -42,6 +51,7 @@ class PayloadSpec:
     shm: bool = True
     control: bool = True
     timeout: float = 60.0
+    remote: bool = True
 
 
 class Channel(abc.ABC):
@@ -139,10 +149,12 @@ ChannelFactory = Callable[[str], Channel]
 
 class GrpcChannel(Channel):
     """A ``Channel`` over gRPC: the calls on ``stub``, the payloads on the ``PayloadChannel``
-    that ``open_channel`` picks (``payloads``)."""
+    that ``open_channel`` picks (``payloads``): the data port of ``address``'s host is
+    dialled with ``security``."""
 
-    def __init__(self, stub: Any):
+    def __init__(self, stub: Any, address: str = "", security: Security | None = None):
         self.stub = stub
+        self.address, self.security = address, security or Security()
         self.payloads: PayloadChannel | None = None
         self._offered: tuple[shmem.Segment | None, PayloadSpec] | None = None
 
@@ -179,9 +191,7 @@ class GrpcChannel(Channel):
         (segment, spec), self._offered = self._offered, None
         old, self.payloads = (
             self.payloads,
-            open_channel(
-                self.stub, segment, reply, spec.streams, spec.codec, spec.control, spec.timeout
-            ),
+            open_channel(self.stub, segment, reply, spec, self.address, self.security),
         )
         if old is not None:
             old.close()
@@ -212,6 +222,12 @@ class GrpcChannel(Channel):
     def control(self) -> ControlSocket | None:
         """The server's same-host control socket the steps go over, if any."""
         return getattr(self.payloads, "control", None)
+
+    @property
+    def data_port(self) -> bool:
+        """Whether the payloads go over the server's data port (not failed since the Join)."""
+        payloads = self.payloads
+        return isinstance(payloads, tcp.TcpChannel) and payloads.data is not None
 
     @property
     def segment(self) -> shmem.Segment | None:
@@ -250,4 +266,33 @@ def grpc_channels(
     """A factory of ``GrpcChannel``s: each on ``stubs(address)``, by default a ``Stub`` on a
     gRPC channel with ``security``, connected within ``connect_timeout`` seconds."""
     make = stubs or (lambda address: Stub(connect(address, connect_timeout, security)))
-    return lambda address: GrpcChannel(make(address))
+    return lambda address: GrpcChannel(make(address), address, security)
+
+
+def open_channel(
+    stub: Stub,
+    segment: shmem.Segment | None,
+    reply: pb.JoinResponse,
+    spec: PayloadSpec,
+    address: str,
+    security: Security,
+) -> PayloadChannel:
+    """The payload path of a session that offered ``segment`` (or none) at Join and got
+    ``reply``: shared memory if the server mapped it (steps over its control socket if it
+    offered one and ``spec.control``), else the data port of ``address``'s host if the
+    server offered one and ``spec.remote``, else gRPC streams; the last two over
+    ``spec.streams``' buffers.
+
+    The segment's name is unlinked either way: the server holds its mapping, or declined.
+    """
+    if segment is not None:
+        segment.unlink()
+        if reply.shm:
+            name = reply.shm_control if spec.control else ""
+            control = open_control(name, reply.worker_id, segment.nonce, spec.timeout)
+            return ShmChannel(stub, segment, control)
+        segment.close()
+    weights, slots = spec.streams
+    streams = GrpcStreamChannel(stub, weights, slots, spec.codec, reply.chunk_bytes)
+    data = tcp.connect(address, reply, security, spec.timeout) if spec.remote else None
+    return streams if data is None else tcp.TcpChannel(data, streams)

@@ -4,11 +4,15 @@ The token travels as ``authorization: Bearer <token>`` metadata on every call; t
 interceptor refuses a call without it (UNAUTHENTICATED) before any servicer code runs, and
 before its request is read: the refusal takes the request as a stream it never reads, and
 runs on the health service's side pool (``transport/health.py``), not the workers' threads.
+The data port (``server/dataport.py``, ``transport/tcp.py``) carries the same: TLS from the
+same files (``server_ssl_context``, ``client_ssl_context``), the token in its hello
+(``token_matches``).
 """
 
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +28,12 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 def _bearer(token: str) -> str:
     return f"Bearer {token}"
+
+
+def token_matches(expected: str | None, got: bytes) -> bool:
+    """Whether ``got`` is the token ``expected`` (anything, where no token is set), in
+    constant time."""
+    return expected is None or hmac.compare_digest(expected.encode(), got)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -148,3 +158,30 @@ def client_channel(
     if security.token:
         channel = grpc.intercept_channel(channel, _ClientToken(security.token))
     return channel
+
+
+def server_ssl_context(security: Security) -> ssl.SSLContext | None:
+    """The TLS of ``server_credentials`` for a plain socket (the data port); None for plain
+    text. With a CA, a client must present a certificate it signed."""
+    if not security.cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(security.cert, security.key)
+    if security.ca:
+        ctx.load_verify_locations(security.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_ssl_context(security: Security) -> ssl.SSLContext | None:
+    """The TLS of ``client_channel`` for a plain socket: the server verified by ``ca`` (the
+    system's roots without one) and its host name, the client certificate if given; None
+    for plain text."""
+    if not security.tls:
+        return None
+    ctx = ssl.create_default_context(cafile=security.ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if security.cert:
+        ctx.load_cert_chain(security.cert, security.key)
+    return ctx

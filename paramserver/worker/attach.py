@@ -31,6 +31,7 @@ class Attacher:
         codec: the codec of streamed gradients (made for each range's size).
         shm: offer each server a shared segment.
         control: with shared memory, step over the server's control socket if it offers one.
+        remote: without it, use the server's data port if it offers one.
         train_samples: what shard 0's Join says of the worker's data set.
     """
 
@@ -44,10 +45,12 @@ class Attacher:
         codec: type[compression.Codec],
         shm: bool,
         control: bool,
+        remote: bool,
         train_samples: int,
     ):
         self.sessions, self.ranges, self.manifest = list(sessions), list(ranges), manifest
         self.slots, self.codec, self.shm, self.control = slots, codec, shm, control
+        self.remote = remote
         self.train_samples = train_samples
         self.buffers = StreamBuffers(manifest.numel, slots, device, manifest.torch_dtype)
 
@@ -63,6 +66,7 @@ class Attacher:
             self.shm,
             self.control,
             self.sessions[i].rpc_timeout,
+            self.remote,
         )
 
     def attach(self, i: int, retry: bool) -> None:

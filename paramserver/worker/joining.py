@@ -14,7 +14,7 @@ from torch import nn
 from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
-from paramserver.config import MAX_PUSH_EVERY
+from paramserver.config import MAX_PUSH_EVERY, WIRE_CHOICES
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.worker.attach import Attacher
@@ -40,7 +40,7 @@ class Joined:
     attacher: Attacher
 
 
-def check(push_every: int, compress: str) -> None:
+def check(push_every: int, compress: str, wire: str = "auto") -> None:
     """The options, checked before anything connects.
 
     Raises:
@@ -52,6 +52,8 @@ def check(push_every: int, compress: str) -> None:
         compression.by_name(compress)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if wire not in WIRE_CHOICES:
+        raise ConfigError(f"wire must be one of {', '.join(WIRE_CHOICES)}; got {wire!r}.")
 
 
 def join(
@@ -66,6 +68,7 @@ def join(
     compress: str,
     shm: bool,
     shm_control: bool,
+    remote: bool = True,
 ) -> Joined:
     """Join every shard: the plan, the policy and the manifest (shard 0's), the model
     (built if None) and its tables (``rejoin``: a row pull met a restarted server); then
@@ -92,7 +95,7 @@ def join(
         samples = train_samples(plan)
     slots = policy.max_inflight_pushes()
     attacher = Attacher(
-        sessions, ranges, manifest, slots, replica.device, codec, shm, shm_control, samples
+        sessions, ranges, manifest, slots, replica.device, codec, shm, shm_control, remote, samples
     )
     attacher.attach_all()
     return Joined(plan, policy, model, tables, replica, codec, ranges, samples, slots, attacher)

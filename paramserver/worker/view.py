@@ -49,6 +49,12 @@ class WorkerView:
         return all(getattr(s.channel, "control", None) for s in self.sessions)
 
     @property
+    def data_port_active(self) -> bool:
+        """Whether every shard's payloads go over its server's data port (and it has not
+        failed since the last Join)."""
+        return all(getattr(s.channel, "data_port", False) for s in self.sessions)
+
+    @property
     def mode(self) -> StepMode:
         return step_mode(self.overlap, self.shm_active, self.policy.synchronous)
 

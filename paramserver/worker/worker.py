@@ -83,6 +83,10 @@ class Worker(WorkerView):
             otherwise payloads stream over gRPC. ``shm_active`` says which. ``shm_control``:
             with shared memory, carry each step's control over the server's same-host
             control socket instead of a gRPC call (``control_active`` says if it does).
+        wire: how payloads reach a server that does not share the segment: "auto"
+            (default) over its data port (raw TCP frames, with the same TLS and token) when
+            it offers one, else gRPC streams; "grpc": gRPC streams always.
+            ``data_port_active`` says if every shard's payloads take the data port.
         compress: "auto" (default: a float16/bfloat16 model's own dtype, else none),
             "none", "fp16" or "bf16": the element type of gradients streamed over gRPC (16
             bits halve their bytes; the server widens them to its master weights). Pulls
@@ -120,6 +124,7 @@ class Worker(WorkerView):
         train_samples: int | Callable[[pb.TrainingPlan], int] = 0,
         shm: bool = True,
         shm_control: bool = True,
+        wire: str = "auto",
         compress: str = compression.AUTO,
         push_every: int = 1,
         cache_rows: int = DEFAULT_CACHE_ROWS,
@@ -129,11 +134,12 @@ class Worker(WorkerView):
         sleep: Callable[[float], bool] | None = None,
     ):
         self.addresses = addresses_of(address)
-        joining.check(push_every, compress)
+        joining.check(push_every, compress, wire)
         self.address, self.push_every = ",".join(self.addresses), push_every
         self.compress = compress
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.shm, self.shm_control = shm and shmem.available(), shm_control
+        self.wire = wire
         self._stop, self._closed, self._drop_step = threading.Event(), False, False
         self.version, self.last_staleness, self.finished = 0, 0, False
         self.batch, self.batches = None, []
@@ -174,6 +180,7 @@ class Worker(WorkerView):
                 compress=self.compress,
                 shm=self.shm,
                 shm_control=self.shm_control,
+                remote=self.wire != "grpc",
             )
         except BaseException:
             self._close_sessions()

@@ -61,7 +61,7 @@ def _dial(name: str) -> socket.socket:
 
 
 def _frame(payload: bytes) -> bytes:
-    return records.HEADER.pack(len(payload), 0, 0.0) + payload
+    return records.HEADER.pack(len(payload), 0, 0.0, 0) + payload
 
 
 def _refusal(sock: socket.socket) -> records.Frame:
@@ -147,7 +147,7 @@ def test_every_malformed_hello_is_refused_with_a_reply(serve, unhandled, caplog)
             "shorter than a nonce": (_frame(b"abc"), False, invalid),
             "nonce without a worker id": (_frame(nonce), False, invalid),
             "longer than a frame": (
-                records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0),
+                records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0, 0),
                 False,
                 invalid,
             ),

@@ -17,6 +17,7 @@ from paramserver.training import data
 from paramserver.transport import shm as shm_module
 from paramserver.transport.channels import ControlSocket
 from paramserver.transport.stub import Stub, connect
+from paramserver.transport.tcp import TcpChannel
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 
 
@@ -59,12 +60,12 @@ class DropPushReplies(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientIn
 
 
 class DropSocketReplies(DropPushReplies):
-    """The same losses on the same-host control socket: the server answered, the worker
-    hears nothing (the session retries on the same socket)."""
+    """The same losses on the same-host control socket or the data port: the server
+    answered, the worker hears nothing (the session retries on the same socket)."""
 
     def wrap(self, push_pull):  # type: ignore[no-untyped-def]
-        def lossy(socket, request, timeout):  # type: ignore[no-untyped-def]
-            reply = push_pull(socket, request, timeout)
+        def lossy(socket, request, *args):  # type: ignore[no-untyped-def]
+            reply = push_pull(socket, request, *args)
             if request.HasField("push"):
                 self._maybe_drop(Answered(reply))
             return reply
@@ -84,10 +85,15 @@ def _train(
     address: str, model: nn.Module, steps: int, shm: str, transport=None
 ) -> dict[str, torch.Tensor]:
     ds = data.synthetic(train=256, test=16)
-    kw = {"shm": shm != "streamed", "shm_control": shm == "control-socket"}
+    kw = {
+        "shm": shm not in ("streamed", "data-port"),
+        "shm_control": shm == "control-socket",
+        "wire": "auto" if shm == "data-port" else "grpc",
+    }
     with ps.Worker(address, model, transport=transport, **kw) as w:
         assert w.shm_active is (kw["shm"] and shm_module.available())
         assert w.control_active is (kw["shm_control"] and shm_module.available())
+        assert w.data_port_active is (shm == "data-port")
         for step in range(steps):
             idx = data.batch_indices(len(ds.train_x), 0, 16, step)
             F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
@@ -95,7 +101,7 @@ def _train(
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("shm", ["streamed", "shared-memory", "control-socket"])
+@pytest.mark.parametrize("shm", ["streamed", "data-port", "shared-memory", "control-socket"])
 @pytest.mark.parametrize("policy", ["sync", "delay-1"])
 def test_a_push_whose_reply_is_lost_is_applied_once(serve, policy, shm, monkeypatch):
     steps = 20
@@ -107,6 +113,9 @@ def test_a_push_whose_reply_is_lost_is_applied_once(serve, policy, shm, monkeypa
     if shm == "control-socket":
         dropper = DropSocketReplies(every=3)
         monkeypatch.setattr(ControlSocket, "push_pull", dropper.wrap(ControlSocket.push_pull))
+    if shm == "data-port":
+        dropper = DropSocketReplies(every=3)
+        monkeypatch.setattr(TcpChannel, "_step", dropper.wrap(TcpChannel._step))
     lossy = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
     got = _train(
         lossy.address,

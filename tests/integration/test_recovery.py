@@ -298,6 +298,7 @@ def test_each_shard_applies_each_batch_once_when_a_worker_dies_between_its_pushe
         train_samples=64,
         transport=cut_off_from_a_shard,
         shm=False,
+        wire="grpc",  # the cut is in the gRPC stub's Push
         overlap=False,
         server_timeout=1.0,
     )

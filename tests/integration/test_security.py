@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 from pathlib import Path
 
 import grpc
@@ -18,10 +19,12 @@ from cryptography.x509.oid import NameOID
 import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
+from paramserver.codec import records
 from paramserver.config import Security
 from paramserver.errors import ServerUnavailable, Unauthenticated
 from paramserver.transport.security import client_channel
-from tests.conftest import replica, tiny_model
+from paramserver.transport.tcp import DataSocket
+from tests.conftest import DEADLINE, replica, tiny_model
 
 
 def _issue(name: str, issuer_key, issuer_name, ca: bool = False):
@@ -128,3 +131,36 @@ def test_calls_without_the_token_are_refused_and_change_nothing(serve):
     assert (status["version"], status["workers_joined"]) == (0, 0)
 
     assert _one_step(server.address, replica(model), security=Security(token="s3cret")) == 1
+
+
+def test_the_data_port_speaks_the_servers_tls_and_refuses_who_fails_it(serve, pki):
+    """A worker with a client certificate steps over the data port in TLS; a plain-text
+    peer and TLS peers without a certificate the CA signed fail the handshake: nothing
+    they send is read, and nothing changes."""
+    ca = pki["ca"][0]
+    server_sec = Security(cert=pki["server"][0], key=pki["server"][1], ca=ca)
+    model = tiny_model()
+    server = serve(replica(model), policy="async", security=server_sec)
+    client = Security(cert=pki["client"][0], key=pki["client"][1], ca=ca)
+    mine = replica(model)
+    with ps.Worker(server.address, mine, security=client, shm=False) as w:
+        assert w.data_port_active
+        for p in mine.parameters():
+            p.grad = torch.ones_like(p)
+        w.step(samples=1)
+        port, nonce = server.data.port, w.sessions[0].reply.data_nonce
+        hello = records.Frame(records.data_hello(None, nonce, w.worker_id))
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as plain:
+            plain.sendall(records.encode(hello))
+            with pytest.raises((OSError, records.ControlError)):
+                records.raise_for(records.recv(plain) or records.Frame(b"closed", 14))
+        for who in (
+            Security(ca=ca),  # TLS, but no client certificate
+            Security(cert=pki["stranger"][0], key=pki["stranger"][1], ca=ca),  # not the CA's
+        ):
+            with pytest.raises(OSError):
+                DataSocket("127.0.0.1", port, who, w.worker_id, nonce, DEADLINE)
+        assert w.data_port_active  # none of them took its connection
+        w.step(samples=1)
+    assert server.status()["version"] == 2
+    assert server.data.refusals.counts["handshake failed"] == 3

@@ -208,30 +208,36 @@ def test_launch_trains_a_model_with_tables_and_checkpoints_them(tmp_path):
     assert evaluate(model, test_x, test_y).auc == pytest.approx(summary["test_auc"], abs=1e-6)
 
 
-@pytest.mark.parametrize("shm", [False, True])
-def test_rows_of_a_push_whose_reply_is_lost_are_applied_once(serve, shm, monkeypatch):
+@pytest.mark.parametrize("path", ["streamed", "data-port", "control-socket"])
+def test_rows_of_a_push_whose_reply_is_lost_are_applied_once(serve, path, monkeypatch):
     """The rows ride with the dense push: a retried push is a duplicate for both."""
     from paramserver.transport.channels import ControlSocket
     from paramserver.transport.stub import Stub, connect
+    from paramserver.transport.tcp import TcpChannel
     from tests.integration.test_exactly_once import DropPushReplies, DropSocketReplies
 
     torch.manual_seed(2)
     start = Clicky()
+    shm = path == "control-socket"
+    wire = "auto" if path == "data-port" else "grpc"
 
     def train(transport=None) -> tuple[ps.ServerApp, torch.Tensor]:
         model = Clicky()
         model.load_state_dict(start.state_dict())
         server = serve(model, optimizer="sgd", lr=0.1, policy="delay-1", workers=1)
-        with ps.Worker(server.address, model, shm=shm, transport=transport) as worker:
+        with ps.Worker(server.address, model, shm=shm, wire=wire, transport=transport) as w:
+            assert w.data_port_active is (path == "data-port")
             for x, y in _batches(12):
                 F.cross_entropy(model(x), y).backward()
-                worker.step(samples=len(x))
+                w.step(samples=len(x))
         return server, _table([server], "emb")
 
     _, expected = train()
-    dropper = DropSocketReplies(every=3) if shm else DropPushReplies(every=3)
-    if shm:
+    dropper = DropPushReplies(every=3) if path == "streamed" else DropSocketReplies(every=3)
+    if path == "control-socket":
         monkeypatch.setattr(ControlSocket, "push_pull", dropper.wrap(ControlSocket.push_pull))
+    if path == "data-port":
+        monkeypatch.setattr(TcpChannel, "_step", dropper.wrap(TcpChannel._step))
     lossy, got = train(lambda a: Stub(grpc.intercept_channel(connect(a, DEADLINE), dropper)))
     assert dropper.dropped >= 4
     assert lossy.status()["duplicates"] == dropper.dropped

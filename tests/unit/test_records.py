@@ -35,7 +35,7 @@ def test_frames_round_trip_in_order(pair):
 def test_a_close_between_frames_is_the_end_and_inside_one_an_error(pair):
     a, b = pair
     records.send(a, records.Frame(b"one"))
-    a.sendall(records.HEADER.pack(10, 0, 0.0) + b"half")
+    a.sendall(records.HEADER.pack(10, 0, 0.0, 0) + b"half")
     a.shutdown(socket.SHUT_WR)
     assert records.recv(b) == records.Frame(b"one")
     with pytest.raises(ConnectionError, match="inside a frame"):
@@ -48,14 +48,14 @@ def test_a_close_between_frames_is_the_end_and_inside_one_an_error(pair):
 
 def test_an_oversized_frame_is_refused_before_its_payload_is_read(pair):
     a, b = pair
-    a.sendall(records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0))
+    a.sendall(records.HEADER.pack(records.MAX_PAYLOAD + 1, 0, 0.0, 0))
     with pytest.raises(InvalidRequest, match="control frame"):
         records.recv(b)
 
 
 def test_a_frame_over_the_callers_limit_is_refused_unread(pair):
     a, b = pair
-    a.sendall(records.HEADER.pack(65, 0, 0.0) + b"x" * 65)
+    a.sendall(records.HEADER.pack(65, 0, 0.0, 0) + b"x" * 65)
     with pytest.raises(InvalidRequest, match="65 bytes; at most 64"):
         records.recv(b, limit=64)
 
@@ -64,7 +64,7 @@ def test_a_frame_that_is_not_all_there_by_the_deadline_times_out(pair):
     """A peer that sends a hello a byte at a time cannot stretch the deadline: it bounds
     the whole frame, not each read (time.monotonic is the clock; the deadline is past)."""
     a, b = pair
-    a.sendall(records.HEADER.pack(10, 0, 0.0) + b"abc")
+    a.sendall(records.HEADER.pack(10, 0, 0.0, 0) + b"abc")
     with pytest.raises(TimeoutError):
         records.recv(b, deadline=time.monotonic() - 1.0)
     c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,0 +1,161 @@
+"""The data port (server/dataport.py, transport/tcp.py): what workers on other hosts step
+over. It computes what gRPC streams compute, it is offered and taken only as the settings
+say, and a peer without the token, the Join's nonce or honest sizes is refused before
+anything it sends is read or applied. TLS on it is in test_security.py."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec import records
+from paramserver.config import Security
+from paramserver.errors import ConfigError
+from paramserver.training import data
+from paramserver.transport.tcp import DataSocket, host_of
+from tests.conftest import DEADLINE, replica, tiny_model
+
+TOKEN = "s3cret"
+
+
+def _train(address: str, model, steps: int, **kw) -> dict[str, torch.Tensor]:
+    ds = data.synthetic(train=256, test=16)
+    with ps.Worker(address, model, shm=False, overlap=False, **kw) as w:
+        assert w.data_port_active is (kw.get("wire", "auto") == "auto")
+        for step in range(steps):
+            idx = data.batch_indices(len(ds.train_x), 0, 16, step)
+            F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
+            w.step(samples=len(idx))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("compress", ["none", "bf16"])
+@pytest.mark.parametrize("policy", ["sync", "delay-1"])
+def test_the_data_port_computes_what_grpc_streams_compute(serve, policy, compress):
+    start = tiny_model()
+    runs = {}
+    for wire in ("grpc", "auto"):
+        server = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
+        runs[wire] = _train(server.address, replica(start), 12, wire=wire, compress=compress)
+        status = server.status()
+        assert (status["version"], status["pushes_applied"]) == (12, 12)
+    for name, tensor in runs["grpc"].items():
+        assert torch.equal(runs["auto"][name], tensor), name
+
+
+def test_the_data_port_is_offered_and_taken_only_as_the_settings_say(serve):
+    off = serve(tiny_model(), policy="async", data_port="off")
+    assert off.data is None
+    _train(off.address, tiny_model(), 1, wire="grpc")
+    with ps.Worker(off.address, tiny_model(), shm=False) as w:
+        assert not w.data_port_active  # none offered: streams
+        assert w.sessions[0].reply.data_port == 0
+    on = serve(tiny_model(), policy="async")
+    assert on.data is not None and on.data.port > 0
+    with ps.Worker(on.address, tiny_model()) as w:  # same host: the segment, no port
+        assert w.shm_active and w.sessions[0].reply.data_port == 0
+    with pytest.raises(ConfigError, match="--data-port"):
+        ps.serve(tiny_model(), port=0, data_port="fifty")
+    assert host_of("[::1]:5") == "::1" and host_of("ps-0.ps:50051") == "ps-0.ps"
+
+
+def _raw(server: ps.ServerApp) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.data.port), timeout=DEADLINE)
+    sock.settimeout(DEADLINE)
+    return sock
+
+
+def _refused(sock: socket.socket) -> grpc.StatusCode:
+    """The code of the one failure frame the server answers before it closes."""
+    frame = records.recv(sock)
+    assert frame is not None and frame.code != records.OK
+    assert records.recv(sock) is None  # then it closes the connection
+    with pytest.raises(records.ControlError) as err:
+        records.raise_for(frame)
+    return err.value.code()
+
+
+def test_a_hello_without_the_token_or_the_joins_nonce_is_refused(serve):
+    server = serve(tiny_model(), policy="async", security=Security(token=TOKEN))
+    with ps.Worker(server.address, tiny_model(), shm=False, security=Security(token=TOKEN)) as w:
+        assert w.data_port_active
+        nonce, wid = w.sessions[0].reply.data_nonce, w.worker_id
+        hellos = {
+            "no token": records.data_hello(None, nonce, wid),
+            "wrong token": records.data_hello("wrong", nonce, wid),
+            "wrong nonce": records.data_hello(TOKEN, bytes(len(nonce)), wid),
+            "another worker": records.data_hello(TOKEN, nonce, "nobody"),
+        }
+        for why, hello in hellos.items():
+            with _raw(server) as sock:
+                records.send(sock, records.Frame(hello))
+                assert _refused(sock) == grpc.StatusCode.UNAUTHENTICATED, why
+        for garbage in (b"", b"\xff\xff", b"\x00\x00" + b"x" * 8):
+            with _raw(server) as sock:
+                records.send(sock, records.Frame(garbage))
+                assert _refused(sock) == grpc.StatusCode.INVALID_ARGUMENT, garbage
+        with _raw(server) as sock:  # a hello past the limit is refused unread
+            sock.sendall(records.HEADER.pack(1 << 30, 0, 0.0, 0))
+            assert _refused(sock) == grpc.StatusCode.INVALID_ARGUMENT
+        assert w.data_port_active  # none of them took the worker's connection
+        for p in w.model.parameters():
+            p.grad = torch.ones_like(p)
+        w.step(samples=1)
+    assert server.status()["version"] == 1
+    assert server.data.refusals.counts["hello Unauthenticated"] == len(hellos)
+
+
+def test_a_peer_that_sends_no_hello_is_refused_at_its_deadline(serve):
+    server = serve(tiny_model(), policy="async")
+    server.data.hello_seconds = 0.3
+    with _raw(server) as sock:
+        assert _refused(sock) == grpc.StatusCode.DEADLINE_EXCEEDED
+    with _raw(server) as sock:  # half a hello, then nothing
+        sock.sendall(records.HEADER.pack(40, 0, 0.0, 0) + b"x" * 10)
+        assert _refused(sock) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _step(worker: ps.Worker, **header) -> pb.PushPullRequest:
+    fields = {
+        "worker_id": worker.worker_id,
+        "iteration": worker.clock,
+        "incarnation": worker.incarnation,
+        "samples": 1,
+        "total_bytes": worker.manifest.total_bytes,
+        **header,
+    }
+    return pb.PushPullRequest(push=pb.PushHeader(**fields))
+
+
+def test_a_step_that_lies_about_its_size_is_refused_before_its_bulk_is_read(serve):
+    server = serve(tiny_model(), policy="async")
+    with ps.Worker(server.address, tiny_model(), shm=False, overlap=False) as w:
+        nbytes = w.manifest.total_bytes
+        lies = {
+            "header off the model": (_step(w, total_bytes=nbytes - 4), nbytes - 4),
+            "bulk off the header": (_step(w), nbytes - 4),
+            "a huge bulk": (_step(w), 1 << 40),
+            "a pull with bulk": (pb.PushPullRequest(pull=pb.PullRequest(worker_id=w.worker_id)), 8),
+            "a step in shared memory": (_step(w, shm=True, total_bytes=0), 0),
+        }
+        for why, (request, bulk) in lies.items():
+            # the worker's own nonce: this connection replaces the worker's
+            nonce = w.sessions[0].reply.data_nonce
+            data = DataSocket("127.0.0.1", server.data.port, Security(), w.worker_id, nonce, 5.0)
+            frame = records.Frame(request.SerializeToString(), seconds=DEADLINE, bulk=bulk)
+            data.sock.sendall(records.encode(frame))  # the header alone: nothing follows
+            assert _refused(data.sock) == grpc.StatusCode.INVALID_ARGUMENT, why
+            data.close()
+        assert server.status()["version"] == 0
+        # the worker's connection was replaced: its next steps go over gRPC, and count
+        for p in w.model.parameters():
+            p.grad = torch.ones_like(p)
+        w.step(samples=1)
+        assert not w.data_port_active
+    assert server.status()["version"] == 1
