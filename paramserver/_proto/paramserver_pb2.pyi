@@ -163,23 +163,27 @@ class JoinResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut")
+    __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut", "dtype", "exact")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     COMMON_CUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     incarnation: str
     shm: bool
     batches: int
     common_cut: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., batches: _Optional[int] = ..., common_cut: _Optional[int] = ...) -> None: ...
+    dtype: str
+    exact: int
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., batches: _Optional[int] = ..., common_cut: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished", "shm", "batches", "cut_written")
+    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished", "shm", "batches", "cut_written", "dtype", "exact")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +192,8 @@ class PullHeader(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     CUT_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     total_bytes: int
@@ -196,7 +202,9 @@ class PullHeader(_message.Message):
     shm: bool
     batches: _containers.RepeatedScalarFieldContainer[int]
     cut_written: int
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ..., shm: _Optional[bool] = ..., batches: _Optional[_Iterable[int]] = ..., cut_written: _Optional[int] = ...) -> None: ...
+    dtype: str
+    exact: int
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ..., shm: _Optional[bool] = ..., batches: _Optional[_Iterable[int]] = ..., cut_written: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -207,7 +215,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks", "batches")
+    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks", "batches", "exact")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +232,7 @@ class PushHeader(_message.Message):
     ROW_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     ROW_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     total_bytes: int
@@ -240,7 +249,8 @@ class PushHeader(_message.Message):
     row_cache_misses: int
     row_chunks: int
     batches: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ..., batches: _Optional[_Iterable[int]] = ...) -> None: ...
+    exact: int
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ..., batches: _Optional[_Iterable[int]] = ..., exact: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "rows")

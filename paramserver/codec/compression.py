@@ -2,10 +2,12 @@
 by registry.
 
 Each codec has the name ``--compress`` takes and the dtype a push header names
-(``PushHeader.dtype`` in the proto; a test checks the two lists agree). ``encode`` runs on
-the worker, into a buffer reused from push to push; ``decode`` gives what the server
-received as float32 (float64 for a float64 payload), which the server widens to its flat
-buffer's dtype. A float64 model's flat buffer goes on the wire as it is (``Float64``).
+(``PushHeader.dtype`` in the proto; a test checks the two lists agree). Both directions use
+it: a worker ``encode``s a push into a buffer reused from push to push and the server
+``decode``s it to its flat buffer's elements; the server encodes a pull's weights (a
+rounded copy: its masters stay float32) and the worker receives them into
+``receive_buffer`` and widens them with ``decode_into``. Integer buffers travel exact
+(``Codec.exact``). A float64 model's flat buffer goes on the wire as it is (``Float64``).
 """
 
 from __future__ import annotations
@@ -29,17 +31,25 @@ def as_bytes(array: np.ndarray) -> memoryview:
 
 
 class Codec:
-    """No compression: float32 on the wire, encoded and decoded without a copy."""
+    """No compression: the flat buffer's own elements on the wire, without a copy.
+
+    A 16-bit codec (a subclass with ``raw`` False) sends the first ``numel - exact``
+    elements in its ``dtype`` and the last ``exact`` in the flat buffer's (``flat``): those
+    are the integer buffers (``num_batches_tracked``), which the flat buffer's sections put
+    last and which must never be rounded (``Manifest.exact_tail``).
+    """
 
     name: ClassVar[str] = "none"
     dtype: ClassVar[str] = "float32"
     itemsize: ClassVar[int] = 4
     raw: ClassVar[bool] = True  # the flat buffer's own elements: no cast
 
-    def __init__(self, numel: int):
-        import torch
-
-        self._buf = None if self.raw else torch.empty(numel, dtype=self.torch_dtype())
+    def __init__(self, numel: int, exact: int = 0, flat: str = "float32"):
+        self.numel, self.flat = numel, np.dtype(flat)
+        self.exact = min(max(exact, 0), numel) if not self.raw else 0
+        self.nbytes = payload_bytes(type(self), numel, self.exact, self.flat.itemsize)
+        self._out: np.ndarray | None = None  # encoded payloads, reused
+        self._in: np.ndarray | None = None  # received payloads, reused
 
     @classmethod
     def torch_dtype(cls) -> torch.dtype:
@@ -49,26 +59,80 @@ class Codec:
 
     def encode(self, flat: torch.Tensor) -> memoryview:
         """The wire bytes of the flat CPU tensor ``flat`` (valid until the next call)."""
-        if self._buf is None:
+        if self.raw:
             return as_bytes(flat.numpy())
+        if self._out is None:
+            self._out = np.empty(self.nbytes, np.uint8)
+        half, tail = self._parts(self._out)
+        split = self.numel - self.exact
+        half.copy_(flat[:split])
+        self._fix(half, flat[:split])
+        tail[:] = flat[split:].numpy()
+        return self._out.data
+
+    def _parts(self, raw: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """The 16-bit head (a tensor) and the exact tail (an array, maybe unaligned) of a
+        payload's bytes, over them."""
         import torch
 
-        self._buf.copy_(flat)
-        self._fix(flat)
-        return as_bytes(self._buf.view(torch.int16).numpy())
+        split = (self.numel - self.exact) * self.itemsize
+        head = torch.from_numpy(raw[:split]).view(self.torch_dtype())
+        return head, raw[split:].view(self.flat)
 
-    def _fix(self, flat: torch.Tensor) -> None:
-        """Mend ``_buf`` after the cast where the type needs it."""
+    def _fix(self, half: torch.Tensor, flat: torch.Tensor) -> None:
+        """Mend ``half`` after the cast where the type needs it."""
+
+    def receive_buffer(self, out: torch.Tensor) -> memoryview:
+        """Where a payload for ``out`` (the flat range it decodes into) lands: ``out``
+        itself when raw, else a buffer of the codec's, reused; ``decode_into`` after."""
+        if self.raw:
+            return as_bytes(out.numpy())
+        if self._in is None:
+            self._in = np.empty(self.nbytes, np.uint8)
+        return self._in.data
+
+    def decode_into(self, out: torch.Tensor) -> None:
+        """Widen what ``receive_buffer`` received into ``out`` (nothing to do when raw)."""
+        if self.raw:
+            return
+        assert self._in is not None, "decode_into follows receive_buffer"
+        half, tail = self._parts(self._in)
+        split = self.numel - self.exact
+        out[:split].copy_(half)
+        out[split:].numpy()[:] = tail
 
     @classmethod
-    def decode(cls, raw: np.ndarray) -> np.ndarray:
-        """A received payload (raw ``dtype`` elements, any integer view) as float32 (as
-        float64 if it is float64)."""
+    def decode(cls, raw: np.ndarray, exact: int = 0, flat: str = "float32") -> np.ndarray:
+        """A received payload (its bytes, any integer view) as the flat buffer's elements
+        (float32, or float64); ``exact`` elements at its end came in ``flat``.
+
+        Raises:
+            InvalidRequest: ``exact`` is more than the payload holds.
+        """
+        data = raw.view(np.uint8)
         if cls.raw:
-            return raw.view(cls.dtype)
+            return data.view(cls.dtype)
         import torch
 
-        return torch.from_numpy(raw.view(np.int16)).view(cls.torch_dtype()).float().numpy()
+        tail_bytes = exact * np.dtype(flat).itemsize
+        if not 0 <= tail_bytes <= data.nbytes or (data.nbytes - tail_bytes) % cls.itemsize:
+            raise InvalidRequest(
+                f"A {cls.dtype} payload of {data.nbytes} bytes cannot end in {exact} exact "
+                f"{flat} elements."
+            )
+        head = torch.from_numpy(data[: data.nbytes - tail_bytes]).view(cls.torch_dtype())
+        out = np.empty(head.numel() + exact, flat)
+        torch.from_numpy(out[: head.numel()]).copy_(head)
+        out[head.numel() :] = data[data.nbytes - tail_bytes :].view(flat)
+        return out
+
+
+def payload_bytes(codec: type[Codec], numel: int, exact: int = 0, flat_itemsize: int = 4) -> int:
+    """The bytes of ``numel`` elements in ``codec``'s wire form, the last ``exact`` of them
+    in the flat buffer's (``flat_itemsize``-byte) elements."""
+    if codec.raw:
+        return numel * codec.itemsize
+    return (numel - exact) * codec.itemsize + exact * flat_itemsize
 
 
 class Float16(Codec):
@@ -80,13 +144,12 @@ class Float16(Codec):
     itemsize = 2
     raw = False
 
-    def _fix(self, flat: torch.Tensor) -> None:
+    def _fix(self, half: torch.Tensor, flat: torch.Tensor) -> None:
         import torch
 
-        assert self._buf is not None
-        if bool(torch.isinf(self._buf).any()):
+        if bool(torch.isinf(half).any()):
             saturated = flat.clamp(-FP16_MAX, FP16_MAX)
-            self._buf.copy_(torch.where(torch.isfinite(flat), saturated, flat))
+            half.copy_(torch.where(torch.isfinite(flat), saturated, flat))
 
 
 class BFloat16(Codec):
@@ -160,6 +223,7 @@ def wire_itemsize(name: str) -> int:
     return by_dtype(name).itemsize
 
 
-def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """A received payload (raw bytes of ``dtype`` elements) as float32 (float64 if so)."""
-    return by_dtype(dtype).decode(raw)
+def to_float32(raw: np.ndarray, dtype: str, exact: int = 0, flat: str = "float32") -> np.ndarray:
+    """A received payload (raw bytes of ``dtype`` elements, the last ``exact`` in ``flat``)
+    as the flat buffer's elements (float32, or float64)."""
+    return by_dtype(dtype).decode(raw, exact, flat)

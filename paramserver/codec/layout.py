@@ -121,6 +121,12 @@ class Manifest:
         hi += sum(s.numel for s in self.tensors if s.role == role)
         return lo, hi
 
+    def exact_tail(self, lo: int, hi: int) -> int:
+        """How many of the elements [lo, hi) are integer buffers (the last section), which a
+        16-bit payload of that range carries exact."""
+        counts = self.section("count")[0]
+        return max(0, hi - max(lo, counts))
+
     def to_proto(self) -> pb.Manifest:
         return pb.Manifest(
             tensors=[

@@ -100,7 +100,7 @@ class Assembler:
             raise InvalidRequest(
                 f"A payload of {total_bytes} bytes is not a whole number of {itemsize}-byte values."
             )
-        kind = {4: np.float32, 8: np.float64}.get(itemsize, np.uint16)
+        kind = {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.float64}[itemsize]
         self.total_bytes = total_bytes
         self.array = np.empty(total_bytes // itemsize, kind) if out is None else out
         if self.array.dtype != kind or self.array.nbytes != total_bytes:
@@ -209,10 +209,17 @@ def decode_payload(
     return assembler.finish()
 
 
-def decode_gradient(stream: Iterable[pb.PushChunk], total_bytes: int, dtype: str) -> np.ndarray:
-    """Read a push's data chunks (``dtype`` elements) into a new float32 gradient."""
-    codec = by_dtype(dtype)
-    return codec.decode(decode_payload(stream, Assembler(total_bytes, itemsize=codec.itemsize)))
+def decode_gradient(
+    stream: Iterable[pb.PushChunk],
+    total_bytes: int,
+    dtype: str,
+    exact: int = 0,
+    flat: str = "float32",
+) -> np.ndarray:
+    """Read a push's data chunks (``dtype`` elements, the last ``exact`` in ``flat``) into a
+    new gradient of ``flat`` elements."""
+    raw = decode_payload(stream, Assembler(total_bytes, itemsize=1))
+    return by_dtype(dtype).decode(raw, exact, flat)
 
 
 def expect_end(stream: Iterable[Any], what: str = "An empty push") -> None:

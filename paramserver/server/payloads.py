@@ -9,14 +9,17 @@ cannot change meanwhile."""
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
+import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
+from paramserver.errors import InvalidRequest
 from paramserver.transport.shm import Attachments
 
 # Receive buffers kept for reuse: a fresh 64 MiB buffer costs about 7 ms of page faults.
@@ -44,9 +47,10 @@ class Payloads:
         Raises:
             BrokenSegment: the worker's segment changed size or cannot be read.
         """
+        flat = self.dtype.name
         if received is not None:
             wire.expect_end(rest, "A push received whole")
-            yield compression.to_float32(received, h.dtype).astype(self.dtype, copy=False)
+            yield compression.to_float32(received, h.dtype, h.exact, flat)
         elif h.shm:
             wire.expect_end(rest, "A push through shared memory")
             if h.empty:
@@ -57,8 +61,8 @@ class Payloads:
         elif h.empty:
             wire.expect_end(rest)
             yield None
-        elif compression.wire_dtype(h.dtype) != self.dtype.name:
-            yield wire.decode_gradient(rest, h.total_bytes, h.dtype).astype(self.dtype, copy=False)
+        elif compression.wire_dtype(h.dtype) != flat:
+            yield wire.decode_gradient(rest, h.total_bytes, h.dtype, h.exact, flat)
         else:
             with self._buffer(h.total_bytes) as buf:
                 yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf))
@@ -106,9 +110,26 @@ class Payloads:
     def weights(
         self, request: pb.PullRequest, header: pb.PullHeader, weights: np.ndarray
     ) -> memoryview:
-        """The bytes to stream after ``header``: none when the weights are in the worker's
-        segment already (``header.shm`` says so)."""
+        """The bytes to send after ``header``: none when the weights are in the worker's
+        segment already (``header.shm`` says so); a rounded copy in the 16-bit dtype the
+        request asks for (its last ``exact`` elements as they are); else the weights.
+
+        Raises:
+            InvalidRequest: an unknown dtype, or an exact tail longer than the weights.
+        """
         if request.shm:
             header.shm = True
             return memoryview(b"")
-        return compression.as_bytes(weights)
+        codec = compression.by_dtype(request.dtype or self.dtype.name)
+        if codec.raw:
+            return compression.as_bytes(weights)
+        if not 0 <= request.exact <= weights.size:
+            raise InvalidRequest(
+                f"A pull asks for {request.exact} exact elements of {weights.size}."
+            )
+        header.dtype, header.exact = codec.dtype, request.exact
+        encoder = codec(weights.size, request.exact, self.dtype.name)
+        with warnings.catch_warnings():  # the snapshot is read-only; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.from_numpy(weights)
+        return encoder.encode(source)

@@ -71,12 +71,15 @@ class Steps:
 
     def check_push_header(self, h: pb.PushHeader) -> None:
         """The header's own consistency: its shard, element type and byte count."""
-        itemsize = compression.wire_itemsize(h.dtype)
+        codec = compression.by_dtype(h.dtype)
         shard = self.c.config.shard
         if h.shard != shard:
             raise InvalidRequest(f"A push for shard {h.shard} reached shard {shard} of the server.")
         numel = self.c.manifest.numel
-        expected = 0 if h.empty or h.shm else numel * itemsize
+        if not 0 <= h.exact <= (0 if codec.raw else numel):
+            raise InvalidRequest(f"A {codec.dtype} push with {h.exact} exact elements of {numel}.")
+        wire_bytes = compression.payload_bytes(codec, numel, h.exact, self.c.manifest.itemsize)
+        expected = 0 if h.empty or h.shm else wire_bytes
         if h.total_bytes != expected:
             why = (
                 " (an empty push carries none)."
@@ -87,7 +90,7 @@ class Steps:
             )
             raise InvalidRequest(
                 f"A push of {h.total_bytes} bytes does not match the model's "
-                f"{numel * itemsize} bytes of {compression.wire_dtype(h.dtype)}{why}"
+                f"{wire_bytes} bytes of {codec.dtype}{why}"
             )
         if h.iteration < 0:
             raise InvalidRequest(f"Iteration {h.iteration} is negative.")

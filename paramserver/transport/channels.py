@@ -31,7 +31,7 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, records, wire
 from paramserver.codec import rows as sparse_wire
-from paramserver.errors import from_rpc_error
+from paramserver.errors import InvalidRequest, from_rpc_error
 from paramserver.transport import shm as shmem
 from paramserver.transport.stub import Stub
 
@@ -99,7 +99,7 @@ class GrpcStreamChannel(PayloadChannel):
         payload = memoryview(b"")
         if not header.empty:
             payload = self.codec.encode(self.slots[slot])
-            header.dtype = self.codec.dtype
+            header.dtype, header.exact = self.codec.dtype, self.codec.exact
         header, rows = sparse_wire.split_rows(header)
         response: pb.PushResponse = self.stub.Push(
             wire.encode_push(header, payload, self.chunk_bytes, rows), timeout=timeout
@@ -107,8 +107,10 @@ class GrpcStreamChannel(PayloadChannel):
         return response
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
-        out = self.weights.numpy()
+        ask_for(request, self.codec)
+        out = np.frombuffer(self.codec.receive_buffer(self.weights), np.uint8)
         header, _ = wire.decode_pull(self.stub.Pull(request, timeout=timeout), out, out.nbytes)
+        received(header, self.codec, self.weights)
         return header
 
     def push_pull(
@@ -117,6 +119,27 @@ class GrpcStreamChannel(PayloadChannel):
         # A retry after a lost reply pushes again: the server acknowledges it as a duplicate.
         self.push(header, slot, timeout)
         return self.pull(request, timeout)
+
+
+def ask_for(request: pb.PullRequest, codec: compression.Codec) -> None:
+    """Ask for the weights in ``codec``'s wire form (16 bits with --compress)."""
+    if not codec.raw:
+        request.dtype, request.exact = codec.dtype, codec.exact
+
+
+def received(header: pb.PullHeader, codec: compression.Codec, weights: torch.Tensor) -> None:
+    """The weights a pull received in ``codec``'s receive buffer, widened into ``weights``.
+
+    Raises:
+        InvalidRequest: the server answered in another form than asked.
+    """
+    asked = ("", 0) if codec.raw else (codec.dtype, codec.exact)
+    if (header.dtype, header.exact) != asked:
+        raise InvalidRequest(
+            f"The server sent weights as {header.dtype or 'its own type'} with "
+            f"{header.exact} exact elements; {asked[0] or 'its own type'} was asked."
+        )
+    codec.decode_into(weights)
 
 
 class ControlSocket:

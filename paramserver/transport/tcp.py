@@ -17,12 +17,11 @@ import socket
 import threading
 
 import grpc
-import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import compression, records
+from paramserver.codec import records
 from paramserver.config import Security
-from paramserver.transport.channels import GrpcStreamChannel, PayloadChannel
+from paramserver.transport.channels import GrpcStreamChannel, PayloadChannel, ask_for, received
 from paramserver.transport.security import client_ssl_context
 
 log = logging.getLogger(__name__)
@@ -85,13 +84,12 @@ class DataSocket:
         answer = self._reply(self.sock)
         return pb.PushPullResponse.FromString(answer.payload), answer
 
-    def weights(self, frame: records.Frame, out: torch.Tensor) -> None:
-        """Read the weights ``frame`` announced into ``out``.
+    def weights(self, frame: records.Frame, view: memoryview) -> None:
+        """Read the weights' bytes ``frame`` announced into ``view``.
 
         Raises:
             ConnectionError: the server announced another size (the connection is lost).
         """
-        view = compression.as_bytes(out.numpy())
         if frame.bulk != view.nbytes:
             raise ConnectionError(
                 f"the server sent {frame.bulk} bytes of weights for a buffer of {view.nbytes}"
@@ -161,9 +159,12 @@ class TcpChannel(PayloadChannel):
         if not data.busy.acquire(blocking=False):
             return None
         try:
+            if request.HasField("pull"):
+                ask_for(request.pull, self.codec)
             answer, frame = data.step(request, gradient, timeout)
-            if request.HasField("pull") and frame.code == records.OK:
-                data.weights(frame, self.weights)
+            if request.HasField("pull"):
+                data.weights(frame, self.codec.receive_buffer(self.weights))
+                received(answer.pull, self.codec, self.weights)
             return answer
         except OSError as exc:  # EOF, reset, timeout: the server is gone or stuck
             log.warning("the data port failed (%s); payloads stream over gRPC", exc)
@@ -179,7 +180,8 @@ class TcpChannel(PayloadChannel):
             header.total_bytes = 0
             return None
         payload = self.codec.encode(self.slots[slot])
-        header.dtype, header.total_bytes = self.codec.dtype, payload.nbytes
+        header.dtype, header.exact = self.codec.dtype, self.codec.exact
+        header.total_bytes = payload.nbytes
         return payload
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:

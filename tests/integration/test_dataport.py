@@ -159,3 +159,42 @@ def test_a_step_that_lies_about_its_size_is_refused_before_its_bulk_is_read(serv
         w.step(samples=1)
         assert not w.data_port_active
     assert server.status()["version"] == 1
+
+
+def _bn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+    model[1].num_batches_tracked.fill_(1001)  # bfloat16 would make it 1000
+    return model
+
+
+@pytest.mark.parametrize("wire", ["grpc", "auto"])
+@pytest.mark.parametrize("compress", ["fp16", "bf16"])
+def test_16_bit_pulls_carry_rounded_weights_and_exact_counts(serve, wire, compress, monkeypatch):
+    """With --compress, a pull carries a 16-bit copy of the server's float32 masters (half
+    the bytes), its integer buffers exact, over gRPC streams and the data port alike."""
+    from paramserver.server.payloads import Payloads
+
+    sent: list[int] = []
+    weights = Payloads.weights
+    monkeypatch.setattr(
+        Payloads, "weights", lambda *a: sent.append((out := weights(*a)).nbytes) or out
+    )
+    model = _bn()
+    server = serve(replica(model), optimizer="sgd", lr=0.1, policy="sync")
+    mine = replica(model)
+    mine[1].num_batches_tracked.zero_()
+    with ps.Worker(server.address, mine, shm=False, wire=wire, compress=compress) as w:
+        assert w.data_port_active is (wire == "auto")
+        for _ in range(3):
+            mine(torch.randn(8, 6)).square().mean().backward()
+            w.step(samples=8)
+        numel = w.manifest.numel
+    assert sent and set(sent) == {2 * (numel - 1) + 4}  # 16 bits, but the count
+    masters = torch.from_numpy(server.coordinator.store.weights.copy())
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}[compress]
+    got = torch.cat([p.detach().flatten() for p in mine.parameters()])
+    n = got.numel()
+    assert torch.equal(got, masters[:n].to(half).float())  # rounded copies of the masters
+    assert not torch.equal(got, masters[:n])
+    assert mine[1].num_batches_tracked.item() == masters[-1].item() == 1004

@@ -457,3 +457,43 @@ def test_any_range_of_the_flat_buffer_flattens_and_unflattens_in_place(shards):
         unflatten_into(manifest, part, back, lo, hi)
     for t, b in zip(tensors, back, strict=True):
         assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("exact", [0, 1, 3, 1001])
+def test_a_16_bit_payload_carries_its_exact_tail_unrounded(dtype, exact):
+    """The last ``exact`` elements (integer buffers) travel in float32, whatever the
+    alignment of the split; the rest round to the 16-bit type, both ways."""
+    flat = torch.linspace(-3, 3, 1001)
+    flat[1001 - exact :] = torch.arange(1001, 1001 + exact, dtype=torch.float32)
+    codec = compression.by_dtype(dtype)(1001, exact)
+    encoded = codec.encode(flat)
+    assert len(encoded) == 2 * (1001 - exact) + 4 * exact == codec.nbytes
+    split = 1001 - exact
+    expected = torch.cat([flat[:split].to(getattr(torch, dtype)).float(), flat[split:]])
+    back = compression.to_float32(np.frombuffer(encoded, np.uint8).copy(), dtype, exact)
+    np.testing.assert_array_equal(back, expected.numpy())
+    # the worker's side of a pull: received into the codec's buffer, widened into place
+    receiver = compression.by_dtype(dtype)(1001, exact)
+    np.frombuffer(receiver.receive_buffer(torch.empty(1001)), np.uint8)[:] = np.frombuffer(
+        encoded, np.uint8
+    )
+    out = torch.empty(1001)
+    receiver.decode_into(out)
+    assert torch.equal(out, expected)
+    with pytest.raises(InvalidRequest, match="exact"):
+        compression.to_float32(np.frombuffer(encoded, np.uint8).copy(), dtype, 2000)
+
+
+def test_the_exact_tail_of_a_range_is_its_integer_buffers():
+    model = torch.nn.BatchNorm1d(3)  # weight, bias | running mean, var | num_batches_tracked
+    named = [*model.named_parameters(), *model.named_buffers()]
+    roles = ["param", "param", "buffer", "buffer", "count"]
+    manifest = Manifest.from_tensors(named, roles)
+    assert manifest.numel == 13
+    assert [manifest.exact_tail(lo, hi) for lo, hi in ((0, 13), (0, 12), (6, 13), (12, 13))] == [
+        1,
+        0,
+        1,
+        1,
+    ]
