@@ -82,6 +82,16 @@ class Codec:
     def _fix(self, half: torch.Tensor, flat: torch.Tensor) -> None:
         """Mend ``half`` after the cast where the type needs it."""
 
+    def round_(self, flat: torch.Tensor) -> None:
+        """Round ``flat`` in place as a trip through the wire would (its exact tail kept):
+        the same numbers for a payload that never leaves the host (a shared segment)."""
+        if self.raw:
+            return
+        split = self.numel - self.exact
+        half = flat[:split].to(self.torch_dtype())
+        self._fix(half, flat[:split])
+        flat[:split].copy_(half)
+
     def receive_buffer(self, out: torch.Tensor) -> memoryview:
         """Where a payload for ``out`` (the flat range it decodes into) lands: ``out``
         itself when raw, else a buffer of the codec's, reused; ``decode_into`` after."""

@@ -76,7 +76,7 @@ class WorkerConfig:
     compress: str = setting(
         compression.AUTO,
         "--compress",
-        "Element type of gradients streamed over gRPC (fp16, bf16: half the bytes; the server keeps float32); auto: a float16 or bfloat16 model's own, else none. Not used through shared memory.",
+        "Element type of gradients pushed and weights pulled (fp16, bf16: half the bytes on the wire; the server keeps float32 masters and sends a rounded copy; integer buffers stay exact; through shared memory the values are rounded in place, the same numbers); auto: a float16 or bfloat16 model's own, else none.",
         choices=compression.CHOICES,
     )
     push_every: int = setting(

@@ -208,10 +208,18 @@ class ShmChannel(PayloadChannel):
 
     shm = True
 
-    def __init__(self, stub: Stub, segment: shmem.Segment, control: ControlSocket | None = None):
+    def __init__(
+        self,
+        stub: Stub,
+        segment: shmem.Segment,
+        control: ControlSocket | None = None,
+        codec: compression.Codec | None = None,
+    ):
         self.stub = stub
         self.segment = segment
         self.control = control
+        # with --compress: gradients and weights rounded in place, as the wire would
+        self.codec = codec
         self.weights = torch.from_numpy(segment.weights)
         self.slots = [torch.from_numpy(a) for a in segment.slots]
 
@@ -237,8 +245,15 @@ class ShmChannel(PayloadChannel):
         reply: pb.PushPullResponse = self.stub.PushPull(request, timeout=timeout)
         return reply
 
+    def _rounded(self, slot: int | None) -> None:
+        """Round a gradient about to be pushed (``slot``), or the weights just pulled."""
+        if self.codec is not None:
+            self.codec.round_(self.weights if slot is None else self.slots[slot])
+
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         header.shm, header.shm_slot = True, slot
+        if not header.empty:
+            self._rounded(slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             return self._push_stream(sent, rows, timeout)
@@ -257,17 +272,23 @@ class ShmChannel(PayloadChannel):
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
         request.shm = True  # a pull alone: on the control socket too, when it is free
-        return self._push_pull(pb.PushPullRequest(pull=request), timeout).pull
+        header = self._push_pull(pb.PushPullRequest(pull=request), timeout).pull
+        self._rounded(None)
+        return header
 
     def push_pull(
         self, header: pb.PushHeader, slot: int, request: pb.PullRequest, timeout: float
     ) -> pb.PullHeader:
         header.shm, header.shm_slot, request.shm = True, slot, True
+        if not header.empty:
+            self._rounded(slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             self._push_stream(sent, rows, timeout)
             return self.pull(request, timeout)
-        return self._push_pull(pb.PushPullRequest(push=header, pull=request), timeout).pull
+        pulled = self._push_pull(pb.PushPullRequest(push=header, pull=request), timeout).pull
+        self._rounded(None)
+        return pulled
 
     def close(self) -> None:
         if self.control is not None:

@@ -290,7 +290,7 @@ def open_channel(
         if reply.shm:
             name = reply.shm_control if spec.control else ""
             control = open_control(name, reply.worker_id, segment.nonce, spec.timeout)
-            return ShmChannel(stub, segment, control)
+            return ShmChannel(stub, segment, control, None if spec.codec.raw else spec.codec)
         segment.close()
     weights, slots = spec.streams
     streams = GrpcStreamChannel(stub, weights, slots, spec.codec, reply.chunk_bytes)

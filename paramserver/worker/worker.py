@@ -88,9 +88,10 @@ class Worker(WorkerView):
             it offers one, else gRPC streams; "grpc": gRPC streams always.
             ``data_port_active`` says if every shard's payloads take the data port.
         compress: "auto" (default: a float16/bfloat16 model's own dtype, else none),
-            "none", "fp16" or "bf16": the element type of gradients streamed over gRPC (16
-            bits halve their bytes; the server widens them to its master weights). Pulls
-            carry the master weights, and pushes through shared memory are not compressed.
+            "none", "fp16" or "bf16": the element type of gradients pushed and weights
+            pulled (16 bits halve their bytes on the wire; the server keeps float32 masters,
+            widens what it receives and sends a rounded copy; integer buffers stay exact).
+            Through shared memory the values are rounded in place: the same numbers.
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.

@@ -18,16 +18,18 @@ from paramserver.codec import records
 from paramserver.config import Security
 from paramserver.errors import ConfigError
 from paramserver.training import data
+from paramserver.transport import shm
 from paramserver.transport.tcp import DataSocket, host_of
 from tests.conftest import DEADLINE, replica, tiny_model
 
 TOKEN = "s3cret"
 
 
-def _train(address: str, model, steps: int, **kw) -> dict[str, torch.Tensor]:
+def _train(address: str, model, steps: int, shm: bool = False, **kw) -> dict[str, torch.Tensor]:
     ds = data.synthetic(train=256, test=16)
-    with ps.Worker(address, model, shm=False, overlap=False, **kw) as w:
-        assert w.data_port_active is (kw.get("wire", "auto") == "auto")
+    with ps.Worker(address, model, shm=shm, overlap=False, **kw) as w:
+        assert w.shm_active is shm
+        assert w.data_port_active is (not shm and kw.get("wire", "auto") == "auto")
         for step in range(steps):
             idx = data.batch_indices(len(ds.train_x), 0, 16, step)
             F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
@@ -38,15 +40,20 @@ def _train(address: str, model, steps: int, **kw) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("compress", ["none", "bf16"])
 @pytest.mark.parametrize("policy", ["sync", "delay-1"])
 def test_the_data_port_computes_what_grpc_streams_compute(serve, policy, compress):
+    """And a shared segment the same, 16-bit rounding included (in place there)."""
     start = tiny_model()
     runs = {}
-    for wire in ("grpc", "auto"):
+    paths = {"grpc": {"wire": "grpc"}, "auto": {"wire": "auto"}}
+    if shm.available():
+        paths["shm"] = {"shm": True}
+    for path, kw in paths.items():
         server = serve(replica(start), optimizer="sgd", lr=0.1, policy=policy)
-        runs[wire] = _train(server.address, replica(start), 12, wire=wire, compress=compress)
+        runs[path] = _train(server.address, replica(start), 12, compress=compress, **kw)
         status = server.status()
         assert (status["version"], status["pushes_applied"]) == (12, 12)
-    for name, tensor in runs["grpc"].items():
-        assert torch.equal(runs["auto"][name], tensor), name
+    for path in paths:
+        for name, tensor in runs["grpc"].items():
+            assert torch.equal(runs[path][name], tensor), (path, name)
 
 
 def test_the_data_port_is_offered_and_taken_only_as_the_settings_say(serve):
