@@ -4,8 +4,12 @@ with raw TCP between the same two hosts. This kernel has ``tbf`` but no ``netem`
 have a rate and no added delay or loss, and the report says so.
 
 Figures per rate R (``100mbit``, ``1gbit``, ``10gbit``; ``--quick``: 1gbit): raw TCP's
-bytes/s and the worker's push and pull over gRPC streams, each as GB/s, as a share of the
-link (bytes/s x 8 / rate: ``*_link_util_R``) and against raw TCP (``*_vs_tcp_R``).
+bytes/s and the worker's push and pull over the server's data port (``remote``, what a
+worker on another host takes by default) and over gRPC streams (``--wire grpc``), each as
+GB/s, as a share of the link (bytes/s x 8 / rate: ``*_link_util_R``) and against raw TCP
+(``*_vs_tcp_R``). The data port's at 1 Gbit/s are also ``push_link_util`` and
+``pull_link_util``, and its push at 10 Gbit/s against raw TCP's ``push_link_vs_tcp_10g``
+(this machine's CPU caps raw Python TCP below 10 Gbit/s).
 
 The processes inside the namespaces run this module (``probe``): ``tcp-recv`` and
 ``tcp-send`` time raw TCP, ``push`` times a Worker against the server.
@@ -51,6 +55,11 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         link = link_figures(rate, nbytes, figures["reps"])
         figures.update(link)
         rows += rows_of(rate, nbytes, link)
+    if "1gbit" in rates:
+        figures["push_link_util"] = figures["push_remote_link_util_1gbit"]
+        figures["pull_link_util"] = figures["pull_remote_link_util_1gbit"]
+    if "10gbit" in rates:
+        figures["push_link_vs_tcp_10g"] = figures["push_remote_vs_tcp_10gbit"]
     return rows, figures
 
 
@@ -68,16 +77,17 @@ def link_figures(rate: str, nbytes: int, reps: int) -> dict[str, float]:
     ):
         tcp = _tcp_gbps(net, env, Path(tmp), nbytes, reps)
         address = _start_server(net, env, Path(tmp), nbytes)
-        probe = [sys.executable, "-m", "paramserver.bench.network", "push", address]
-        done = net.call("worker", [*probe, str(nbytes), str(reps)], env, timeout=600)
-        if done.returncode != 0:
-            raise click.ClickException(f"the worker's probe failed: {done.stderr.strip()}")
-        push, pull = json.loads(done.stdout.strip().splitlines()[-1])
-    out = {f"tcp_gbps_{rate}": tcp, f"push_grpc_gbps_{rate}": push, f"pull_grpc_gbps_{rate}": pull}
-    for key, gbps in [("tcp", tcp), ("push_grpc", push), ("pull_grpc", pull)]:
-        out[f"{key}_link_util_{rate}"] = gbps * 1e9 * 8 / bits
-    out[f"push_grpc_vs_tcp_{rate}"] = push / tcp
-    out[f"pull_grpc_vs_tcp_{rate}"] = pull / tcp
+        out = {f"tcp_gbps_{rate}": tcp, f"tcp_link_util_{rate}": tcp * 1e9 * 8 / bits}
+        for path, wire in (("remote", "auto"), ("grpc", "grpc")):
+            probe = [sys.executable, "-m", "paramserver.bench.network", "push", address, wire]
+            done = net.call("worker", [*probe, str(nbytes), str(reps)], env, timeout=600)
+            if done.returncode != 0:
+                raise click.ClickException(f"the worker's probe failed: {done.stderr.strip()}")
+            pushed, pulled = json.loads(done.stdout.splitlines()[-1])
+            for way, gbps in (("push", pushed), ("pull", pulled)):
+                out[f"{way}_{path}_gbps_{rate}"] = gbps
+                out[f"{way}_{path}_link_util_{rate}"] = gbps * 1e9 * 8 / bits
+                out[f"{way}_{path}_vs_tcp_{rate}"] = gbps / tcp
     return out
 
 
@@ -132,17 +142,17 @@ def rows_of(rate: str, nbytes: int, f: dict[str, float]) -> list[tuple[str, str]
         util = f[f"{key}_link_util_{rate}"]
         return f"{f[f'{key}_gbps_{rate}'] * 8:.3f} Gbit/s ({util:.2f} x the link)"
 
-    return [
-        (f"{rate}: raw TCP, {nbytes // MIB} MiB", line("tcp")),
-        (
-            f"{rate}: push over gRPC",
-            line("push_grpc") + f", {f[f'push_grpc_vs_tcp_{rate}']:.2f} x TCP",
-        ),
-        (
-            f"{rate}: pull over gRPC",
-            line("pull_grpc") + f", {f[f'pull_grpc_vs_tcp_{rate}']:.2f} x TCP",
-        ),
-    ]
+    rows = [(f"{rate}: raw TCP, {nbytes // MIB} MiB", line("tcp"))]
+    for path, how in (("remote", "the data port"), ("grpc", "gRPC streams")):
+        for way in ("push", "pull"):
+            key = f"{way}_{path}"
+            rows.append(
+                (
+                    f"{rate}: {way} over {how}",
+                    line(key) + f", {f[f'{key}_vs_tcp_{rate}']:.2f} x TCP",
+                )
+            )
+    return rows
 
 
 # --- the probes, run inside the namespaces -------------------------------------------------
@@ -185,10 +195,11 @@ def probe(argv: list[str]) -> None:
         _recv(rest[0], int(rest[1]))
     elif kind == "tcp-send":
         print(_send(rest[0], int(rest[1]), int(rest[2]), int(rest[3])))
-    elif kind == "push":
+    elif kind == "push":  # address, wire, bytes, reps
         from paramserver.bench.transport import worker_gbps
 
-        print(json.dumps(worker_gbps(rest[0], int(rest[1]), int(rest[2]), shm=False)))
+        figures = worker_gbps(rest[0], int(rest[2]), int(rest[3]), shm=False, wire=rest[1])
+        print(json.dumps(figures))
     else:
         raise SystemExit(f"unknown probe {kind!r}")
 

@@ -29,6 +29,8 @@ KEYS = {
         "push_grpc_gbps",
         "pull_grpc_gbps",
         "push_grpc_2shards_gbps",
+        "push_remote_vs_tcp",
+        "pull_remote_vs_tcp",
     ],
     "step": [
         "step_vs_local",
@@ -57,6 +59,10 @@ KEYS = {
         "tcp_link_util_1gbit",
         "push_grpc_link_util_1gbit",
         "push_grpc_vs_tcp_1gbit",
+        "push_remote_gbps_1gbit",
+        "pull_remote_vs_tcp_1gbit",
+        "push_link_util",
+        "pull_link_util",
     ],
     "sparse": [
         "sparse_vs_dense",
