@@ -81,14 +81,14 @@ def ddp_main(argv: list[str]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from paramserver.bench.ddp import finish, write_result
+    from paramserver.bench.ddp import finish, master, write_result
 
     rank, world, port, epochs = (int(a) for a in argv[:4])
     dataset, out = argv[4], argv[5]
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master()}:{port}",
         rank=rank,
         world_size=world,
         timeout=timedelta(minutes=5),

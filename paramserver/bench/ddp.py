@@ -16,10 +16,12 @@ the benchmark with the tail of its log.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,9 @@ from paramserver import models
 from paramserver.config import OptimizerConfig
 from paramserver.server.store import build_optimizer
 
+MASTER_ENV = "PARAMSERVER_DDP_MASTER"
+LOCAL_MASTER = "127.0.0.1"
+
 
 def main(argv: list[str]) -> None:
     rank, world, port, steps, batch = (int(a) for a in argv[:5])
@@ -42,7 +47,7 @@ def main(argv: list[str]) -> None:
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master()}:{port}",
         rank=rank,
         world_size=world,
     )
@@ -86,9 +91,18 @@ def free_port() -> int:
 
 
 def run_ranks(
-    module: str, args: list[str], world: int, logs: Path, name: str, timeout: float
+    module: str,
+    args: list[str],
+    world: int,
+    logs: Path,
+    name: str,
+    timeout: float,
+    place: Callable[[int], tuple[list[str], dict[str, str]]] | None = None,
+    master: str = LOCAL_MASTER,
 ) -> list[Any]:
     """Run ``python -m MODULE RANK WORLD PORT *ARGS OUT`` for every rank; their results.
+    ``place(rank)``: the command prefix and environment that put a rank on its host (a
+    network namespace), whose rank 0 listens on ``master``.
 
     Raises RuntimeError naming the rank and its log's tail if a rank fails before writing
     its result or does not finish within ``timeout`` seconds.
@@ -102,7 +116,9 @@ def run_ranks(
     try:
         for rank in range(world):
             argv = [str(rank), str(world), str(port), *args, str(outs[rank])]
-            procs.append(start_rank(module, argv, log_paths[rank]))
+            prefix, env = place(rank) if place else ([], {})
+            env = {**env, MASTER_ENV: master}
+            procs.append(start_rank(module, argv, log_paths[rank], prefix, env))
         for rank, p in enumerate(procs):
             check_rank(p, timeout, outs[rank], log_paths[rank], f"{name} rank {rank}")
     finally:
@@ -113,14 +129,26 @@ def run_ranks(
     return [json.loads(out.read_text()) for out in outs]
 
 
-def start_rank(module: str, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    """``python -m MODULE *ARGV``, its stderr into ``log_path``."""
+def start_rank(
+    module: str,
+    argv: list[str],
+    log_path: Path,
+    prefix: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``python -m MODULE *ARGV`` after ``prefix``, its stderr into ``log_path``."""
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
+            [*(prefix or []), sys.executable, "-m", module, *argv],
             stdout=subprocess.DEVNULL,
             stderr=log,
+            env={**os.environ, **(env or {})},
         )
+
+
+def master() -> str:
+    """The address rank 0 listens on (``run_ranks`` sets it)."""
+    return os.environ.get(MASTER_ENV, LOCAL_MASTER)
 
 
 def check_rank(

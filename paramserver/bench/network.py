@@ -30,6 +30,7 @@ from typing import Any
 
 import click
 
+from paramserver.bench import netrain
 from paramserver.cluster import netns
 from paramserver.cluster.commands import CHILD_ENV, server_args
 from paramserver.cluster.procs import READY_MARKER
@@ -40,11 +41,13 @@ FULL_RATES = ("100mbit", "1gbit", "10gbit")
 NO_DELAY = "none: this kernel has tc tbf (rate) but no netem (delay, loss)"
 
 
-def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+def run(quick: bool, rates: tuple[str, ...] = ()) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     why = netns.unavailable()
     if why is not None:
         raise click.ClickException(f"bench network needs network namespaces: {why}.")
-    rates = ("1gbit",) if quick else FULL_RATES
+    rates = rates or (("1gbit",) if quick else FULL_RATES)
+    for rate in rates:
+        netns.rate_bits(rate)  # a bad one fails before anything is made
     # SIGTERM (a job's timeout, kill) unwinds like Ctrl-C, so every namespace is removed
     signal.signal(signal.SIGTERM, _terminated)
     figures: dict[str, Any] = {"rates": list(rates), "delay": NO_DELAY, "reps": 3 if quick else 5}
@@ -60,7 +63,15 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         figures["pull_link_util"] = figures["pull_remote_link_util_1gbit"]
     if "10gbit" in rates:
         figures["push_link_vs_tcp_10g"] = figures["push_remote_vs_tcp_10gbit"]
-    return rows, figures
+    # Training against DDP where the link is the tightest: the slowest rate of the run.
+    slowest = min(rates, key=netns.rate_bits)
+    train_rows, trained = netrain.run(netrain.Plan.of(slowest, quick))
+    figures.update(trained)
+    figures["train_rate"] = slowest
+    for key in list(trained):
+        if key.endswith(("_samples_vs_ddp_" + slowest, "_time_to_88_vs_ddp_" + slowest)):
+            figures[key.removesuffix("_" + slowest)] = trained[key]
+    return rows + train_rows, figures
 
 
 def _terminated(signum: int, frame: Any) -> None:

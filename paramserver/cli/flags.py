@@ -108,3 +108,9 @@ class Bench:
     quick: bool = setting(
         False, "--quick", "A few seconds' version (CI runs it).", env="BENCH_QUICK", is_flag=True
     )
+    rate: str = setting(
+        "",
+        "--rate",
+        "network only: the link rates, comma-separated in tc's units (100mbit,1gbit,10gbit) [default: those three; --quick: 1gbit]; training runs at the slowest.",
+        env="BENCH_RATE",
+    )

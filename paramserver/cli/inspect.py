@@ -142,8 +142,9 @@ def bench(name: str, **kw: Any) -> None:
     sparse: a DLRM with a 1M x 64 table as server rows, against the same table dense, one
     local process and DDP; then a table of which 2 GB of rows exist on the server.
     network: a worker and a server on two hosts (network namespaces) joined by links shaped
-    to 100 Mbit/s, 1 and 10 Gbit/s: its push and pull over gRPC against raw TCP and the
-    rate (needs root).
+    to 100 Mbit/s, 1 and 10 Gbit/s (--rate): its push and pull over the data port and gRPC
+    against raw TCP and the rate; then 2 workers training against DDP on the slowest link
+    (fp32, 2 shards, bf16: samples/s, bytes, time to 88%) (needs root).
     """
     opts: Bench = settings.build(Bench, kw)
     if printed():
@@ -153,6 +154,9 @@ def bench(name: str, **kw: Any) -> None:
     from paramserver.bench.common import report
 
     module = importlib.import_module(f"paramserver.bench.{name}")
-    rows, figures = module.run(opts.quick)
+    if opts.rate and name != "network":
+        raise click.UsageError("--rate is for bench network.")
+    rates = tuple(r.strip() for r in opts.rate.split(",") if r.strip())
+    rows, figures = module.run(opts.quick, rates) if name == "network" else module.run(opts.quick)
     figures["quick"] = opts.quick
     report(name, rows, figures, opts.json)

@@ -9,6 +9,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +48,25 @@ def planned_optimizer_steps(cfg: ServerConfig, train_samples: int, push_every: i
     return math.ceil(pushes / cfg.workers) if cfg.parsed_policy.synchronous else pushes
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a launch's processes run (``bench network``: each on a host of its own, a
+    network namespace): ``host(i)``, the address shard i binds (None: the config's);
+    ``prefix(name)``, the command a child named ``name`` (``server``, ``server-I``,
+    ``worker-I``) runs in (e.g. ``ip netns exec NS``, which keeps its pid)."""
+
+    host: Callable[[int], str] | None = None
+    prefix: Callable[[str], list[str]] = lambda name: []
+
+
 class _Cluster:
     """The processes of one launch (``--servers`` shards, then the workers) and the observer
     connections to the servers."""
 
-    def __init__(self, cfg: LaunchConfig, run: RunDir):
+    def __init__(self, cfg: LaunchConfig, run: RunDir, place: Placement | None = None):
         self.cfg = cfg
         self.run = run
+        self.place = place or Placement()
         self.children: list[Child] = []
         self.channels: list[grpc.Channel] = []
 
@@ -60,10 +74,13 @@ class _Cluster:
         shards = self.cfg.servers
         addresses = []
         for i in range(shards):
-            args = server_args(dataclasses.replace(self.cfg.server, shard=i, shards=shards))
+            host = self.place.host(i) if self.place.host else self.cfg.server.host
+            scfg = dataclasses.replace(self.cfg.server, shard=i, shards=shards, host=host)
             name = "server" if shards == 1 else f"server-{i}"
+            log_path = self.run.file(f"{name}.log")
+            prefix = self.place.prefix(name)
             server = Child(
-                name, args, self.run.file(f"{name}.log"), capture_stdout=True, env=CHILD_ENV
+                name, server_args(scfg), log_path, capture_stdout=True, env=CHILD_ENV, prefix=prefix
             )
             self.children.append(server)
             line = server.wait_for_line(READY_MARKER, self.cfg.startup_timeout)
@@ -78,7 +95,8 @@ class _Cluster:
         for i in range(self.cfg.server.workers):
             args = worker_args(self.cfg, address, f"worker-{i}")
             log_path = self.run.file(f"worker-{i}.log")
-            self.children.append(Child(f"worker-{i}", args, log_path, env=CHILD_ENV))
+            prefix = self.place.prefix(f"worker-{i}")
+            self.children.append(Child(f"worker-{i}", args, log_path, env=CHILD_ENV, prefix=prefix))
         return address
 
     @property
@@ -152,15 +170,16 @@ class _Job:
         return cls(dataset, model, state, models.table_specs(model), per_epoch)
 
 
-def launch(cfg: LaunchConfig) -> dict[str, Any]:
-    """Train on a local cluster; returns the summary that ``launch --json`` prints."""
+def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
+    """Train on a local cluster (its processes where ``place`` says); returns the summary
+    that ``launch --json`` prints."""
     t0 = time.perf_counter()
     scfg = cfg.server
     job = _Job.prepare(scfg, cfg.data_dir)
     run = RunDir(cfg.runs_root, scfg.parsed_policy.name.replace(":", ""), cfg.run_dir)
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
     log.info("run folder %s", run.path)
-    cluster = _Cluster(cfg, run)
+    cluster = _Cluster(cfg, run, place)
     failed: list[Child] = []
     try:
         address = cluster.start()

@@ -93,7 +93,7 @@ class Network:
         ns = self.ns[host]
         self._made.append(ns)  # before it exists: close() removes what a signal cut short
         _ip("netns", "add", ns)
-        outside, inside = f"psv{self.tag}x{i}", f"psv{self.tag}y{i}"
+        outside, inside = self.link(host), self.ifname(host)
         self._links.append(outside)
         _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", ns)
@@ -128,6 +128,21 @@ class Network:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def link(self, host: str) -> str:
+        """The root namespace's end of ``host``'s veth pair (on the bridge)."""
+        return f"psv{self.tag}x{list(self.ns).index(host)}"
+
+    def ifname(self, host: str) -> str:
+        """``host``'s end of its veth pair, inside its namespace."""
+        return f"psv{self.tag}y{list(self.ns).index(host)}"
+
+    def wire_bytes(self, host: str) -> tuple[int, int]:
+        """Bytes so far into ``host`` and out of it, as its link counted them."""
+        stats = Path("/sys/class/net") / self.link(host) / "statistics"
+        into = int((stats / "tx_bytes").read_text())  # the bridge's end sends into the host
+        out = int((stats / "rx_bytes").read_text())
+        return into, out
 
     def argv(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` run inside ``host``'s namespace."""

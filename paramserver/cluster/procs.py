@@ -49,7 +49,10 @@ class Child:
         log_path: Path,
         capture_stdout: bool = False,
         env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
     ):
+        """``prefix``: a command that runs the rest in place (it must exec it, keeping its
+        pid: ``ip netns exec NS``)."""
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in reap()
@@ -57,7 +60,7 @@ class Child:
             os.environ, **(env or {}), PYTHONUNBUFFERED="1", **{_PARENT_ENV: str(os.getpid())}
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paramserver", *args],
+            [*prefix, sys.executable, "-m", "paramserver", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if capture_stdout else self._log,
             stderr=self._log,

@@ -63,6 +63,12 @@ KEYS = {
         "pull_remote_vs_tcp_1gbit",
         "push_link_util",
         "pull_link_util",
+        "fp32_samples_vs_ddp",
+        "fp32_time_to_88_vs_ddp",
+        "bf16_samples_vs_ddp",
+        "fp32_2shards_samples_vs_ddp",
+        "ddp_bytes_per_batch_1gbit",
+        "bf16_link_util_1gbit",
     ],
     "sparse": [
         "sparse_vs_dense",
