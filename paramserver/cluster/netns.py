@@ -137,6 +137,13 @@ class Network:
         """``host``'s end of its veth pair, inside its namespace."""
         return f"psv{self.tag}y{list(self.ns).index(host)}"
 
+    def cut(self, host: str) -> None:
+        """Take ``host``'s link down: nothing reaches it or leaves it until ``restore``."""
+        _ip("link", "set", self.link(host), "down")
+
+    def restore(self, host: str) -> None:
+        _ip("link", "set", self.link(host), "up")
+
     def wire_bytes(self, host: str) -> tuple[int, int]:
         """Bytes so far into ``host`` and out of it, as its link counted them."""
         stats = Path("/sys/class/net") / self.link(host) / "statistics"
