@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.errors import RejoinRequired
+from paramserver.errors import RejoinRequired, Timeout
 from paramserver.worker.session import Session
 
 T = TypeVar("T")
@@ -205,9 +205,12 @@ class Pipeline:
             staged.batches,
         )
         channel = s.channel
+        # A push past its deadline (a link down, a server stalled) is retried like one that
+        # found no server: a repeat is acknowledged as a duplicate, never applied twice.
         return s.retrying(
             f"push of iteration {iteration}",
             lambda: channel.push(header, staged.slot, self.rpc_timeout),
+            also=(Timeout,),
         )
 
     def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:

@@ -33,6 +33,7 @@ from paramserver.errors import (
     ParamServerError,
     RejoinRequired,
     ServerUnavailable,
+    Timeout,
     from_rpc_error,
 )
 from paramserver.transport.client import Channel, ChannelFactory, PayloadSpec
@@ -153,11 +154,13 @@ class Session:
         # the member that reply named, not a second one
         request.join_id = uuid.uuid4().hex
         # A full cluster waits for a slot: a departed worker's lease runs out, or a requeued
-        # job's new workers meet the old ones restored from a checkpoint.
+        # job's new workers meet the old ones restored from a checkpoint. A join past its
+        # deadline (a link just back, a server busy) is tried again: its join_id makes a
+        # repeat the same join.
         reply = self.retrying(
             "rejoin" if retry else "join",
             lambda: self.channel.join(request, timeout=self.rpc_timeout),
-            also=(ClusterFull,),
+            also=(ClusterFull, Timeout),
         )
         was = (self.worker_id, self.incarnation, self.clock)
         self.reply = reply

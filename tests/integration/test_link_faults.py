@@ -2,7 +2,8 @@
 each on its own host, training the MLP on the synthetic set under sync over the data port.
 A worker's link down for longer than its lease: the run goes on without it, it rejoins
 when the link comes back, and every batch is trained exactly once. The server's link down
-for a few seconds: the workers stall, go on once it is back, and nothing is lost."""
+for 5 s, past the workers' call deadline and within their lease: they go on once it is
+back (calls that failed are retried), nobody is dropped and nothing is lost."""
 
 from __future__ import annotations
 
@@ -108,16 +109,19 @@ def test_a_worker_cut_off_past_its_lease_is_dropped_and_rejoins(tmp_path):
 
 def test_a_server_cut_off_for_a_few_seconds_loses_nothing(tmp_path):
     with netns.Network(["server", "w0", "w1"]) as net:
-        run = Cluster(net, tmp_path, lease=30.0)
+        run = Cluster(net, tmp_path, lease=20.0)
         run.wait(lambda: run.live() == {"w0", "w1"} and run.status()["version"] >= 5, "a start")
         net.cut("server")
         stalled = run.status()["version"]
-        # the watcher is on the server's host: it still sees the server, and no progress
-        run.wait(lambda: len(run.log("status").splitlines()) > 30, "the watcher's lines")
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:  # two seconds of outage, watched: nothing moves
-            assert run.status()["version"] <= stalled + 1  # at most a step in flight
-            time.sleep(0.1)
+
+        def unheard_for(seconds: float) -> bool:
+            workers = run.status().get("workers", [])
+            return len(workers) == 2 and all(w["last_seen_seconds"] >= seconds for w in workers)
+
+        # the watcher is on the server's host: it still sees the server. Past the workers'
+        # call deadline (3 s), within their lease (20 s)
+        run.wait(lambda: unheard_for(5.0), "5 s without a word from either worker")
+        assert run.status()["version"] <= stalled + 1  # at most a step in flight
         net.restore("server")
         status = run.finish()
         _exactly_once(status)

@@ -150,6 +150,32 @@ def test_an_unreachable_server_is_retried_with_backoff_then_given_up(clock):
     worker.close()
 
 
+def test_pushes_and_joins_past_their_deadline_are_retried_and_pulls_are_not(clock):
+    """A link down for longer than a call's deadline: a push (acknowledged once however
+    often it arrives) and a join (one join_id) are tried again; a pull past its barrier
+    timeout fails, as --barrier-timeout says (and so does a step's push and pull in one
+    call, whose deadline is the pull's)."""
+    server = FakeServer(zero_model(), clock, policy="async", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=False, server_timeout=30.0)
+    channel = worker.channels[0]  # type: ignore[attr-defined]
+    channel.fail["Push"].extend([grpc.StatusCode.DEADLINE_EXCEEDED] * 2)
+    one_step(worker, model, pull=False)  # a push alone (a push and pull in one: a pull)
+    assert worker.clock == 1 and not channel.fail["Push"]
+    worker.pull()
+    server.coordinator.leave(worker.worker_id)  # dropped: the next call rejoins
+    channel.fail["Join"].extend([grpc.StatusCode.DEADLINE_EXCEEDED] * 2)
+    one_step(worker, model)
+    assert worker.sessions[0].rejoins == 1 and not channel.fail["Join"]
+    channel.fail["Pull"].append(grpc.StatusCode.DEADLINE_EXCEEDED)
+    with pytest.raises(ps.Timeout):
+        worker.pull()
+    worker.close()
+    status = server.coordinator.status().as_dict()
+    # the first push once; the second met the drop (it rejoined instead), as any dropped step
+    assert status["pushes_applied"] == 1 and status["duplicates"] == 0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_restarted_server_is_joined_again_and_training_goes_on(clock, overlap):
     server = FakeServer(zero_model(), clock, policy="delay-1", workers=1)
