@@ -10,8 +10,8 @@ epoch (``paramserver launch``, run in ``server-0`` with each process placed on i
 and bf16 (``--compress bf16``: 16 bits both ways). DDP runs the accuracy bench's ranks on
 the same data order. Per variant: samples/s, wall time to the target accuracy (training
 time only, as the accuracy bench), bytes on the workers' links per batch (both
-directions, counted by the links themselves), and the busiest link's use (its busier
-direction's bytes/s over the rate), each against DDP's.
+directions, counted by the links themselves) and the share the workers sent, and the
+busiest link's use (its busier direction's bytes/s over the rate), each against DDP's.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ WORKERS = ["worker-0", "worker-1"]
 # name: (servers, --compress)
 VARIANTS: dict[str, tuple[int, str]] = {"fp32": (1, "none"), "fp32_2shards": (2, "none")}
 VARIANTS["bf16"] = (1, "bf16")
+# top-k: 1% of each push's entries, bf16 values and pulls
+VARIANTS["topk"] = (1, "topk:0.01:bf16")
+VARIANTS["topk_2shards"] = (2, "topk:0.01:bf16")
 POLICY = "delay-1"  # the project's default
 
 
@@ -76,14 +79,17 @@ def _bytes(net: netns.Network) -> dict[str, tuple[int, int]]:
 def _traffic(
     net: netns.Network, before: dict[str, tuple[int, int]], seconds: float, batches: int
 ) -> dict[str, float]:
-    """Bytes on the workers' links per batch, and the busiest link's use of the rate."""
+    """Bytes on the workers' links per batch, the share of them the workers sent (pushes;
+    the rest is pulls), and the busiest link's use of the rate."""
     after = _bytes(net)
     moved = {h: [a - b for a, b in zip(after[h], before[h], strict=True)] for h in HOSTS}
     on_workers = sum(sum(moved[h]) for h in WORKERS)
+    sent = sum(moved[h][1] for h in WORKERS)
     busiest = max(max(moved[h]) for h in HOSTS)
     rate = netns.rate_bits(net.rate or "1gbit")
     return {
         "bytes_per_batch": on_workers / max(batches, 1),
+        "push_share": sent / max(on_workers, 1),
         "link_util": busiest * 8 / max(seconds, 1e-9) / rate,
     }
 
@@ -160,13 +166,14 @@ def _report(
     ]
     for name, res in results.items():
         seconds = time_to(res["curve"], plan.target)
-        for key in ("samples_per_s", "bytes_per_batch", "link_util"):
+        for key in ("samples_per_s", "bytes_per_batch", "push_share", "link_util"):
             figures[f"{name}_{key}_{r}"] = res[key]
         figures[f"{name}_time_to_target_s_{r}"] = seconds
         figures[f"{name}_curve_{r}"] = res["curve"]
         text = (
             f"{res['samples_per_s']:,.0f} samples/s, {res['bytes_per_batch'] / 1e6:.2f} MB/batch "
-            f"on the workers' links, busiest link {res['link_util']:.2f} x rate, "
+            f"on the workers' links ({100 * res['push_share']:.0f}% sent), busiest link "
+            f"{res['link_util']:.2f} x rate, "
             + (f"{seconds:.1f} s to target" if seconds is not None else "target not reached")
         )
         if name != "ddp":

@@ -12,6 +12,7 @@ rounded copy: its masters stay float32) and the worker receives them into
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -44,10 +45,14 @@ class Codec:
     itemsize: ClassVar[int] = 4
     raw: ClassVar[bool] = True  # the flat buffer's own elements: no cast
 
-    def __init__(self, numel: int, exact: int = 0, flat: str = "float32"):
+    def __init__(self, numel: int, exact: int = 0, flat: str = "float32", dense: int = 0):
+        """``exact``: the last elements never rounded (integer buffers); ``dense``: the last
+        elements that are not gradients (all buffers), which only ``TopK`` tells apart."""
         self.numel, self.flat = numel, np.dtype(flat)
         self.exact = min(max(exact, 0), numel) if not self.raw else 0
         self.nbytes = payload_bytes(type(self), numel, self.exact, self.flat.itemsize)
+        self.pulls: Codec = self  # the codec of the weights a pull brings
+        self.topk = 0  # (index, value) pairs a push carries; 0: dense
         self._out: np.ndarray | None = None  # encoded payloads, reused
         self._in: np.ndarray | None = None  # received payloads, reused
 
@@ -57,8 +62,9 @@ class Codec:
 
         return getattr(torch, cls.dtype)
 
-    def encode(self, flat: torch.Tensor) -> memoryview:
-        """The wire bytes of the flat CPU tensor ``flat`` (valid until the next call)."""
+    def encode(self, flat: torch.Tensor, key: object = None) -> memoryview:
+        """The wire bytes of the flat CPU tensor ``flat`` (valid until the next call).
+        ``key`` names the push (its slot and iteration): a retry of it encodes the same."""
         if self.raw:
             return as_bytes(flat.numpy())
         if self._out is None:
@@ -82,7 +88,7 @@ class Codec:
     def _fix(self, half: torch.Tensor, flat: torch.Tensor) -> None:
         """Mend ``half`` after the cast where the type needs it."""
 
-    def round_(self, flat: torch.Tensor) -> None:
+    def round_(self, flat: torch.Tensor, key: object = None) -> None:
         """Round ``flat`` in place as a trip through the wire would (its exact tail kept):
         the same numbers for a payload that never leaves the host (a shared segment)."""
         if self.raw:
@@ -179,13 +185,121 @@ class Float64(Codec):
     itemsize = 8
 
 
+class TopK(Codec):
+    """``--compress topk:F`` (``topk:F:bf16``, ``topk:F:fp16``): a push sends the largest F
+    of its gradient's entries by magnitude as (int32 index, value) pairs, the values in
+    ``values``' type, then the buffers (the last ``dense`` elements) whole in the flat
+    buffer's. What it does not send stays in ``residual`` and is added to the next push's
+    gradient (error feedback, as Deep Gradient Compression), including the values' rounding;
+    the residual lives as long as this codec, i.e. one join of one shard. Pulls are dense,
+    in ``values``' type (``pulls``)."""
+
+    name = "topk"
+    raw = False
+    fraction: ClassVar[float] = 0.01
+    values: ClassVar[type[Codec]] = Codec
+
+    @classmethod
+    def configured(cls, fraction: float, values: type[Codec]) -> type[TopK]:
+        """The TopK of ``fraction`` with ``values``' element type (one class each)."""
+        key = (fraction, values.dtype)
+        if key not in _TOPKS:
+            attrs = {"fraction": fraction, "values": values}
+            attrs.update(dtype=values.dtype, itemsize=values.itemsize)
+            _TOPKS[key] = type(f"TopK_{fraction:g}_{values.dtype}", (cls,), attrs)
+        return _TOPKS[key]
+
+    def __init__(self, numel: int, exact: int = 0, flat: str = "float32", dense: int = 0):
+        import torch
+
+        super().__init__(numel, exact, flat)
+        self.exact = min(max(dense, exact, 0), numel)  # the dense tail, sent whole
+        self.m = numel - self.exact  # the gradients' elements
+        self.topk = math.ceil(self.fraction * self.m) if self.m else 0
+        self.nbytes = self.topk * (4 + self.itemsize) + self.exact * self.flat.itemsize
+        self.residual = torch.zeros(self.m, dtype=getattr(torch, self.flat.name))
+        self.pulls = self.values(numel, exact, flat)
+        self._key: object = None
+
+    def _select(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs to send of ``flat``'s gradient plus the residual, which keeps the rest
+        (and what rounding the values lost)."""
+        import torch
+
+        acc = self.residual.add_(flat[: self.m])
+        index = torch.topk(acc.abs(), self.topk, sorted=False).indices.to(torch.int32)
+        picked = acc[index]
+        if self.dtype == "float16":
+            picked.clamp_(-FP16_MAX, FP16_MAX)
+        sent = picked.to(self.values.torch_dtype())
+        acc[index] -= sent.to(acc.dtype)  # what was sent leaves the residual
+        return index, sent
+
+    def encode(self, flat: torch.Tensor, key: object = None) -> memoryview:
+        import torch
+
+        if key is not None and key == self._key and self._out is not None:
+            return self._out.data  # a retry: the same pairs, the residual untouched
+        if self._out is None:
+            self._out = np.empty(self.nbytes, np.uint8)
+        index, sent = self._select(flat)
+        k, out = self.topk, torch.from_numpy(self._out)
+        out[: 4 * k].view(torch.int32).copy_(index)
+        out[4 * k : (4 + self.itemsize) * k].view(sent.dtype).copy_(sent)
+        self._out[(4 + self.itemsize) * k :].view(self.flat)[:] = flat[self.m :].numpy()
+        self._key = key
+        return self._out.data
+
+    def round_(self, flat: torch.Tensor, key: object = None) -> None:
+        if key is not None and key == self._key:
+            return  # a retry: ``flat`` holds the pairs already
+        index, sent = self._select(flat)
+        flat[: self.m].zero_()
+        flat[index.long()] = sent.to(flat.dtype)
+        self._key = key
+
+    def receive_buffer(self, out: torch.Tensor) -> memoryview:
+        return self.pulls.receive_buffer(out)
+
+    def decode_into(self, out: torch.Tensor) -> None:
+        self.pulls.decode_into(out)
+
+
+_TOPKS: dict[tuple[float, str], type[TopK]] = {}
+
+
+def sparse_to_dense(
+    raw: np.ndarray, k: int, dtype: str, exact: int, numel: int, flat: str = "float32"
+) -> np.ndarray:
+    """A top-k push's bytes (``TopK.encode``) as the dense gradient of ``numel`` elements.
+
+    Raises:
+        InvalidRequest: the sizes disagree, or an index is outside the gradients.
+    """
+    values = by_dtype(dtype)
+    data, m = raw.view(np.uint8), numel - exact
+    if not 0 < k <= m or data.nbytes != k * (4 + values.itemsize) + exact * np.dtype(flat).itemsize:
+        raise InvalidRequest(
+            f"A top-k push of {data.nbytes} bytes cannot hold {k} pairs of {values.dtype} and "
+            f"{exact} whole elements of {numel}."
+        )
+    index = data[: 4 * k].view(np.int32)
+    if int(index.min()) < 0 or int(index.max()) >= m:
+        raise InvalidRequest(f"A top-k push names an element outside the gradient's {m}.")
+    out = np.zeros(numel, flat)
+    out[index] = values.decode(data[4 * k : (4 + values.itemsize) * k].copy())
+    out[m:] = data[(4 + values.itemsize) * k :].view(flat)
+    return out
+
+
 REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (Codec, Float16, BFloat16)}
 _CODECS: tuple[type[Codec], ...] = (Codec, Float16, BFloat16, Float64)
 BY_DTYPE: dict[str, type[Codec]] = {c.dtype: c for c in _CODECS}
 # ``--compress auto``: the parameters' own dtype when they all share a 16-bit one, else none.
 AUTO = "auto"
-# ``--compress`` choices, and what each puts on the wire.
+# ``--compress`` choices, and what each puts on the wire; and ``topk:F[:fp16|:bf16]``.
 CHOICES: tuple[str, ...] = (AUTO, *REGISTRY)
+TOPK = "topk:F[:fp16|:bf16]"
 COMPRESSION = {name: c.dtype for name, c in REGISTRY.items()}
 
 
@@ -203,10 +317,31 @@ def by_name(
     if name == AUTO:
         dtypes = set(param_dtypes)
         name = next((c.name for c in REGISTRY.values() if dtypes == {c.dtype}), "none")
+    if name.startswith("topk:"):
+        return _topk(name, flat_dtype)
     if name not in REGISTRY:
-        raise ValueError(f"compress must be one of {', '.join(CHOICES)}; got {name!r}.")
+        raise ValueError(
+            f"compress must be one of {', '.join(CHOICES)} or {TOPK}; got {name!r}."
+        )
     codec = REGISTRY[name]
     return BY_DTYPE[flat_dtype] if codec.raw else codec
+
+
+def _topk(name: str, flat_dtype: str) -> type[Codec]:
+    """``topk:F`` or ``topk:F:fp16|bf16``, F in (0, 1]."""
+    parts = name.split(":")
+    try:
+        fraction = float(parts[1])
+    except ValueError:
+        fraction = -1.0
+    values = parts[2] if len(parts) == 3 else "none"
+    if len(parts) > 3 or not 0 < fraction <= 1 or values not in REGISTRY:
+        raise ValueError(
+            f"compress {name!r}: give {TOPK}, F the fraction of each push's entries sent "
+            "(0.01: the largest 1%)."
+        )
+    codec = REGISTRY[values]
+    return TopK.configured(fraction, BY_DTYPE[flat_dtype] if codec.raw else codec)
 
 
 def by_dtype(name: str) -> type[Codec]:

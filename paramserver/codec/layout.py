@@ -127,6 +127,12 @@ class Manifest:
         counts = self.section("count")[0]
         return max(0, hi - max(lo, counts))
 
+    def dense_tail(self, lo: int, hi: int) -> int:
+        """How many of the elements [lo, hi) are buffers, float or integer (the last two
+        sections): values, not gradients, which a sparse push sends whole."""
+        buffers = self.section("buffer")[0]
+        return max(0, hi - max(lo, buffers))
+
     def to_proto(self) -> pb.Manifest:
         return pb.Manifest(
             tensors=[

@@ -48,7 +48,14 @@ class Payloads:
             BrokenSegment: the worker's segment changed size or cannot be read.
         """
         flat = self.dtype.name
-        if received is not None:
+        if h.topk and not h.empty and not h.shm:
+            if received is None:
+                received = wire.decode_payload(rest, wire.Assembler(h.total_bytes, itemsize=1))
+            else:
+                wire.expect_end(rest, "A push received whole")
+            numel = self.shared.total_bytes // self.dtype.itemsize
+            yield compression.sparse_to_dense(received, h.topk, h.dtype, h.exact, numel, flat)
+        elif received is not None:
             wire.expect_end(rest, "A push received whole")
             yield compression.to_float32(received, h.dtype, h.exact, flat)
         elif h.shm:

@@ -75,10 +75,17 @@ class Steps:
         shard = self.c.config.shard
         if h.shard != shard:
             raise InvalidRequest(f"A push for shard {h.shard} reached shard {shard} of the server.")
-        numel = self.c.manifest.numel
-        if not 0 <= h.exact <= (0 if codec.raw else numel):
+        numel, itemsize = self.c.manifest.numel, self.c.manifest.itemsize
+        sparse = h.topk > 0
+        if not 0 <= h.exact <= (0 if codec.raw and not sparse else numel):
             raise InvalidRequest(f"A {codec.dtype} push with {h.exact} exact elements of {numel}.")
-        wire_bytes = compression.payload_bytes(codec, numel, h.exact, self.c.manifest.itemsize)
+        if not 0 <= h.topk <= numel - h.exact:
+            raise InvalidRequest(f"A top-k push of {h.topk} pairs of {numel - h.exact} entries.")
+        wire_bytes = (
+            h.topk * (4 + codec.itemsize) + h.exact * itemsize
+            if sparse
+            else compression.payload_bytes(codec, numel, h.exact, itemsize)
+        )
         expected = 0 if h.empty or h.shm else wire_bytes
         if h.total_bytes != expected:
             why = (

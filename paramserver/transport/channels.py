@@ -98,8 +98,7 @@ class GrpcStreamChannel(PayloadChannel):
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         payload = memoryview(b"")
         if not header.empty:
-            payload = self.codec.encode(self.slots[slot])
-            header.dtype, header.exact = self.codec.dtype, self.codec.exact
+            payload = encode(self.codec, header, self.slots[slot], slot)
         header, rows = sparse_wire.split_rows(header)
         response: pb.PushResponse = self.stub.Push(
             wire.encode_push(header, payload, self.chunk_bytes, rows), timeout=timeout
@@ -121,8 +120,20 @@ class GrpcStreamChannel(PayloadChannel):
         return self.pull(request, timeout)
 
 
+def encode(
+    codec: compression.Codec, header: pb.PushHeader, gradient: torch.Tensor, slot: int
+) -> memoryview:
+    """The push's payload, its form said in ``header`` (a retry of the push, the same
+    slot and iteration, encodes the same: top-k's residual moves once)."""
+    payload = codec.encode(gradient, key=(slot, header.iteration))
+    header.dtype, header.exact, header.topk = codec.dtype, codec.exact, codec.topk
+    header.total_bytes = payload.nbytes
+    return payload
+
+
 def ask_for(request: pb.PullRequest, codec: compression.Codec) -> None:
-    """Ask for the weights in ``codec``'s wire form (16 bits with --compress)."""
+    """Ask for the weights in ``codec``'s pulls' wire form (16 bits with --compress)."""
+    codec = codec.pulls
     if not codec.raw:
         request.dtype, request.exact = codec.dtype, codec.exact
 
@@ -133,6 +144,7 @@ def received(header: pb.PullHeader, codec: compression.Codec, weights: torch.Ten
     Raises:
         InvalidRequest: the server answered in another form than asked.
     """
+    codec = codec.pulls
     asked = ("", 0) if codec.raw else (codec.dtype, codec.exact)
     if (header.dtype, header.exact) != asked:
         raise InvalidRequest(
@@ -245,15 +257,20 @@ class ShmChannel(PayloadChannel):
         reply: pb.PushPullResponse = self.stub.PushPull(request, timeout=timeout)
         return reply
 
-    def _rounded(self, slot: int | None) -> None:
-        """Round a gradient about to be pushed (``slot``), or the weights just pulled."""
-        if self.codec is not None:
-            self.codec.round_(self.weights if slot is None else self.slots[slot])
+    def _rounded(self, slot: int | None, iteration: int = 0) -> None:
+        """Round a gradient about to be pushed (``slot``; top-k: sparsified), or the weights
+        just pulled, as the wire would."""
+        if self.codec is None:
+            return
+        if slot is None:
+            self.codec.pulls.round_(self.weights)
+        else:
+            self.codec.round_(self.slots[slot], key=(slot, iteration))
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         header.shm, header.shm_slot = True, slot
         if not header.empty:
-            self._rounded(slot)
+            self._rounded(slot, header.iteration)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             return self._push_stream(sent, rows, timeout)
@@ -281,7 +298,7 @@ class ShmChannel(PayloadChannel):
     ) -> pb.PullHeader:
         header.shm, header.shm_slot, request.shm = True, slot, True
         if not header.empty:
-            self._rounded(slot)
+            self._rounded(slot, header.iteration)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             self._push_stream(sent, rows, timeout)

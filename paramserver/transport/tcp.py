@@ -21,7 +21,13 @@ import grpc
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import records
 from paramserver.config import Security
-from paramserver.transport.channels import GrpcStreamChannel, PayloadChannel, ask_for, received
+from paramserver.transport.channels import (
+    GrpcStreamChannel,
+    PayloadChannel,
+    ask_for,
+    encode,
+    received,
+)
 from paramserver.transport.security import client_ssl_context
 
 log = logging.getLogger(__name__)
@@ -179,10 +185,7 @@ class TcpChannel(PayloadChannel):
         if header.empty:
             header.total_bytes = 0
             return None
-        payload = self.codec.encode(self.slots[slot])
-        header.dtype, header.exact = self.codec.dtype, self.codec.exact
-        header.total_bytes = payload.nbytes
-        return payload
+        return encode(self.codec, header, self.slots[slot], slot)
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         payload = self._push_part(header, slot)

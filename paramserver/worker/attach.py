@@ -62,7 +62,12 @@ class Attacher:
             self.manifest.dtype,
             self.slots,
             self.buffers.views(lo, hi),
-            self.codec(hi - lo, self.manifest.exact_tail(lo, hi), self.manifest.dtype),
+            self.codec(
+                hi - lo,
+                self.manifest.exact_tail(lo, hi),
+                self.manifest.dtype,
+                self.manifest.dense_tail(lo, hi),
+            ),
             self.shm,
             self.control,
             self.sessions[i].rpc_timeout,

@@ -427,11 +427,18 @@ def test_the_compression_registry_matches_the_proto_and_the_cli():
     named = set(re.findall(r'"([a-z0-9]+)"', line))
     assert named == set(compression.BY_DTYPE)
     worker_options = {p.name: p for p in cli.worker.params}
-    assert tuple(worker_options["compress"].type.choices) == compression.CHOICES
+    assert all(name in worker_options["compress"].help for name in compression.CHOICES)
+    assert "topk:F" in worker_options["compress"].help
     for name in compression.CHOICES:
         assert compression.by_dtype(compression.by_name(name).dtype) is compression.by_name(name)
     with pytest.raises(ValueError, match="compress must be one of auto, none, fp16, bf16"):
         compression.by_name("zstd")
+    for bad in ("topk:0", "topk:1.5", "topk:x", "topk:0.1:zstd", "topk:0.1:bf16:x"):
+        with pytest.raises(ValueError, match="topk:F"):
+            compression.by_name(bad)
+    sparse = compression.by_name("topk:0.01:bf16")
+    assert issubclass(sparse, compression.TopK) and sparse.dtype == "bfloat16"
+    assert compression.by_name("topk:0.01", flat_dtype="float64").dtype == "float64"
 
 
 def test_auto_compression_pushes_in_the_parameters_own_16_bit_dtype():
@@ -497,3 +504,66 @@ def test_the_exact_tail_of_a_range_is_its_integer_buffers():
         1,
         1,
     ]
+
+
+@pytest.mark.parametrize("values", ["none", "bf16"])
+def test_top_k_sends_the_largest_entries_and_feeds_back_the_rest(values):
+    """Error feedback: what a push does not send is added to the next, so over many pushes
+    the sent total follows the gradients' total; the buffers (the dense tail) go whole."""
+    torch.manual_seed(0)
+    numel, dense = 1000, 7
+    codec = compression.by_name(f"topk:0.05:{values}")(numel, 2, "float32", dense)
+    assert (codec.topk, codec.exact) == (50, 7)
+    assert codec.nbytes == 50 * (4 + codec.itemsize) + 7 * 4
+    total_grad, total_sent = torch.zeros(numel), torch.zeros(numel)
+    for step in range(40):
+        grad = torch.randn(numel)
+        grad[numel - dense :] = torch.arange(dense) + 1000.0 * step  # buffers: values
+        payload = np.frombuffer(codec.encode(grad, key=(0, step)), np.uint8).copy()
+        assert len(payload) == codec.nbytes
+        sent = torch.from_numpy(
+            compression.sparse_to_dense(payload, 50, codec.dtype, dense, numel)
+        )
+        assert torch.equal(sent[numel - dense :], grad[numel - dense :])  # whole
+        assert int((sent[: numel - dense] != 0).sum()) == 50
+        total_grad += grad
+        total_sent += sent
+        m = numel - dense
+        # nothing lost: what was sent and what waits make up every gradient so far
+        torch.testing.assert_close(
+            total_sent[:m] + codec.residual, total_grad[:m], rtol=0, atol=1e-3
+        )
+        # a retry of the same push sends the same bytes and leaves the residual alone
+        before = codec.residual.clone()
+        again = np.frombuffer(codec.encode(grad, key=(0, step)), np.uint8)
+        assert np.array_equal(again, payload) and torch.equal(codec.residual, before)
+
+
+def test_top_k_in_place_is_what_the_wire_carries():
+    """Through shared memory the slot is sparsified in place: the same numbers as a trip
+    through encode and the server's decode, residual and all."""
+    torch.manual_seed(1)
+    kind = compression.by_name("topk:0.1:bf16")
+    wire_side, in_place = kind(300, 0, "float32", 3), kind(300, 0, "float32", 3)
+    for step in range(5):
+        grad = torch.randn(300)
+        payload = np.frombuffer(wire_side.encode(grad, key=(1, step)), np.uint8).copy()
+        decoded = compression.sparse_to_dense(payload, wire_side.topk, "bfloat16", 3, 300)
+        slot = grad.clone()
+        in_place.round_(slot, key=(1, step))
+        assert torch.equal(slot, torch.from_numpy(decoded))
+        in_place.round_(slot, key=(1, step))  # a retry: left as it is
+        assert torch.equal(slot, torch.from_numpy(decoded))
+    assert torch.equal(wire_side.residual, in_place.residual)
+
+
+def test_a_top_k_push_that_lies_is_refused():
+    codec = compression.by_name("topk:0.1")(100)
+    payload = np.frombuffer(codec.encode(torch.randn(100)), np.uint8).copy()
+    with pytest.raises(InvalidRequest, match="cannot hold"):
+        compression.sparse_to_dense(payload, 11, "float32", 0, 100)
+    with pytest.raises(InvalidRequest, match="cannot hold"):
+        compression.sparse_to_dense(payload[:-4], 10, "float32", 0, 100)
+    payload[:4] = np.frombuffer(np.int32(100).tobytes(), np.uint8)  # index 100 of 100
+    with pytest.raises(InvalidRequest, match="outside"):
+        compression.sparse_to_dense(payload, 10, "float32", 0, 100)
