@@ -320,9 +320,7 @@ def by_name(
     if name.startswith("topk:"):
         return _topk(name, flat_dtype)
     if name not in REGISTRY:
-        raise ValueError(
-            f"compress must be one of {', '.join(CHOICES)} or {TOPK}; got {name!r}."
-        )
+        raise ValueError(f"compress must be one of {', '.join(CHOICES)} or {TOPK}; got {name!r}.")
     codec = REGISTRY[name]
     return BY_DTYPE[flat_dtype] if codec.raw else codec
 

@@ -521,9 +521,7 @@ def test_top_k_sends_the_largest_entries_and_feeds_back_the_rest(values):
         grad[numel - dense :] = torch.arange(dense) + 1000.0 * step  # buffers: values
         payload = np.frombuffer(codec.encode(grad, key=(0, step)), np.uint8).copy()
         assert len(payload) == codec.nbytes
-        sent = torch.from_numpy(
-            compression.sparse_to_dense(payload, 50, codec.dtype, dense, numel)
-        )
+        sent = torch.from_numpy(compression.sparse_to_dense(payload, 50, codec.dtype, dense, numel))
         assert torch.equal(sent[numel - dense :], grad[numel - dense :])  # whole
         assert int((sent[: numel - dense] != 0).sum()) == 50
         total_grad += grad
