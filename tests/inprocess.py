@@ -21,7 +21,7 @@ from paramserver.server.app import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
-from paramserver.transport.channels import new_segment
+from paramserver.transport.channels import encode, new_segment
 from paramserver.transport.client import Channel, PayloadSpec
 from paramserver.transport.shm import Attachments, Segment
 from tests.conftest import FakeClock
@@ -213,8 +213,7 @@ class InProcessChannel(Channel):
         assert self._spec is not None
         payload = memoryview(b"")
         if not header.empty:
-            payload = self._spec.codec.encode(self.slots[slot])
-            header.dtype = self._spec.codec.dtype
+            payload = encode(self._spec.codec, header, self.slots[slot], slot)
         chunks = wire.encode_push(header, payload, self._chunk_bytes)
         return self._call("Push", iter(list(chunks)), timeout)
 

@@ -6,6 +6,7 @@ a shard restarted every shard is brought back to one cut (``shards.rewind_ahead`
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,6 +19,8 @@ from paramserver.transport.channels import StreamBuffers
 from paramserver.transport.client import PayloadSpec
 from paramserver.worker.session import Session
 from paramserver.worker.shards import rewind_ahead, served_range
+
+log = logging.getLogger(__name__)
 
 
 class Attacher:
@@ -53,21 +56,28 @@ class Attacher:
         self.remote = remote
         self.train_samples = train_samples
         self.buffers = StreamBuffers(manifest.numel, slots, device, manifest.torch_dtype)
+        self.codecs: dict[int, compression.Codec] = {}  # each session's, for this join
 
     def spec(self, i: int) -> PayloadSpec:
-        """Session i's payloads: its range, the streams' views of it, its codec."""
+        """Session i's payloads: its range, the streams' views of it, and a fresh codec
+        (a rejoin drops what the last one held back: top-k's residual, logged)."""
         lo, hi = self.ranges[i]
+        old = self.codecs.get(i)
+        if old is not None and old.topk:
+            held = float(old.residual.norm())  # type: ignore[attr-defined]
+            log.info("shard %d: joining again drops the top-k residual (norm %.3g)", i, held)
+        self.codecs[i] = self.codec(
+            hi - lo,
+            self.manifest.exact_tail(lo, hi),
+            self.manifest.dtype,
+            self.manifest.dense_tail(lo, hi),
+        )
         return PayloadSpec(
             self.manifest.itemsize * (hi - lo),
             self.manifest.dtype,
             self.slots,
             self.buffers.views(lo, hi),
-            self.codec(
-                hi - lo,
-                self.manifest.exact_tail(lo, hi),
-                self.manifest.dtype,
-                self.manifest.dense_tail(lo, hi),
-            ),
+            self.codecs[i],
             self.shm,
             self.control,
             self.sessions[i].rpc_timeout,

@@ -4,6 +4,8 @@ retries with backoff on a fake clock, rejoins after a restart (ABORTED) or a dro
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import numpy as np
 import pytest
@@ -174,6 +176,26 @@ def test_pushes_and_joins_past_their_deadline_are_retried_and_pulls_are_not(cloc
     status = server.coordinator.status().as_dict()
     # the first push once; the second met the drop (it rejoined instead), as any dropped step
     assert status["pushes_applied"] == 1 and status["duplicates"] == 0
+
+
+def test_top_k_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(clock, caplog):
+    server = FakeServer(zero_model(), clock, policy="async", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=False, compress="topk:0.2")
+    channel = worker.channels[0]  # type: ignore[attr-defined]
+    codec = worker._attacher.codecs[0]
+    one_step(worker, model)
+    held = codec.residual.clone()
+    assert held.abs().sum() > 0  # 80% of the ones wait for the next push
+    channel.lose["Push"] = 1  # the reply is lost: the retry sends the same pairs
+    one_step(worker, model)
+    assert server.coordinator.status().as_dict()["duplicates"] == 1
+    server.coordinator.leave(worker.worker_id)
+    with caplog.at_level(logging.INFO, logger="paramserver.worker.attach"):
+        one_step(worker, model)
+    assert "drops the top-k residual" in caplog.text
+    assert worker._attacher.codecs[0] is not codec
+    worker.close()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
