@@ -77,8 +77,10 @@ def cluster_rate(
     logs: Path,
     shm: str = "on",
     optimizer_thread: bool = False,
+    backups: int = 0,
 ) -> tuple[float, list[float]]:
-    """Samples/s of a server (``optimizer_thread`` its --optimizer-thread) and one worker
+    """Samples/s of a server (``optimizer_thread`` its --optimizer-thread, ``backups`` its
+    --backup-workers) and one worker
     process per entry of ``delays`` (its injected per-step sleep, ``shm`` its --shm),
     measured from the server's counters over ``window`` seconds once all have started: the
     total, and each worker's."""
@@ -92,9 +94,11 @@ def cluster_rate(
         epochs=100000,
         lease_seconds=30,
         optimizer_thread=optimizer_thread,
+        backup_workers=backups,
     )
     with server_process(cfg) as address:
-        children = worker_children(address, delays, shm, logs, f"{policy}-{len(delays)}-{shm}")
+        name = f"{policy}-{len(delays)}-{shm}-{backups}"
+        children = worker_children(address, delays, shm, logs, name)
         channel = connect(address, 60)
         stub = Stub(channel)
         try:

@@ -1,5 +1,8 @@
 """2 workers, one slowed 3x by an injected per-step delay: a parameter server under async and
-delay-1 against PyTorch DDP (gloo on CPU, nccl on GPU) with the same model, batch and delay."""
+delay-1 against PyTorch DDP (gloo on CPU, nccl on GPU) with the same model, batch and delay.
+Then 3 workers, one slowed 3x: sync with a backup worker (``--backup-workers 1``: each
+round closes on the 2 fastest pushes) and plain sync, against DDP with 3 ranks, one slowed
+the same (``sync_backup_samples_vs_ddp``)."""
 
 from __future__ import annotations
 
@@ -16,10 +19,10 @@ from paramserver.bench.step import local_step_seconds
 BATCH = 64
 
 
-def ddp_rate(delay: float, steps: int, logs: Path) -> float:
-    """Total samples/s of 2 DDP processes, the last rank with the delay."""
+def ddp_rate(delay: float, steps: int, logs: Path, world: int = 2) -> float:
+    """Total samples/s of ``world`` DDP processes, the last rank with the delay."""
     args = [str(steps), str(BATCH), repr(delay)]
-    results = run_ranks("paramserver.bench.ddp", args, 2, logs, "ddp", timeout=600)
+    results = run_ranks("paramserver.bench.ddp", args, world, logs, f"ddp{world}", timeout=600)
     return sum(r["samples"] for r in results) / max(r["seconds"] for r in results)
 
 
@@ -62,6 +65,33 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
                     f"slow {per_worker[-1]:.0f}): {total / ddp:.2f} x DDP",
                 )
             )
+        rows += _backups(figures, delay, ddp_steps, warmup, window, logs)
     figures["target_ps_vs_ddp"] = 1.5
     rows.append(("target", ">= 1.5 x DDP"))
     return rows, figures
+
+
+def _backups(
+    figures: dict[str, Any], delay: float, steps: int, warmup: float, window: float, logs: Path
+) -> list[tuple[str, str]]:
+    """3 workers, the last slowed: sync with one backup worker and plain sync, against 3
+    DDP ranks, the last slowed."""
+    figures["ddp3_samples_per_s"] = ddp = ddp_rate(delay, steps, logs, world=3)
+    rows = [("DDP (gloo), 3 ranks, 1 slowed", f"{ddp:.0f} samples/s")]
+    delays = [0.0, 0.0, delay]
+    for key, backups in (("sync_backup", 1), ("sync3", 0)):
+        total, per_worker = cluster_rate(
+            "sync", delays, BATCH, warmup, window, logs, "on", False, backups
+        )
+        figures[f"{key}_samples_per_s"] = total
+        figures[f"{key}_per_worker"] = per_worker
+        figures[f"{key}_samples_vs_ddp"] = total / ddp
+        label = "sync, 3 workers, --backup-workers 1" if backups else "sync, 3 workers"
+        rows.append(
+            (
+                f"paramserver {label}",
+                f"{total:.0f} samples/s (slow worker's applied: {per_worker[-1]:.0f}): "
+                f"{total / ddp:.2f} x DDP",
+            )
+        )
+    return rows

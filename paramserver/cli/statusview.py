@@ -27,6 +27,7 @@ def as_json(st: pb.StatusResponse) -> str:
         "batches_done",
         "batches_total",
         "pushes_skipped",
+        "pushes_late",
         "duplicates",
         "checkpoint_version",
         "rounds",

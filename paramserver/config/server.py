@@ -73,6 +73,11 @@ class ServerConfig:
         "Workers that must join before training starts [default: --workers]; more may join later.",
         type=int,
     )
+    backup_workers: int = setting(
+        0,
+        "--backup-workers",
+        "sync only: a round closes once all live workers but B have pushed; a gradient that comes after its round closed is dropped (counted) and its batches are handed out again, so a straggler does not hold the others back. One server shard only.",
+    )
     checkpoint_dir: str | None = setting(
         None,
         "--checkpoint-dir",
@@ -155,6 +160,8 @@ class ServerConfig:
                 f"Unknown dataset (--dataset) {self.dataset!r}: choose one of "
                 f"{', '.join(DATASETS)}, or module:function."
             )
+        if self.backup_workers:
+            _check_backups(self.backup_workers, self.workers, self.parsed_policy, self.shards)
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}.")
         if self.epochs < 1:
@@ -201,3 +208,17 @@ class ServerConfig:
     def start_workers(self) -> int:
         """Joins the run waits for before the first pull is answered."""
         return self.workers if self.min_workers is None else self.min_workers
+
+
+def _check_backups(backups: int, workers: int, policy: Policy, shards: int) -> None:
+    if not 0 <= backups < workers:
+        raise ConfigError(
+            f"--backup-workers must be at least 0 and below --workers ({workers}); got {backups}."
+        )
+    if not policy.synchronous:
+        raise ConfigError(f"--backup-workers is for --policy sync, not {policy.name}.")
+    if shards > 1:
+        raise ConfigError(
+            "--backup-workers needs one server shard: shards would close their rounds with "
+            "different workers' gradients."
+        )

@@ -6,7 +6,8 @@ server has a version v (optimizer steps applied).
 
 * ``sync``: one gradient per live worker for iteration t is averaged into one step; a pull
   for iteration t is answered once step t - 1 is applied (v >= t, in the rounds counted
-  from the run's start).
+  from the run's start). With B backup workers a round closes once all live workers but B
+  have pushed, and a gradient that arrives after its round closed is dropped (``late``).
 * ``ssp:K`` (``delay-1`` is ``ssp:1``): pushes are applied as they arrive; a pull for
   iteration t is answered once every live worker's clock is >= t - K.
 * ``async``: K is infinite; pulls are answered at once.
@@ -112,9 +113,28 @@ def push_action(iteration: int, clock: int, window: int = 1) -> PushAction:
     return PushAction.DUPLICATE if iteration >= clock - window else PushAction.PAST
 
 
-def round_complete(contributors: Collection[str], live: Collection[str]) -> bool:
-    """A sync round is complete when every live worker has contributed (and someone has)."""
-    return bool(contributors) and all(w in contributors for w in live)
+def round_complete(
+    contributors: Collection[str],
+    live: Collection[str],
+    backups: int = 0,
+    givers: Collection[str] = (),
+) -> bool:
+    """A sync round is complete when every live worker has contributed (and someone has),
+    or with ``backups`` B, when all live workers but B have given a gradient (``givers``:
+    empty pushes, at the run's end, do not close a round early: they wait for everyone,
+    so the last batches are not left to a straggler's late push)."""
+    if not contributors:
+        return False
+    if all(w in contributors for w in live):
+        return True
+    gave = sum(1 for w in live if w in givers)
+    return backups > 0 and gave >= max(1, len(live) - backups)
+
+
+def late(iteration: int, rounds_done: int) -> bool:
+    """Under sync, whether a push for ``iteration`` comes after its round closed without it
+    (round t takes the pushes of iteration t): only backup workers let that happen."""
+    return iteration < rounds_done
 
 
 def check_pull_iteration(worker_id: str, iteration: int, clock: int, window: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.codec.rows import RowGradients
+from paramserver.policy import staleness
 from paramserver.policy.staleness import Policy
 from paramserver.server.buffers import SharedBuffers
 from paramserver.server.ledger import Ledger
@@ -40,6 +41,8 @@ from paramserver.server.store import ParameterStore
 from paramserver.sparse.tableset import RowRound, TableSet
 
 log = logging.getLogger("paramserver.server.coordinator")
+
+LATE_LOG_EVERY = 100  # a straggler is late round after round: a line per this many drops
 
 
 class Arrival:
@@ -121,6 +124,11 @@ class Arrival:
         """Where a worker that joins when none is live starts (None: the slowest clock seen)."""
         return None
 
+    def late(self, worker_id: str, iteration: int) -> bool:
+        """Whether a push comes too late to count (only a sync round with backups closes
+        without some worker's push)."""
+        return False
+
     def arrive(
         self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
     ) -> None:
@@ -181,10 +189,29 @@ class OnArrival(Arrival):
 
 
 class Rounds(Arrival):
-    """``sync``: gradients are averaged over a round of every live worker's push."""
+    """``sync``: gradients are averaged over a round of every live worker's push, or with
+    ``backups`` B of all live workers' but B (``--backup-workers``)."""
 
     in_rounds = True
     waits_for_batch = False  # batch -1: the empty push counts for the round
+    backups = 0
+
+    def late(self, worker_id: str, iteration: int) -> bool:
+        """Whether the push of ``iteration`` comes after its round closed without it: it is
+        dropped and counted (the caller gives its batches back)."""
+        if not staleness.late(iteration, self.rounds):
+            return False
+        self.counters.late += 1
+        if self.counters.late == 1 or self.counters.late % LATE_LOG_EVERY == 0:
+            log.info(
+                "dropped worker %s's gradient for round %d, which closed without it (%d so "
+                "far; --backup-workers %d)",
+                worker_id,
+                iteration,
+                self.counters.late,
+                self.backups,
+            )
+        return True
 
     @classmethod
     def round_in(
@@ -206,8 +233,8 @@ class Rounds(Arrival):
         self.row_round.add(rows)
 
     def settle(self, live: list[str]) -> bool:
-        """Apply the round's mean if every live worker has pushed."""
-        if not self.round.complete(live):
+        """Apply the round's mean if every live worker (but the backups) has pushed."""
+        if not self.round.complete(live, self.backups):
             return False
         self.share(self.round.givers)
         n = self.round.n
@@ -232,6 +259,7 @@ def arrival(
     counters: Counters,
     saved: CoordinatorSnapshot | None = None,
     live: Sequence[str] = (),
+    backups: int = 0,
 ) -> Arrival:
     """The strategy of ``policy`` over the model (``store``, ``tables``, ``buffers``). With a
     snapshot ``saved`` the model goes on from it: its weights, optimizer state, tables, the
@@ -243,6 +271,21 @@ def arrival(
         ValueError: the model has sparse tables and the snapshot none.
     """
     chosen = Rounds if policy.synchronous else OnArrival
+    made = _made(chosen, store, tables, buffers, counters, saved, live)
+    if isinstance(made, Rounds):
+        made.backups = backups
+    return made
+
+
+def _made(
+    chosen: type[Arrival],
+    store: ParameterStore,
+    tables: TableSet | None,
+    buffers: SharedBuffers,
+    counters: Counters,
+    saved: CoordinatorSnapshot | None,
+    live: Sequence[str],
+) -> Arrival:
     if saved is None:
         return chosen(store, tables, buffers, counters)
     store.restore(saved.weights, saved.optimizer_state, saved.version)

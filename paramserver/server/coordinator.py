@@ -88,7 +88,9 @@ class Coordinator:
         self.counters = Counters()
         self.buffers = SharedBuffers(self.manifest)
         self.members = Members(config, now)
-        self.arrival: Arrival = arrival(self.policy, store, tables, self.buffers, self.counters)
+        self.arrival: Arrival = arrival(
+            self.policy, store, tables, self.buffers, self.counters, backups=config.backup_workers
+        )
         self.saving = Saving(self._cond, self.arrival.in_rounds)
         if snapshot is not None:
             self._take_over(snapshot)
@@ -103,7 +105,14 @@ class Coordinator:
         self.members = Members.restored(self.config, self._now, s)
         live = self.membership.live_ids()
         self.arrival = arrival(
-            self.policy, self.store, self.tables, self.buffers, self.counters, s, live
+            self.policy,
+            self.store,
+            self.tables,
+            self.buffers,
+            self.counters,
+            s,
+            live,
+            self.config.backup_workers,
         )
         self.saving.resumed(s.cut, s.version)
         self.counters.load(s.counters)
@@ -243,6 +252,11 @@ class Coordinator:
             if not new:
                 self.counters.duplicates += 1
                 return PushResult(self.store.version, member.clock, True)
+            if self.arrival.late(worker_id, iteration):  # its round closed without it
+                self.members.pushed(worker_id, iteration, empty=True)  # batches go back
+                self.membership.advance(worker_id, 0)
+                self._cond.notify_all()
+                return PushResult(self.store.version, member.clock, False)
             batches = self.members.batches_of(worker_id, iteration, batches)
             live = self.membership.live_ids()
             applied = self.arrival.take(worker_id, iteration, grad, checked, finite, batches, live)

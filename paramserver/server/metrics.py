@@ -52,6 +52,11 @@ def _totals(s: ServerStatus) -> Iterator[Metric]:
     yield _counter("pulls", "Worker pulls answered.", s.pulls_answered)
     yield _counter("duplicate_pushes", "Retried pushes acknowledged, not applied.", s.duplicates)
     yield _counter("skipped_pushes", "Non-finite gradients skipped.", s.pushes_skipped)
+    yield _counter(
+        "late_pushes",
+        "Sync gradients dropped because their round closed without them (--backup-workers).",
+        s.pushes_late,
+    )
     yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
     yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
     yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)

@@ -34,9 +34,9 @@ class SyncRound:
             self.givers.add(worker_id)
         self.contributors.add(worker_id)
 
-    def complete(self, live: list[str]) -> bool:
-        """Whether every live worker has pushed (and at least one worker has)."""
-        return staleness.round_complete(self.contributors, live)
+    def complete(self, live: list[str], backups: int = 0) -> bool:
+        """Whether every live worker (all but ``backups``) has pushed, and someone has."""
+        return staleness.round_complete(self.contributors, live, backups, self.givers)
 
     def take_mean(self) -> np.ndarray | None:
         """The mean gradient of the round (None if every push was empty); starts the next."""

@@ -83,6 +83,7 @@ class ServerStatus:
     cut_written: int = 0
     batches_applied: int = 0
     pushes_repeated: int = 0
+    pushes_late: int = 0
 
     def to_proto(self) -> pb.StatusResponse:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -104,6 +105,7 @@ class Counters:
     pushes_applied: int = 0
     duplicates: int = 0
     skipped: int = 0
+    late: int = 0  # sync gradients dropped: their round closed without them
     pulls: int = 0
     barrier_wait_seconds: float = 0.0
     samples: int = 0
@@ -120,6 +122,7 @@ class Counters:
         "pushes_applied",
         "duplicates",
         "skipped",
+        "late",
         "samples",
         "bytes_in",
         "bytes_out",
@@ -237,6 +240,7 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         batches_done=c.queue.done if c.queue else 0,
         batches_total=c.queue.total if c.queue else 0,
         pushes_skipped=n.skipped,
+        pushes_late=n.late,
         duplicates=n.duplicates,
         checkpoint_version=c.saves.version,
         checkpoint_age_seconds=-1.0 if c.saves.at is None else wall - c.saves.at,

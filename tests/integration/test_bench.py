@@ -41,7 +41,15 @@ KEYS = {
         "worker_overlap_ms_64_grpc",
     ],
     "wakeup": ["unix_socket_us", "grpc_unary_us", "futex_us", "eventfd_us"],
-    "straggler": ["ps_vs_ddp", "ddp_samples_per_s", "async_samples_per_s", "delay1_samples_per_s"],
+    "straggler": [
+        "ps_vs_ddp",
+        "ddp_samples_per_s",
+        "async_samples_per_s",
+        "delay1_samples_per_s",
+        "ddp3_samples_per_s",
+        "sync_backup_samples_vs_ddp",
+        "sync3_samples_per_s",
+    ],
     "scaling": [
         "local_samples_per_s",
         "sync_samples_per_s",

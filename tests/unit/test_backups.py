@@ -1,0 +1,101 @@
+"""Sync with backup workers (``--backup-workers B``), driven on the coordinator directly: a
+round closes once all live workers but B have pushed; a gradient that comes after its round
+closed is dropped and counted, and its batches go out again, so each is applied once."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from paramserver.codec.layout import Manifest
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.errors import ConfigError
+from paramserver.policy import staleness
+from paramserver.server.coordinator import Coordinator
+from paramserver.server.metrics import Metrics
+from paramserver.server.store import ParameterStore
+from tests.conftest import FakeClock
+
+N = 4
+
+
+def make(workers: int, backups: int, clock: FakeClock) -> Coordinator:
+    manifest = Manifest.from_tensors([("w", torch.zeros(N))])
+    store = ParameterStore(manifest, np.zeros(N, np.float32), OptimizerConfig("sgd", lr=1.0))
+    config = ServerConfig(
+        policy="sync",
+        workers=workers,
+        backup_workers=backups,
+        optimizer=OptimizerConfig("sgd", lr=1.0),
+        dataset="synthetic",
+    )
+    return Coordinator(config, store, now=clock)
+
+
+def full(value: float) -> np.ndarray:
+    return np.full(N, value, np.float32)
+
+
+def test_a_round_of_all_live_workers_but_the_backups_is_complete() -> None:
+    live = ["a", "b", "c"]
+    done = staleness.round_complete
+    assert not done({"a"}, live, backups=1, givers={"a"})
+    assert done({"a", "b"}, live, backups=1, givers={"a", "b"})
+    assert not done({"a", "b"}, live, givers={"a", "b"})
+    # empty pushes (the run's end) close no round early: they wait for everyone
+    assert not done({"a", "b"}, live, backups=1, givers={"a"})
+    assert done({"a", "b", "c"}, live, backups=1, givers=set())
+    assert done({"a"}, ["a"], backups=1)  # one live: itself
+    assert not done(set(), live, backups=2)
+    assert done({"gone"}, [], backups=1)  # someone, and no one live
+    assert staleness.late(2, rounds_done=3) and not staleness.late(3, rounds_done=3)
+
+
+def test_the_straggler_is_dropped_counted_and_its_batch_goes_out_again() -> None:
+    clock = FakeClock(1000.0)
+    c = make(3, 1, clock)
+    a, b, s = (c.join(n, train_samples=64 * 5) for n in ("a", "b", "straggler"))
+    assert [c.pull(w.worker_id, 0, 0).batch for w in (a, b, s)] == [0, 1, 2]
+    c.push(a.worker_id, 0, full(1.0), 64, math.nan)
+    c.push(b.worker_id, 0, full(3.0), 64, math.nan)
+    assert c.store.version == 1  # closed by 2 of 3: the mean of theirs
+    np.testing.assert_array_equal(c.store.weights, full(-2.0))
+    # the fast ones go on; batch 2 is still the straggler's
+    assert [c.pull(w.worker_id, 1, 0).batch for w in (a, b)] == [3, 4]
+    late = c.push(s.worker_id, 0, full(100.0), 64, math.nan)
+    assert late.clock == 1 and not late.duplicate
+    np.testing.assert_array_equal(c.store.weights, full(-2.0))  # not applied, anywhere
+    assert c.pull(s.worker_id, 1, 0).batch == 2  # its batch, handed out again (to it)
+    c.push(a.worker_id, 1, full(1.0), 64, math.nan)
+    c.push(s.worker_id, 1, full(5.0), 64, math.nan)  # in time now: round 1 is a and it
+    np.testing.assert_array_equal(c.store.weights, full(-5.0))
+    c.push(b.worker_id, 1, full(7.0), 64, math.nan)  # late: b's batch 4 goes back
+    status = c.status().as_dict()
+    assert status["pushes_late"] == 2 and status["batches_done"] == 4
+    assert c.pull(b.worker_id, 2, 0).batch == 4
+    c.push(b.worker_id, 2, full(1.0), 64, math.nan)
+    c.push(a.worker_id, 2, None, 0, math.nan)  # no batch left for it: an empty push
+    status = c.status().as_dict()
+    assert status["batches_done"] == 5 == status["batches_total"]  # each batch once
+    assert status["batches_applied"] == 5 and status["pushes_repeated"] == 0
+    text = _metrics(c)
+    assert "paramserver_late_pushes_total 2.0" in text
+
+
+def _metrics(c: Coordinator) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(Metrics(c.status).registry).decode()
+
+
+def test_the_option_is_for_sync_on_one_shard_below_the_workers() -> None:
+    with pytest.raises(ConfigError, match="below --workers"):
+        ServerConfig(policy="sync", workers=2, backup_workers=2)
+    with pytest.raises(ConfigError, match="for --policy sync"):
+        ServerConfig(policy="async", workers=3, backup_workers=1)
+    with pytest.raises(ConfigError, match="one server shard"):
+        ServerConfig(policy="sync", workers=3, backup_workers=1, shard=0, shards=2)
+    assert ServerConfig(policy="sync", workers=3, backup_workers=1).backup_workers == 1
