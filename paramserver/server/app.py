@@ -283,6 +283,7 @@ class ServerApp:
             log.info("data port on %s:%d", _bracketed(self.config.host), self.data.port)
         elif self.config.data_port != "auto":
             self._grpc.stop(0)
+            self.doorbell.close()
             raise ConfigError(
                 f"Cannot serve the data port on {_bracketed(self.config.host)}:"
                 f"{self.config.data_port} (see the log); --data-port off streams over gRPC."

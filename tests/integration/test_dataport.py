@@ -70,6 +70,8 @@ def test_the_data_port_is_offered_and_taken_only_as_the_settings_say(serve):
         assert w.shm_active and w.sessions[0].reply.data_port == 0
     with pytest.raises(ConfigError, match="--data-port"):
         ps.serve(tiny_model(), port=0, data_port="fifty")
+    with pytest.raises(ConfigError, match="Cannot serve the data port"):  # taken: say so
+        ps.serve(tiny_model(), port=0, host="127.0.0.1", data_port=str(on.data.port))
     assert host_of("[::1]:5") == "::1" and host_of("ps-0.ps:50051") == "ps-0.ps"
 
 
