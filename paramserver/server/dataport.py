@@ -40,6 +40,7 @@ from paramserver.server.doorbell import parse
 from paramserver.server.listener import SEND_SECONDS, Listener, answer_failing
 from paramserver.server.steps import Steps
 from paramserver.transport.security import server_ssl_context, token_matches
+from paramserver.transport.tcp import tune
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class DataPort(Listener):
         return nonce
 
     def _handshake(self, conn: socket.socket) -> socket.socket:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(conn)  # a worker whose link died is found out, and its thread freed
         if self.tls is None:
             return conn
         return self.tls.wrap_socket(conn, server_side=True)  # raises ssl.SSLError (OSError)

@@ -38,6 +38,25 @@ MARGIN = 5.0  # seconds past a call's deadline before the server is deemed stuck
 CONNECT_SECONDS = 5.0
 
 
+# A connection whose peer stops answering (a link down, a host gone) is found dead after
+# KEEPALIVE_IDLE s of silence and KEEPALIVE_COUNT unanswered probes KEEPALIVE_INTERVAL s
+# apart: a step blocked on it fails (and goes over gRPC) instead of waiting for its deadline.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 20, 5, 3
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay on the small frames; keepalive probes on a quiet connection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def host_of(address: str) -> str:
     """The host of ``host:port`` (an IPv6 one without its brackets)."""
     host = address.rsplit(":", 1)[0]
@@ -59,7 +78,7 @@ class DataSocket:
         self.busy = threading.Lock()
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(sock)
             tls = client_ssl_context(security)
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=host)

@@ -121,6 +121,19 @@ def test_a_hello_without_the_token_or_the_joins_nonce_is_refused(serve):
     assert server.data.refusals.counts["hello Unauthenticated"] == len(hellos)
 
 
+def test_both_ends_of_a_data_connection_probe_a_quiet_link(serve):
+    """Keepalive: a step blocked on a dead link fails within about a minute, not at its
+    deadline; a worker that vanished frees its server thread."""
+    server = serve(tiny_model(), policy="async")
+    with ps.Worker(server.address, tiny_model(), shm=False) as w:
+        sock = w.sessions[0].channel.payloads.data.sock
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 20
+        (conn,) = server.data._workers.values()
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+
+
 def test_a_peer_that_sends_no_hello_is_refused_at_its_deadline(serve):
     server = serve(tiny_model(), policy="async")
     server.data.hello_seconds = 0.3
