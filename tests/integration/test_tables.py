@@ -82,11 +82,12 @@ def test_rows_too_many_for_one_message_follow_the_header_in_chunks(serve, shm, m
         return sent, rows
 
     monkeypatch.setattr(sparse_wire, "split_rows", spy)
-    _trains_as_torch(serve, 2, shm)
+    _trains_as_torch(serve, 2, shm, wire="grpc")  # gRPC streams' chunks (the data port's
+    # frames carry a push's rows whole, up to records.MAX_PAYLOAD: see below)
     assert chunks and min(chunks) > 2  # every push went as chunks, its tables in pieces
 
 
-def _trains_as_torch(serve, shards: int, shm: bool) -> None:
+def _trains_as_torch(serve, shards: int, shm: bool, wire: str = "auto") -> None:
     torch.manual_seed(0)
     model = Clicky()
     servers = [
@@ -96,7 +97,7 @@ def _trains_as_torch(serve, shards: int, shm: bool) -> None:
     local = _local_twin(model, servers)
     opt = torch.optim.SGD(local.parameters(), lr=0.1)
 
-    worker = ps.Worker([s.address for s in servers], model, shm=shm)
+    worker = ps.Worker([s.address for s in servers], model, shm=shm, wire=wire)
     try:
         assert isinstance(model.emb, TableEmbedding) and isinstance(model.bag, TableEmbedding)
         assert [n for n, _ in model.named_parameters()] == ["head.weight", "head.bias"]
@@ -268,23 +269,28 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     assert saved["steps"] == 5 and len(saved["state"]) == 2  # lazy adam's moments came back
 
 
-def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(serve):
+@pytest.mark.parametrize("path", ["control-socket", "data-port"])
+def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(serve, path):
     from paramserver.codec import records
     from paramserver.transport import shm as shm_module
 
-    if not shm_module.available():
+    if path == "control-socket" and not shm_module.available():
         pytest.skip("no writable /dev/shm here")
     wide = 4096  # 300 rows x 4096 float32 = 4.9 MB of row gradients, above one frame
     model = nn.Sequential(nn.EmbeddingBag(1000, wide, mode="sum", sparse=True), nn.Linear(wide, 2))
     server = serve(model, optimizer="sgd", lr=0.1, policy="async", workers=1)
-    with ps.Worker(server.address, model) as worker:
-        assert worker.control_active
+    with ps.Worker(server.address, model, shm=path == "control-socket") as worker:
+
+        def active() -> bool:
+            return worker.control_active if path == "control-socket" else worker.data_port_active
+
+        assert active()
         for step in range(3):
             ids = torch.arange(300) + 300 * step
             assert 300 * wide * 4 > records.MAX_PAYLOAD
             F.cross_entropy(model(ids.view(1, -1)), torch.tensor([step % 2])).backward()
             worker.step(samples=1)
-        assert worker.control_active  # the socket stayed in use for the small requests
+        assert active()  # the socket stayed in use for the small requests
     assert server.coordinator.tables.held == 900
     assert server.status()["version"] == 3
 
