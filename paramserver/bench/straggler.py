@@ -2,7 +2,9 @@
 delay-1 against PyTorch DDP (gloo on CPU, nccl on GPU) with the same model, batch and delay.
 Then 3 workers, one slowed 3x: sync with a backup worker (``--backup-workers 1``: each
 round closes on the 2 fastest pushes) and plain sync, against DDP with 3 ranks, one slowed
-the same (``sync_backup_samples_vs_ddp``)."""
+the same (``sync_backup_samples_vs_ddp``); and the test accuracy of whole runs of both
+after the same epochs (``sync_backup_accuracy_gap_points``: plain sync's minus the
+backup's)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,18 @@ from typing import Any
 
 import torch
 
-from paramserver.bench.common import cluster_rate
+from paramserver import models
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.bench.common import cluster_rate, server_process, worker_children
 from paramserver.bench.ddp import run_ranks
 from paramserver.bench.step import local_step_seconds
+from paramserver.cluster.procs import stop_all
+from paramserver.codec.layout import Manifest, unflatten_into
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.training import data
+from paramserver.training.evaluation import evaluate
+from paramserver.transport.channels import observe
+from paramserver.transport.stub import Stub, connect
 
 BATCH = 64
 
@@ -66,6 +77,21 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
                 )
             )
         rows += _backups(figures, delay, ddp_steps, warmup, window, logs)
+        dataset, epochs = ("synthetic", 1) if quick else ("fashion-mnist", 3)
+        for key, backups in (("sync_backup", 1), ("sync3", 0)):
+            acc, seconds = accuracy_after(backups, delay, dataset, epochs, logs)
+            figures[f"{key}_accuracy"], figures[f"{key}_train_s"] = acc, seconds
+        gap = 100 * (figures["sync3_accuracy"] - figures["sync_backup_accuracy"])
+        figures["sync_backup_accuracy_gap_points"] = gap
+        rows.append(
+            (
+                f"test accuracy after {epochs} epochs of {dataset}",
+                f"sync with a backup {100 * figures['sync_backup_accuracy']:.2f}% in "
+                f"{figures['sync_backup_train_s']:.1f} s, plain sync "
+                f"{100 * figures['sync3_accuracy']:.2f}% in {figures['sync3_train_s']:.1f} s "
+                f"({gap:+.2f} points)",
+            )
+        )
     figures["target_ps_vs_ddp"] = 1.5
     rows.append(("target", ">= 1.5 x DDP"))
     return rows, figures
@@ -95,3 +121,41 @@ def _backups(
             )
         )
     return rows
+
+
+def accuracy_after(
+    backups: int, delay: float, dataset: str, epochs: int, logs: Path
+) -> tuple[float, float]:
+    """Test accuracy of a whole sync run (3 workers, the last slowed by ``delay``, Adam
+    1e-3) with ``backups`` backup workers, and its training seconds."""
+    cfg = ServerConfig(
+        model="mlp",
+        optimizer=OptimizerConfig("adam"),
+        policy="sync",
+        workers=3,
+        dataset=dataset,
+        batch_size=BATCH,
+        epochs=epochs,
+        lease_seconds=30,
+        backup_workers=backups,
+    )
+    model = models.build("mlp", seed=0)
+    tensors = [p.data for p in model.parameters()]
+    manifest = Manifest.from_tensors([(n, p) for n, p in model.named_parameters()])
+    with server_process(cfg) as address:
+        children = worker_children(address, [0.0, 0.0, delay], "on", logs, f"acc-{backups}")
+        try:
+            for child in children:
+                if child.proc.wait(timeout=1800) != 0:
+                    raise RuntimeError(f"{child.name} failed: {child.tail()}")
+            channel = connect(address, 60)
+            try:
+                seconds = Stub(channel).Status(pb.StatusRequest(), timeout=30).train_seconds
+                _, flat = observe(channel, manifest.total_bytes)
+            finally:
+                channel.close()
+        finally:
+            stop_all(children)
+    unflatten_into(manifest, torch.from_numpy(flat), tensors)
+    ds = data.load_builtin(dataset)
+    return evaluate(model, ds.test_x, ds.test_y).accuracy, seconds

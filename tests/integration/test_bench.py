@@ -49,6 +49,8 @@ KEYS = {
         "ddp3_samples_per_s",
         "sync_backup_samples_vs_ddp",
         "sync3_samples_per_s",
+        "sync_backup_accuracy",
+        "sync3_accuracy",
     ],
     "scaling": [
         "local_samples_per_s",
