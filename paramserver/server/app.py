@@ -22,7 +22,7 @@ from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
 from paramserver.server.checkpointer import Checkpointer, saved_state
 from paramserver.server.coordinator import Coordinator
-from paramserver.server.dataport import DataPort
+from paramserver.server.dataport import data_port
 from paramserver.server.doorbell import Doorbell
 from paramserver.server.metrics import DATA_METHOD, SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
@@ -199,16 +199,7 @@ class ServerApp:
             self.coordinator.notify,
             self.metrics.latency.labels(SOCKET_METHOD).observe,
         )
-        port = config.data_port_number
-        self.data = None
-        if port is not None:
-            self.data = DataPort(
-                servicer.steps,
-                config.security,
-                config.host,
-                port,
-                self.metrics.latency.labels(DATA_METHOD).observe,
-            )
+        self.data = data_port(servicer.steps, config, self.metrics.latency.labels(DATA_METHOD))
         stub.register(servicer, self._grpc)
         # gRPC health checking: SERVING from start() (the model is built by then) to stop().
         self.health = BoundedHealth()

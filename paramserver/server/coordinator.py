@@ -253,10 +253,7 @@ class Coordinator:
                 self.counters.duplicates += 1
                 return PushResult(self.store.version, member.clock, True)
             if self.arrival.late(worker_id, iteration):  # its round closed without it
-                self.members.pushed(worker_id, iteration, empty=True)  # batches go back
-                self.membership.advance(worker_id, 0)
-                self._cond.notify_all()
-                return PushResult(self.store.version, member.clock, False)
+                return self._dropped(worker_id, iteration)
             batches = self.members.batches_of(worker_id, iteration, batches)
             live = self.membership.live_ids()
             applied = self.arrival.take(worker_id, iteration, grad, checked, finite, batches, live)
@@ -267,6 +264,14 @@ class Coordinator:
             self._settled(self.arrival.settle(self.membership.live_ids()))
             self._cond.notify_all()
             return PushResult(self.store.version, member.clock, False)
+
+    def _dropped(self, worker_id: str, iteration: int) -> PushResult:
+        """A late push (``--backup-workers``): its batches go back to the queue, its clock
+        moves on, nothing reaches the model."""
+        self.members.pushed(worker_id, iteration, empty=True)
+        member = self.membership.advance(worker_id, 0)
+        self._cond.notify_all()
+        return PushResult(self.store.version, member.clock, False)
 
     def _settled(self, round_ended: bool) -> None:
         """After a push or a departure: take the cut that falls now, if any (at the end of

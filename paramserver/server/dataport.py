@@ -29,12 +29,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import records
-from paramserver.config import Security
+from paramserver.config import Security, ServerConfig
 from paramserver.errors import InvalidRequest, Unauthenticated
 from paramserver.server.doorbell import parse
 from paramserver.server.listener import SEND_SECONDS, Listener, answer_failing
@@ -181,3 +182,12 @@ class DataPort(Listener):
             wait = frame.seconds if frame.seconds > 0 else SEND_SECONDS
             records.recv_bulk(conn, buf.data, time.monotonic() + wait + BULK_MARGIN)
             yield buf
+
+
+def data_port(steps: Steps, config: ServerConfig, latency: Any) -> DataPort | None:
+    """The data port ``config`` asks for (``--data-port``), not yet started; None for
+    ``off``. ``latency``: the metrics' histogram of its steps."""
+    port = config.data_port_number
+    if port is None:
+        return None
+    return DataPort(steps, config.security, config.host, port, latency.observe)
