@@ -183,7 +183,7 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., batches: _Optional[int] = ..., common_cut: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished", "shm", "batches", "cut_written", "dtype", "exact")
+    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished", "shm", "batches", "cut_written", "dtype", "exact", "iteration")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class PullHeader(_message.Message):
     CUT_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     total_bytes: int
@@ -204,7 +205,8 @@ class PullHeader(_message.Message):
     cut_written: int
     dtype: str
     exact: int
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ..., shm: _Optional[bool] = ..., batches: _Optional[_Iterable[int]] = ..., cut_written: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ...) -> None: ...
+    iteration: int
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ..., shm: _Optional[bool] = ..., batches: _Optional[_Iterable[int]] = ..., cut_written: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")

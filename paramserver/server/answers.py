@@ -29,6 +29,7 @@ class PullResult:
     weights: np.ndarray  # a read-only snapshot; empty when the pull's ``sink`` took them
     batches: tuple[int, ...] = ()  # the global batches to compute; none: nothing for now
     finished: bool = False  # every batch of the run is applied
+    iteration: int = 0  # the iteration answered (later than asked: a late worker caught up)
 
     @property
     def batch(self) -> int:

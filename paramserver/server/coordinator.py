@@ -13,6 +13,7 @@ waiting for the disk, the checkpointer's writes). It is built from a ``Coordinat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -328,12 +329,13 @@ class Coordinator:
             Whatever ``sink`` raises (``BrokenSegment``): the batches taken stay the
                 worker's until it leaves.
         """
-        pull = Pull(worker_id, iteration, batches, incarnation, sink)
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
                 return answer(self.store, self.counters, None, None, sink=sink)
+            iteration = self._caught_up(worker_id, iteration)
             self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
+            pull = Pull(worker_id, iteration, batches, incarnation, sink)
             waited_from = self._now()
             try:
                 while (result := pull.answer(self)) is None:
@@ -342,9 +344,26 @@ class Coordinator:
                         raise pull.timed_out(self, timeout)
                     self._cond.wait(min(remaining, self.config.lease_seconds))
                     pull.still_meant(self)  # rewound (ABORTED) or evicted while waiting
-                return result
+                return dataclasses.replace(result, iteration=iteration)
             finally:
                 self.counters.barrier_wait_seconds += self._now() - waited_from
+
+    def _caught_up(self, worker_id: str, iteration: int) -> int:
+        """The iteration a pull is answered for: under sync with backup workers, a worker
+        whose pushes have all arrived (its clock is the pull's) and whose round already
+        closed without it jumps to the round in progress, so it computes for a round still
+        open instead of for rounds that will drop its gradients (the reply says so)."""
+        if not self.config.backup_workers:
+            return iteration
+        member = self.membership.get(worker_id)
+        if member.caught_up_from == iteration < member.clock:
+            return member.clock  # a retry of the pull that moved it on: the same answer
+        if member.clock == iteration < self.rounds:
+            if self.members.queue is not None:  # batches taken for the rounds it skips
+                self.members.queue.release_from(worker_id, iteration)
+            member.caught_up_from, member.clock = iteration, self.rounds
+            iteration = self.rounds
+        return iteration
 
     # --- checkpoints ------------------------------------------------------------------
 

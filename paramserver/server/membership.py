@@ -25,6 +25,7 @@ class Member:
     samples_at_join: int = 0  # samples it had then (non-zero after a resume)
     row_cache: tuple[int, int] = (0, 0)  # its tables' cache hits and misses, as last pushed
     join_id: str = ""  # the join attempt that admitted it (JoinRequest.join_id)
+    caught_up_from: int = -1  # the iteration a pull of it was moved on from (backups)
 
 
 @dataclass

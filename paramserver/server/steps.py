@@ -66,6 +66,7 @@ class Steps:
             batches=result.batches,
             finished=result.finished,
             cut_written=self.c.cuts.written,
+            iteration=result.iteration,
         )
         return header, self.payloads.weights(request, header, result.weights)
 

@@ -216,10 +216,12 @@ class Pipeline:
     def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:
         request = s.pull_request(iteration, batches)
         channel = s.channel
-        return s.retrying(
+        answered = s.retrying(
             f"pull of iteration {iteration}",
             lambda: channel.pull(request, self.barrier_timeout),
         )
+        s.catch_up(iteration, answered)
+        return answered
 
     def _push_pull(
         self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
@@ -235,10 +237,12 @@ class Pipeline:
         )
         request = s.pull_request(pull, batches)
         channel = s.channel
-        return s.retrying(
+        answered = s.retrying(
             f"push of iteration {iteration} and pull of {pull}",
             lambda: channel.push_pull(header, staged.slot, request, self.barrier_timeout),
         )
+        s.catch_up(pull, answered)
+        return answered
 
     def pull(self, batches: int) -> list[pb.PullHeader]:
         """Every shard's weights for its session's clock, into its channel's buffer.

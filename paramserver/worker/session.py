@@ -206,6 +206,13 @@ class Session:
         self.channel.open(reply)
         return reply
 
+    def catch_up(self, asked: int, answered: pb.PullHeader) -> None:
+        """A pull of ``asked`` answered for a later iteration (a late worker under
+        ``--backup-workers``): the clock moves there."""
+        if answered.iteration > asked and answered.iteration > self.clock:
+            log.debug("caught up from iteration %d to %d", self.clock, answered.iteration)
+            self.clock = answered.iteration
+
     def lose(self, exc: BaseException) -> None:
         """The server restarted or dropped this worker: join again before the next pull."""
         if self.state is SessionState.LIVE:

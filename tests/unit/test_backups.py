@@ -12,7 +12,7 @@ import torch
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, Timeout
 from paramserver.policy import staleness
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.metrics import Metrics
@@ -99,3 +99,41 @@ def test_the_option_is_for_sync_on_one_shard_below_the_workers() -> None:
     with pytest.raises(ConfigError, match="one server shard"):
         ServerConfig(policy="sync", workers=3, backup_workers=1, shard=0, shards=2)
     assert ServerConfig(policy="sync", workers=3, backup_workers=1).backup_workers == 1
+
+
+def test_a_late_worker_catches_up_with_the_round_in_progress() -> None:
+    """Its pull, once its pushes have all arrived, is answered for the open round (the
+    reply says which), so its next gradient can count; a pull with a push of it still on
+    the way (overlapped steps) is not moved."""
+    clock = FakeClock(1000.0)
+    c = make(3, 1, clock)
+    a, b, s = (c.join(n, train_samples=64 * 9) for n in ("a", "b", "straggler"))
+    for w in (a, b, s):
+        c.pull(w.worker_id, 0, 0)
+    for t in (0, 1):  # two rounds close without the straggler
+        c.push(a.worker_id, t, full(1.0), 64, math.nan)
+        c.push(b.worker_id, t, full(1.0), 64, math.nan)
+        for w in (a, b):
+            c.pull(w.worker_id, t + 1, 0)
+    assert c.pull(s.worker_id, 1, 0).iteration == 1  # its push of 0 is still on the way
+    c.push(s.worker_id, 0, full(9.0), 64, math.nan)  # late: dropped
+    answer = c.pull(s.worker_id, 1, 0)
+    assert answer.iteration == 2  # caught up: it computes for round 2, still open
+    assert c.membership.get(s.worker_id).clock == 2
+    again = c.pull(s.worker_id, 1, 0)  # a retry (its reply lost): the same answer
+    assert (again.iteration, again.batches) == (2, answer.batches)
+    c.push(s.worker_id, 2, full(4.0), 64, math.nan)
+    c.push(a.worker_id, 2, full(2.0), 64, math.nan)  # round 2: the straggler and a
+    assert c.rounds == 3 and c.status().as_dict()["pushes_late"] == 1
+    # the batches it took for iteration 1 went back when it moved on: none is lost
+    for _ in range(20):  # every worker steps at its clock until the run is done
+        for w in (b, a, s):
+            try:
+                got = c.pull(w.worker_id, c.membership.get(w.worker_id).clock, 0)
+            except Timeout:  # its round is not closed yet
+                continue
+            grad = full(1.0) if got.batch >= 0 else None
+            c.push(w.worker_id, got.iteration, grad, 64 if grad is not None else 0, math.nan)
+    status = c.status().as_dict()
+    assert status["batches_done"] == status["batches_total"] == 9, status
+    assert status["batches_applied"] == 9
