@@ -254,7 +254,9 @@ class Coordinator:
                 self.counters.duplicates += 1
                 return PushResult(self.store.version, member.clock, True)
             if self.arrival.late(worker_id, iteration):  # its round closed without it
-                return self._dropped(worker_id, iteration)
+                member = self.members.dropped(worker_id, iteration)
+                self._cond.notify_all()
+                return PushResult(self.store.version, member.clock, False)
             batches = self.members.batches_of(worker_id, iteration, batches)
             live = self.membership.live_ids()
             applied = self.arrival.take(worker_id, iteration, grad, checked, finite, batches, live)
@@ -265,14 +267,6 @@ class Coordinator:
             self._settled(self.arrival.settle(self.membership.live_ids()))
             self._cond.notify_all()
             return PushResult(self.store.version, member.clock, False)
-
-    def _dropped(self, worker_id: str, iteration: int) -> PushResult:
-        """A late push (``--backup-workers``): its batches go back to the queue, its clock
-        moves on, nothing reaches the model."""
-        self.members.pushed(worker_id, iteration, empty=True)
-        member = self.membership.advance(worker_id, 0)
-        self._cond.notify_all()
-        return PushResult(self.store.version, member.clock, False)
 
     def _settled(self, round_ended: bool) -> None:
         """After a push or a departure: take the cut that falls now, if any (at the end of
@@ -333,7 +327,8 @@ class Coordinator:
         with self._cond:
             if not worker_id:
                 return answer(self.store, self.counters, None, None, sink=sink)
-            iteration = self._caught_up(worker_id, iteration)
+            if self.config.backup_workers:  # a late worker: to the round in progress
+                iteration = self.members.caught_up(worker_id, iteration, self.rounds)
             self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
             pull = Pull(worker_id, iteration, batches, incarnation, sink)
             waited_from = self._now()
@@ -347,23 +342,6 @@ class Coordinator:
                 return dataclasses.replace(result, iteration=iteration)
             finally:
                 self.counters.barrier_wait_seconds += self._now() - waited_from
-
-    def _caught_up(self, worker_id: str, iteration: int) -> int:
-        """The iteration a pull is answered for: under sync with backup workers, a worker
-        whose pushes have all arrived (its clock is the pull's) and whose round already
-        closed without it jumps to the round in progress, so it computes for a round still
-        open instead of for rounds that will drop its gradients (the reply says so)."""
-        if not self.config.backup_workers:
-            return iteration
-        member = self.membership.get(worker_id)
-        if member.caught_up_from == iteration < member.clock:
-            return member.clock  # a retry of the pull that moved it on: the same answer
-        if member.clock == iteration < self.rounds:
-            if self.members.queue is not None:  # batches taken for the rounds it skips
-                self.members.queue.release_from(worker_id, iteration)
-            member.caught_up_from, member.clock = iteration, self.rounds
-            iteration = self.rounds
-        return iteration
 
     # --- checkpoints ------------------------------------------------------------------
 

@@ -190,6 +190,28 @@ class Members:
         else:
             self.queue.complete(worker_id, iteration)
 
+    def dropped(self, worker_id: str, iteration: int) -> Member:
+        """A late push (``--backup-workers``): its batches go back to the queue and its
+        clock moves on; nothing of it reaches the model."""
+        self.pushed(worker_id, iteration, empty=True)
+        return self.membership.advance(worker_id, 0)
+
+    def caught_up(self, worker_id: str, iteration: int, rounds: int) -> int:
+        """The iteration a pull is answered for under sync with backup workers: a worker
+        whose pushes have all arrived (its clock is the pull's) and whose round already
+        closed without it (``rounds`` closed so far) jumps to the round in progress, so it
+        computes for a round still open; the batches it took for the rounds it skips go
+        back. A retry of that pull gets the same answer."""
+        member = self.membership.get(worker_id)
+        if member.caught_up_from == iteration < member.clock:
+            return member.clock
+        if member.clock == iteration < rounds:
+            if self.queue is not None:
+                self.queue.release_from(worker_id, iteration)
+            member.caught_up_from, member.clock = iteration, rounds
+            return rounds
+        return iteration
+
     def hand_out(
         self, worker_id: str, iteration: int, count: int, wait: bool
     ) -> tuple[int, ...] | None:
