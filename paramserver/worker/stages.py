@@ -177,14 +177,15 @@ class Loader:
 
 
 class Binder(Loader):
-    """Blocking steps: the model's tensors are views of the shared segments' weights, so a
-    pull writes them in place; ``load`` copies only the rest (streamed ranges, a tensor
-    straddling shards)."""
+    """Blocking steps: the model's tensors are views of the channels' weights (a shared
+    segment's, or the buffer a data port or a gRPC stream receives into), so a pull writes
+    them in place; ``load`` copies only the rest (a tensor straddling shards, one on a GPU).
+
+    A pull that fails halfway has written part of the model: ``Worker.pull`` pulls again
+    before anything computes, and a failure it gives up on leaves the model to be pulled."""
 
     def reopened(self) -> None:
-        self.replica.bind(
-            [(lo, hi, s.channel.weights) for s, (lo, hi) in self.parts if s.channel.shm]
-        )
+        self.replica.bind([(lo, hi, s.channel.weights) for s, (lo, hi) in self.parts])
 
 
 def loader(

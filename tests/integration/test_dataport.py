@@ -221,3 +221,23 @@ def test_16_bit_pulls_carry_rounded_weights_and_exact_counts(serve, wire, compre
     assert torch.equal(got, masters[:n].to(half).float())  # rounded copies of the masters
     assert not torch.equal(got, masters[:n])
     assert mine[1].num_batches_tracked.item() == masters[-1].item() == 1004
+
+
+@pytest.mark.parametrize("wire", ["auto", "grpc"])
+def test_blocking_pulls_over_the_wire_land_in_the_model_itself(serve, wire):
+    """No copy after a pull: the model's tensors are views of the buffer the weights are
+    received into, on the data port and on gRPC streams alike."""
+    model = tiny_model()
+    server = serve(replica(model), optimizer="sgd", lr=0.01, policy="async", workers=1)
+    with ps.Worker(server.address, model, shm=False, overlap=False, wire=wire) as worker:
+        assert worker.data_port_active is (wire == "auto")
+        weights = worker.sessions[0].channel.weights
+        span = (weights.data_ptr(), weights.data_ptr() + weights.nbytes)
+        assert all(span[0] <= p.data_ptr() < span[1] for p in model.parameters())
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            worker.step(samples=1)
+            got = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+            assert (got == server.coordinator.store.weights).all()
+        assert server.status()["version"] == 2
