@@ -12,8 +12,9 @@ the worker steps, so that the step itself has one path:
   one again whenever its channels reopen (a rejoin may lose shared memory, and with it
   prefetching).
 - ``Loader``: takes every range's pulled weights into the model (``unflatten_into``, one
-  copy). ``Binder``, for blocking steps: the model's tensors are views of the shared
-  segments' weights (``Replica.bind``), which a pull writes in place; the rest are copied.
+  copy). ``Binder``, for blocking steps: the model's tensors are views of the buffers the
+  channels receive weights into (``Replica.bind``), which a pull writes in place; the rest
+  are copied.
 """
 
 from __future__ import annotations
