@@ -26,6 +26,7 @@ BENCHMARKS = (
     "wakeup",
     "sparse",
     "network",
+    "server",
 )
 
 
@@ -145,6 +146,9 @@ def bench(name: str, **kw: Any) -> None:
     to 100 Mbit/s, 1 and 10 Gbit/s (--rate): its push and pull over the data port and gRPC
     against raw TCP and the rate; then 2 workers training against DDP on the slowest link
     (fp32, 2 shards, bf16: samples/s, bytes, time to 88%) (needs root).
+    server: pushes/s one server shard absorbs from pusher processes (no model compute;
+    shared memory and the data port), models of 1, 64 and 256 MiB, SGD and Adam, one and
+    two shards, against the bare in-place optimizer pass on the same bytes.
     """
     opts: Bench = settings.build(Bench, kw)
     if printed():

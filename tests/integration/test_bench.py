@@ -80,6 +80,14 @@ KEYS = {
         "ddp_bytes_per_batch_1gbit",
         "bf16_link_util_1gbit",
     ],
+    "server": [
+        "sgd_16mib_apply_vs_bound",
+        "adam_16mib_apply_vs_bound",
+        "sgd_1mib_net_pushes_per_s",
+        "adam_16mib_applied_gbps",
+        "adam_16mib_bound_gbps",
+        "two_shards_vs_one",
+    ],
     "sparse": [
         "sparse_vs_dense",
         "sparse_vs_ddp",
