@@ -118,9 +118,13 @@ class Codec:
         out[split:].numpy()[:] = tail
 
     @classmethod
-    def decode(cls, raw: np.ndarray, exact: int = 0, flat: str = "float32") -> np.ndarray:
+    def decode(
+        cls, raw: np.ndarray, exact: int = 0, flat: str = "float32", out: np.ndarray | None = None
+    ) -> np.ndarray:
         """A received payload (its bytes, any integer view) as the flat buffer's elements
-        (float32, or float64); ``exact`` elements at its end came in ``flat``.
+        (float32, or float64); ``exact`` elements at its end came in ``flat``. Widened into
+        ``out`` (at least as many ``flat`` elements; the decoded ones are its first) when
+        given, else into a new array; a raw payload is viewed as it is.
 
         Raises:
             InvalidRequest: ``exact`` is more than the payload holds.
@@ -137,7 +141,8 @@ class Codec:
                 f"{flat} elements."
             )
         head = torch.from_numpy(data[: data.nbytes - tail_bytes]).view(cls.torch_dtype())
-        out = np.empty(head.numel() + exact, flat)
+        numel = head.numel() + exact
+        out = np.empty(numel, flat) if out is None else out[:numel]
         torch.from_numpy(out[: head.numel()]).copy_(head)
         out[head.numel() :] = data[data.nbytes - tail_bytes :].view(flat)
         return out
@@ -269,9 +274,16 @@ _TOPKS: dict[tuple[float, str], type[TopK]] = {}
 
 
 def sparse_to_dense(
-    raw: np.ndarray, k: int, dtype: str, exact: int, numel: int, flat: str = "float32"
+    raw: np.ndarray,
+    k: int,
+    dtype: str,
+    exact: int,
+    numel: int,
+    flat: str = "float32",
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """A top-k push's bytes (``TopK.encode``) as the dense gradient of ``numel`` elements.
+    """A top-k push's bytes (``TopK.encode``) as the dense gradient of ``numel`` elements,
+    written into ``out`` (its first ``numel``) when given, else into a new array.
 
     Raises:
         InvalidRequest: the sizes disagree, or an index is outside the gradients.
@@ -286,7 +298,8 @@ def sparse_to_dense(
     index = data[: 4 * k].view(np.int32)
     if int(index.min()) < 0 or int(index.max()) >= m:
         raise InvalidRequest(f"A top-k push names an element outside the gradient's {m}.")
-    out = np.zeros(numel, flat)
+    out = np.empty(numel, flat) if out is None else out[:numel]
+    out[:m] = 0
     out[index] = values.decode(data[4 * k : (4 + values.itemsize) * k].copy())
     out[m:] = data[(4 + values.itemsize) * k :].view(flat)
     return out
@@ -366,7 +379,13 @@ def wire_itemsize(name: str) -> int:
     return by_dtype(name).itemsize
 
 
-def to_float32(raw: np.ndarray, dtype: str, exact: int = 0, flat: str = "float32") -> np.ndarray:
+def to_float32(
+    raw: np.ndarray,
+    dtype: str,
+    exact: int = 0,
+    flat: str = "float32",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """A received payload (raw bytes of ``dtype`` elements, the last ``exact`` in ``flat``)
-    as the flat buffer's elements (float32, or float64)."""
-    return by_dtype(dtype).decode(raw, exact, flat)
+    as the flat buffer's elements (float32, or float64), widened into ``out`` if given."""
+    return by_dtype(dtype).decode(raw, exact, flat, out)

@@ -48,31 +48,41 @@ class Payloads:
             BrokenSegment: the worker's segment changed size or cannot be read.
         """
         flat = self.dtype.name
-        if h.topk and not h.empty and not h.shm:
-            if received is None:
-                received = wire.decode_payload(rest, wire.Assembler(h.total_bytes, itemsize=1))
-            else:
-                wire.expect_end(rest, "A push received whole")
-            numel = self.shared.total_bytes // self.dtype.itemsize
-            yield compression.sparse_to_dense(received, h.topk, h.dtype, h.exact, numel, flat)
-        elif received is not None:
-            wire.expect_end(rest, "A push received whole")
-            yield compression.to_float32(received, h.dtype, h.exact, flat)
-        elif h.shm:
-            wire.expect_end(rest, "A push through shared memory")
-            if h.empty:
-                yield None
-            else:
-                with self._buffer(self.shared.total_bytes) as buf:
-                    yield self.shared.gradient(h.worker_id, h.shm_slot, buf)
-        elif h.empty:
+        numel = self.shared.total_bytes // self.dtype.itemsize
+        if h.empty:
             wire.expect_end(rest)
             yield None
-        elif compression.wire_dtype(h.dtype) != flat:
-            yield wire.decode_gradient(rest, h.total_bytes, h.dtype, h.exact, flat)
+        elif h.shm:
+            wire.expect_end(rest, "A push through shared memory")
+            with self._buffer(self.shared.total_bytes) as buf:
+                yield self.shared.gradient(h.worker_id, h.shm_slot, buf)
+        elif received is not None:
+            wire.expect_end(rest, "A push received whole")
+            with self._decoded(h, received, numel) as grad:
+                yield grad
+        elif h.topk or compression.wire_dtype(h.dtype) != flat:
+            with self.received_buffer(h.total_bytes) as raw:
+                wire.decode_payload(rest, wire.Assembler(h.total_bytes, raw))
+                with self._decoded(h, raw, numel) as grad:
+                    yield grad
         else:
             with self._buffer(h.total_bytes) as buf:
                 yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf))
+
+    @contextmanager
+    def _decoded(self, h: pb.PushHeader, raw: np.ndarray, numel: int) -> Iterator[np.ndarray]:
+        """The push's bytes ``raw`` as the flat buffer's ``numel`` elements while the block
+        runs: themselves when they are that already, else widened (16 bits) or scattered
+        (top-k) into a receive buffer of the server's."""
+        flat = self.dtype.name
+        if not h.topk and compression.wire_dtype(h.dtype) == flat:
+            yield compression.to_float32(raw, h.dtype, h.exact, flat)
+            return
+        with self._buffer(numel * self.dtype.itemsize) as out:
+            if h.topk:
+                yield compression.sparse_to_dense(raw, h.topk, h.dtype, h.exact, numel, flat, out)
+            else:
+                yield compression.to_float32(raw, h.dtype, h.exact, flat, out)
 
     @contextmanager
     def received_buffer(self, nbytes: int) -> Iterator[np.ndarray]:

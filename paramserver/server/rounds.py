@@ -22,14 +22,19 @@ class SyncRound:
         self.contributors: set[str] = set()
         self.givers: set[str] = set()  # the contributors of non-empty gradients
         self.n = 0  # non-empty gradients in the sum
+        self._spare: np.ndarray | None = None  # the last round's sum, for the next one's
 
     def add(self, worker_id: str, grad: np.ndarray | None) -> None:
-        """Count ``worker_id`` in the round; an empty push (None) adds no gradient."""
+        """Count ``worker_id`` in the round; an empty push (None) adds no gradient. The sum
+        is kept as gradients arrive, in one buffer that every round reuses."""
         if grad is not None:
-            if self.sum is None:
-                self.sum = grad.copy()
-            else:
+            if self.sum is not None:
                 self.sum += grad
+            elif self._spare is not None and self._spare.shape == grad.shape:
+                self.sum = self._spare
+                np.copyto(self.sum, grad)
+            else:
+                self.sum = grad.copy()
             self.n += 1
             self.givers.add(worker_id)
         self.contributors.add(worker_id)
@@ -39,9 +44,13 @@ class SyncRound:
         return staleness.round_complete(self.contributors, live, backups, self.givers)
 
     def take_mean(self) -> np.ndarray | None:
-        """The mean gradient of the round (None if every push was empty); starts the next."""
-        mean = None if self.sum is None else self.sum / self.n
+        """The mean gradient of the round (None if every push was empty), divided in place
+        in the round's buffer, which the next round's sum reuses: apply it before another
+        gradient is added. Starts the next round."""
+        mean = None if self.sum is None else np.divide(self.sum, self.n, out=self.sum)
+        spare = self.sum if self.sum is not None else self._spare
         self.__init__()  # type: ignore[misc]
+        self._spare = spare
         return mean
 
     def state(self) -> dict[str, Any]:
