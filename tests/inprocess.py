@@ -21,9 +21,10 @@ from paramserver.server.app import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
+from paramserver.transport.attachments import Attachments
 from paramserver.transport.channels import encode, new_segment
 from paramserver.transport.client import Channel, PayloadSpec
-from paramserver.transport.shm import Attachments, Segment
+from paramserver.transport.shm import Segment
 from tests.conftest import FakeClock
 
 # a failed call as the stub raises it: the control socket's error is one already

@@ -31,8 +31,8 @@ from paramserver.server.store import ParameterStore
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import TableSet, row_optimizer
 from paramserver.transport import security, stub
+from paramserver.transport.attachments import Attachments
 from paramserver.transport.health import BoundedHealth
-from paramserver.transport.shm import Attachments
 
 log = logging.getLogger(__name__)
 

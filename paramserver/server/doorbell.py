@@ -48,7 +48,8 @@ from paramserver.server.listener import (
     answer_failing,
 )
 from paramserver.server.steps import Steps
-from paramserver.transport.shm import NONCE_BYTES, Attachments
+from paramserver.transport.attachments import Attachments
+from paramserver.transport.shm import NONCE_BYTES
 
 log = logging.getLogger(__name__)
 

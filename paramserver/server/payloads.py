@@ -20,7 +20,7 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.errors import InvalidRequest
-from paramserver.transport.shm import Attachments
+from paramserver.transport.attachments import Attachments
 
 # Receive buffers kept for reuse: a fresh 64 MiB buffer costs about 7 ms of page faults.
 KEEP_BUFFERS = 4

@@ -17,7 +17,7 @@ from paramserver.server.coordinator import Coordinator
 from paramserver.server.dataport import DataPort
 from paramserver.server.payloads import Payloads
 from paramserver.server.steps import Steps
-from paramserver.transport.shm import Attachments
+from paramserver.transport.attachments import Attachments
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

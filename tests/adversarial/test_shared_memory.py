@@ -1,7 +1,7 @@
 """A worker cannot crash the server through its shared segment, nor get round the gradient
-checks by changing the segment under the server: the server reads a pushed gradient into
-its own memory before checking it, and never touches the segment through a mapping (a
-truncated segment would kill it with SIGBUS)."""
+checks by changing the segment under the server: the server copies a pushed gradient into
+its own memory before checking it, and maps only a sealed segment, whose size nobody can
+change (a named one, which its worker may truncate, would kill it with SIGBUS)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import wire
 from paramserver.server import coordinator as coordinator_module
-from paramserver.transport import shm
+from paramserver.transport import attachments, shm
 from paramserver.transport.channels import ControlSocket
 from paramserver.transport.stub import Stub, connect
 from tests.conftest import DEADLINE
@@ -34,13 +34,13 @@ class Peer:
     """A worker made of raw gRPC calls and the real segment: it keeps a descriptor of its
     segment after the name is gone, to do to it what a buggy or hostile worker might."""
 
-    def __init__(self, address: str, name: str, train_samples: int = 0):
+    def __init__(self, address: str, name: str, train_samples: int = 0, sealed: bool = False):
         self.channel = connect(address, 10)
         self.stub = Stub(self.channel)
         join = pb.JoinRequest(name=name, train_samples=train_samples)
         first = self.stub.Join(join, timeout=10)  # to learn the model's size
         self.segment = shm.Segment(
-            first.manifest.total_bytes, SLOTS, first.manifest.dtype or "float32"
+            first.manifest.total_bytes, SLOTS, first.manifest.dtype or "float32", sealed=sealed
         )
         self.fd = os.open(self.segment.path, os.O_RDWR)
         request = pb.JoinRequest(
@@ -241,13 +241,17 @@ while True:
 """
 
 
-def test_a_gradient_changed_while_it_is_pushed_never_brings_nan_into_the_weights(serve):
+SEALED = [False, True] if shm.sealing_available() else [False]
+
+
+@pytest.mark.parametrize("sealed", SEALED)
+def test_a_gradient_changed_while_it_is_pushed_never_brings_nan_into_the_weights(serve, sealed):
     """Another process flips one value of the slot while the worker
     pushes from it. Before the gradient was copied first, a NaN got into the weights in
     most runs (not all: the flips must land between the check and the step); the next test
     makes them land there every time."""
     server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.1, skip_nonfinite=False)
-    peer = Peer(server.address, "flips-while-pushing")
+    peer = Peer(server.address, "flips-while-pushing", sealed=sealed)
     slot_offset = shm.segment_bytes(peer.segment.total_bytes, 0)  # where slot 0 starts
     flipper = None
     try:
@@ -289,11 +293,14 @@ def test_a_gradient_changed_while_it_is_pushed_never_brings_nan_into_the_weights
         peer.close()
 
 
-def test_a_gradient_changed_right_after_its_check_is_applied_as_it_was_checked(serve, monkeypatch):
+@pytest.mark.parametrize("sealed", SEALED)
+def test_a_gradient_changed_right_after_its_check_is_applied_as_it_was_checked(
+    serve, monkeypatch, sealed
+):
     """The worst moment for the worker's change, every time: between the check and the
     optimizer's step the worker writes a NaN into the slot it pushed from."""
     server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.5, skip_nonfinite=False)
-    peer = Peer(server.address, "writes-after-the-check")
+    peer = Peer(server.address, "writes-after-the-check", sealed=sealed)
     before = server.coordinator.store.weights.copy()
     real = coordinator_module.check_gradient
     checks: list[bool] = []
@@ -324,10 +331,10 @@ def test_a_gradient_changed_right_after_its_check_is_applied_as_it_was_checked(s
 
 
 def test_the_server_copies_a_segment_only_while_it_keeps_its_size():
-    seg = shm.Segment(1024, SLOTS)
+    seg = shm.Segment(1024, SLOTS, sealed=False)
     fd = os.open(seg.path, os.O_RDWR)
     fifo = os.path.join(shm.SHM_DIR, f"{seg.name}-fifo")
-    att = shm.Attachments(1024)
+    att = attachments.Attachments(1024)
     try:
         os.mkfifo(fifo, 0o600)  # not a regular file: declined (a read of it would block)
         assert not att.attach("w0", os.path.basename(fifo), seg.nonce, SLOTS)
@@ -358,3 +365,45 @@ def test_the_server_copies_a_segment_only_while_it_keeps_its_size():
         seg.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(fifo)
+
+
+@pytest.mark.skipif(not shm.sealing_available(), reason="no memfd seals here")
+def test_a_sealed_segment_cannot_change_size_and_only_such_a_one_is_mapped():
+    seg = shm.Segment(1024, SLOTS, sealed=True)
+    att = attachments.Attachments(1024)
+    fd = os.open(seg.path, os.O_RDWR)
+    token = seg.name.split(".fd")[0]
+    plain = os.memfd_create(token, os.MFD_CLOEXEC)  # a memfd nobody sealed
+    try:
+        for size in (0, 512, shm.segment_bytes(1024, SLOTS) * 2):
+            with pytest.raises(PermissionError):  # F_SEAL_SHRINK, F_SEAL_GROW: not even its worker
+                os.ftruncate(fd, size)
+        # names that do not lead to the worker's memfd are declined before anything is read
+        assert not att.attach("w0", f"{token}.fd{fd + 1000}", seg.nonce, SLOTS)  # no such fd
+        assert not att.attach("w0", f"{token[:-1]}0.fd{fd}", seg.nonce, SLOTS)  # another memfd
+        with open(os.devnull, "rb") as null:  # a file that is no memfd under a memfd's name
+            assert not att.attach("w0", f"{token}.fd{null.fileno()}", seg.nonce, SLOTS)
+        assert att.attach("w1", seg.name, seg.nonce, SLOTS)
+        assert att._by_worker["w1"].mapping is not None  # sealed: mapped
+        seg.slots[1][:] = 7.0
+        got = att.gradient("w1", 1)
+        seg.slots[1][:] = np.nan  # the worker's later writes do not reach the server's copy
+        assert (got == 7.0).all()
+        att.put_weights("w1", np.full(256, 3.0, np.float32))
+        assert (seg.weights == 3.0).all()
+        # an unsealed memfd under a sealed-looking name is used, but never mapped
+        os.ftruncate(plain, shm.segment_bytes(1024, SLOTS))
+        os.pwrite(plain, seg.nonce, 0)
+        assert att.attach("w2", f"{token}.fd{plain}", seg.nonce, SLOTS)
+        assert att._by_worker["w2"].mapping is None
+        os.ftruncate(plain, 0)  # and its worker may truncate it: refused, not a SIGBUS
+        with pytest.raises(shm.BrokenSegment, match="holds 0 bytes"):
+            att.gradient("w2", 0)
+        att.detach("w1")
+        with pytest.raises(ps.ParamServerError, match="no segment"):
+            att.gradient("w1", 0)
+    finally:
+        att.close()
+        os.close(fd)
+        os.close(plain)
+        seg.close()

@@ -4,6 +4,7 @@ streams compute, what the server refuses, and that prefetching keeps the stalene
 from __future__ import annotations
 
 import os
+import re
 
 import grpc
 import numpy as np
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.training import data
-from paramserver.transport import shm
+from paramserver.transport import attachments, shm
 from paramserver.transport.stub import Stub, connect
 from tests.conftest import replica, tiny_model
 
@@ -90,12 +91,19 @@ def test_prefetching_trains_within_the_bound_and_applies_every_push(serve):
     assert server.status()["workers"] == []
 
 
-def test_a_worker_streams_when_the_server_cannot_open_its_segment(serve, monkeypatch):
+@pytest.mark.parametrize("sealed", [False, True] if shm.sealing_available() else [False])
+def test_a_worker_streams_when_the_server_cannot_open_its_segment(serve, monkeypatch, sealed):
     server = serve("mlp", workers=1)
-    # The server looks for the segment under another folder: as if on another host.
-    monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent-shm")
-    monkeypatch.setattr(shm, "available", lambda: True)
-    monkeypatch.setattr(shm.Segment, "path", property(lambda s: os.path.join("/dev/shm", s.name)))
+    # As if on another host: the server looks for a named segment under another folder, and
+    # for a sealed one under another process.
+    monkeypatch.setattr(attachments, "SHM_DIR", "/nonexistent-shm")
+    monkeypatch.setattr(shm, "sealing_available", lambda: sealed)
+    opened = attachments.Attachments._open
+    monkeypatch.setattr(
+        attachments.Attachments,
+        "_open",
+        staticmethod(lambda worker, name: opened(worker, re.sub(r"-\d+-", "-999999999-", name))),
+    )
     before = _segments()
     with ps.Worker(server.address) as worker:
         assert not worker.shm_active
@@ -106,10 +114,11 @@ def test_a_worker_streams_when_the_server_cannot_open_its_segment(serve, monkeyp
         assert server.status()["version"] == 1
 
 
-def test_the_server_refuses_a_segment_that_is_not_the_workers(tmp_path):
-    seg = shm.Segment(1024, 2)
+@pytest.mark.parametrize("sealed", [False, True] if shm.sealing_available() else [False])
+def test_the_server_refuses_a_segment_that_is_not_the_workers(tmp_path, sealed):
+    seg = shm.Segment(1024, 2, sealed=sealed)
     try:
-        att = shm.Attachments(1024)
+        att = attachments.Attachments(1024)
         assert not att.attach("w1", seg.name, b"x" * shm.NONCE_BYTES, 2)  # another nonce
         assert not att.attach("w1", seg.name, seg.nonce, 1)  # another size
         assert not att.attach("w1", "../etc/passwd", seg.nonce, 2)  # not a segment name
@@ -128,7 +137,7 @@ def test_the_server_refuses_a_segment_that_is_not_the_workers(tmp_path):
         att.close()
     finally:
         seg.close()
-    assert not os.path.exists(seg.path)
+    assert sealed or not os.path.exists(seg.path)  # a sealed one has no name to remove
 
 
 def test_shared_memory_requests_without_a_segment_are_refused(serve):

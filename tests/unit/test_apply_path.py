@@ -21,7 +21,7 @@ from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
 from paramserver.server.steps import Steps
 from paramserver.server.store import ParameterStore
-from paramserver.transport.shm import Attachments
+from paramserver.transport.attachments import Attachments
 
 N = 1 << 20  # 4 MiB of float32: any copy of the gradient or weights shows
 PUSHES = 100

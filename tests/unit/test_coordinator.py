@@ -16,7 +16,7 @@ from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer
 from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
-from paramserver.transport.shm import Attachments
+from paramserver.transport.attachments import Attachments
 from tests.conftest import FakeClock
 
 LEASE = 10.0
