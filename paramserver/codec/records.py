@@ -24,6 +24,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -103,10 +104,20 @@ def recv(
     return Frame(payload or b"", code, seconds, bulk)
 
 
-def recv_bulk(sock: socket.socket, out: memoryview, deadline: float | None = None) -> None:
+# A bulk is handed to its scan this much at a time (whole elements of any dtype).
+SCAN_BYTES = 1 << 20
+
+
+def recv_bulk(
+    sock: socket.socket,
+    out: memoryview,
+    deadline: float | None = None,
+    scan: Callable[[memoryview], None] | None = None,
+) -> None:
     """Read a frame's bulk into ``out``, all of it (``len(out)`` bytes, checked beforehand
-    against the frame's ``bulk``). Raises as ``recv`` does."""
-    _read_into(sock, out.cast("B"), deadline)
+    against the frame's ``bulk``), handing ``scan`` (if any) every ``SCAN_BYTES`` as they
+    arrive, while they are in cache, then the rest. Raises as ``recv`` does."""
+    _read_into(sock, out.cast("B"), deadline, scan=scan)
 
 
 def data_hello(token: str | None, nonce: bytes, worker_id: str) -> bytes:
@@ -160,10 +171,15 @@ def _exactly(
 
 
 def _read_into(
-    sock: socket.socket, view: memoryview, deadline: float | None, at_start: bool = False
+    sock: socket.socket,
+    view: memoryview,
+    deadline: float | None,
+    at_start: bool = False,
+    scan: Callable[[memoryview], None] | None = None,
 ) -> int:
-    """Fill ``view``; 0 if the peer closed before its first byte and ``at_start``."""
-    n, got = view.nbytes, 0
+    """Fill ``view``; 0 if the peer closed before its first byte and ``at_start``. ``scan``:
+    see ``recv_bulk``."""
+    n, got, scanned = view.nbytes, 0, 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -176,4 +192,8 @@ def _read_into(
                 return 0
             raise ConnectionError(f"the peer closed the socket inside a frame ({got}/{n})")
         got += k
+        if scan is not None and (got == n or got - scanned >= SCAN_BYTES):
+            upto = n if got == n else scanned + (got - scanned) // SCAN_BYTES * SCAN_BYTES
+            scan(view[scanned:upto])
+            scanned = upto
     return got

@@ -30,6 +30,20 @@ def all_finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(flat).all())
 
 
+class Scan:
+    """Whether a gradient is finite, found piece by piece while it is copied (``__call__``
+    with each piece's bytes, whole elements of ``dtype``): a piece is checked while it is
+    still in cache. Pieces may be checked from two threads at once."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = np.dtype(dtype)
+        self.finite = True
+
+    def __call__(self, piece: np.ndarray | memoryview) -> None:
+        if self.finite and not all_finite(np.frombuffer(piece, self.dtype)):
+            self.finite = False
+
+
 def check_gradient(
     grad: np.ndarray | None,
     samples: int,
@@ -37,10 +51,12 @@ def check_gradient(
     skip_nonfinite: bool,
     what: str,
     rows: Iterable[RowGradients] = (),
+    finite: bool | None = None,
 ) -> bool:
     """Whether ``grad`` (None: an empty push) and the ``rows`` are finite; InvalidRequest if
     ``grad`` does not fit the manifest, or holds NaN or Inf and the server does not skip
-    such pushes (rows with NaN or Inf only get here when it does)."""
+    such pushes (rows with NaN or Inf only get here when it does). ``finite``: what a
+    ``Scan`` found while ``grad`` was copied (None: look now)."""
     if grad is not None:
         if grad.dtype != manifest.np_dtype or grad.size != manifest.numel:
             raise InvalidRequest(
@@ -49,7 +65,9 @@ def check_gradient(
             )
         if samples < 0:
             raise InvalidRequest(f"samples {samples} is negative.")
-    finite = (grad is None or all_finite(grad)) and rows_finite(rows)
+    if grad is not None and finite is None:
+        finite = all_finite(grad)
+    finite = finite is not False and rows_finite(rows)
     if not finite and not skip_nonfinite:
         raise InvalidRequest(
             f"{what} holds NaN or Inf; it was not applied (start the server with "

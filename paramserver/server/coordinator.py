@@ -227,6 +227,7 @@ class Coordinator:
         incarnation: str = "",
         rows: Iterable[RowGradients] = (),
         batches: Sequence[int] = (),
+        finite: bool | None = None,
     ) -> PushResult:
         """Apply (or, under sync, accumulate) one gradient and its tables' ``rows``; exactly
         once per (worker, iteration), and once per server-handed batch (``batches``, or on
@@ -235,6 +236,7 @@ class Coordinator:
 
         ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
         for the round), nothing is applied, and the batches it held go back to the queue.
+        ``finite``: whether ``grad`` is, as found while it was copied (None: check it here).
         """
         skip = self.config.skip_nonfinite  # NaN or Inf anywhere, rows too: skipped, counted
         checked = self._tables("A push").check(rows, skip) if rows else []
@@ -245,6 +247,7 @@ class Coordinator:
             skip,
             f"The gradient of worker {worker_id} for iteration {iteration}",
             checked,
+            finite,
         )
         with self._cond:
             self.check_incarnation(incarnation)  # again under the lock: a rewind may have run

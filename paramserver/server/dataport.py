@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import records
+from paramserver.codec import compression, records
 from paramserver.config import Security, ServerConfig
 from paramserver.errors import InvalidRequest, Unauthenticated
+from paramserver.server.checks import Scan
 from paramserver.server.doorbell import parse
 from paramserver.server.listener import SEND_SECONDS, Listener, answer_failing
 from paramserver.server.steps import Steps
@@ -127,21 +128,38 @@ class DataPort(Listener):
             raise InvalidRequest(
                 f"A step whose request announces {expected} bytes of gradient carries {frame.bulk}."
             )
-        with self._received(conn, frame, expected) as gradient:
+        # a push of the model's own elements is checked as it arrives, a piece at a time
+        scan = Scan(self.steps.payloads.dtype) if self._flat(request) else None
+        with self._received(conn, frame, expected, scan) as gradient:
             started = time.perf_counter()
-            reply, weights = self._step(request, frame, gradient)
+            finite = None if scan is None or gradient is None else scan.finite
+            reply, weights = self._step(request, frame, gradient, finite)
             self.observe(time.perf_counter() - started)
         return reply, weights
 
+    def _flat(self, request: pb.PushPullRequest) -> bool:
+        """Whether the step pushes the flat buffer's own elements (not 16 bits, not top-k)."""
+        push = request.push
+        return (
+            request.HasField("push")
+            and not push.topk
+            and compression.wire_dtype(push.dtype) == self.steps.payloads.dtype.name
+        )
+
     def _step(
-        self, request: pb.PushPullRequest, frame: records.Frame, gradient: np.ndarray | None
+        self,
+        request: pb.PushPullRequest,
+        frame: records.Frame,
+        gradient: np.ndarray | None,
+        finite: bool | None = None,
     ) -> tuple[records.Frame, memoryview | None]:
-        """The push of ``gradient`` and the pull ``request`` asks for, answered (a failure
-        as its frame: the connection goes on)."""
+        """The push of ``gradient`` (``finite``: as its scan found) and the pull ``request``
+        asks for, answered (a failure as its frame: the connection goes on)."""
         try:
             answer, weights = pb.PushPullResponse(), None
             if request.HasField("push"):
-                answer.push.CopyFrom(self.steps.push(request.push, iter(()), gradient))
+                push = self.steps.push(request.push, iter(()), gradient, finite)
+                answer.push.CopyFrom(push)
             if request.HasField("pull"):
                 remaining = frame.seconds if frame.seconds > 0 else None
                 header, weights = self.steps.pull(request.pull, remaining, self._open)
@@ -171,16 +189,16 @@ class DataPort(Listener):
 
     @contextmanager
     def _received(
-        self, conn: socket.socket, frame: records.Frame, nbytes: int
+        self, conn: socket.socket, frame: records.Frame, nbytes: int, scan: Scan | None
     ) -> Iterator[np.ndarray | None]:
         """The gradient's ``nbytes`` bytes while the block runs, in a buffer of the
-        server's (None for none)."""
+        server's (None for none), each piece handed to ``scan`` as it arrives."""
         if not nbytes:
             yield None
             return
         with self.steps.payloads.received_buffer(nbytes) as buf:
             wait = frame.seconds if frame.seconds > 0 else SEND_SECONDS
-            records.recv_bulk(conn, buf.data, time.monotonic() + wait + BULK_MARGIN)
+            records.recv_bulk(conn, buf.data, time.monotonic() + wait + BULK_MARGIN, scan)
             yield buf
 
 

@@ -20,6 +20,7 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.errors import InvalidRequest
+from paramserver.server.checks import Scan
 from paramserver.transport.attachments import Attachments
 
 # Receive buffers kept for reuse: a fresh 64 MiB buffer costs about 7 ms of page faults.
@@ -38,11 +39,17 @@ class Payloads:
 
     @contextmanager
     def gradient(
-        self, h: pb.PushHeader, rest: Iterator[pb.PushChunk], received: np.ndarray | None = None
-    ) -> Iterator[np.ndarray | None]:
-        """The push's gradient while the block runs, copied from the worker's segment or
-        the stream into a receive buffer (reused afterwards), or the bytes ``received``
-        already (the data port's, in a buffer of ``received_buffer``); None if empty.
+        self,
+        h: pb.PushHeader,
+        rest: Iterator[pb.PushChunk],
+        received: np.ndarray | None = None,
+        finite: bool | None = None,
+    ) -> Iterator[tuple[np.ndarray | None, bool | None]]:
+        """The push's gradient while the block runs (None if empty), copied from the
+        worker's segment or the stream into a receive buffer (reused afterwards), or the
+        bytes ``received`` already (the data port's, in a buffer of ``received_buffer``,
+        ``finite`` as found while they arrived); and whether it is finite where that was
+        found while it was copied (else None).
 
         Raises:
             BrokenSegment: the worker's segment changed size or cannot be read.
@@ -51,23 +58,25 @@ class Payloads:
         numel = self.shared.total_bytes // self.dtype.itemsize
         if h.empty:
             wire.expect_end(rest)
-            yield None
+            yield None, None
         elif h.shm:
             wire.expect_end(rest, "A push through shared memory")
+            scan = Scan(self.dtype)
             with self._buffer(self.shared.total_bytes) as buf:
-                yield self.shared.gradient(h.worker_id, h.shm_slot, buf)
+                yield self.shared.gradient(h.worker_id, h.shm_slot, buf, scan), scan.finite
         elif received is not None:
             wire.expect_end(rest, "A push received whole")
+            own = not h.topk and compression.wire_dtype(h.dtype) == flat  # not widened
             with self._decoded(h, received, numel) as grad:
-                yield grad
+                yield grad, finite if own else None
         elif h.topk or compression.wire_dtype(h.dtype) != flat:
             with self.received_buffer(h.total_bytes) as raw:
                 wire.decode_payload(rest, wire.Assembler(h.total_bytes, raw))
                 with self._decoded(h, raw, numel) as grad:
-                    yield grad
+                    yield grad, None
         else:
             with self._buffer(h.total_bytes) as buf:
-                yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf))
+                yield wire.decode_payload(rest, wire.Assembler(h.total_bytes, buf)), None
 
     @contextmanager
     def _decoded(self, h: pb.PushHeader, raw: np.ndarray, numel: int) -> Iterator[np.ndarray]:

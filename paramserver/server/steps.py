@@ -112,15 +112,17 @@ class Steps:
         header: pb.PushHeader,
         rest: Iterator[pb.PushChunk],
         received: np.ndarray | None = None,
+        finite: bool | None = None,
     ) -> pb.PushResponse:
         """Apply a push whose gradient follows in ``rest``'s chunks, is in the worker's
-        segment (``header.shm``), or was ``received`` already (the data port's bytes)."""
+        segment (``header.shm``), or was ``received`` already (the data port's bytes,
+        ``finite`` as their scan found, if they were scanned)."""
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
         self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
         rows = self._rows(header, rest)
-        gradient = self.payloads.gradient(header, rest, received)
-        with self._dropping_broken_segments(), gradient as grad:
+        gradient = self.payloads.gradient(header, rest, received, finite)
+        with self._dropping_broken_segments(), gradient as (grad, finite):
             result = self._apply(
                 self.c.push,
                 header.worker_id,
@@ -131,6 +133,7 @@ class Steps:
                 header.incarnation,
                 rows,
                 header.batches,
+                finite,
             )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate

@@ -14,7 +14,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -38,6 +38,9 @@ log = logging.getLogger("paramserver.transport.shm")
 # a pull's weights are written by one.
 SPLIT_READ_BYTES = 8 << 20
 _readers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ps-shm-read")
+# A sealed segment's gradient is copied and scanned this much at a time: a piece is checked
+# while it is still in the core's cache, so the check reads no memory of its own.
+SCAN_BYTES = 1 << 20
 
 
 def _sealed(fd: int) -> bool:
@@ -214,7 +217,13 @@ class Attachments:
             if last:
                 seg.release()
 
-    def gradient(self, worker_id: str, slot: int, into: np.ndarray | None = None) -> np.ndarray:
+    def gradient(
+        self,
+        worker_id: str,
+        slot: int,
+        into: np.ndarray | None = None,
+        scan: Callable[[np.ndarray], None] | None = None,
+    ) -> np.ndarray:
         """The gradient the worker wrote into ``slot``, copied into ``into`` (made if None,
         as the segment's dtype): the server's own memory, which the worker cannot change.
 
@@ -235,7 +244,7 @@ class Attachments:
             offset = _ALIGN + _aligned(self.total_bytes) * (1 + slot)
             view = into.data.cast("B")
             if seg.mapping is not None:  # sealed: one memcpy, which cannot fault
-                _copy_split(view, seg.mapping, offset)
+                _copy_split(view, seg.mapping, offset, scan)
                 return into
             try:
                 done = _read_split(seg.fd, view, offset)
@@ -243,6 +252,8 @@ class Attachments:
                 raise SegmentUnusable(worker_id, f"reading it: {exc.strerror}") from None
             if done < len(view):
                 raise BrokenSegment(worker_id, f"ends inside slot {slot} (truncated while read)")
+        if scan is not None:
+            scan(np.frombuffer(view, np.uint8))
         return into
 
     def put_weights(self, worker_id: str, weights: np.ndarray) -> None:
@@ -322,22 +333,33 @@ def _write_at(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _copy_split(view: memoryview, mapping: mmap.mmap, offset: int) -> None:
+def _copy_split(
+    view: memoryview,
+    mapping: mmap.mmap,
+    offset: int,
+    scan: Callable[[np.ndarray], None] | None = None,
+) -> None:
     """Copy ``len(view)`` bytes at ``offset`` of a sealed segment's ``mapping`` into
-    ``view``; the second half of a large one on another thread (numpy lets go of the GIL)."""
+    ``view``, ``SCAN_BYTES`` at a time, each piece handed to ``scan`` (if any) while it is
+    still in cache; the second half of a large one on another thread (numpy and BLAS let go
+    of the GIL)."""
     n = len(view)
     out = np.frombuffer(view, np.uint8)
     src = np.frombuffer(mapping, np.uint8, n, offset)
+
+    def copy(lo: int, hi: int) -> None:
+        for a in range(lo, hi, SCAN_BYTES):
+            b = min(a + SCAN_BYTES, hi)
+            out[a:b] = src[a:b]
+            if scan is not None:
+                scan(out[a:b])
+
     if n < SPLIT_READ_BYTES:
-        out[:] = src
+        copy(0, n)
         return
     half = n // 2 // _ALIGN * _ALIGN
-
-    def second() -> None:
-        out[half:] = src[half:]
-
-    done = _readers.submit(second)
+    done = _readers.submit(copy, half, n)
     try:
-        out[:half] = src[:half]
+        copy(0, half)
     finally:
         done.result()

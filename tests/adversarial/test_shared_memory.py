@@ -380,7 +380,8 @@ def test_a_sealed_segment_cannot_change_size_and_only_such_a_one_is_mapped():
                 os.ftruncate(fd, size)
         # names that do not lead to the worker's memfd are declined before anything is read
         assert not att.attach("w0", f"{token}.fd{fd + 1000}", seg.nonce, SLOTS)  # no such fd
-        assert not att.attach("w0", f"{token[:-1]}0.fd{fd}", seg.nonce, SLOTS)  # another memfd
+        other = token[:-1] + ("1" if token.endswith("0") else "0")  # another memfd's name
+        assert not att.attach("w0", f"{other}.fd{fd}", seg.nonce, SLOTS)
         with open(os.devnull, "rb") as null:  # a file that is no memfd under a memfd's name
             assert not att.attach("w0", f"{token}.fd{null.fileno()}", seg.nonce, SLOTS)
         assert att.attach("w1", seg.name, seg.nonce, SLOTS)

@@ -241,3 +241,24 @@ def test_blocking_pulls_over_the_wire_land_in_the_model_itself(serve, wire):
             got = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
             assert (got == server.coordinator.store.weights).all()
         assert server.status()["version"] == 2
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_non_finite_gradient_found_while_it_arrives_is_refused_or_skipped(serve, skip):
+    """The data port checks a push's bytes piece by piece as they arrive: a NaN anywhere is
+    found (refused, or skipped and counted with --skip-nonfinite), as on every other path."""
+    model = tiny_model()
+    server = serve(replica(model), optimizer="sgd", lr=0.1, policy="async", skip_nonfinite=skip)
+    with ps.Worker(server.address, model, shm=False, overlap=False) as worker:
+        assert worker.data_port_active
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        last = list(model.parameters())[-1]
+        last.grad.view(-1)[-1] = float("nan")  # the very last element of the push
+        if skip:
+            worker.step(samples=1)
+            assert (server.status()["pushes_skipped"], server.status()["version"]) == (1, 0)
+        else:
+            with pytest.raises(ps.ParamServerError, match="NaN or Inf"):
+                worker.step(samples=1)
+            assert server.status()["version"] == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paramserver.server.checks import all_finite
+from paramserver.server.checks import Scan, all_finite
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -28,3 +28,16 @@ def test_finite_values_whose_squares_overflow_are_still_finite():
     assert all_finite(big)  # ...so the exact test decides
     big[500] = np.nan
     assert not all_finite(big)
+
+
+def test_a_scan_piece_by_piece_finds_what_the_whole_check_finds():
+    values = np.linspace(-1.0, 1.0, 4096, dtype=np.float32)
+    for bad in (None, 0, 1023, 1024, 4095):
+        if bad is not None:
+            values[bad] = np.nan
+        scan = Scan(np.float32)
+        raw = values.view(np.uint8)
+        for lo in range(0, raw.size, 4096):  # pieces of 1024 elements
+            scan(raw[lo : lo + 4096])
+        assert scan.finite is (bad is None) is all_finite(values), bad
+        values[:] = np.linspace(-1.0, 1.0, 4096, dtype=np.float32)

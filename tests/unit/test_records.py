@@ -4,6 +4,7 @@ told apart between and inside frames, and a failure comes back as the gRPC statu
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import grpc
@@ -87,3 +88,22 @@ def test_a_failure_is_raised_as_the_rpc_error_it_was(code, cls):
     assert err.value.code() == code and err.value.details() == "why it failed"
     assert isinstance(from_rpc_error(err.value, "push"), cls)
     assert records.raise_for(records.Frame(b"payload")) == b"payload"
+
+
+def test_a_bulk_is_scanned_in_whole_pieces_as_it_arrives():
+    """The scan sees every byte once, in order, in pieces of SCAN_BYTES but the last, however
+    the socket cuts the stream."""
+    payload = bytes(range(256)) * (3 * records.SCAN_BYTES // 256 + 7)
+    left, right = socket.socketpair()
+    pieces: list[bytes] = []
+    try:
+        sender = threading.Thread(target=left.sendall, args=(payload,))
+        sender.start()
+        out = bytearray(len(payload))
+        records.recv_bulk(right, memoryview(out), scan=lambda piece: pieces.append(bytes(piece)))
+        sender.join()
+    finally:
+        left.close()
+        right.close()
+    assert bytes(out) == payload and b"".join(pieces) == payload
+    assert all(len(p) % records.SCAN_BYTES == 0 for p in pieces[:-1])
