@@ -78,12 +78,14 @@ def cluster_rate(
     shm: str = "on",
     optimizer_thread: bool = False,
     backups: int = 0,
+    cpu: dict[str, float] | None = None,
 ) -> tuple[float, list[float]]:
     """Samples/s of a server (``optimizer_thread`` its --optimizer-thread, ``backups`` its
     --backup-workers) and one worker
     process per entry of ``delays`` (its injected per-step sleep, ``shm`` its --shm),
     measured from the server's counters over ``window`` seconds once all have started: the
-    total, and each worker's."""
+    total, and each worker's. ``cpu``, if given, gets the CPU seconds the server and the
+    workers spent over the window (``server_s``, ``workers_s``) and the steps they took."""
     cfg = ServerConfig(
         model="mlp",
         optimizer=OptimizerConfig("adam"),
@@ -96,9 +98,10 @@ def cluster_rate(
         optimizer_thread=optimizer_thread,
         backup_workers=backups,
     )
-    with server_process(cfg) as address:
+    with server_child(cfg) as (address, server):
         name = f"{policy}-{len(delays)}-{shm}-{backups}"
         children = worker_children(address, delays, shm, logs, name)
+        pids = [c.proc.pid for c in children]
         channel = connect(address, 60)
         stub = Stub(channel)
         try:
@@ -109,11 +112,19 @@ def cluster_rate(
                 time.sleep(0.1)
             time.sleep(warmup)
             t1, s1 = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
+            cpu1 = (cpu_seconds(server.proc.pid), sum(cpu_seconds(p) for p in pids))
             time.sleep(window)
             t2, s2 = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
+            cpu2 = (cpu_seconds(server.proc.pid), sum(cpu_seconds(p) for p in pids))
         finally:
             channel.close()
             stop_all(children)
+    if cpu is not None:
+        cpu.update(
+            server_s=cpu2[0] - cpu1[0],
+            workers_s=cpu2[1] - cpu1[1],
+            steps=(s2.samples - s1.samples) / batch,
+        )
     before = {w.name: w.samples for w in s1.workers}
     after = sorted(s2.workers, key=lambda w: w.name)
     per_worker = [(w.samples - before.get(w.name, 0)) / (t2 - t1) for w in after]

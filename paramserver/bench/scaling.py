@@ -52,6 +52,17 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         )
     two = counts.index(2)
     best = max(figures[f"{p.replace('-', '')}_vs_local"][two] for p in POLICIES)
+    fastest = max(POLICIES, key=lambda p: figures[f"{p.replace('-', '')}_vs_local"][two])
+    split = figures[f"{fastest.replace('-', '')}_cpu_ms_per_step"]
+    figures["cpu_ms_per_step"] = split
+    figures["cpu_ms_per_step_policy"] = fastest
+    rows.append(
+        (
+            f"CPU a step, 2 workers, {fastest}",
+            f"worker compute {split['worker_compute']:.2f} ms, worker overhead "
+            f"{split['worker_overhead']:.2f} ms, server {split['server']:.2f} ms",
+        )
+    )
     figures["target_2_workers_vs_local"] = 1.3
     figures["target_met"] = best >= 1.3
     rows.append(
@@ -61,6 +72,20 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         )
     )
     return rows, figures
+
+
+def cpu_split(cpu: dict[str, float], local_step_s: float) -> dict[str, float]:
+    """CPU milliseconds a step of a cluster's run (``cluster_rate``'s ``cpu``) costs: the
+    worker's compute (a local one-thread step's time, which is its CPU), the worker's
+    overhead around it (the rest of the workers' CPU) and the server's."""
+    steps = max(cpu["steps"], 1.0)
+    worker = 1e3 * cpu["workers_s"] / steps
+    compute = 1e3 * local_step_s
+    return {
+        "worker_compute": compute,
+        "worker_overhead": worker - compute,
+        "server": 1e3 * cpu["server_s"] / steps,
+    }
 
 
 def policy_rates(
@@ -78,10 +103,15 @@ def policy_rates(
     local, local_all = locals_
     for policy in POLICIES:
         for shm, suffix in (("on", ""), ("payloads", "_grpc")):
-            rates = [
-                cluster_rate(policy, [0.0] * n, BATCH, warmup, window, logs, shm)[0] for n in counts
-            ]
             key = policy.replace("-", "") + suffix
+            rates = []
+            for n in counts:
+                cpu: dict[str, float] = {}
+                rates.append(
+                    cluster_rate(policy, [0.0] * n, BATCH, warmup, window, logs, shm, cpu=cpu)[0]
+                )
+                if n == 2:
+                    figures[f"{key}_cpu_ms_per_step"] = cpu_split(cpu, BATCH / local)
             figures[f"{key}_samples_per_s"] = rates
             figures[f"{key}_vs_local"] = [r / local for r in rates]
             figures[f"{key}_vs_local_all_cores"] = [r / local_all for r in rates]

@@ -60,6 +60,7 @@ KEYS = {
         "async_vs_local_all_cores",
         "async_grpc_samples_per_s",
         "async_optimizer_thread_samples_per_s",
+        "cpu_ms_per_step",
     ],
     "accuracy": ["time_to_target_s"],
     "network": [
@@ -126,6 +127,8 @@ def test_bench_quick_json(name):
             else [value]
         )
         assert all(v > 0 for v in values), (key, value)
+    if name == "scaling":
+        assert set(figures["cpu_ms_per_step"]) == {"worker_compute", "worker_overhead", "server"}
     if name == "step":
         assert set(figures["step_vs_local"]) == {"64", "256"}
         # clock ticks over a quick run's few steps: may round to 0
