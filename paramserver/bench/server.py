@@ -3,7 +3,8 @@
 Load generators (``pusher.py``: a Worker each, in its own process, pushing one prepared
 gradient over and over with no model compute) push to a server of a one-tensor model of 1,
 64 or 256 MiB under ``async``, with SGD and with Adam, through a shared segment (same host)
-and through the data port (the network channel, on loopback); then to two shards.
+and through the data port (the network channel, on loopback); then to two shards, and to
+one shard with ``--coalesce on``.
 Pushes/s come from the server's own counter (``pushes_applied``) over a window once every
 pusher runs.
 
@@ -161,7 +162,27 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             _record(figures, rows, f"{key}_2shards", rate, size * MIB, bound, "shm, 2 shards")
             figures[f"{key}_two_shards_vs_one"] = rate / figures[f"{key}_pushes_per_s"]
         figures["two_shards_vs_one"] = figures[f"adam_{size}mib_two_shards_vs_one"]
+        _coalesced(figures, rows, size, warmup, window, logs)
     return rows, figures
+
+
+def _coalesced(
+    figures: dict[str, Any],
+    rows: list[tuple[str, str]],
+    size: int,
+    warmup: float,
+    window: float,
+    logs: Path,
+) -> None:
+    """One shard with ``--coalesce on`` (pushes that arrive during an apply summed into
+    one step), through shared memory, against the same without (``coalesce_vs_off``)."""
+    for optimizer in ("sgd", "adam"):
+        key = f"{optimizer}_{size}mib"
+        cfg = dataclasses.replace(_config(size, optimizer), coalesce="on")
+        rate = pushes_per_second(cfg, 1, size * MIB, True, warmup, window, logs)
+        bound = figures[f"{key}_bound_gbps"]
+        _record(figures, rows, f"{key}_coalesce", rate, size * MIB, bound, "shm, --coalesce on")
+        figures[f"{key}_coalesce_vs_off"] = rate / figures[f"{key}_pushes_per_s"]
 
 
 def _config(size: int, optimizer: str) -> ServerConfig:

@@ -94,6 +94,12 @@ class ServerConfig:
         "Apply every push on one optimizer thread that the request threads hand pushes to (measured slower on CPU: see docs/BENCHMARKS.md).",
         is_flag=True,
     )
+    coalesce: str = setting(
+        "off",
+        "--coalesce",
+        "ssp:K and async: sum the gradients that arrive while the optimizer steps into one step (each still counts once for clocks, batches and the schedule), as a BytePS or ps-lite server does; off: one step a push (see docs/architecture.md).",
+        choices=("on", "off"),
+    )
     table_rows: int = setting(
         0,
         "--table-rows",
@@ -175,6 +181,8 @@ class ServerConfig:
             )
         _positive("--lease-timeout", self.lease_seconds)
         _non_negative("--table-rows", self.table_rows)
+        if self.coalesce not in ("on", "off"):
+            raise ConfigError(f"--coalesce must be on or off; got {self.coalesce!r}.")
         if not 4096 <= self.chunk_bytes <= 16 << 20 or self.chunk_bytes % 4:
             raise ConfigError(
                 "--chunk-bytes must be a multiple of 4 from 4096 to 16777216 (16 MiB); got "

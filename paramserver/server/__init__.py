@@ -13,7 +13,8 @@ control socket and a data port.
   checkpointer's writes); the bookkeeping they hold: ``membership`` (leases, clocks),
   ``dataplan`` (the batch queue), ``rounds`` (the sync round), ``ledger`` (batches
   applied), ``buffers`` (BatchNorm statistics), ``store`` (the flat model and its
-  optimizer); ``checks`` (a push checked before the lock), ``pulls`` (whether a
+  optimizer), ``applies`` (the dense apply off the lock: gradients pending, ``--coalesce``,
+  the version pulls read meanwhile); ``checks`` (a push checked before the lock), ``pulls`` (whether a
   waiting pull may have its answer now), ``answers`` (a push's and a pull's results),
   ``applier`` (``--optimizer-thread``), ``status``;
 - the disk: ``checkpoint`` (the file format), ``checkpointer`` (the writer thread, and the

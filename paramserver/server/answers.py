@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from paramserver.policy import staleness
 from paramserver.server.status import Counters
-from paramserver.server.store import ParameterStore
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,18 @@ class PullResult:
         return self.batches[0] if self.batches else -1
 
 
+class Published(Protocol):
+    """A version a pull may read: the store while no apply runs, else a copy (``Frozen``)."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def weights(self) -> np.ndarray: ...
+    def snapshot(self) -> np.ndarray: ...
+
+
 def answer(
-    store: ParameterStore,
+    store: Published,
     counters: Counters,
     min_clock: int | None,
     iteration: int | None,

@@ -12,10 +12,12 @@ clock and reaches nothing; the buffers' values after the gradient are recorded
   shared buffers are those of the round's givers, and a cut may fall at the round's end.
   A newcomer starts at the current round; a pull with no batch left is answered (batch -1:
   an empty push still counts for the round).
-- ``OnArrival`` (``ssp:K``, ``async``): the gradient is applied as it arrives and the shared
-  buffers are those of the live workers; cuts come when every live clock reaches one. A
-  newcomer starts at the slowest live clock; a pull with no batch left waits for one (a
-  batch given back) or for the end of the run.
+- ``OnArrival`` (``ssp:K``, ``async``): the gradient goes to the optimizer as it arrives,
+  which steps off the coordinator's lock (``server/applies.py``: ``take`` gives back what
+  the pusher waits for), and the shared buffers are those of the live workers; cuts come
+  when every live clock reaches one and every accepted gradient is applied. A newcomer
+  starts at the slowest live clock; a pull with no batch left waits for one (a batch given
+  back) or for the end of the run.
 
 Decisions and bookkeeping only: no lock (the coordinator calls under its own), no I/O.
 """
@@ -32,6 +34,7 @@ import numpy as np
 from paramserver.codec.rows import RowGradients
 from paramserver.policy import staleness
 from paramserver.policy.staleness import Policy
+from paramserver.server.applies import Applies, Pending
 from paramserver.server.buffers import SharedBuffers
 from paramserver.server.ledger import Ledger
 from paramserver.server.rounds import SyncRound
@@ -62,8 +65,11 @@ class Arrival:
         rounds: int = 0,
         round_: SyncRound | None = None,
         row_round: RowRound | None = None,
+        applies: Applies | None = None,
     ):
         self.store, self.tables, self.buffers, self.counters = store, tables, buffers, counters
+        # where an applied gradient waits for the optimizer (OnArrival)
+        self.applies = applies or Applies(store)
         # the server-handed batches this shard applied (each once, whoever pushes it)
         self.ledger = ledger or Ledger()
         self.rounds = rounds  # sync rounds completed
@@ -79,9 +85,11 @@ class Arrival:
         finite: bool,
         batches: Sequence[int],
         live: list[str],
-    ) -> bool:
+    ) -> tuple[bool, Pending | None]:
         """Take in an accepted push of ``batches`` (``grad`` None: an empty push; ``rows``:
-        its tables' checked rows); whether a gradient of it reaches the model.
+        its tables' checked rows); whether a gradient of it reaches the model, and the
+        gradient waiting for the optimizer (the pusher applies it, or waits until someone
+        has: ``Coordinator``), if any.
 
         Raises:
             InvalidRequest: it names batches of which this shard applied some, not all.
@@ -107,10 +115,10 @@ class Arrival:
             self.counters.bytes_in += grad.nbytes
             self.buffers.record(worker_id, grad[self.store.n_params :])
             grad = grad[: self.store.n_params]
-        self.arrive(worker_id, grad, rows, live)
+        waiting = self.arrive(worker_id, grad, rows, live)
         if grad is not None or not finite:  # a skipped gradient's batches are spent
             self.ledger.add(batches)
-        return grad is not None
+        return grad is not None, waiting
 
     @classmethod
     def round_in(
@@ -131,9 +139,9 @@ class Arrival:
 
     def arrive(
         self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
-    ) -> None:
+    ) -> Pending | None:
         """``grad``, the parameters' gradient (None: nothing reaches the model), and ``rows``
-        of ``worker_id``'s push."""
+        of ``worker_id``'s push; the gradient as it waits for the optimizer, if it does."""
         raise NotImplementedError
 
     def settle(self, live: list[str]) -> bool:
@@ -175,13 +183,14 @@ class OnArrival(Arrival):
 
     def arrive(
         self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
-    ) -> None:
+    ) -> Pending | None:
         if grad is None:
-            return
+            return None
         if rows and self.tables is not None:  # at this step's rate (--lr-schedule)
-            self.tables.apply(rows, self.store.lr)
-        self.store.apply(grad)
+            self.tables.apply(rows, self.store.config.lr_at(self.applies.next_version))
+        waiting = self.applies.add(worker_id, grad)
         self.share(live)
+        return waiting
 
     def left(self, live: list[str]) -> bool:
         self.share(live)
@@ -228,9 +237,10 @@ class Rounds(Arrival):
 
     def arrive(
         self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
-    ) -> None:
+    ) -> Pending | None:
         self.round.add(worker_id, grad)
         self.row_round.add(rows)
+        return None
 
     def settle(self, live: list[str]) -> bool:
         """Apply the round's mean if every live worker (but the backups) has pushed."""
@@ -260,6 +270,7 @@ def arrival(
     saved: CoordinatorSnapshot | None = None,
     live: Sequence[str] = (),
     backups: int = 0,
+    applies: Applies | None = None,
 ) -> Arrival:
     """The strategy of ``policy`` over the model (``store``, ``tables``, ``buffers``). With a
     snapshot ``saved`` the model goes on from it: its weights, optimizer state, tables, the
@@ -272,6 +283,7 @@ def arrival(
     """
     chosen = Rounds if policy.synchronous else OnArrival
     made = _made(chosen, store, tables, buffers, counters, saved, live)
+    made.applies = applies or made.applies
     if isinstance(made, Rounds):
         made.backups = backups
     return made

@@ -12,6 +12,7 @@ import numpy as np
 from paramserver.codec.layout import Manifest
 from paramserver.codec.rows import RowGradients
 from paramserver.errors import InvalidRequest
+from paramserver.sparse.tableset import TableSet
 from paramserver.sparse.tableset import finite as rows_finite
 
 
@@ -42,6 +43,31 @@ class Scan:
     def __call__(self, piece: np.ndarray | memoryview) -> None:
         if self.finite and not all_finite(np.frombuffer(piece, self.dtype)):
             self.finite = False
+
+
+def check_push(
+    tables: TableSet | None,
+    manifest: Manifest,
+    grad: np.ndarray | None,
+    rows: Iterable[RowGradients],
+    samples: int,
+    skip: bool,
+    what: str,
+    finite: bool | None = None,
+) -> tuple[list[RowGradients], bool]:
+    """A push's ``rows`` checked against ``tables`` and whether it is finite, gradient and
+    rows (``check_gradient``; NaN or Inf anywhere is skipped and counted with
+    ``--skip-nonfinite``).
+
+    Raises:
+        InvalidRequest: rows for a model without tables, or what ``check_gradient`` refuses.
+    """
+    checked: list[RowGradients] = []
+    if rows:
+        if tables is None:
+            raise InvalidRequest("A push names sparse tables, but this model has none.")
+        checked = tables.check(rows, skip)
+    return checked, check_gradient(grad, samples, manifest, skip, what, checked, finite)
 
 
 def check_gradient(

@@ -29,9 +29,10 @@ from paramserver.config import ServerConfig
 from paramserver.errors import InvalidRequest, WrongIncarnation
 from paramserver.policy.staleness import Policy
 from paramserver.server.answers import PullResult, PushResult, answer
+from paramserver.server.applies import Applies
 from paramserver.server.arrival import Arrival, arrival
 from paramserver.server.buffers import SharedBuffers
-from paramserver.server.checks import check_gradient
+from paramserver.server.checks import check_push
 from paramserver.server.cuts import Cuts
 from paramserver.server.dataplan import BatchQueue
 from paramserver.server.ledger import Ledger
@@ -89,9 +90,8 @@ class Coordinator:
         self.counters = Counters()
         self.buffers = SharedBuffers(self.manifest)
         self.members = Members(config, now)
-        self.arrival: Arrival = arrival(
-            self.policy, store, tables, self.buffers, self.counters, backups=config.backup_workers
-        )
+        self.applies = Applies(store, self._cond, now, coalesce=config.coalesce == "on")
+        self.arrival: Arrival = self._arrival(None)
         self.saving = Saving(self._cond, self.arrival.in_rounds)
         if snapshot is not None:
             self._take_over(snapshot)
@@ -104,17 +104,7 @@ class Coordinator:
                 "the checkpoint was written under %s; going on under %s", s.policy, self.policy.name
             )
         self.members = Members.restored(self.config, self._now, s)
-        live = self.membership.live_ids()
-        self.arrival = arrival(
-            self.policy,
-            self.store,
-            self.tables,
-            self.buffers,
-            self.counters,
-            s,
-            live,
-            self.config.backup_workers,
-        )
+        self.arrival = self._arrival(s)
         self.saving.resumed(s.cut, s.version)
         self.counters.load(s.counters)
         log.info(
@@ -123,6 +113,13 @@ class Coordinator:
             self.store.version,
             len(self.membership.members),
         )
+
+    def _arrival(self, s: CoordinatorSnapshot | None) -> Arrival:
+        """The policy's strategy over the model, going on from ``s`` if given."""
+        live = self.membership.live_ids()
+        c = self.config
+        parts = (self.policy, self.store, self.tables, self.buffers, self.counters)
+        return arrival(*parts, s, live, c.backup_workers, self.applies)
 
     # --- its parts, as status and the tests read them -----------------------------------
 
@@ -238,16 +235,10 @@ class Coordinator:
         for the round), nothing is applied, and the batches it held go back to the queue.
         ``finite``: whether ``grad`` is, as found while it was copied (None: check it here).
         """
-        skip = self.config.skip_nonfinite  # NaN or Inf anywhere, rows too: skipped, counted
-        checked = self._tables("A push").check(rows, skip) if rows else []
-        finite = check_gradient(
-            grad,
-            samples,
-            self.manifest,
-            skip,
-            f"The gradient of worker {worker_id} for iteration {iteration}",
-            checked,
-            finite,
+        what = f"The gradient of worker {worker_id} for iteration {iteration}"
+        skip = self.config.skip_nonfinite
+        checked, finite = check_push(
+            self.tables, self.manifest, grad, rows, samples, skip, what, finite
         )
         with self._cond:
             self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
@@ -262,20 +253,32 @@ class Coordinator:
                 return PushResult(self.store.version, member.clock, False)
             batches = self.members.batches_of(worker_id, iteration, batches)
             live = self.membership.live_ids()
-            applied = self.arrival.take(worker_id, iteration, grad, checked, finite, batches, live)
+            applied, waiting = self.arrival.take(
+                worker_id, iteration, grad, checked, finite, batches, live
+            )
             self.members.pushed(worker_id, iteration, empty=grad is None)
             self.membership.advance(worker_id, samples if applied else 0)
             if applied:
                 self.counters.push(samples, loss, self._now())
             self._settled(self.arrival.settle(self.membership.live_ids()))
             self._cond.notify_all()
-            return PushResult(self.store.version, member.clock, False)
+            clock = member.clock
+        if waiting is not None:
+            self.applies.apply(waiting, self._published)
+        return PushResult(self.store.version, clock, False)
+
+    def _published(self) -> None:
+        """After an apply published its gradients (under the lock): a cut may fall now."""
+        self._settled(False)
+        self._cond.notify_all()
 
     def _settled(self, round_ended: bool) -> None:
         """After a push or a departure: take the cut that falls now, if any (at the end of
         a sync round; otherwise once every live clock reaches it)."""
         if round_ended:
             cut = self.cuts.after_round(self.rounds)
+        elif not self.applies.idle:
+            return  # the cut waits until the weights hold every clock counted
         else:
             cut = self.cuts.reached(self.membership.min_clock())
         if cut is not None:
@@ -317,9 +320,9 @@ class Coordinator:
         earlier batch not pushed yet (a prefetch: the end would wait for it); then, as under
         ``sync``, it gets batch -1 and pushes an empty gradient.
 
-        ``sink`` (a writer into a worker's shared segment) is handed the live weights
-        under the lock, so it copies exactly one version's; without it the result holds a
-        snapshot shared by the pulls of one version.
+        The weights are the last published version's (never waiting for an apply:
+        ``server/applies.py``), handed to ``sink`` (a writer into a worker's shared segment)
+        under the lock, or a snapshot shared by the pulls of one version.
 
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
@@ -329,28 +332,23 @@ class Coordinator:
         deadline = self._now() + timeout
         with self._cond:
             if not worker_id:
-                return answer(self.store, self.counters, None, None, sink=sink)
+                while (view := self.applies.view()) is None:
+                    self._cond.wait()
+                return answer(view, self.counters, None, None, sink=sink)
             if self.config.backup_workers:  # a late worker: to the round in progress
                 iteration = self.members.caught_up(worker_id, iteration, self.rounds)
             self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
             pull = Pull(worker_id, iteration, batches, incarnation, sink)
-            waited_from = self._now()
-            try:
-                while (result := pull.answer(self)) is None:
-                    remaining = deadline - self._now()
-                    if remaining <= 0 or not is_active():
-                        raise pull.timed_out(self, timeout)
-                    self._cond.wait(min(remaining, self.config.lease_seconds))
-                    pull.still_meant(self)  # rewound (ABORTED) or evicted while waiting
-                return dataclasses.replace(result, iteration=iteration)
-            finally:
-                self.counters.barrier_wait_seconds += self._now() - waited_from
+            result = pull.wait(self, self._cond, self._now, deadline, is_active)
+            return dataclasses.replace(result, iteration=iteration)
 
     # --- checkpoints ------------------------------------------------------------------
 
     def checkpoint_state(self) -> CoordinatorSnapshot:
-        """A consistent copy of everything a resumed server needs (see ``checkpoint``)."""
-        with self._cond:
+        """A consistent copy of everything a resumed server needs (see ``checkpoint``): the
+        gradients accepted and not yet applied are applied first."""
+        with self.applies.lock, self._cond:
+            self.applies.drain()
             return self._snapshot(self.cuts.last)
 
     def _snapshot(self, cut: int) -> CoordinatorSnapshot:
@@ -368,8 +366,9 @@ class Coordinator:
     def rewind(self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int]) -> None:
         """Go back to a cut, as a new incarnation: every call of the old one is refused
         (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
-        with self._cond:
+        with self.applies.lock, self._cond:
             self.incarnation = uuid.uuid4().hex[:12]
+            self.applies.discard(WrongIncarnation("The server rewound before applying this push."))
             self.saving.rewound(snapshot.cut, on_disk)
             self._take_over(snapshot)
             self._cond.notify_all()

@@ -2,13 +2,14 @@
 answer now (the run has started, no cut holds it back, the staleness policy allows it, a
 batch is left or the run is over), the answer, and why it timed out.
 
-Decisions only: ``Pull`` reads the coordinator's parts (``Pulled``: the coordinator has
-them) and never assigns the coordinator's fields; the coordinator holds the lock, waits on
-its condition between tries, and counts the time waited. No I/O.
+``Pull`` reads the coordinator's parts (``Pulled``: the coordinator has them) and never
+assigns the coordinator's fields; ``wait`` waits on the coordinator's condition (its caller
+holds the lock) between tries, and counts the time waited. No I/O.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -21,6 +22,8 @@ from paramserver.server.answers import PullResult, answer
 from paramserver.server.status import Parts
 
 if TYPE_CHECKING:
+    from paramserver.config import ServerConfig
+    from paramserver.server.applies import Applies
     from paramserver.server.arrival import Arrival
     from paramserver.server.members import Members
     from paramserver.server.saving import Saving
@@ -35,6 +38,10 @@ class Pulled(Parts, Protocol):
     def arrival(self) -> Arrival: ...
     @property
     def saving(self) -> Saving: ...
+    @property
+    def applies(self) -> Applies: ...
+    @property
+    def config(self) -> ServerConfig: ...
     def check_incarnation(self, incarnation: str) -> None: ...
 
 
@@ -60,18 +67,51 @@ class Pull:
                 f"A pull may ask for 1 to {MAX_PUSH_EVERY} batches, not {self.batches}."
             )
 
+    def wait(
+        self,
+        c: Pulled,
+        cond: threading.Condition,
+        now: Callable[[], float],
+        deadline: float,
+        is_active: Callable[[], bool],
+    ) -> PullResult:
+        """The answer, once it can have one: waits on ``cond`` (the coordinator's, held by
+        the caller) until ``deadline`` (``now``'s) while ``is_active``; the time waited is
+        counted.
+
+        Raises:
+            Timeout: no answer by the deadline, or the caller went away.
+            WrongIncarnation, UnknownWorker: rewound or evicted while waiting.
+        """
+        started = now()
+        try:
+            while (result := self.answer(c)) is None:
+                remaining = deadline - now()
+                if remaining <= 0 or not is_active():
+                    raise self.timed_out(c, deadline - started)
+                cond.wait(min(remaining, c.config.lease_seconds))
+                self.still_meant(c)  # rewound (ABORTED) or evicted while waiting
+            return result
+        finally:
+            c.counters.barrier_wait_seconds += now() - started
+
     def answer(self, c: Pulled) -> PullResult | None:
-        """The pull's answer if it can have one now; None: it waits."""
+        """The pull's answer if it can have one now; None: it waits. The weights are the
+        last published version's (``Applies.view``), and the clocks the policy reads are
+        those whose pushes that version holds."""
+        view = c.applies.view()
+        if view is None:  # an apply runs and kept no copy: wait for its publish
+            return None
         if c.members.finished:  # nothing left to compute: no staleness to speak of
-            return answer(c.store, c.counters, None, None, (), True, self.sink)
+            return answer(view, c.counters, None, None, (), True, self.sink)
         if not self.ready(c):
             return None
         wait = c.arrival.waits_for_batch  # for a batch, or the end
         taken = c.members.hand_out(self.worker_id, self.iteration, self.batches, wait)
         if taken is None:
             return None
-        low = c.membership.min_clock()
-        return answer(c.store, c.counters, low, self.iteration, taken, sink=self.sink)
+        low = c.applies.low(c.membership)
+        return answer(view, c.counters, low, self.iteration, taken, sink=self.sink)
 
     def ready(self, c: Pulled) -> bool:
         """The run has started, no cut holds the pull back, and the policy allows it."""
@@ -79,7 +119,7 @@ class Pull:
             return False
         if c.cuts.full:
             return False  # the cuts taken wait for the disk: no more until one is written
-        low = c.membership.min_clock()
+        low = c.applies.low(c.membership)
         if c.cuts.holds(self.iteration, low):
             return False  # every worker reaches the cut before anyone computes past it
         return c.policy.pull_ready(self.iteration, low, c.rounds)

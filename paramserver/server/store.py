@@ -73,14 +73,20 @@ class ParameterStore:
         return self.flat.numpy()
 
     def apply(self, grad: np.ndarray) -> None:
-        """One optimizer step with ``grad``, the gradient of the parameters' section."""
+        """One optimizer step with ``grad``, the gradient of the parameters' section: the
+        next version."""
+        self.step(grad, self.config.lr_at(self.version))
+        self.version += 1
+        self.retire()
+
+    def step(self, grad: np.ndarray, lr: float) -> None:
+        """The optimizer's step with ``grad`` at rate ``lr``, in place; the version and the
+        snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``)."""
         self.param.grad = torch.from_numpy(grad)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.lr_at(self.version)
+            group["lr"] = lr
         self.optimizer.step()
         self.param.grad = None
-        self.version += 1
-        self._retire()
 
     def restore(self, weights: np.ndarray, optimizer_state: dict, version: int) -> None:
         """Take over the weights, optimizer state and version of a checkpoint."""
@@ -90,12 +96,12 @@ class ParameterStore:
             self.flat.copy_(torch.from_numpy(np.ascontiguousarray(weights, self.manifest.np_dtype)))
         self.optimizer.load_state_dict(optimizer_state)
         self.version = version
-        self._retire()
+        self.retire()
 
     def set_buffers(self, values: np.ndarray) -> None:
         """Set the buffers' section (everything after the parameters) to ``values``."""
         self.flat[self.n_params :] = torch.from_numpy(values)
-        self._retire()
+        self.retire()
 
     def snapshot(self) -> np.ndarray:
         """An immutable copy of the current weights, shared by every pull of this version,
@@ -108,7 +114,7 @@ class ParameterStore:
             self._snapshot = snap
         return self._snapshot
 
-    def _retire(self) -> None:
+    def retire(self) -> None:
         """The weights changed: the current snapshot is an earlier version's now."""
         if self._snapshot is not None:
             self._retired = [self._snapshot, *self._retired][:KEEP_SNAPSHOTS]

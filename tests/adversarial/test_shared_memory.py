@@ -19,7 +19,7 @@ import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import wire
-from paramserver.server import coordinator as coordinator_module
+from paramserver.server import checks as checks_module
 from paramserver.transport import attachments, shm
 from paramserver.transport.channels import ControlSocket
 from paramserver.transport.stub import Stub, connect
@@ -302,7 +302,7 @@ def test_a_gradient_changed_right_after_its_check_is_applied_as_it_was_checked(
     server = serve("mlp", workers=1, policy="async", optimizer="sgd", lr=0.5, skip_nonfinite=False)
     peer = Peer(server.address, "writes-after-the-check", sealed=sealed)
     before = server.coordinator.store.weights.copy()
-    real = coordinator_module.check_gradient
+    real = checks_module.check_gradient
     checks: list[bool] = []
 
     def check_then_flip(grad, *args, **kwargs):
@@ -311,7 +311,7 @@ def test_a_gradient_changed_right_after_its_check_is_applied_as_it_was_checked(
         peer.segment.slots[0][1000] = np.nan  # the worker's write, right after the check
         return finite
 
-    monkeypatch.setattr(coordinator_module, "check_gradient", check_then_flip)
+    monkeypatch.setattr(checks_module, "check_gradient", check_then_flip)
     try:
         peer.segment.slots[0][:] = 0.25
         peer.stub.PushPull(peer.push(0), timeout=10)

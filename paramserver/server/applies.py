@@ -1,0 +1,212 @@
+"""The dense apply, off the coordinator's lock (``ssp:K`` and ``async``).
+
+A push is accepted under the coordinator's lock (its clock, batches, ledger, buffers and
+rows, as before) and its gradient waits in ``pending``. One thread at a time, holding
+``Applies.lock`` (the apply lock), takes every gradient pending, steps the optimizer on the
+flat float32 master outside the coordinator's lock, and publishes the new version under it.
+Meanwhile pulls are answered from the last published version: the live weights when no
+apply runs, else a snapshot of the version the apply started from (``view``), so a pull
+never waits on an apply (but for the rare pull that finds neither: it waits for the
+publish). The staleness a pull reports stays exact: under ``ssp:K`` a pull reads the
+slowest clock whose pushes are all published (``low``), not merely accepted.
+
+``--coalesce on``: the gradients taken together (those that arrived while the previous
+apply ran) are summed into one buffer and applied in one optimizer step, as a BytePS or
+ps-lite server sums pushes: for SGD this is the same first-order update as stepping each
+in turn at that step's rate; for Adam it is one step of the sum, so the moments see one
+gradient instead of several. Each push still counts once for the version (the learning-
+rate schedule's step), its worker's clock, the batches applied and the staleness metrics.
+``--coalesce off`` steps once per push, in arrival order.
+
+Decisions and bookkeeping are the coordinator's (under its lock); this module holds what
+crosses the two locks. The lock order is always the apply lock, then the coordinator's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from paramserver.errors import ParamServerError
+from paramserver.server.membership import Membership
+from paramserver.server.store import ParameterStore
+
+log = logging.getLogger("paramserver.server.coordinator")
+
+# A pull answered within this many seconds makes an apply keep a copy of the version it
+# replaces (so the next pull need not wait); a server nobody pulls from copies nothing.
+PULLS_RECENT_SECONDS = 1.0
+
+
+@dataclass(eq=False)
+class Pending:
+    """A gradient accepted and not yet published."""
+
+    worker_id: str
+    grad: np.ndarray
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A published version held while the live weights change: what ``answer`` reads."""
+
+    version: int
+    weights: np.ndarray  # read-only
+
+    def snapshot(self) -> np.ndarray:
+        return self.weights
+
+
+@dataclass
+class Applies:
+    """The gradients waiting for the optimizer, and what pulls read meanwhile; ``cond``:
+    the coordinator's lock, under which every method but ``apply`` is called."""
+
+    store: ParameterStore
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    now: Callable[[], float] = time.monotonic
+    coalesce: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: list[Pending] = field(default_factory=list)
+    running: list[Pending] = field(default_factory=list)  # taken by the apply in progress
+    unpublished: Counter[str] = field(default_factory=Counter)
+    frozen: Frozen | None = None
+    pulled_at: float = -math.inf
+    coalesced: int = 0  # pushes applied in a step with others
+    failures: int = 0
+    _sum: np.ndarray | None = None
+
+    # --- under the coordinator's lock ---------------------------------------------------
+
+    def add(self, worker_id: str, grad: np.ndarray) -> Pending:
+        item = Pending(worker_id, grad)
+        self.pending.append(item)
+        self.unpublished[worker_id] += 1
+        return item
+
+    @property
+    def next_version(self) -> int:
+        """The version the next gradient accepted will make (its step's rate)."""
+        return self.store.version + len(self.pending) + len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        """Every accepted gradient is published: the weights hold every clock counted."""
+        return not self.pending and not self.running
+
+    def low(self, membership: Membership) -> int | None:
+        """The slowest live clock counting only published pushes."""
+        low = membership.min_clock()
+        if low is None or not self.unpublished:
+            return low
+        return min(m.clock - self.unpublished[w] for w, m in membership.members.items())
+
+    def view(self) -> ParameterStore | Frozen | None:
+        """What a pull reads now: the store itself while no apply runs, else the version the
+        apply started from (None: no copy of it was kept; wait for the publish)."""
+        self.pulled_at = self.now()
+        return self.store if not self.running else self.frozen
+
+    def begin(self) -> list[Pending]:
+        """Take every pending gradient for the apply about to run; keep the version it
+        replaces for pulls if any came lately."""
+        self.running, self.pending = self.pending, []
+        if self.now() - self.pulled_at < PULLS_RECENT_SECONDS:
+            self.frozen = Frozen(self.store.version, self.store.snapshot())
+        return self.running
+
+    def publish(self, error: BaseException | None) -> int:
+        """The apply ended: its gradients are the new version (or failed with ``error``);
+        returns how many it published."""
+        taken, self.running, self.frozen = self.running, [], None
+        for item in taken:
+            item.done, item.error = True, error
+            self.unpublished[item.worker_id] -= 1
+            if self.unpublished[item.worker_id] <= 0:
+                del self.unpublished[item.worker_id]
+        if error is None:
+            self.store.version += len(taken)
+            if len(taken) > 1 and self.coalesce:
+                self.coalesced += len(taken)
+        else:
+            self.failures += 1
+        self.store.retire()
+        return len(taken)
+
+    def discard(self, error: BaseException) -> None:
+        """Drop every gradient not yet applied (a rewind): their pushers get ``error``."""
+        for item in self.pending:
+            item.done, item.error = True, error
+        self.pending = []
+        self.unpublished = Counter(item.worker_id for item in self.running)
+
+    def drain(self) -> None:
+        """Apply every pending gradient here and now (the caller holds both locks: a
+        checkpoint's state holds every clock it counts)."""
+        if self.pending:
+            version = self.store.version
+            self.run(self.begin(), version)
+            self.publish(None)
+            self.cond.notify_all()
+
+    # --- outside it ----------------------------------------------------------------------
+
+    def apply(self, waiting: Pending, published: Callable[[], None]) -> None:
+        """Step the optimizer on ``waiting`` and every gradient pending with it, off the
+        coordinator's lock, unless an apply that ran meanwhile took it; returns once it is
+        published (``published`` runs under the lock right after).
+
+        Raises:
+            ParamServerError: the optimizer's step failed (logged and counted), or the
+                gradient was dropped (a rewind: ``WrongIncarnation``).
+        """
+        with self.lock:
+            with self.cond:
+                version = self.store.version
+                taken = [] if waiting.done else self.begin()
+            if taken:
+                error: BaseException | None = None
+                try:
+                    self.run(taken, version)
+                except BaseException as exc:
+                    error = exc
+                    log.exception("the optimizer's step failed on %d gradients", len(taken))
+                    if not isinstance(exc, Exception):
+                        raise
+                finally:
+                    with self.cond:
+                        self.publish(error)
+                        published()
+        if isinstance(waiting.error, ParamServerError):
+            raise waiting.error
+        if waiting.error is not None:
+            raise ParamServerError(f"The server failed to apply the gradient: {waiting.error!r}")
+
+    def run(self, taken: Sequence[Pending], version: int) -> None:
+        """Step the optimizer on ``taken``, from published ``version``: their sum in one step
+        (``coalesce``), else one step each."""
+        if self.coalesce and len(taken) > 1:
+            total = self._summed([item.grad for item in taken])
+            self.store.step(total, self.store.config.lr_at(version))
+            return
+        for i, item in enumerate(taken):
+            self.store.step(item.grad, self.store.config.lr_at(version + i))
+
+    def _summed(self, grads: list[np.ndarray]) -> np.ndarray:
+        """``grads`` added into one buffer that every coalesced apply reuses."""
+        first = grads[0]
+        if self._sum is None or self._sum.shape != first.shape or self._sum.dtype != first.dtype:
+            self._sum = np.empty_like(first)
+        np.add(first, grads[1], out=self._sum)
+        for g in grads[2:]:
+            self._sum += g
+        return self._sum
