@@ -88,6 +88,8 @@ KEYS = {
         "adam_16mib_applied_gbps",
         "adam_16mib_bound_gbps",
         "two_shards_vs_one",
+        "adam_16mib_coalesce_apply_vs_bound",
+        "sgd_16mib_coalesce_vs_off",
     ],
     "sparse": [
         "sparse_vs_dense",

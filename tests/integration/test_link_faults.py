@@ -121,7 +121,9 @@ def test_a_server_cut_off_for_a_few_seconds_loses_nothing(tmp_path):
         # the watcher is on the server's host: it still sees the server. Past the workers'
         # call deadline (3 s), within their lease (20 s)
         run.wait(lambda: unheard_for(5.0), "5 s without a word from either worker")
-        assert run.status()["version"] <= stalled + 1  # at most a step in flight
+        # at most one step in flight a worker: a push whose bytes were in the server's
+        # socket buffers when the link went down is still applied (CI saw 6 -> 8)
+        assert run.status()["version"] <= stalled + 2
         net.restore("server")
         status = run.finish()
         _exactly_once(status)
