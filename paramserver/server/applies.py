@@ -36,6 +36,7 @@ import numpy as np
 
 from paramserver.errors import ParamServerError
 from paramserver.server.membership import Membership
+from paramserver.server.status import Counters
 from paramserver.server.store import ParameterStore
 
 log = logging.getLogger("paramserver.server.coordinator")
@@ -72,6 +73,7 @@ class Applies:
     the coordinator's lock, under which every method but ``apply`` is called."""
 
     store: ParameterStore
+    counters: Counters = field(default_factory=Counters)
     cond: threading.Condition = field(default_factory=threading.Condition)
     now: Callable[[], float] = time.monotonic
     coalesce: bool = False
@@ -81,8 +83,6 @@ class Applies:
     unpublished: Counter[str] = field(default_factory=Counter)
     frozen: Frozen | None = None
     pulled_at: float = -math.inf
-    coalesced: int = 0  # pushes applied in a step with others
-    failures: int = 0
     _sum: np.ndarray | None = None
 
     # --- under the coordinator's lock ---------------------------------------------------
@@ -136,9 +136,9 @@ class Applies:
         if error is None:
             self.store.version += len(taken)
             if len(taken) > 1 and self.coalesce:
-                self.coalesced += len(taken)
+                self.counters.coalesced += len(taken)
         else:
-            self.failures += 1
+            self.counters.apply_failures += 1
         self.store.retire()
         return len(taken)
 

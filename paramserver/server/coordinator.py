@@ -90,7 +90,8 @@ class Coordinator:
         self.counters = Counters()
         self.buffers = SharedBuffers(self.manifest)
         self.members = Members(config, now)
-        self.applies = Applies(store, self._cond, now, coalesce=config.coalesce == "on")
+        coalesce = config.coalesce == "on"
+        self.applies = Applies(store, self.counters, self._cond, now, coalesce)
         self.arrival: Arrival = self._arrival(None)
         self.saving = Saving(self._cond, self.arrival.in_rounds)
         if snapshot is not None:

@@ -57,6 +57,16 @@ def _totals(s: ServerStatus) -> Iterator[Metric]:
         "Sync gradients dropped because their round closed without them (--backup-workers).",
         s.pushes_late,
     )
+    yield _counter(
+        "coalesced_pushes",
+        "Gradients applied in one optimizer step with others (--coalesce on).",
+        s.pushes_coalesced,
+    )
+    yield _counter(
+        "apply_failures",
+        "Optimizer steps that raised; their pushes were refused.",
+        s.apply_failures,
+    )
     yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
     yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
     yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)

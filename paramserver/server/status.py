@@ -84,6 +84,8 @@ class ServerStatus:
     batches_applied: int = 0
     pushes_repeated: int = 0
     pushes_late: int = 0
+    pushes_coalesced: int = 0
+    apply_failures: int = 0
 
     def to_proto(self) -> pb.StatusResponse:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -106,6 +108,8 @@ class Counters:
     duplicates: int = 0
     skipped: int = 0
     late: int = 0  # sync gradients dropped: their round closed without them
+    coalesced: int = 0  # gradients applied in one optimizer step with others
+    apply_failures: int = 0  # optimizer steps that raised
     pulls: int = 0
     barrier_wait_seconds: float = 0.0
     samples: int = 0
@@ -123,6 +127,7 @@ class Counters:
         "duplicates",
         "skipped",
         "late",
+        "coalesced",
         "samples",
         "bytes_in",
         "bytes_out",
@@ -241,6 +246,8 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         batches_total=c.queue.total if c.queue else 0,
         pushes_skipped=n.skipped,
         pushes_late=n.late,
+        pushes_coalesced=n.coalesced,
+        apply_failures=n.apply_failures,
         duplicates=n.duplicates,
         checkpoint_version=c.saves.version,
         checkpoint_age_seconds=-1.0 if c.saves.at is None else wall - c.saves.at,

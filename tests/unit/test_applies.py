@@ -144,7 +144,7 @@ def test_pushes_that_arrive_during_an_apply_are_summed_into_one_step(coalesce, s
     assert [c.membership.get(w).clock for w in ids] == [1, 1, 1, 1]
     # SGD at lr 1: the sum in one step is the four steps' result
     assert np.array_equal(c.store.weights, _grad(-(1.0 + 2.0 + 3.0 + 4.0)))
-    assert c.applies.coalesced == (3 if coalesce == "on" else 0)
+    assert status.pushes_coalesced == (3 if coalesce == "on" else 0)
 
 
 def test_a_retry_of_a_push_being_applied_is_a_duplicate_and_applies_nothing_more():
