@@ -38,6 +38,7 @@ from paramserver.server.store import build_optimizer
 from paramserver.transport.stub import Stub, connect
 
 PUSHERS = 2
+COALESCE_PUSHERS = 4  # more pushers than cores: pushes arrive during applies
 
 
 def blob_1mib() -> Blob:
@@ -81,9 +82,12 @@ def pushes_per_second(
     warmup: float,
     window: float,
     logs: Path,
+    pushers_n: int = PUSHERS,
+    coalesced: list[float] | None = None,
 ) -> float:
     """Pushes a second that ``shards`` shards of ``cfg`` apply (the slowest shard's: every
-    push reaches each) while ``PUSHERS`` pushers push to them, shared memory or not."""
+    push reaches each) while ``pushers_n`` pushers push to them, shared memory or not;
+    ``coalesced`` gets the share of shard 0's pushes applied with others in the window."""
     with ExitStack() as stack:
         addresses = [
             stack.enter_context(server_process(dataclasses.replace(cfg, shard=i, shards=shards)))
@@ -93,7 +97,7 @@ def pushes_per_second(
         stack.callback(channel.close)
         pushers = []
         try:
-            for i in range(PUSHERS):
+            for i in range(pushers_n):
                 argv = [",".join(addresses), str(nbytes), "on" if shm else "off", f"p{i}"]
                 env = {_PARENT_ENV: str(os.getpid()), "PARAMSERVER_CONFIG": ""}
                 log = logs / f"pusher-{nbytes // MIB}-{i}.log"
@@ -103,18 +107,22 @@ def pushes_per_second(
             ]
             _wait_until_all_push(stubs[0], pushers)
             time.sleep(warmup)
-            t1, before = time.perf_counter(), [_applied(s) for s in stubs]
+            t1, before = time.perf_counter(), [_status(s) for s in stubs]
             time.sleep(window)
-            t2, after = time.perf_counter(), [_applied(s) for s in stubs]
+            t2, after = time.perf_counter(), [_status(s) for s in stubs]
         finally:
             for p, _ in pushers:
                 p.kill()
                 p.wait()
-    return min(b - a for a, b in zip(before, after, strict=True)) / (t2 - t1)
+    applied = [b.pushes_applied - a.pushes_applied for a, b in zip(before, after, strict=True)]
+    if coalesced is not None:
+        together = after[0].pushes_coalesced - before[0].pushes_coalesced
+        coalesced.append(together / max(applied[0], 1))
+    return min(applied) / (t2 - t1)
 
 
-def _applied(stub: Stub) -> int:
-    return stub.Status(pb.StatusRequest(), timeout=30).pushes_applied
+def _status(stub: Stub) -> pb.StatusResponse:
+    return stub.Status(pb.StatusRequest(), timeout=30)
 
 
 def _wait_until_all_push(stub: Stub, pushers: list[tuple[Any, Path]]) -> None:
@@ -122,7 +130,7 @@ def _wait_until_all_push(stub: Stub, pushers: list[tuple[Any, Path]]) -> None:
     deadline = time.monotonic() + 120
     while True:
         status = stub.Status(pb.StatusRequest(), timeout=30)
-        if len(status.workers) == PUSHERS and status.pushes_applied > PUSHERS:
+        if len(status.workers) == len(pushers) and status.pushes_applied > len(pushers):
             return
         for p, log in pushers:
             if p.poll() is not None:
@@ -175,14 +183,24 @@ def _coalesced(
     logs: Path,
 ) -> None:
     """One shard with ``--coalesce on`` (pushes that arrive during an apply summed into
-    one step), through shared memory, against the same without (``coalesce_vs_off``)."""
+    one step) against off, ``COALESCE_PUSHERS`` pushers through shared memory
+    (``coalesce_vs_off``; ``coalesced_share``: the pushes applied with others)."""
     for optimizer in ("sgd", "adam"):
         key = f"{optimizer}_{size}mib"
-        cfg = dataclasses.replace(_config(size, optimizer), coalesce="on")
-        rate = pushes_per_second(cfg, 1, size * MIB, True, warmup, window, logs)
         bound = figures[f"{key}_bound_gbps"]
-        _record(figures, rows, f"{key}_coalesce", rate, size * MIB, bound, "shm, --coalesce on")
-        figures[f"{key}_coalesce_vs_off"] = rate / figures[f"{key}_pushes_per_s"]
+        rates = {}
+        for coalesce in ("off", "on"):
+            cfg = dataclasses.replace(_config(size, optimizer), coalesce=coalesce)
+            cfg = dataclasses.replace(cfg, workers=COALESCE_PUSHERS)
+            share: list[float] = []
+            rates[coalesce] = pushes_per_second(
+                cfg, 1, size * MIB, True, warmup, window, logs, COALESCE_PUSHERS, share
+            )
+            name = f"{key}_{COALESCE_PUSHERS}p" + ("_coalesce" if coalesce == "on" else "")
+            channel = f"shm, {COALESCE_PUSHERS} pushers, --coalesce {coalesce}"
+            _record(figures, rows, name, rates[coalesce], size * MIB, bound, channel)
+            figures[f"{name}_coalesced_share"] = share[0]
+        figures[f"{key}_coalesce_vs_off"] = rates["on"] / rates["off"]
 
 
 def _config(size: int, optimizer: str) -> ServerConfig:

@@ -88,7 +88,8 @@ KEYS = {
         "adam_16mib_applied_gbps",
         "adam_16mib_bound_gbps",
         "two_shards_vs_one",
-        "adam_16mib_coalesce_apply_vs_bound",
+        "adam_16mib_4p_coalesce_apply_vs_bound",
+        "adam_16mib_4p_coalesce_coalesced_share",
         "sgd_16mib_coalesce_vs_off",
     ],
     "sparse": [
