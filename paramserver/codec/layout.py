@@ -265,6 +265,20 @@ def flatten_into(
         flat[at : at + b - a].copy_(t.detach().reshape(-1)[a:b], non_blocking=True)
 
 
+def spans(
+    manifest: Manifest, tensors: Sequence[torch.Tensor], dtype: torch.dtype, lo: int, hi: int
+) -> list[torch.Tensor] | None:
+    """Elements [lo, hi) of the flat buffer as 1-D views of ``tensors`` (in manifest order),
+    with no copy: what ``flatten_into`` would copy, in order. None unless each is a
+    contiguous CPU tensor of ``dtype``."""
+    out = []
+    for t, a, b, _, _ in _pieces(manifest, tensors, lo, hi):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        out.append(t.detach().view(-1)[a:b])
+    return out
+
+
 def unflatten_into(
     manifest: Manifest,
     flat: torch.Tensor,

@@ -70,13 +70,24 @@ def encode(frame: Frame) -> bytes:
     return HEADER.pack(len(frame.payload), frame.code, frame.seconds, frame.bulk) + frame.payload
 
 
-def send(sock: socket.socket, frame: Frame, bulk: memoryview | None = None) -> None:
+# What follows a frame: none, one buffer, or several sent one after the other.
+Bulk = memoryview | list[memoryview] | None
+
+
+def bulk_bytes(bulk: Bulk) -> int:
+    if bulk is None:
+        return 0
+    return bulk.nbytes if isinstance(bulk, memoryview) else sum(b.nbytes for b in bulk)
+
+
+def send(sock: socket.socket, frame: Frame, bulk: Bulk = None) -> None:
     """Send ``frame``, then ``bulk`` (``frame.bulk`` bytes of it) without a copy."""
-    if frame.bulk != (0 if bulk is None else bulk.nbytes):
+    if frame.bulk != bulk_bytes(bulk):
         raise ValueError(f"a frame announcing {frame.bulk} bulk bytes sent with other bulk")
     sock.sendall(encode(frame))
-    if bulk is not None and bulk.nbytes:
-        sock.sendall(bulk.cast("B"))
+    for part in [bulk] if isinstance(bulk, memoryview) else bulk or []:
+        if part.nbytes:
+            sock.sendall(part.cast("B"))
 
 
 def recv(

@@ -71,6 +71,15 @@ class PayloadChannel(abc.ABC):
     def close(self) -> None:  # noqa: B027 - only a shared segment has anything to release
         """Release what the channel holds (a shared segment)."""
 
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether ``stage`` may take pieces: only the data port sends from the gradients."""
+        return False
+
+    def stage(self, slot: int, pieces: list[torch.Tensor] | None) -> bool:
+        """See ``Channel.stage``: this channel sends from its slots."""
+        return False
+
 
 class GrpcStreamChannel(PayloadChannel):
     """Payloads as gRPC streams of chunks; gradients in ``codec``'s wire dtype."""

@@ -143,6 +143,18 @@ class Channel(abc.ABC):
     def close(self) -> None:
         """Release the payload path and the connection."""
 
+    @property
+    def takes_pieces(self) -> bool:
+        """Whether a push may be sent from the gradients themselves (``stage``)."""
+        return False
+
+    def stage(self, slot: int, pieces: list[torch.Tensor] | None) -> bool:
+        """Whether the push staged in ``slot`` will be sent from ``pieces`` (views of the
+        gradients, in order, of the flat buffer's dtype) instead of ``slots[slot]``; False:
+        the caller copies the gradients into the slot (and pieces staged there before are
+        forgotten)."""
+        return False
+
 
 ChannelFactory = Callable[[str], Channel]
 
@@ -237,6 +249,13 @@ class GrpcChannel(Channel):
     @property
     def description(self) -> str:
         return self.payloads.description if self.payloads is not None else "not open"
+
+    @property
+    def takes_pieces(self) -> bool:
+        return self._path.takes_pieces
+
+    def stage(self, slot: int, pieces: list[torch.Tensor] | None) -> bool:
+        return self._path.stage(slot, pieces)
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         return self._path.push(header, slot, timeout)

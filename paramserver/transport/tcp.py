@@ -17,6 +17,7 @@ import socket
 import threading
 
 import grpc
+import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import records
@@ -55,6 +56,32 @@ def tune(sock: socket.socket) -> None:
     ):
         if hasattr(socket, name):  # Linux; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+# Pieces smaller than this are copied into the slot and sent with their neighbours: one
+# send a run of small tensors instead of one each.
+SMALL_PIECE = 256 << 10
+
+
+def segments(pieces: list[torch.Tensor], slot: torch.Tensor) -> list[memoryview]:
+    """The bytes of ``pieces``, in order, as few buffers: each large piece as itself (no
+    copy), each run of small ones copied into ``slot`` at their place."""
+    out: list[memoryview] = []
+    at, run = 0, -1  # where the next piece goes in the slot; where a run of small ones began
+    for p in pieces:
+        n = p.numel()
+        if p.nbytes < SMALL_PIECE:
+            slot[at : at + n].copy_(p)
+            run = at if run < 0 else run
+        else:
+            if run >= 0:
+                out.append(slot[run:at].numpy().data.cast("B"))
+                run = -1
+            out.append(p.numpy().data.cast("B"))
+        at += n
+    if run >= 0:
+        out.append(slot[run:at].numpy().data.cast("B"))
+    return out
 
 
 def host_of(address: str) -> str:
@@ -98,12 +125,12 @@ class DataSocket:
         return frame
 
     def step(
-        self, request: pb.PushPullRequest, gradient: memoryview | None, timeout: float
+        self, request: pb.PushPullRequest, gradient: records.Bulk, timeout: float
     ) -> tuple[pb.PushPullResponse, records.Frame]:
         """Send one step (and the gradient's bytes); its answer and frame, whose bulk (the
         weights' bytes) the caller reads next with ``weights``."""
         self.sock.settimeout(timeout + MARGIN)
-        bulk = 0 if gradient is None else gradient.nbytes
+        bulk = records.bulk_bytes(gradient)
         frame = records.Frame(request.SerializeToString(), seconds=timeout, bulk=bulk)
         records.send(self.sock, frame, gradient)
         answer = self._reply(self.sock)
@@ -167,6 +194,27 @@ class TcpChannel(PayloadChannel):
         self.fallback = fallback
         self.weights, self.slots = fallback.weights, fallback.slots
         self.codec = fallback.codec
+        self._pieces: dict[int, list[torch.Tensor]] = {}  # a slot's push, sent from these
+
+    @property
+    def takes_pieces(self) -> bool:
+        """The gradients go as they are (the flat buffer's own elements, no top-k)."""
+        return self.data is not None and self.codec.raw and not self.codec.topk
+
+    def stage(self, slot: int, pieces: list[torch.Tensor] | None) -> bool:
+        """Send the push of ``slot`` from ``pieces`` (no copy into the slot) while the data
+        port carries it; a fallback to gRPC copies them into the slot first."""
+        if pieces is None or not self.takes_pieces:
+            self._pieces.pop(slot, None)
+            return False
+        self._pieces[slot] = pieces
+        return True
+
+    def _in_slot(self, slot: int) -> None:
+        """The push of ``slot`` as the slot's bytes, for a path that sends from the slot."""
+        pieces = self._pieces.pop(slot, None)
+        if pieces is not None:
+            torch.cat(pieces, out=self.slots[slot])
 
     @property
     def description(self) -> str:
@@ -175,7 +223,7 @@ class TcpChannel(PayloadChannel):
         return f"over the data port (gradients in {self.codec.dtype})"
 
     def _step(
-        self, request: pb.PushPullRequest, gradient: memoryview | None, timeout: float
+        self, request: pb.PushPullRequest, gradient: records.Bulk, timeout: float
     ) -> pb.PushPullResponse | None:
         """The step on the data port, or None where it must go over gRPC instead."""
         data = self.data
@@ -199,18 +247,24 @@ class TcpChannel(PayloadChannel):
         finally:
             data.busy.release()
 
-    def _push_part(self, header: pb.PushHeader, slot: int) -> memoryview | None:
+    def _push_part(self, header: pb.PushHeader, slot: int) -> records.Bulk:
         """Fill ``header`` for the data port; the gradient's bytes (None if empty)."""
         if header.empty:
             header.total_bytes = 0
             return None
-        return encode(self.codec, header, self.slots[slot], slot)
+        pieces = self._pieces.get(slot)
+        if pieces is None:
+            return encode(self.codec, header, self.slots[slot], slot)
+        header.dtype, header.exact, header.topk = self.codec.dtype, 0, 0
+        header.total_bytes = sum(p.nbytes for p in pieces)
+        return segments(pieces, self.slots[slot])
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         payload = self._push_part(header, slot)
         answer = self._step(pb.PushPullRequest(push=header), payload, timeout)
         if answer is not None:
             return answer.push
+        self._in_slot(slot)
         return self.fallback.push(header, slot, timeout)
 
     def pull(self, request: pb.PullRequest, timeout: float) -> pb.PullHeader:
@@ -227,6 +281,7 @@ class TcpChannel(PayloadChannel):
         if answer is not None:
             return answer.pull
         # A retry after a lost reply pushes again: the server acknowledges it as a duplicate.
+        self._in_slot(slot)
         return self.fallback.push_pull(header, slot, request, timeout)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from paramserver import models
-from paramserver.codec.layout import flatten_into, unflatten_into, views_of
+from paramserver.codec.layout import flatten_into, spans, unflatten_into, views_of
 
 
 def sync(device: torch.device) -> None:
@@ -38,6 +38,18 @@ class Replica:
         for lo, hi, buffer in parts:
             flatten_into(self.manifest, pushed, buffer, lo, hi)
         sync(self.device)
+
+    def pieces(self, lo: int, hi: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Elements [lo, hi) of what ``stage`` copies, as views of the gradients themselves
+        (a push sends them from there: ``zero_grad`` drops the model's hold on them, so
+        nothing writes them while they go) and copies of the buffers' values in ``dtype`` (the
+        next forward pass changes those in place); None where a copy is needed anyway (a
+        gradient of another dtype, not contiguous, or on a device)."""
+        if self.device.type != "cpu":
+            return None
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        values = [t.detach().to(dtype, copy=True) for t in self.tensors[len(grads) :]]
+        return spans(self.manifest, grads + values, dtype, lo, hi)
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -1,7 +1,8 @@
 """The stages of one step (``Worker.step`` runs them in order), each an object chosen for how
 the worker steps, so that the step itself has one path:
 
-- ``Stager``: copies the gradients into a free push slot of every range (one copy), with
+- ``Stager``: copies the gradients into a free push slot of every range (one copy; none
+  where the channel sends from the gradients themselves: the data port), with
   the tables' rows, zeroes them and advances every session's clock: a ``StagedPush``.
 - ``Exchange``: moves the staged push and brings the next weights, one kind per
   ``StepMode``: ``Blocking`` (a push and the next pull in one round trip a shard),
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Sequence
+
+import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import RejoinRequired
@@ -51,7 +54,7 @@ class Stager:
         them and advance every session's clock."""
         slot = self.pipe.take_slot()
         if not empty:
-            self.replica.stage([(lo, hi, s.channel.slots[slot]) for s, (lo, hi) in self.parts])
+            self.replica.stage(self._copied(slot))
         rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}
         clocks = tuple(s.clock for s in self.sessions)
         cache = self.tables.counters
@@ -69,6 +72,17 @@ class Stager:
             s.clock += 1
         self.replica.zero_grad()
         return staged
+
+    def _copied(self, slot: int) -> list[tuple[int, int, torch.Tensor]]:
+        """The ranges whose channel needs the gradients copied into its slot; the others
+        took them as they are (``Channel.stage``: a data port sends from the gradients)."""
+        copied = []
+        for s, (lo, hi) in self.parts:
+            buffer = s.channel.slots[slot]
+            pieces = self.replica.pieces(lo, hi, buffer.dtype) if s.channel.takes_pieces else None
+            if not s.channel.stage(slot, pieces):
+                copied.append((lo, hi, buffer))
+        return copied
 
 
 class Exchange(abc.ABC):

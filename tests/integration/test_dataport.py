@@ -262,3 +262,50 @@ def test_a_non_finite_gradient_found_while_it_arrives_is_refused_or_skipped(serv
             with pytest.raises(ps.ParamServerError, match="NaN or Inf"):
                 worker.step(samples=1)
             assert server.status()["version"] == 0
+
+
+def _batchnorm_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(784, 600),  # 1.8 MiB of weight: sent as itself; the rest in runs
+        torch.nn.BatchNorm1d(600),
+        torch.nn.ReLU(),
+        torch.nn.Linear(600, 10),
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_push_sent_from_the_gradients_themselves_trains_as_a_copied_one(
+    serve, monkeypatch, overlap
+):
+    """On the data port a push goes out from the gradients (and copies of the buffers'
+    values, which the next forward pass changes) instead of a copy in the push slot; it
+    trains as gRPC streams do, with the pushes in flight while the next batch computes
+    (overlap on), and when the port fails mid-run the staged push goes over gRPC whole."""
+    from paramserver.transport import tcp
+
+    sent: list[int] = []
+    real = tcp.segments
+    monkeypatch.setattr(tcp, "segments", lambda p, s: sent.append(len(p)) or real(p, s))
+    start = _batchnorm_model()
+    runs = {}
+    for wire in ("grpc", "auto"):
+        server = serve(replica(start), optimizer="sgd", lr=0.1, policy="delay-1")
+        model = replica(start)
+        ds = data.synthetic(train=256, test=16)
+        with ps.Worker(server.address, model, shm=False, overlap=overlap, wire=wire) as w:
+            assert w.data_port_active is (wire == "auto")
+            for step in range(10):
+                if step == 6 and wire == "auto":  # the port fails: the rest goes over gRPC
+                    w.sessions[0].channel.payloads.data.sock.shutdown(socket.SHUT_RDWR)
+                idx = data.batch_indices(len(ds.train_x), 0, 16, step)
+                F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx]).backward()
+                w.step(samples=len(idx))
+            assert wire == "grpc" or not w.data_port_active
+        assert server.status()["pushes_applied"] == 10
+        runs[wire] = {k: v.clone() for k, v in model.state_dict().items()}
+    # 6 gradients and 3 buffers a push, until the port failed
+    assert 5 <= len(sent) <= 7 and all(n == 9 for n in sent), sent
+    for name, tensor in runs["grpc"].items():
+        assert torch.equal(runs["auto"][name], tensor), name
