@@ -46,14 +46,21 @@ log = logging.getLogger("paramserver.server.coordinator")
 PULLS_RECENT_SECONDS = 1.0
 
 
+# Pushes answered before their gradient is applied, at most, at once (each holds its
+# receive buffer until then): past this a push is answered once applied, as any other.
+MAX_AHEAD = 2
+
+
 @dataclass(eq=False)
 class Pending:
-    """A gradient accepted and not yet published."""
+    """A gradient accepted and not yet published; ``release`` (a push answered before
+    this is applied) gives its buffer back once it is."""
 
     worker_id: str
     grad: np.ndarray
     done: bool = False
     error: BaseException | None = None
+    release: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,10 @@ class Applies:
     unpublished: Counter[str] = field(default_factory=Counter)
     frozen: Frozen | None = None
     pulled_at: float = -math.inf
+    ahead: int = 0  # pushes answered before their gradient is applied, not yet published
+    closed: bool = False
     _sum: np.ndarray | None = None
+    _thread: threading.Thread | None = None
 
     # --- under the coordinator's lock ---------------------------------------------------
 
@@ -124,12 +134,33 @@ class Applies:
             self.frozen = Frozen(self.store.version, self.store.snapshot())
         return self.running
 
+    def answer_early(self, item: Pending, keep: Callable[[], Callable[[], None]]) -> bool:
+        """Whether ``item``'s push may be answered before it is applied (``keep`` takes its
+        buffer over: given back once it is); the server's applier thread applies it."""
+        if self.ahead >= MAX_AHEAD or self.closed:
+            return False
+        item.release = keep()
+        self.ahead += 1
+        return True
+
+    def _done(self, item: Pending, error: BaseException | None) -> None:
+        item.done, item.error = True, error
+        if item.release is not None:
+            item.release()
+            self.ahead -= 1
+            if error is not None:
+                log.error(
+                    "a gradient of worker %s answered before it was applied was lost: %r",
+                    item.worker_id,
+                    error,
+                )
+
     def publish(self, error: BaseException | None) -> int:
         """The apply ended: its gradients are the new version (or failed with ``error``);
         returns how many it published."""
         taken, self.running, self.frozen = self.running, [], None
         for item in taken:
-            item.done, item.error = True, error
+            self._done(item, error)
             self.unpublished[item.worker_id] -= 1
             if self.unpublished[item.worker_id] <= 0:
                 del self.unpublished[item.worker_id]
@@ -145,7 +176,7 @@ class Applies:
     def discard(self, error: BaseException) -> None:
         """Drop every gradient not yet applied (a rewind): their pushers get ``error``."""
         for item in self.pending:
-            item.done, item.error = True, error
+            self._done(item, error)
         self.pending = []
         self.unpublished = Counter(item.worker_id for item in self.running)
 
@@ -159,6 +190,34 @@ class Applies:
             self.cond.notify_all()
 
     # --- outside it ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """No push is answered early any more; the applier thread ends once nothing is
+        pending."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def in_background(self, published: Callable[[], None]) -> None:
+        """Make sure the applier thread runs: it applies what pushes answered early left."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, args=(published,), name="ps-apply", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self, published: Callable[[], None]) -> None:
+        while True:
+            with self.cond:
+                while not self.pending and not self.closed:
+                    self.cond.wait()
+                if not self.pending:
+                    return
+                item = self.pending[0]
+            try:
+                self.apply(item, published)
+            except Exception:  # noqa: BLE001 - logged, counted (apply_failures); goes on
+                log.exception("the applier thread's apply failed; it goes on")
 
     def apply(self, waiting: Pending, published: Callable[[], None]) -> None:
         """Step the optimizer on ``waiting`` and every gradient pending with it, off the

@@ -125,7 +125,7 @@ class Checkpointer:
     def _due(self, c: Coordinator) -> bool:
         return (
             self._stop.is_set()
-            or c.cuts_pending
+            or c.saving.cuts_pending
             or (
                 not self.cuts
                 and self.steps is not None

@@ -226,16 +226,17 @@ class Coordinator:
         rows: Iterable[RowGradients] = (),
         batches: Sequence[int] = (),
         finite: bool | None = None,
+        keep: Callable[[], Callable[[], None]] | None = None,
     ) -> PushResult:
         """Apply (or, under sync, accumulate) one gradient and its tables' ``rows``; exactly
         once per (worker, iteration), and once per server-handed batch (``batches``, or on
         the shard that hands them out, the ones it handed for this iteration): a gradient
         of batches this shard applied already counts for the clock and is not applied.
-
         ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
         for the round), nothing is applied, and the batches it held go back to the queue.
         ``finite``: whether ``grad`` is, as found while it was copied (None: check it here).
-        """
+        ``keep``: it may be answered before it is applied, ``keep()`` taking its buffer
+        over (``Applies.answer_early``)."""
         what = f"The gradient of worker {worker_id} for iteration {iteration}"
         skip = self.config.skip_nonfinite
         checked, finite = check_push(
@@ -264,7 +265,14 @@ class Coordinator:
             self._settled(self.arrival.settle(self.membership.live_ids()))
             self._cond.notify_all()
             clock = member.clock
-        if waiting is not None:
+            early = (
+                waiting is not None
+                and keep is not None
+                and self.applies.answer_early(waiting, keep)
+            )
+        if early:
+            self.applies.in_background(self._published)
+        elif waiting is not None:
             self.applies.apply(waiting, self._published)
         return PushResult(self.store.version, clock, False)
 
@@ -373,14 +381,6 @@ class Coordinator:
             self.saving.rewound(snapshot.cut, on_disk)
             self._take_over(snapshot)
             self._cond.notify_all()
-
-    @property
-    def cuts_pending(self) -> bool:
-        return self.saving.cuts_pending
-
-    def learn_common_cut(self, clock: int) -> None:
-        """A worker says every shard has written the cut at ``clock`` (PullRequest)."""
-        self.saving.learn_common_cut(clock)
 
     # --- waiting and status -----------------------------------------------------------
 

@@ -40,6 +40,7 @@ from paramserver.errors import InvalidRequest, Unauthenticated
 from paramserver.server.checks import Scan
 from paramserver.server.doorbell import parse
 from paramserver.server.listener import SEND_SECONDS, Listener, answer_failing
+from paramserver.server.payloads import Loan
 from paramserver.server.steps import Steps
 from paramserver.transport.security import server_ssl_context, token_matches
 from paramserver.transport.tcp import tune
@@ -129,11 +130,16 @@ class DataPort(Listener):
                 f"A step whose request announces {expected} bytes of gradient carries {frame.bulk}."
             )
         # a push of the model's own elements is checked as it arrives, a piece at a time
-        scan = Scan(self.steps.payloads.dtype) if self._flat(request) else None
-        with self._received(conn, frame, expected, scan) as gradient:
+        flat = self._flat(request)
+        scan = Scan(self.steps.payloads.dtype) if flat else None
+        with self._received(conn, frame, expected, scan) as loan:
             started = time.perf_counter()
+            gradient = None if loan is None else loan.bytes
             finite = None if scan is None or gradient is None else scan.finite
-            reply, weights = self._step(request, frame, gradient, finite)
+            # a push alone of the model's own elements may be answered before it is
+            # applied (ssp:K, async: server/applies.py), its buffer then the apply's
+            keep = loan.keep if loan is not None and flat and not request.HasField("pull") else None
+            reply, weights = self._step(request, frame, gradient, finite, keep)
             self.observe(time.perf_counter() - started)
         return reply, weights
 
@@ -152,13 +158,14 @@ class DataPort(Listener):
         frame: records.Frame,
         gradient: np.ndarray | None,
         finite: bool | None = None,
+        keep: Callable[[], Callable[[], None]] | None = None,
     ) -> tuple[records.Frame, memoryview | None]:
         """The push of ``gradient`` (``finite``: as its scan found) and the pull ``request``
         asks for, answered (a failure as its frame: the connection goes on)."""
         try:
             answer, weights = pb.PushPullResponse(), None
             if request.HasField("push"):
-                push = self.steps.push(request.push, iter(()), gradient, finite)
+                push = self.steps.push(request.push, iter(()), gradient, finite, keep)
                 answer.push.CopyFrom(push)
             if request.HasField("pull"):
                 remaining = frame.seconds if frame.seconds > 0 else None
@@ -190,16 +197,17 @@ class DataPort(Listener):
     @contextmanager
     def _received(
         self, conn: socket.socket, frame: records.Frame, nbytes: int, scan: Scan | None
-    ) -> Iterator[np.ndarray | None]:
-        """The gradient's ``nbytes`` bytes while the block runs, in a buffer of the
-        server's (None for none), each piece handed to ``scan`` as it arrives."""
+    ) -> Iterator[Loan | None]:
+        """The gradient's ``nbytes`` bytes while the block runs, in a buffer the server
+        lends (None for none), each piece handed to ``scan`` as it arrives."""
         if not nbytes:
             yield None
             return
-        with self.steps.payloads.received_buffer(nbytes) as buf:
+        with self.steps.payloads.lent(nbytes) as loan:
             wait = frame.seconds if frame.seconds > 0 else SEND_SECONDS
-            records.recv_bulk(conn, buf.data, time.monotonic() + wait + BULK_MARGIN, scan)
-            yield buf
+            deadline = time.monotonic() + wait + BULK_MARGIN
+            records.recv_bulk(conn, loan.bytes.data, deadline, scan)
+            yield loan
 
 
 def data_port(steps: Steps, config: ServerConfig, latency: Any) -> DataPort | None:

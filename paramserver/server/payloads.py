@@ -27,6 +27,25 @@ from paramserver.transport.attachments import Attachments
 KEEP_BUFFERS = 4
 
 
+class Loan:
+    """A receive buffer of the pool (``Payloads.lent``); ``bytes``: its first bytes."""
+
+    def __init__(self, payloads: Payloads, buf: np.ndarray, nbytes: int):
+        self._payloads, self._buf = payloads, buf
+        self.bytes = buf.view(np.uint8)[:nbytes]
+        self.kept = self._given = False
+
+    def keep(self) -> Callable[[], None]:
+        """Keep the buffer past the block: the caller gives it back with what this returns."""
+        self.kept = True
+        return self.give
+
+    def give(self) -> None:
+        if not self._given:
+            self._given = True
+            self._payloads._give(self._buf)
+
+
 class Payloads:
     """Where the payloads of each worker travel."""
 
@@ -96,8 +115,19 @@ class Payloads:
     @contextmanager
     def received_buffer(self, nbytes: int) -> Iterator[np.ndarray]:
         """``nbytes`` bytes to receive a payload into while the block runs, kept for reuse."""
-        with self._buffer(nbytes) as buf:
-            yield buf.view(np.uint8)[:nbytes]
+        with self.lent(nbytes) as loan:
+            yield loan.bytes
+
+    @contextmanager
+    def lent(self, nbytes: int) -> Iterator[Loan]:
+        """``nbytes`` bytes to receive a payload into, given back after the block unless
+        the loan was ``kept`` (then by what ``kept`` returned)."""
+        loan = Loan(self, self._take(-(-nbytes // self.dtype.itemsize)), nbytes)
+        try:
+            yield loan
+        finally:
+            if not loan.kept:
+                loan.give()
 
     @contextmanager
     def _buffer(self, nbytes: int) -> Iterator[np.ndarray]:

@@ -48,7 +48,7 @@ class Steps:
             timeout = min(timeout, remaining)
         self.c.check_incarnation(request.incarnation)
         if request.common_cut > 0:
-            self.c.learn_common_cut(request.common_cut)
+            self.c.saving.learn_common_cut(request.common_cut)
         with self._dropping_broken_segments():
             result = self.c.pull(
                 request.worker_id,
@@ -113,10 +113,12 @@ class Steps:
         rest: Iterator[pb.PushChunk],
         received: np.ndarray | None = None,
         finite: bool | None = None,
+        keep: Callable[[], Callable[[], None]] | None = None,
     ) -> pb.PushResponse:
         """Apply a push whose gradient follows in ``rest``'s chunks, is in the worker's
         segment (``header.shm``), or was ``received`` already (the data port's bytes,
-        ``finite`` as their scan found, if they were scanned)."""
+        ``finite`` as their scan found, if they were scanned; ``keep``: the push may be
+        answered before it is applied, ``keep()`` taking their buffer over)."""
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
         self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
@@ -134,6 +136,7 @@ class Steps:
                 rows,
                 header.batches,
                 finite,
+                keep,
             )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
@@ -196,6 +199,7 @@ class Steps:
         return pb.RowsResponse(values=values[0], more=values[1:])
 
     def close(self) -> None:
+        self.c.applies.close()  # the thread applying pushes answered early
         if self.applier is not None:
             self.applier.close()
 

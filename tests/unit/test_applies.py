@@ -193,3 +193,37 @@ def test_a_rewind_drops_the_pushes_not_yet_applied_and_their_pushers_join_again(
         t.join(DEADLINE)
     assert isinstance(out.get("error"), WrongIncarnation) or held.steps == 2
     assert c.store.version == 0 and np.array_equal(c.store.weights, _grad(0.0))
+
+
+def test_a_push_answered_before_its_apply_gives_its_buffer_back_once_applied():
+    """A push that may be answered early (the data port's, alone) is answered once accepted;
+    the applier thread applies it and then gives its buffer back. At most MAX_AHEAD wait
+    so: the next push is answered once applied, as any other."""
+    c = _coordinator(workers=3)
+    a, b, d = _joined(c, 3)
+    held = Held(c.store)
+    released: list[str] = []
+
+    def keep(name: str):
+        def kept():
+            assert name != "d", "a third push was answered before it was applied"
+            return lambda: released.append(name)
+
+        return kept
+
+    first = c.push(a, 0, _grad(1.0), 1, 0.0, keep=keep("a"))
+    assert first.version == 0 and first.clock == 1 and not first.duplicate
+    assert held.entered.wait(DEADLINE)  # the applier thread has it
+    second = c.push(b, 0, _grad(2.0), 1, 0.0, keep=keep("b"))  # answered, waits pending
+    assert second.clock == 1 and c.applies.ahead == 2 and released == []
+    third, out = _in_thread(lambda: c.push(d, 0, _grad(4.0), 1, 0.0, keep=keep("d")))
+    assert c.wait_for(lambda c: len(c.applies.pending) == 2, DEADLINE)
+    assert third.is_alive()  # past MAX_AHEAD: answered once applied
+    held.release.set()
+    third.join(DEADLINE)
+    assert out["result"].version >= 2
+    assert c.wait_for(lambda c: c.store.version == 3 and c.applies.idle, DEADLINE)
+    # d's buffer was never kept: its caller gives it back when the push returns
+    assert sorted(released) == ["a", "b"] and c.applies.ahead == 0
+    assert np.array_equal(c.store.weights, _grad(-7.0))
+    c.applies.close()

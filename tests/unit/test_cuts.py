@@ -47,9 +47,9 @@ def test_cuts_are_taken_at_every_nth_round_and_kept_from_the_one_every_shard_wro
     saver.write_cuts()
     # no worker said yet which cuts the other shard wrote: every cut is kept
     assert sorted(checkpoint.list_cuts(tmp_path, 0, 2)) == [0, 2, 4]
-    c.learn_common_cut(2)  # a pull: every shard has written round 2 (or later)
-    c.learn_common_cut(1)  # an older word changes nothing
-    c.learn_common_cut(99)  # never past this shard's own disk
+    c.saving.learn_common_cut(2)  # a pull: every shard has written round 2 (or later)
+    c.saving.learn_common_cut(1)  # an older word changes nothing
+    c.saving.learn_common_cut(99)  # never past this shard's own disk
     assert c.cuts.common == 4
     c.cuts.common = 2
     _rounds(c, a, 2)
@@ -126,9 +126,9 @@ def test_under_async_every_worker_meets_at_the_cut_and_it_is_taken_there(tmp_pat
     with pytest.raises(Timeout):  # a may not compute past the cut before b reaches it
         c.pull(a.worker_id, 2, 0.0)
     c.push(b.worker_id, 0, ones, 1, 0.0)
-    assert not c.cuts_pending
+    assert not c.saving.cuts_pending
     c.push(b.worker_id, 1, ones, 1, 0.0)  # every clock is 2 now: the cut
-    assert c.cuts.last == 2 and c.cuts_pending
+    assert c.cuts.last == 2 and c.saving.cuts_pending
     c.pull(a.worker_id, 2, 0.0)  # and a goes on
     saver.write_cuts()
     state = checkpoint.load(tmp_path / checkpoint.cut_file(0, 2, 2))
@@ -196,6 +196,6 @@ def test_a_cut_whose_write_fails_stays_taken_pulls_wait_and_it_lands_once_the_di
         parked.rename(folder)
     assert saver.write_due()
     assert sorted(checkpoint.list_cuts(folder, 0, 2)) == [0, 1, 2]
-    assert not c.cuts_pending and not c.saves.failing and c.saves.failures >= 1
+    assert not c.saving.cuts_pending and not c.saves.failing and c.saves.failures >= 1
     assert c.pull(a.worker_id, 2, 0.0).version == 2  # and the run goes on
     saver.stop()
