@@ -4,6 +4,7 @@ size against the manifest, its sample count, and whether it is finite, its table
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Iterable
 
@@ -43,6 +44,28 @@ class Scan:
     def __call__(self, piece: np.ndarray | memoryview) -> None:
         if self.finite and not all_finite(np.frombuffer(piece, self.dtype)):
             self.finite = False
+
+
+# The threads that check pieces behind a receive (``Behind``), shared by every connection.
+_SCANNERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ps-scan")
+
+
+class Behind:
+    """``scan`` run on a helper thread while the next piece arrives (a socket's receive
+    and the check both let go of the GIL): ``wait`` once every piece is in."""
+
+    def __init__(self, scan: Scan):
+        self.scan = scan
+        self._done: list[concurrent.futures.Future[None]] = []
+
+    def __call__(self, piece: memoryview) -> None:
+        self._done.append(_SCANNERS.submit(self.scan, piece))
+
+    def wait(self) -> bool:
+        """Whether every piece was finite (raises what a check raised)."""
+        for f in self._done:
+            f.result()
+        return self.scan.finite
 
 
 def check_push(

@@ -37,7 +37,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, records
 from paramserver.config import Security, ServerConfig
 from paramserver.errors import InvalidRequest, Unauthenticated
-from paramserver.server.checks import Scan
+from paramserver.server.checks import Behind, Scan
 from paramserver.server.doorbell import parse
 from paramserver.server.listener import SEND_SECONDS, Listener, answer_failing
 from paramserver.server.payloads import Loan
@@ -206,7 +206,12 @@ class DataPort(Listener):
         with self.steps.payloads.lent(nbytes) as loan:
             wait = frame.seconds if frame.seconds > 0 else SEND_SECONDS
             deadline = time.monotonic() + wait + BULK_MARGIN
-            records.recv_bulk(conn, loan.bytes.data, deadline, scan)
+            behind = Behind(scan) if scan is not None else None  # checks while bytes arrive
+            try:
+                records.recv_bulk(conn, loan.bytes.data, deadline, behind)
+            finally:
+                if behind is not None:
+                    behind.wait()
             yield loan
 
 
