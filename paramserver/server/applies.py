@@ -91,9 +91,11 @@ class Applies:
     frozen: Frozen | None = None
     pulled_at: float = -math.inf
     ahead: int = 0  # pushes answered before their gradient is applied, not yet published
+    stepped: int = 0  # of ``running``, those the optimizer has stepped on
     closed: bool = False
     _sum: np.ndarray | None = None
     _thread: threading.Thread | None = None
+    published: Callable[[], None] = lambda: None  # under the lock, after each publish
 
     # --- under the coordinator's lock ---------------------------------------------------
 
@@ -129,9 +131,9 @@ class Applies:
     def begin(self) -> list[Pending]:
         """Take every pending gradient for the apply about to run; keep the version it
         replaces for pulls if any came lately."""
-        self.running, self.pending = self.pending, []
         if self.now() - self.pulled_at < PULLS_RECENT_SECONDS:
             self.frozen = Frozen(self.store.version, self.store.snapshot())
+        self.running, self.pending, self.stepped = self.pending, [], 0
         return self.running
 
     def answer_early(self, item: Pending, keep: Callable[[], Callable[[], None]]) -> bool:
@@ -141,6 +143,9 @@ class Applies:
             return False
         item.release = keep()
         self.ahead += 1
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="ps-apply", daemon=True)
+            self._thread.start()
         return True
 
     def _done(self, item: Pending, error: BaseException | None) -> None:
@@ -156,22 +161,21 @@ class Applies:
                 )
 
     def publish(self, error: BaseException | None) -> int:
-        """The apply ended: its gradients are the new version (or failed with ``error``);
-        returns how many it published."""
+        """The apply ended: the gradients it stepped (``stepped``, in order) are the new
+        version; the rest failed with ``error``. Returns how many it published."""
         taken, self.running, self.frozen = self.running, [], None
-        for item in taken:
-            self._done(item, error)
+        for i, item in enumerate(taken):
+            self._done(item, None if i < self.stepped else error)
             self.unpublished[item.worker_id] -= 1
             if self.unpublished[item.worker_id] <= 0:
                 del self.unpublished[item.worker_id]
-        if error is None:
-            self.store.version += len(taken)
-            if len(taken) > 1 and self.coalesce:
-                self.counters.coalesced += len(taken)
-        else:
-            self.counters.apply_failures += 1
+        self.store.version += self.stepped
+        if self.stepped > 1 and self.coalesce:
+            self.counters.coalesced += self.stepped
+        if error is not None:
+            self.counters.apply_failures += len(taken) - self.stepped
         self.store.retire()
-        return len(taken)
+        return self.stepped
 
     def discard(self, error: BaseException) -> None:
         """Drop every gradient not yet applied (a rewind): their pushers get ``error``."""
@@ -180,14 +184,17 @@ class Applies:
         self.pending = []
         self.unpublished = Counter(item.worker_id for item in self.running)
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
         """Apply every pending gradient here and now (the caller holds both locks: a
-        checkpoint's state holds every clock it counts)."""
-        if self.pending:
-            version = self.store.version
-            self.run(self.begin(), version)
-            self.publish(None)
-            self.cond.notify_all()
+        checkpoint's state holds every clock it counts); whether there were any."""
+        if not self.pending:
+            return False
+        version = self.store.version
+        error = self._stepped(self.begin(), version)
+        self.publish(error)
+        if error is not None and not isinstance(error, Exception):
+            raise error
+        return True
 
     # --- outside it ----------------------------------------------------------------------
 
@@ -198,15 +205,9 @@ class Applies:
             self.closed = True
             self.cond.notify_all()
 
-    def in_background(self, published: Callable[[], None]) -> None:
-        """Make sure the applier thread runs: it applies what pushes answered early left."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._loop, args=(published,), name="ps-apply", daemon=True
-            )
-            self._thread.start()
-
-    def _loop(self, published: Callable[[], None]) -> None:
+    def _loop(self) -> None:
+        """The applier thread: applies what pushes answered early left pending (and what
+        came with them), publishing each through ``published``."""
         while True:
             with self.cond:
                 while not self.pending and not self.closed:
@@ -215,9 +216,11 @@ class Applies:
                     return
                 item = self.pending[0]
             try:
-                self.apply(item, published)
-            except Exception:  # noqa: BLE001 - logged, counted (apply_failures); goes on
-                log.exception("the applier thread's apply failed; it goes on")
+                self.apply(item, self.published)
+            except ParamServerError:
+                pass  # logged and counted where it failed; the pusher was answered already
+            except Exception:  # noqa: BLE001 - a defect of this loop: said, and it goes on
+                log.exception("the applier thread failed; it goes on")
 
     def apply(self, waiting: Pending, published: Callable[[], None]) -> None:
         """Step the optimizer on ``waiting`` and every gradient pending with it, off the
@@ -233,32 +236,41 @@ class Applies:
                 version = self.store.version
                 taken = [] if waiting.done else self.begin()
             if taken:
-                error: BaseException | None = None
-                try:
-                    self.run(taken, version)
-                except BaseException as exc:
-                    error = exc
-                    log.exception("the optimizer's step failed on %d gradients", len(taken))
-                    if not isinstance(exc, Exception):
-                        raise
-                finally:
-                    with self.cond:
-                        self.publish(error)
-                        published()
+                error = self._stepped(taken, version)
+                with self.cond:
+                    self.publish(error)
+                    published()
+                if error is not None and not isinstance(error, Exception):
+                    raise error
         if isinstance(waiting.error, ParamServerError):
             raise waiting.error
         if waiting.error is not None:
             raise ParamServerError(f"The server failed to apply the gradient: {waiting.error!r}")
 
+    def _stepped(self, taken: Sequence[Pending], version: int) -> BaseException | None:
+        """``run``, and what it raised (logged), if anything."""
+        try:
+            self.run(taken, version)
+            return None
+        except BaseException as exc:  # noqa: BLE001 - published as the gradients' failure
+            log.exception(
+                "the optimizer's step failed: %d of %d gradients applied",
+                self.stepped,
+                len(taken),
+            )
+            return exc
+
     def run(self, taken: Sequence[Pending], version: int) -> None:
         """Step the optimizer on ``taken``, from published ``version``: their sum in one step
-        (``coalesce``), else one step each."""
+        (``coalesce``), else one step each; ``stepped`` counts those in the weights."""
         if self.coalesce and len(taken) > 1:
             total = self._summed([item.grad for item in taken])
             self.store.step(total, self.store.config.lr_at(version))
+            self.stepped = len(taken)
             return
         for i, item in enumerate(taken):
             self.store.step(item.grad, self.store.config.lr_at(version + i))
+            self.stepped = i + 1
 
     def _summed(self, grads: list[np.ndarray]) -> np.ndarray:
         """``grads`` added into one buffer that every coalesced apply reuses."""

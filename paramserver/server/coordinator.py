@@ -92,6 +92,7 @@ class Coordinator:
         self.members = Members(config, now)
         coalesce = config.coalesce == "on"
         self.applies = Applies(store, self.counters, self._cond, now, coalesce)
+        self.applies.published = self._published
         self.arrival: Arrival = self._arrival(None)
         self.saving = Saving(self._cond, self.arrival.in_rounds)
         if snapshot is not None:
@@ -270,9 +271,7 @@ class Coordinator:
                 and keep is not None
                 and self.applies.answer_early(waiting, keep)
             )
-        if early:
-            self.applies.in_background(self._published)
-        elif waiting is not None:
+        if waiting is not None and not early:
             self.applies.apply(waiting, self._published)
         return PushResult(self.store.version, clock, False)
 
@@ -357,7 +356,8 @@ class Coordinator:
         """A consistent copy of everything a resumed server needs (see ``checkpoint``): the
         gradients accepted and not yet applied are applied first."""
         with self.applies.lock, self._cond:
-            self.applies.drain()
+            if self.applies.drain():
+                self._published()  # a cut may fall now: it is taken before this state
             return self._snapshot(self.cuts.last)
 
     def _snapshot(self, cut: int) -> CoordinatorSnapshot:

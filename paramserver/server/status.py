@@ -109,7 +109,7 @@ class Counters:
     skipped: int = 0
     late: int = 0  # sync gradients dropped: their round closed without them
     coalesced: int = 0  # gradients applied in one optimizer step with others
-    apply_failures: int = 0  # optimizer steps that raised
+    apply_failures: int = 0  # gradients lost because the optimizer raised
     pulls: int = 0
     barrier_wait_seconds: float = 0.0
     samples: int = 0
@@ -128,6 +128,7 @@ class Counters:
         "skipped",
         "late",
         "coalesced",
+        "apply_failures",
         "samples",
         "bytes_in",
         "bytes_out",

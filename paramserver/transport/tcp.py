@@ -263,6 +263,7 @@ class TcpChannel(PayloadChannel):
         payload = self._push_part(header, slot)
         answer = self._step(pb.PushPullRequest(push=header), payload, timeout)
         if answer is not None:
+            self._pieces.pop(slot, None)  # answered: the gradients may go
             return answer.push
         self._in_slot(slot)
         return self.fallback.push(header, slot, timeout)
@@ -279,6 +280,7 @@ class TcpChannel(PayloadChannel):
         payload = self._push_part(header, slot)
         answer = self._step(pb.PushPullRequest(push=header, pull=request), payload, timeout)
         if answer is not None:
+            self._pieces.pop(slot, None)  # answered: the gradients may go
             return answer.pull
         # A retry after a lost reply pushes again: the server acknowledges it as a duplicate.
         self._in_slot(slot)

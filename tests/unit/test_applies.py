@@ -16,7 +16,7 @@ import torch
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.errors import Timeout, WrongIncarnation
+from paramserver.errors import ParamServerError, Timeout, WrongIncarnation
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.store import ParameterStore
 
@@ -227,3 +227,41 @@ def test_a_push_answered_before_its_apply_gives_its_buffer_back_once_applied():
     assert sorted(released) == ["a", "b"] and c.applies.ahead == 0
     assert np.array_equal(c.store.weights, _grad(-7.0))
     c.applies.close()
+
+
+def _failing_on(c: Coordinator, value: float) -> None:
+    """The optimizer's step raises (as out of memory would) on gradients of ``value``."""
+    real = c.store.step
+
+    def step(grad: np.ndarray, lr: float) -> None:
+        if grad[0] == value:
+            raise MemoryError("no room for the step")
+        real(grad, lr)
+
+    c.store.step = step  # type: ignore[method-assign]
+
+
+def test_a_step_that_raises_loses_only_the_gradients_it_did_not_apply():
+    c = _coordinator()
+    a, b = _joined(c)
+    _failing_on(c, 2.0)
+    c.push(a, 0, _grad(1.0), 1, 0.0)
+    with pytest.raises(ParamServerError, match="failed to apply"):
+        c.push(b, 0, _grad(2.0), 1, 0.0)
+    status = c.status()
+    assert status.version == 1 and status.apply_failures == 1
+    assert c.applies.idle and not c.applies.unpublished
+    c.push(b, 1, _grad(3.0), 1, 0.0)  # and the run goes on
+    assert c.store.version == 2 and np.array_equal(c.store.weights, _grad(-4.0))
+
+
+def test_a_checkpoint_whose_drain_fails_still_publishes_and_leaves_nothing_running():
+    c = _coordinator()
+    a, _ = _joined(c)
+    _failing_on(c, 2.0)
+    with c._cond:  # a gradient accepted and left pending
+        c.applies.add(a, _grad(2.0))
+    state = c.checkpoint_state()
+    assert state.version == 0 and c.applies.idle and not c.applies.unpublished
+    assert c.status().apply_failures == 1
+    assert c.pull(a, 0, 1.0).version == 0  # a pull still has its answer
