@@ -68,6 +68,21 @@ def server_child(cfg: ServerConfig, timeout: float = 120.0) -> Iterator[tuple[st
             child.stop()
 
 
+def _sample(stub: Stub, server: int, workers: list[int]) -> tuple[float, Any, tuple[float, float]]:
+    """Now, the server's status and the CPU seconds of the server and of the workers."""
+    now, status = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
+    return now, status, (cpu_seconds(server), sum(cpu_seconds(p) for p in workers))
+
+
+def _wait_until_training(stub: Stub, children: list[Any], policy: str) -> None:
+    """Until the server counts a sample (120 s at most, and while every worker runs)."""
+    deadline = time.monotonic() + 120
+    while stub.Status(pb.StatusRequest(), timeout=30).samples == 0:
+        if time.monotonic() > deadline or any(c.poll() is not None for c in children):
+            raise RuntimeError(f"the {policy} run did not start: {children[0].tail()}")
+        time.sleep(0.1)
+
+
 def cluster_rate(
     policy: str,
     delays: list[float],
@@ -80,12 +95,11 @@ def cluster_rate(
     backups: int = 0,
     cpu: dict[str, float] | None = None,
 ) -> tuple[float, list[float]]:
-    """Samples/s of a server (``optimizer_thread`` its --optimizer-thread, ``backups`` its
-    --backup-workers) and one worker
-    process per entry of ``delays`` (its injected per-step sleep, ``shm`` its --shm),
-    measured from the server's counters over ``window`` seconds once all have started: the
-    total, and each worker's. ``cpu``, if given, gets the CPU seconds the server and the
-    workers spent over the window (``server_s``, ``workers_s``) and the steps they took."""
+    """Samples/s of a server (``optimizer_thread``, ``backups``: its settings) and a worker
+    process per entry of ``delays`` (its per-step sleep; ``shm`` its --shm) over ``window``
+    seconds once all have started, by the server's counters: the total and each worker's.
+    ``cpu`` gets the CPU seconds of the server and the workers (``server_s``,
+    ``workers_s``) and the steps taken in the window."""
     cfg = ServerConfig(
         model="mlp",
         optimizer=OptimizerConfig("adam"),
@@ -105,17 +119,11 @@ def cluster_rate(
         channel = connect(address, 60)
         stub = Stub(channel)
         try:
-            deadline = time.monotonic() + 120
-            while stub.Status(pb.StatusRequest(), timeout=30).samples == 0:
-                if time.monotonic() > deadline or any(c.poll() is not None for c in children):
-                    raise RuntimeError(f"the {policy} run did not start: {children[0].tail()}")
-                time.sleep(0.1)
+            _wait_until_training(stub, children, policy)
             time.sleep(warmup)
-            t1, s1 = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
-            cpu1 = (cpu_seconds(server.proc.pid), sum(cpu_seconds(p) for p in pids))
+            t1, s1, cpu1 = _sample(stub, server.proc.pid, pids)
             time.sleep(window)
-            t2, s2 = time.perf_counter(), stub.Status(pb.StatusRequest(), timeout=30)
-            cpu2 = (cpu_seconds(server.proc.pid), sum(cpu_seconds(p) for p in pids))
+            t2, s2, cpu2 = _sample(stub, server.proc.pid, pids)
         finally:
             channel.close()
             stop_all(children)

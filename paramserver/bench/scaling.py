@@ -50,7 +50,13 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         rows.append(
             ("async, --optimizer-thread", f"2 workers: {rate:.0f} ({rate / local:.2f} x local)")
         )
-    two = counts.index(2)
+    _verdict(figures, rows, counts.index(2))
+    return rows, figures
+
+
+def _verdict(figures: dict[str, Any], rows: list[tuple[str, str]], two: int) -> None:
+    """The fastest policy's CPU a step and the target's verdict, at 2 workers (``two``:
+    their place in the counts), into ``figures`` and ``rows``."""
     best = max(figures[f"{p.replace('-', '')}_vs_local"][two] for p in POLICIES)
     fastest = max(POLICIES, key=lambda p: figures[f"{p.replace('-', '')}_vs_local"][two])
     split = figures[f"{fastest.replace('-', '')}_cpu_ms_per_step"]
@@ -71,7 +77,6 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             f"2 workers >= 1.3 x local: best {best:.2f} x, " + ("met" if best >= 1.3 else "missed"),
         )
     )
-    return rows, figures
 
 
 def cpu_split(cpu: dict[str, float], local_step_s: float) -> dict[str, float]:

@@ -136,10 +136,13 @@ class Applies:
         self.running, self.pending, self.stepped = self.pending, [], 0
         return self.running
 
-    def answer_early(self, item: Pending, keep: Callable[[], Callable[[], None]]) -> bool:
-        """Whether ``item``'s push may be answered before it is applied (``keep`` takes its
-        buffer over: given back once it is); the server's applier thread applies it."""
-        if self.ahead >= MAX_AHEAD or self.closed:
+    def answer_early(
+        self, item: Pending | None, keep: Callable[[], Callable[[], None]] | None
+    ) -> bool:
+        """Whether the push of ``item`` (None: nothing waits) may be answered before it is
+        applied (``keep``, None: it may not, takes its buffer over: given back once it is);
+        the server's applier thread applies it."""
+        if item is None or keep is None or self.ahead >= MAX_AHEAD or self.closed:
             return False
         item.release = keep()
         self.ahead += 1

@@ -229,15 +229,11 @@ class Coordinator:
         finite: bool | None = None,
         keep: Callable[[], Callable[[], None]] | None = None,
     ) -> PushResult:
-        """Apply (or, under sync, accumulate) one gradient and its tables' ``rows``; exactly
-        once per (worker, iteration), and once per server-handed batch (``batches``, or on
-        the shard that hands them out, the ones it handed for this iteration): a gradient
-        of batches this shard applied already counts for the clock and is not applied.
-        ``grad`` None is an empty push: the worker's clock moves on (under sync it counts
-        for the round), nothing is applied, and the batches it held go back to the queue.
-        ``finite``: whether ``grad`` is, as found while it was copied (None: check it here).
-        ``keep``: it may be answered before it is applied, ``keep()`` taking its buffer
-        over (``Applies.answer_early``)."""
+        """Apply (under sync, accumulate) a gradient and its tables' ``rows``, once per
+        (worker, iteration) and per server-handed batch (``batches``; on the shard handing
+        them out, those it handed): a repeated batch counts for the clock only. ``grad``
+        None: an empty push (the clock moves on, its batches go back). ``finite``: as found
+        while copied (None: check here). ``keep``: ``Applies.answer_early``."""
         what = f"The gradient of worker {worker_id} for iteration {iteration}"
         skip = self.config.skip_nonfinite
         checked, finite = check_push(
@@ -266,11 +262,7 @@ class Coordinator:
             self._settled(self.arrival.settle(self.membership.live_ids()))
             self._cond.notify_all()
             clock = member.clock
-            early = (
-                waiting is not None
-                and keep is not None
-                and self.applies.answer_early(waiting, keep)
-            )
+            early = self.applies.answer_early(waiting, keep)
         if waiting is not None and not early:
             self.applies.apply(waiting, self._published)
         return PushResult(self.store.version, clock, False)

@@ -63,10 +63,14 @@ def _totals(s: ServerStatus) -> Iterator[Metric]:
         s.pushes_coalesced,
     )
     yield _counter(
-        "apply_failures",
-        "Optimizer steps that raised; their pushes were refused.",
-        s.apply_failures,
+        "apply_failures", "Gradients lost because the optimizer's step raised.", s.apply_failures
     )
+    yield from _traffic(s)
+    yield from _disk_and_rows(s)
+
+
+def _traffic(s: ServerStatus) -> Iterator[Metric]:
+    """Bytes, samples, waits and progress."""
     yield _counter("received_bytes", "Gradient bytes received.", s.bytes_in)
     yield _counter("sent_bytes", "Weight bytes sent.", s.bytes_out)
     yield _counter("samples", "Training samples behind the accepted gradients.", s.samples)
@@ -79,6 +83,10 @@ def _totals(s: ServerStatus) -> Iterator[Metric]:
     yield _gauge("batches_total", "Batches in the whole run.", s.batches_total)
     yield _gauge("learning_rate", "Learning rate of the next optimizer step.", s.learning_rate)
     yield _gauge("train_loss", "Moving average of pushed batch losses.", s.train_loss)
+
+
+def _disk_and_rows(s: ServerStatus) -> Iterator[Metric]:
+    """Checkpoints, cuts and sparse rows."""
     if s.checkpoint_age_seconds >= 0:
         yield _gauge(
             "checkpoint_age_seconds",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 
@@ -60,7 +61,6 @@ KEYS = {
         "async_vs_local_all_cores",
         "async_grpc_samples_per_s",
         "async_optimizer_thread_samples_per_s",
-        "cpu_ms_per_step",
     ],
     "accuracy": ["time_to_target_s"],
     "network": [
@@ -131,7 +131,12 @@ def test_bench_quick_json(name):
         )
         assert all(v > 0 for v in values), (key, value)
     if name == "scaling":
-        assert set(figures["cpu_ms_per_step"]) == {"worker_compute", "worker_overhead", "server"}
+        split = figures["cpu_ms_per_step"]
+        assert set(split) == {"worker_compute", "worker_overhead", "server"}
+        # a quick run's second of clock ticks: the server's share may round to 0, and the
+        # overhead (the workers' CPU less a local step's) may come out below 0 on a busy host
+        assert split["worker_compute"] > 0 and split["server"] >= 0
+        assert all(math.isfinite(v) for v in split.values())
     if name == "step":
         assert set(figures["step_vs_local"]) == {"64", "256"}
         # clock ticks over a quick run's few steps: may round to 0
