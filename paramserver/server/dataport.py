@@ -42,7 +42,7 @@ from paramserver.server.doorbell import parse
 from paramserver.server.listener import SEND_SECONDS, Listener, answer_failing
 from paramserver.server.payloads import Loan
 from paramserver.server.steps import Steps
-from paramserver.transport.security import server_ssl_context, token_matches
+from paramserver.transport.security import refusal, server_ssl_context, token_matches
 from paramserver.transport.tcp import tune
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,7 @@ class DataPort(Listener):
         """
         token, nonce, worker_id = records.parse_data_hello(payload)
         if not token_matches(self.token, token):
-            raise Unauthenticated(
-                "This server requires a token: start the worker with --token or "
-                "PARAMSERVER_TOKEN set to the server's."
-            )
+            raise Unauthenticated(refusal(token))
         with self._nonce_lock:
             issued = self._nonces.get(worker_id)
         if issued is None or not secrets.compare_digest(issued, nonce):

@@ -30,6 +30,22 @@ def _bearer(token: str) -> str:
     return f"Bearer {token}"
 
 
+NO_TOKEN = (
+    "This server requires a token and the call carried none: start the client with --token "
+    "or PARAMSERVER_TOKEN set to the server's."
+)
+WRONG_TOKEN = (
+    "The token the call carried does not match this server's: start the client with --token "
+    "or PARAMSERVER_TOKEN set to the server's."
+)
+
+
+def refusal(got: bytes) -> str:
+    """Why a call carrying ``got`` (empty: none) as its token is refused, without saying
+    what the token is."""
+    return WRONG_TOKEN if got else NO_TOKEN
+
+
 def token_matches(expected: str | None, got: bytes) -> bool:
     """Whether ``got`` is the token ``expected`` (anything, where no token is set), in
     constant time."""
@@ -54,26 +70,22 @@ class TokenInterceptor(grpc.ServerInterceptor):
         got_bytes = got.encode() if isinstance(got, str) else bytes(got)
         if handler is None or hmac.compare_digest(got_bytes, self._expected):
             return handler
-        return _refusing(handler)
+        return _refusing(handler, refusal(got_bytes))
 
 
-def _deny(requests: Any, context: grpc.ServicerContext) -> Any:
+def _deny(requests: Any, context: grpc.ServicerContext, why: str) -> Any:
     """Refuses at once: ``requests`` (a stream, whatever the method) is never read."""
-    refusal = Unauthenticated(
-        "This server requires a token: start the worker with --token or PARAMSERVER_TOKEN "
-        "set to the server's."
-    )
-    context.abort(*to_status(refusal))
+    context.abort(*to_status(Unauthenticated(why)))
 
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     """A handler that aborts with UNAUTHENTICATED without reading the request: on the
     wire a unary request is a stream of one message, so a stream handler answers any
     method, and its body stays unread (beyond gRPC's flow-control window)."""
     from paramserver.transport.health import on_side_pool
 
     return method_handler(
-        on_side_pool(lambda requests, context: _deny(requests, context)),
+        on_side_pool(lambda requests, context: _deny(requests, context, why)),
         request_streaming=True,  # the request as a stream, never read
         response_streaming=bool(handler.response_streaming),
         request_deserializer=None,
