@@ -100,6 +100,14 @@ def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, 
     layouts = states[0].get("table_layouts") or {}
     make_tables(model, names=layouts)  # the run's tables (--table-rows made dense ones too)
     manifest, _ = models.state(model)  # parameters and buffers, as the servers lay them out
+    if len(states) == 1:
+        held = states[0]["model_state_dict"]
+        missing = [t.name for t in manifest.tensors if t.name not in held]
+        if missing:
+            raise ConfigError(
+                f"The checkpoint holds no {missing[0]!r} ({len(missing)} of the model's "
+                f"{len(manifest.tensors)} tensors are missing): is --model the run's?"
+            )
     sections = []
     for role in layout.ROLES:
         if len(states) == 1:  # a single server's checkpoint holds the tensors by name

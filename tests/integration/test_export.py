@@ -111,3 +111,17 @@ def test_which_files_are_read():
         choose([12, None], [{5}, {10}], None)
     with pytest.raises(ConfigError, match="cut at round 10"):
         choose([12, 12], [{5, 10}, {5}], 10)
+
+
+def test_export_of_another_model_says_so_in_one_line(serve, tmp_path):
+    _train(serve, tmp_path, 1)
+    result = subprocess.run(
+        [*paramserver_cmd(), "export", str(tmp_path), "--model", "mlp"],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is --model the run's?" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
