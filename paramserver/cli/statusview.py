@@ -3,48 +3,43 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from paramserver._proto import paramserver_pb2 as pb
 
+_INTEGERS = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
+_FLOATS = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT}
+
+
+def _plain(descriptor: Any, d: dict[str, Any]) -> None:
+    """``d`` (``MessageToDict`` of a message of ``descriptor``) with JSON's own values: every
+    64-bit integer a number (protobuf's JSON makes them strings), a float that is not
+    finite null (protobuf's JSON makes it "NaN"), nested messages alike; maps are left."""
+    for f in descriptor.fields:
+        message = f.message_type
+        if f.name not in d or (message is not None and message.GetOptions().map_entry):
+            continue
+        if message is not None:
+            for v in d[f.name] if f.is_repeated else [d[f.name]]:
+                _plain(message, v)
+        elif f.type in _INTEGERS:
+            d[f.name] = [int(v) for v in d[f.name]] if f.is_repeated else int(d[f.name])
+        elif f.type in _FLOATS and not f.is_repeated:
+            value = float(d[f.name])
+            d[f.name] = value if math.isfinite(value) else None
+
 
 def as_json(st: pb.StatusResponse) -> str:
-    """One JSON line with every field (int64 values as numbers)."""
+    """One JSON line with every field: integers as numbers, a value not yet known (a NaN,
+    as the training loss before any push) as null."""
     d: dict[str, Any] = MessageToDict(
         st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-    for key in (
-        "version",
-        "pushes_applied",
-        "bytes_in",
-        "bytes_out",
-        "max_staleness",
-        "samples",
-        "workers_joined",
-        "workers_expired",
-        "batches_done",
-        "batches_total",
-        "pushes_skipped",
-        "pushes_late",
-        "duplicates",
-        "checkpoint_version",
-        "rounds",
-        "pulls_answered",
-        "rows_held",
-        "rows_pulled",
-        "rows_pushed",
-        "checkpoint_failures",
-        "cuts_pending",
-        "cut_written",
-        "batches_applied",
-        "pushes_repeated",
-    ):
-        d[key] = int(d[key])
-    for w in d["workers"]:
-        for key in ("clock", "samples", "lag", "row_cache_hits", "row_cache_misses"):
-            w[key] = int(w[key])
+    _plain(pb.StatusResponse.DESCRIPTOR, d)
     d["staleness_histogram"] = {int(k): int(v) for k, v in d["staleness_histogram"].items()}
     return json.dumps(d, sort_keys=True)
 

@@ -115,6 +115,8 @@ def test_status_prints_a_table_and_json(serve):
     assert status["policy"] == "ssp:2"
     assert status["world_size"] == 3
     assert status["version"] == 0  # int64 fields as numbers, not protobuf JSON's strings
+    assert status["pushes_coalesced"] == 0 and status["apply_failures"] == 0
+    assert status["train_loss"] is None  # no push yet: null, not the string "NaN"
 
 
 def test_health_says_serving_and_status_watch_redraws(serve):
