@@ -104,13 +104,12 @@ def _dest(f: dataclasses.Field[Any], flag: Flag) -> str:
 @dataclass(frozen=True)
 class Part:
     """The settings of ``cls`` that a command takes: ``only`` these fields (in this order)
-    or all but ``exclude``; ``rename`` gives a field another flag on this command and
-    ``defaults`` another default there (both by field name)."""
+    or all but ``exclude``; ``defaults`` gives a field another default on this command (by
+    field name). A setting has one flag on every command that takes it."""
 
     cls: type
     only: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
-    rename: Mapping[str, str] = dataclasses.field(default_factory=dict)
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def settings(self) -> Iterator[tuple[dataclasses.Field[Any], Flag, str]]:
@@ -119,7 +118,7 @@ class Part:
         for name in self.only or tuple(fields):
             f, flag = fields[name]
             if name not in self.exclude:
-                yield f, flag, self.rename.get(name, flag.flag)
+                yield f, flag, flag.flag
 
     def default(self, f: dataclasses.Field[Any], flag: Flag) -> Any:
         """The setting's default on this command."""
@@ -213,9 +212,7 @@ def _shown(cfg: Any, f: dataclasses.Field[Any], flag: Flag) -> Any:
     return flag.show(cfg) if flag.show else getattr(cfg, f.name)
 
 
-def argv(
-    cfg: Any, *, exclude: tuple[str, ...] = (), rename: Mapping[str, str] | None = None
-) -> list[str]:
+def argv(cfg: Any, *, exclude: tuple[str, ...] = ()) -> list[str]:
     """The command-line arguments that give ``cfg``'s flagged fields (and those of the
     configs nested in it) their values; secrets and unset values are left out."""
     out: list[str] = []
@@ -228,7 +225,7 @@ def argv(
                 out += argv(value)
             continue
         flag: Flag = f.metadata["flag"]
-        out += _args(flag, (rename or {}).get(f.name, flag.flag), _shown(cfg, f, flag))
+        out += _args(flag, flag.flag, _shown(cfg, f, flag))
     return out
 
 

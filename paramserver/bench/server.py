@@ -9,7 +9,7 @@ Pushes/s come from the server's own counter (``pushes_applied``) over a window o
 pusher runs.
 
 The bound, measured in the same run: the in-place pass an apply cannot avoid, on tensors
-of the same size with one torch thread (the server's default ``--threads``): SGD
+of the same size with one torch thread (the server's default ``--server-threads``): SGD
 ``param.add_(grad, alpha=-lr)`` (reads the gradient and the parameters, writes the
 parameters) and torch's fused Adam step (reads the gradient, reads and writes the
 parameters and both moments). ``apply_vs_bound`` is the gradient bytes a shard applies a

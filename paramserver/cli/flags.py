@@ -55,12 +55,19 @@ class Query:
 @dataclass(frozen=True)
 class Status:
     json: bool = setting(
-        False, "--json", "Print the status as one JSON line.", dest="as_json", is_flag=True
+        False,
+        "--json",
+        "Print the status as one JSON line.",
+        dest="as_json",
+        env="STATUS_JSON",
+        is_flag=True,
     )
     watch: float | None = setting(
         None, "--watch", "Redraw every this many seconds until Ctrl-C.", type=float
     )
-    timeout: float = setting(5.0, "--timeout", "Seconds to wait for the server.")
+    timeout: float = setting(
+        5.0, "--rpc-timeout", "Seconds to wait for the server.", env="STATUS_RPC_TIMEOUT"
+    )
 
     def __post_init__(self) -> None:
         if self.watch is not None and self.watch <= 0:
@@ -69,7 +76,9 @@ class Status:
 
 @dataclass(frozen=True)
 class Health:
-    timeout: float = setting(5.0, "--timeout", "Seconds to wait for an answer.")
+    timeout: float = setting(
+        5.0, "--rpc-timeout", "Seconds to wait for an answer.", env="HEALTH_RPC_TIMEOUT"
+    )
     service: str = setting(
         "paramserver.v1.ParameterServer",
         "--service",
@@ -103,7 +112,12 @@ class Export:
 @dataclass(frozen=True)
 class Bench:
     json: bool = setting(
-        False, "--json", "Print one JSON line of figures and ratios.", dest="as_json", is_flag=True
+        False,
+        "--json",
+        "Print one JSON line of figures and ratios.",
+        dest="as_json",
+        env="BENCH_JSON",
+        is_flag=True,
     )
     quick: bool = setting(
         False, "--quick", "A few seconds' version (CI runs it).", env="BENCH_QUICK", is_flag=True

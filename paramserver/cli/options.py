@@ -19,7 +19,7 @@ from click.core import ParameterSource
 
 from paramserver import settings
 from paramserver.cli.configfile import Values, blame, group_setting, load, render
-from paramserver.cli.flags import ConfigFile
+from paramserver.cli.flags import ConfigFile, Logging
 from paramserver.errors import ConfigError
 
 F = Callable[..., Any]
@@ -63,6 +63,22 @@ def _set_printing(ctx: click.Context, _param: click.Parameter, on: bool) -> None
     resolution(ctx).printing = bool(on)
 
 
+def _set_log_level(ctx: click.Context, param: click.Parameter, level: str | None) -> None:
+    """``--log-level`` after the command: the group's setting, given on the command line
+    there (``paramserver server --log-level debug`` as ``paramserver --log-level debug
+    server``). Its variable is the group's, which the group has read already."""
+    if (
+        level is None
+        or ctx.get_parameter_source(str(param.name)) is not ParameterSource.COMMANDLINE
+    ):
+        return
+    logging.getLogger().setLevel(level.upper())
+    parent = ctx.parent
+    if parent is not None and "log_level" in parent.params:
+        parent.params["log_level"] = level
+        parent.set_parameter_source("log_level", ParameterSource.COMMANDLINE)
+
+
 class SettingsCommand(click.Command):
     """A command made by ``command``: the file's ``log-level`` applies where the group's
     came from no other source, and a ConfigError that names an option whose value came from
@@ -97,6 +113,10 @@ def command(*parts: settings.Part | type, **attrs: Any) -> Callable[[F], click.C
             f, flag, flag.flag, None, expose_value=False, is_eager=True, callback=_read_file
         )(func)
         func = settings.options(*parts)(func)
+        f, flag = next(settings.declared(Logging))
+        func = settings.option(
+            f, flag, flag.flag, None, expose_value=False, callback=_set_log_level
+        )(func)
         return click.command(cls=SettingsCommand, **attrs)(func)
 
     return decorate

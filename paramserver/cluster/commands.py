@@ -43,6 +43,7 @@ class LaunchOutput:
         "--json",
         "Print one final JSON line (progress goes to stderr).",
         dest="as_json",
+        env="LAUNCH_JSON",
         is_flag=True,
     )
 
@@ -62,7 +63,7 @@ LAUNCH = (
     *RUN,
     Part(OptimizerConfig, only=("schedule",), defaults={"schedule": "cosine"}),
     Part(LaunchConfig, exclude=("progress",)),
-    Part(ServerConfig, only=("threads",), rename={"threads": "--server-threads"}),
+    Part(ServerConfig, only=("threads",)),
     Part(LaunchOutput),
     Part(LaunchConfig, only=("progress",)),
 )

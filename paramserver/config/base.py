@@ -55,7 +55,7 @@ class OptimizerConfig:
     schedule: str = setting(
         "constant",
         "--lr-schedule",
-        "constant, or cosine decay to 0 over --lr-total-steps optimizer steps.",
+        "constant, or cosine decay to 0 over --lr-total-steps optimizer steps. The default is constant on server, cosine over the whole run on launch: launch starts the workers, so it can count the run's optimizer steps, which a server cannot (it does not know its workers' --push-every).",
         choices=LR_SCHEDULES,
         dest="lr_schedule",
     )

@@ -61,7 +61,7 @@ class ServerConfig:
     )
     threads: int = setting(
         1,
-        "--threads",
+        "--server-threads",
         "Torch threads of the optimizer.",
         env="SERVER_THREADS",
         dest="server_threads",
@@ -189,7 +189,7 @@ class ServerConfig:
                 f"{self.chunk_bytes}."
             )
         if self.threads < 1:
-            raise ConfigError(f"--threads must be at least 1; got {self.threads}.")
+            raise ConfigError(f"--server-threads must be at least 1; got {self.threads}.")
         _positive("--barrier-timeout", self.barrier_timeout)
         if not 0 <= self.shard < self.shards:
             raise ConfigError(

@@ -67,7 +67,10 @@ def test_every_option_has_help_and_an_environment_variable():
             ["launch", "--data-dir", "/nonexistent", "--workers", "1"],
             "Fashion-MNIST not found in /nonexistent",
         ),
-        (["status", "--server", "127.0.0.1:1", "--timeout", "0.5"], "No parameter server answered"),
+        (
+            ["status", "--server", "127.0.0.1:1", "--rpc-timeout", "0.5"],
+            "No parameter server answered",
+        ),
         (["launch", "--epochs", "x"], "'x' is not a valid integer"),
         (["server", "--checkpoint-every", "often", "--port", "0"], "--checkpoint-every must be"),
         (
@@ -78,7 +81,10 @@ def test_every_option_has_help_and_an_environment_variable():
             ["server", "--tls-cert", "/nonexistent.pem", "--tls-key", "/x", "--port", "0"],
             "--tls-cert '/nonexistent.pem' is not a readable file",
         ),
-        (["health", "--server", "127.0.0.1:1", "--timeout", "0.5"], "No parameter server answered"),
+        (
+            ["health", "--server", "127.0.0.1:1", "--rpc-timeout", "0.5"],
+            "No parameter server answered",
+        ),
         (["plot", "/"], "holds no metrics.jsonl"),
         (["export", "/", "--model", "mlp"], "should hold the server checkpoints of one run"),
     ],

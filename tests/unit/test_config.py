@@ -69,7 +69,7 @@ def test_optimizer_bad_values(kwargs: dict[str, Any], needle: str) -> None:
         ({"lease_seconds": 0.0}, ["--lease-timeout"]),
         ({"chunk_bytes": 1000}, ["--chunk-bytes", "1000"]),
         ({"chunk_bytes": 4098}, ["--chunk-bytes", "4098"]),
-        ({"threads": 0}, ["--threads", "0"]),
+        ({"threads": 0}, ["--server-threads", "0"]),
         ({"barrier_timeout": 0.0}, ["--barrier-timeout"]),
     ],
 )

@@ -64,7 +64,7 @@ PRECEDENCE = [
         ("2", "3", "4"),
     ),
     ("launch", ["--dataset", "synthetic"], "epochs", "PARAMSERVER_EPOCHS", ("2", "3", "4")),
-    ("status", [], "timeout", "PARAMSERVER_TIMEOUT", ("1.5", "2.5", "3.5")),
+    ("status", [], "rpc-timeout", "PARAMSERVER_STATUS_RPC_TIMEOUT", ("1.5", "2.5", "3.5")),
     ("health", [], "service", "PARAMSERVER_HEALTH_SERVICE", ('"a"', "b", "c")),
     ("plot", ["{tmp}"], "out", "PARAMSERVER_PLOT_OUT", ('"a.png"', "b.png", "c.png")),
     ("export", ["{tmp}", "--model", "mlp"], "seed", "PARAMSERVER_SEED", ("1", "2", "3")),

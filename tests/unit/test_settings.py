@@ -117,7 +117,7 @@ def test_status_and_health_do_not_import_torch():
         "from paramserver import cli\n"
         "for command in ('status', 'health'):\n"
         "    try:\n"
-        "        cli.main([command, '--server', '127.0.0.1:1', '--timeout', '0.05'])\n"
+        "        cli.main([command, '--server', '127.0.0.1:1', '--rpc-timeout', '0.05'])\n"
         "    except SystemExit:\n"
         "        pass\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
