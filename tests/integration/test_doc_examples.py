@@ -1,0 +1,131 @@
+"""Every ```python block of README.md and docs/*.md runs as written, or says that it is a
+fragment: its first line is a ``# fragment: ...`` comment naming what it needs.
+
+Each complete block runs as a user would paste it: ``python -c`` in a fresh process, in an
+empty folder, with a deadline; the examples themselves are short (a few seconds each).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from paramserver.errors import DataUnavailable
+from paramserver.training import data
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = {"python", "py", "python3"}
+FRAGMENT = "# fragment:"
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\s`]*)")
+FASHION = re.compile(r"""load\(\s*["']fashion-mnist["']""")
+DEADLINE = 120.0  # seconds one example may take before it fails (each takes about 10)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block: where it starts (the fence's line, 1-based) and its code."""
+
+    where: str
+    lang: str
+    code: str
+
+    @property
+    def fragment(self) -> bool:
+        lines = [line for line in self.code.splitlines() if line.strip()]
+        return bool(lines) and lines[0].lstrip().startswith(FRAGMENT)
+
+
+def fenced_blocks(text: str, name: str) -> list[Block]:
+    """Every fenced block of a Markdown text (``` or ~~~, indented or not), in order."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        indent, fence = opening["indent"], opening["fence"]
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            line = lines[j]
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
+            j += 1
+        lang = opening["info"].lower()
+        blocks.append(Block(f"{name}:{i + 1}", lang, "\n".join(body) + "\n"))
+        i = j + 1
+    return blocks
+
+
+def python_blocks() -> list[Block]:
+    """The python blocks of README.md and of every page in docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        blocks = fenced_blocks(text, str(page.relative_to(ROOT)))
+        found += [b for b in blocks if b.lang in PYTHON]
+    return found
+
+
+BLOCKS = python_blocks()
+COMPLETE = [b for b in BLOCKS if not b.fragment]
+
+
+def fashion_mnist_absent() -> bool:
+    try:
+        data.train_size("fashion-mnist")
+    except DataUnavailable:
+        return True
+    return False
+
+
+def test_blocks_are_found_by_language_and_fragments_by_their_first_line():
+    text = (
+        "Text.\n\n```python\nprint(1)\n```\n\n```\npython -c 'x'\n```\n\n```sh\nls\n```\n"
+        "- a list item:\n\n  ~~~py\n  # fragment: needs `model`\n  model.eval()\n  ~~~\n"
+        "````python\n```\nstill inside\n````\n"
+    )
+    blocks = [b for b in fenced_blocks(text, "t.md") if b.lang in PYTHON]
+    assert [(b.where, b.code, b.fragment) for b in blocks] == [
+        ("t.md:3", "print(1)\n", False),
+        ("t.md:16", "# fragment: needs `model`\nmodel.eval()\n", True),
+        ("t.md:20", "```\nstill inside\n", False),
+    ]
+
+
+def test_the_documented_examples_are_complete_programs():
+    """The README's and the API page's examples are found, and are not fragments."""
+    pages = {b.where.split(":")[0] for b in COMPLETE}
+    assert {"README.md", "docs/api.md"} <= pages, [b.where for b in BLOCKS]
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
+def test_every_python_block_compiles_and_a_fragment_says_what_it_needs(block: Block):
+    compile(block.code, block.where, "exec")
+    if block.fragment:
+        first = next(line for line in block.code.splitlines() if line.strip())
+        assert first.split(FRAGMENT, 1)[1].strip(), f"{block.where}: '{FRAGMENT}' names nothing"
+
+
+@pytest.mark.parametrize("block", COMPLETE, ids=[b.where for b in COMPLETE])
+def test_a_complete_example_runs_as_written(block: Block, tmp_path: Path):
+    """Pasted into ``python`` in an empty folder, it exits 0 within the deadline (on timeout,
+    subprocess.run kills the child before raising)."""
+    if FASHION.search(block.code) and fashion_mnist_absent():
+        pytest.skip("Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+    done = subprocess.run(
+        [sys.executable, "-c", block.code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+    assert done.returncode == 0, f"{block.where} exited {done.returncode}:\n{done.stderr[-4000:]}"
