@@ -68,6 +68,10 @@ def status(**kw: Any) -> None:
             if opts.watch is None:
                 return
             time.sleep(opts.watch)  # the refresh period the operator asked for
+    except KeyboardInterrupt:
+        if opts.watch is None:
+            raise
+        # Ctrl-C is how --watch ends: exit 0, without a word
     finally:
         channel.close()
 

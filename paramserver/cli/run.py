@@ -141,7 +141,7 @@ def launch(**kw: Any) -> None:
         click.echo(line)
     else:
         click.echo(
-            f"{summary['policy']}, {summary['workers']} workers, {summary['epochs']} epochs: "
+            f"{summary['policy_label']}, {summary['workers']} workers, {summary['epochs']} epochs: "
             f"test accuracy {100 * summary['test_accuracy']:.2f}%, "
             + (f"test AUC {summary['test_auc']:.4f}, " if "test_auc" in summary else "")
             + f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "

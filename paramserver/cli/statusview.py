@@ -41,18 +41,30 @@ def as_json(st: pb.StatusResponse) -> str:
     )
     _plain(pb.StatusResponse.DESCRIPTOR, d)
     d["staleness_histogram"] = {int(k): int(v) for k, v in d["staleness_histogram"].items()}
+    d["finished"] = finished(st)
     return json.dumps(d, sort_keys=True)
+
+
+def finished(st: pb.StatusResponse) -> bool:
+    """Whether every batch of the run's plan is applied."""
+    return 0 < st.batches_total <= st.batches_done
+
+
+def _progress(st: pb.StatusResponse) -> str:
+    """The batches applied of the plan's, and whether that is all of them."""
+    if not st.batches_total:
+        return ""
+    done = f"  batches {st.batches_done}/{st.batches_total} "
+    done += f"({100 * st.batches_done / st.batches_total:.1f}%)"
+    if finished(st):
+        done += ": RUN FINISHED (workers that join get nothing to train)"
+    return done
 
 
 def render(st: pb.StatusResponse, address: str) -> str:
     """The status as a header and one row per live worker."""
     rate = st.samples / st.train_seconds if st.train_seconds > 0 else 0.0
-    progress = (
-        f"  batches {st.batches_done}/{st.batches_total} "
-        f"({100 * st.batches_done / st.batches_total:.1f}%)"
-        if st.batches_total
-        else ""
-    )
+    progress = _progress(st)
     checkpoint = (
         f"  checkpoint v{st.checkpoint_version} {st.checkpoint_age_seconds:.0f}s ago"
         if st.checkpoint_age_seconds >= 0

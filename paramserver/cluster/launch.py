@@ -29,6 +29,7 @@ from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
 from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
+from paramserver.policy.staleness import Policy
 from paramserver.server import checkpoint
 from paramserver.sparse.embedding import TableEmbedding, attach_tables, make_tables
 from paramserver.sparse.remote import Observer, RemoteTables
@@ -176,7 +177,7 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     scfg = cfg.server
     job = _Job.prepare(scfg, cfg.data_dir)
-    run = RunDir(cfg.runs_root, scfg.parsed_policy.name.replace(":", ""), cfg.run_dir)
+    run = RunDir(cfg.runs_root, scfg.policy.strip().lower().replace(":", ""), cfg.run_dir)
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
     log.info("run folder %s", run.path)
     cluster = _Cluster(cfg, run, place)
@@ -187,7 +188,7 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
         tables = cluster.tables(job.model, job.specs)
         evaluated = _train(cfg, job, run, cluster, failed, t0)
         # The checkpoint holds exactly the weights the last evaluation saw.
-        st, header = _record_epoch(run, cluster, job, evaluated + 1, t0, None)
+        st, header = _record_epoch(run, cluster, job, evaluated + 1, t0, cfg.progress)
         state = job.model.state_dict()
         for spec in job.specs:  # the tables, read whole from the servers
             assert tables is not None
@@ -201,7 +202,7 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
         )
     finally:
         cluster.stop()
-    run.plot(f"{scfg.model}, {st.policy}, {scfg.workers} workers")
+    run.plot(f"{scfg.model}, {Policy.label(scfg.policy)}, {scfg.workers} workers")
     summary = _summary(scfg, st, run, failed, time.perf_counter() - t0)
     run.write_json("summary.json", summary)
     return summary
@@ -241,7 +242,7 @@ def _train(
                 evaluated < scfg.epochs - 1 and st.batches_done >= (evaluated + 1) * job.per_epoch
             ):
                 evaluated += 1
-                _record_epoch(run, cluster, job, evaluated, t0, bar if cfg.progress else None)
+                _record_epoch(run, cluster, job, evaluated, t0, cfg.progress)
             if finished:
                 return evaluated
             time.sleep(0.5)  # progress refresh period
@@ -270,6 +271,7 @@ def _summary(
     last = run.read_metrics()[-1]
     return {
         "policy": st.policy,
+        "policy_label": Policy.label(scfg.policy),
         "workers": scfg.workers,
         "epochs": scfg.epochs,
         "model": scfg.model,
@@ -289,10 +291,11 @@ def _summary(
 
 
 def _record_epoch(
-    run: RunDir, cluster: _Cluster, job: _Job, epoch: int, t0: float, bar: tqdm | None
+    run: RunDir, cluster: _Cluster, job: _Job, epoch: int, t0: float, plain: bool
 ) -> tuple[pb.StatusResponse, pb.PullHeader]:
     """Load the server's current weights and buffers into the job's model, evaluate it,
-    append a metrics line; returns what it read."""
+    append a metrics line and say it (``plain``: as a line of its own above the progress
+    bar, every epoch alike; else logged); returns what it read."""
     model, dataset = job.model, job.dataset
     manifest, tensors = job.state
     st = cluster.status()
@@ -321,8 +324,8 @@ def _record_epoch(
         f"epoch {epoch}: test accuracy {100 * acc:.2f}%{auc_text}, test loss {loss:.4f}, "
         f"version {header.version}"
     )
-    if bar is not None:
-        bar.write(message, file=sys.stderr)
+    if plain:
+        tqdm.write(message, file=sys.stderr)
     else:
         log.info("%s", message)
     return st, header

@@ -67,6 +67,13 @@ class Policy:
             return "async"
         return "sync" if self.bound == 0 else f"ssp:{self.bound}"
 
+    @classmethod
+    def label(cls, text: str) -> str:
+        """The policy as the user named it, with its canonical name where they differ:
+        ``delay-1 (ssp:1)``; ``ssp:3``, ``sync`` and ``async`` as they are."""
+        given, name = text.strip().lower(), cls.parse(text).name
+        return name if given == name else f"{given} ({name})"
+
     @property
     def synchronous(self) -> bool:
         """Whether gradients are averaged in rounds instead of applied on arrival."""

@@ -30,7 +30,7 @@ from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import TableSet, row_optimizer
-from paramserver.transport import security, stub
+from paramserver.transport import ports, security, stub
 from paramserver.transport.attachments import Attachments
 from paramserver.transport.health import BoundedHealth
 
@@ -53,11 +53,6 @@ MAX_SEND_BYTES = 64 << 20
 
 # Hosts that bind every interface; clients on this machine dial 127.0.0.1 instead.
 EVERY_INTERFACE = ("0.0.0.0", "::", "[::]", "")
-
-
-def _bracketed(host: str) -> str:
-    """An IPv6 host in brackets, as host:port needs it."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
@@ -220,7 +215,7 @@ class ServerApp:
     @property
     def bound(self) -> str:
         """host:port the server listens on, as bound (0.0.0.0: every interface)."""
-        bound = f"{_bracketed(self.config.host)}:{self.port}"
+        bound = f"{ports.bracketed(self.config.host)}:{self.port}"
         if self.config.host in EVERY_INTERFACE:
             return f"{bound} (every interface; dial {self.address} on this host)"
         return bound
@@ -231,22 +226,9 @@ class ServerApp:
         Raises:
             ConfigError: the port cannot be bound.
         """
-        host = self.config.host
-        bind = _bracketed(host)
         creds = security.server_credentials(self.config.security)
-        try:
-            if creds is None:
-                self.port = self._grpc.add_insecure_port(f"{bind}:{self.config.port}")
-            else:
-                self.port = self._grpc.add_secure_port(f"{bind}:{self.config.port}", creds)
-        except RuntimeError as exc:
-            self.port = 0
-            raise ConfigError(f"Cannot listen on {host}:{self.config.port}: {exc}.") from exc
-        if self.port == 0:
-            raise ConfigError(
-                f"Cannot listen on {host}:{self.config.port}: the port is in use or the "
-                "address is not on this machine."
-            )
+        self.port = 0
+        self.port = ports.bind_grpc(self._grpc, self.config.host, self.config.port, creds)
         self._servicer.control = self.doorbell.start()
         self._start_data_port()
         self._grpc.start()
@@ -271,12 +253,12 @@ class ServerApp:
             return
         if self.data.start():
             self._servicer.data = self.data
-            log.info("data port on %s:%d", _bracketed(self.config.host), self.data.port)
+            log.info("data port on %s:%d", ports.bracketed(self.config.host), self.data.port)
         elif self.config.data_port != "auto":
             self._grpc.stop(0)
             self.doorbell.close()
             raise ConfigError(
-                f"Cannot serve the data port on {_bracketed(self.config.host)}:"
+                f"Cannot serve the data port on {ports.bracketed(self.config.host)}:"
                 f"{self.config.data_port} (see the log); --data-port off streams over gRPC."
             )
 
@@ -293,9 +275,9 @@ class ServerApp:
         except OSError as exc:
             self._grpc.stop(0)
             raise ConfigError(
-                f"Cannot serve metrics on {_bracketed(host)}:{port}: {exc.strerror or exc}."
+                f"Cannot serve metrics on {ports.bracketed(host)}:{port}: {exc.strerror or exc}."
             ) from exc
-        log.info("metrics on http://%s:%d/metrics", _bracketed(host), self.metrics.port)
+        log.info("metrics on http://%s:%d/metrics", ports.bracketed(host), self.metrics.port)
 
     def _log_serving(self) -> None:
         c = self.config

@@ -57,6 +57,15 @@ class Members:
         )
         queue = BatchQueue.from_state(snapshot.queue) if snapshot.queue is not None else None
         started = bool(membership.members) or snapshot.version > 0
+        if queue is not None and queue.finished:
+            log.warning(
+                "the run in %s is over: all %d of its batches were applied (version %d). "
+                "Workers that join get nothing to train; to train again, start the server "
+                "with another --checkpoint-dir (or an empty one)",
+                config.checkpoint_dir,
+                queue.total,
+                snapshot.version,
+            )
         return cls(config, now, membership, queue, started)
 
     def state(self) -> dict[str, Any]:
@@ -81,13 +90,13 @@ class Members:
         cfg = self.config
         self.queue = BatchQueue.plan(self.queue, train_samples, cfg.batch_size, cfg.epochs)
         member = self.membership.members.get(worker_id) if worker_id else None
-        if member is not None:
+        if member is not None:  # its start-up's second Join (its payload path), or a rejoin
             self.membership.touch(worker_id)
-            what = "rejoined"
-        else:
-            joined = self.membership.joined_total
-            member = self.membership.join(name, start_clock=start, join_id=join_id)
-            what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
+            log.debug("worker %s (rank %d) joined again while live", worker_id, member.rank)
+            return member
+        joined = self.membership.joined_total
+        member = self.membership.join(name, start_clock=start, join_id=join_id)
+        what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
         if not self.started and len(self.membership.members) >= cfg.start_workers:
             self.started = True
         log.info(

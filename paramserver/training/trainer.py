@@ -119,6 +119,13 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         seconds,
         worker.rejoins,
     )
+    if steps == 0:
+        log.warning(
+            "the run at %s was over before this worker computed a batch: every batch of its "
+            "plan is applied (version %d), so there was nothing to train",
+            ",".join(cfg.addresses),
+            worker.version,
+        )
     return WorkerSummary(
         worker.rank, steps, samples, seconds, worker.rejoins, cache.hits, cache.misses
     )

@@ -11,6 +11,7 @@
 - ``shm``: the shared-memory segments a same-host worker's payloads travel in;
 - ``channels``: the worker's payload channels (``ShmChannel`` with its control-socket
   client, ``GrpcStreamChannel``), one interface for push, pull and both;
+- ``ports``: binding the server's gRPC port, a port in use refused in one sentence;
 - ``tcp``: the data port's client (``TcpChannel``), what workers on other hosts step over;
 - ``client``: the ``Channel`` seam, everything a worker's session sends to one server
   (membership, queries and payloads), and ``GrpcChannel``, a stub with a payload channel

@@ -4,6 +4,9 @@ protobuf encoding)."""
 
 from __future__ import annotations
 
+import datetime
+import logging
+import time
 from typing import Any
 
 import grpc
@@ -15,6 +18,7 @@ from paramserver.config import Security
 from paramserver.errors import ServerUnavailable
 from paramserver.transport import security
 
+log = logging.getLogger(__name__)
 SERVICE = "paramserver.v1.ParameterServer"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -22,16 +26,18 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def connect(address: str, timeout: float, sec: Security | None = None) -> grpc.Channel:
+def connect(
+    address: str, timeout: float, sec: Security | None = None, every: float = 10.0
+) -> grpc.Channel:
     """A channel to ``address`` (with ``sec``'s TLS and token) that is known to be connected.
+    While nothing answers it logs that it waits, for whom and until when: after the first
+    second, then every ``every`` seconds.
 
     Raises:
         ServerUnavailable: nothing answers at ``address`` within ``timeout`` seconds.
     """
     channel = security.client_channel(address, sec or Security(), CHANNEL_OPTIONS)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
+    if not _ready(channel, address, timeout, every):
         channel.close()
         hint = (
             " With TLS: is the server's certificate signed by --tls-ca, and does the server "
@@ -44,6 +50,32 @@ def connect(address: str, timeout: float, sec: Security | None = None) -> grpc.C
             f"and is the address right?{hint}"
         ) from None
     return channel
+
+
+def _ready(channel: grpc.Channel, address: str, timeout: float, every: float) -> bool:
+    """Whether ``channel`` connects within ``timeout`` seconds, saying while it waits."""
+    ready = grpc.channel_ready_future(channel)
+    start = time.monotonic()
+    until = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    step = min(1.0, timeout)
+    while True:
+        left = timeout - (time.monotonic() - start)
+        try:
+            ready.result(timeout=max(min(step, left), 0.0))
+            return True
+        except grpc.FutureTimeoutError:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                ready.cancel()
+                return False
+        log.info(
+            "waiting for a parameter server to answer at %s: %.0fs so far, until %s (%.0fs more)",
+            address,
+            time.monotonic() - start,
+            until.strftime("%H:%M:%S"),
+            left,
+        )
+        step = every
 
 
 class Stub(pb_grpc.ParameterServerStub):

@@ -216,10 +216,11 @@ class Pipeline:
     def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:
         request = s.pull_request(iteration, batches)
         channel = s.channel
-        answered = s.retrying(
-            f"pull of iteration {iteration}",
-            lambda: channel.pull(request, self.barrier_timeout),
-        )
+        with s.waits.waiting(f"The pull of iteration {iteration} from {s.address}"):
+            answered = s.retrying(
+                f"pull of iteration {iteration}",
+                lambda: channel.pull(request, self.barrier_timeout),
+            )
         s.catch_up(iteration, answered)
         return answered
 
@@ -237,10 +238,11 @@ class Pipeline:
         )
         request = s.pull_request(pull, batches)
         channel = s.channel
-        answered = s.retrying(
-            f"push of iteration {iteration} and pull of {pull}",
-            lambda: channel.push_pull(header, staged.slot, request, self.barrier_timeout),
-        )
+        with s.waits.waiting(f"The pull of iteration {pull} from {s.address}"):
+            answered = s.retrying(
+                f"push of iteration {iteration} and pull of {pull}",
+                lambda: channel.push_pull(header, staged.slot, request, self.barrier_timeout),
+            )
         s.catch_up(pull, answered)
         return answered
 

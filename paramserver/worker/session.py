@@ -38,6 +38,7 @@ from paramserver.errors import (
 )
 from paramserver.transport.client import Channel, ChannelFactory, PayloadSpec
 from paramserver.worker.retry import Backoff
+from paramserver.worker.waits import EVERY, Waits, explain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,6 +92,7 @@ class Session:
         # the newest cut every shard has written, as their last pulls said (PullRequest)
         self.common_cut = 0
         self.channel: Channel = channels(address)
+        self.waits = Waits(now=backoff.now)
 
     def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
         """Rows of the sparse tables, on this session's channel (no retry: the caller's)."""
@@ -117,7 +119,7 @@ class Session:
             RejoinRequired: the session is LOST (and marked so).
             ParamServerError: any other failure, at once.
         """
-        attempt, since = 0, None
+        attempt, since, said = 0, None, 0.0
         while True:
             try:
                 return call()
@@ -129,8 +131,18 @@ class Session:
             if not isinstance(exc, (ServerUnavailable, *also)) or self._stop.is_set():
                 raise exc
             if since is None:
-                since = self.backoff.now()
+                since = said = self.backoff.now()
                 log.warning("%s; retrying for up to %.0fs", exc, self.backoff.budget)
+            elif self.backoff.now() - said >= EVERY:
+                said = self.backoff.now()
+                log.warning(
+                    "%s: still no answer from %s after %.0fs; retrying for %.0fs more "
+                    "(--server-timeout)",
+                    what,
+                    self.address,
+                    said - since,
+                    max(self.backoff.budget - (said - since), 0.0),
+                )
             if self.backoff.expired(since) and not isinstance(exc, ServerUnavailable):
                 raise type(exc)(
                     f"{exc} Still so after {self.backoff.budget:.0f}s (--server-timeout)."
@@ -239,6 +251,17 @@ class Session:
         except ParamServerError as exc:
             log.info("%s", exc)
 
+    def report_waits(self) -> None:
+        """Log each call of this session that has waited another ``waits.EVERY`` seconds
+        (a pull held for slower workers, or for a run that has not started), with the
+        reason the server's status gives."""
+        for what, waited in self.waits.due():
+            try:
+                why = explain(self.call("status", self.channel.status, pb.StatusRequest()))
+            except ParamServerError as exc:
+                why = f"the server's status did not come: {exc}"
+            log.info("%s has waited %.0fs: %s", what, waited, why)
+
     # --- payload requests ---------------------------------------------------------------
 
     def push_header(
@@ -301,6 +324,7 @@ class Heartbeats:
         self.sessions = sessions
         self._stop = stop
         self._thread = threading.Thread(target=self._loop, name="ps-heartbeat", daemon=True)
+        self.failures = 0  # rounds that raised (each logged with its traceback)
 
     def interval(self) -> float:
         return max(min(s.lease_seconds for s in self.sessions) / 3, 0.05)
@@ -308,10 +332,16 @@ class Heartbeats:
     def once(self) -> None:
         for s in self.sessions:
             s.heartbeat_once(2 * self.interval())
+        for s in self.sessions:
+            s.report_waits()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval()):
-            self.once()
+            try:
+                self.once()
+            except Exception:  # noqa: BLE001 - the thread must live on: logged, counted
+                self.failures += 1
+                log.exception("heartbeat round %d failed; the next one retries", self.failures)
 
     def start(self) -> Heartbeats:
         self._thread.start()
