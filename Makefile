@@ -54,8 +54,9 @@ test: install
 run: install
 	$(PY) -m paramserver launch $(RUN_ARGS)
 
-# docs/RESULTS.md from measured runs' JSON (docs/results/): the main job per policy, a few
-# minutes; RESULTS_ARGS=--resnet adds the ResNet (about 30 min), --render only rewrites the page.
+# docs/RESULTS.md and README's results block from measured runs' JSON (docs/results/, and the
+# dated latest lines of docs/bench/*.json): the main job per policy, a few minutes;
+# RESULTS_ARGS=--resnet adds the ResNet (about 30 min), --render only rewrites the pages.
 RESULTS_ARGS ?=
 results: install
 	$(PY) -m paramserver.bench.results $(RESULTS_ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import statistics
@@ -160,9 +161,14 @@ def worker_children(
 
 
 def report(name: str, rows: list[tuple[str, str]], figures: dict[str, Any], as_json: bool) -> None:
-    """A readable table, or with ``--json`` one JSON line of the figures."""
+    """A readable table, or with ``--json`` one JSON line of the figures, with the date and
+    the machine they were measured on (README quotes a line's figures only with them)."""
     if as_json:
-        click.echo(json.dumps({"bench": name, **figures}, sort_keys=True))
+        from paramserver.bench.results import machine
+
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        line = {"bench": name, **figures, "date": when, "machine": machine()}
+        click.echo(json.dumps(line, sort_keys=True))
         return
     width = max(len(k) for k, _ in rows)
     click.echo(f"paramserver bench {name}")

@@ -1,10 +1,12 @@
 """``docs/RESULTS.md`` from the runs' JSON (``make results``): each run of the main job (and,
 with ``--resnet``, of the ResNet) is measured with ``paramserver launch --json`` and kept as
 one JSON record in ``docs/results/`` with its command, date and machine; the page is then
-written from those records alone, so its figures are never typed by hand.
+written from those records alone, so its figures are never typed by hand. README's results
+block is written too, from the same records and the benchmarks' latest dated lines
+(``paramserver.bench.readme``).
 
-    python -m paramserver.bench.results            # measure every run, then write the page
-    python -m paramserver.bench.results --render   # write the page from the records kept
+    python -m paramserver.bench.results            # measure every run, then write the pages
+    python -m paramserver.bench.results --render   # write the pages from the records kept
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from paramserver.bench import readme
 
 POLICIES = ("sync", "delay-1", "ssp:3", "async")
 
@@ -142,7 +146,6 @@ def render(records: list[dict[str, Any]]) -> str:
     """The page, from the records alone."""
     if not records:
         raise click.ClickException("No records in docs/results/: run without --render first.")
-    m = records[0]["machine"]
     main = [r for r in records if r["section"] == "main"]
     resnet = [r for r in records if r["section"] == "resnet"]
     dates = sorted({r["date"][:10] for r in records})
@@ -151,8 +154,7 @@ def render(records: list[dict[str, Any]]) -> str:
         "",
         "Written by `make results` (`python -m paramserver.bench.results`) from the JSON records",
         "in `docs/results/`; do not edit by hand. Measured on "
-        f"{', '.join(dates)}: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU "
-        f"{m['gpu']}; torch {m['torch']}, Python {m['python']}. One run per row.",
+        f"{', '.join(dates)}: {readme.machine_text(records[0]['machine'])}. One run per row.",
         "",
         "Accuracy is on the 10,000-image Fashion-MNIST test set; `samples/s` is samples pushed",
         "divided by the time from the first accepted push to the last; `wall` includes process",
@@ -184,18 +186,39 @@ def load(folder: Path) -> list[dict[str, Any]]:
 
 
 @click.command()
-@click.option("--render", "render_only", is_flag=True, help="Write the page from the records kept.")
+@click.option(
+    "--render",
+    "render_only",
+    is_flag=True,
+    help="Write RESULTS.md and README's block from the records kept.",
+)
 @click.option("--resnet", is_flag=True, help="Also measure the ResNet per policy (about 30 min).")
 @click.option("--records", default="docs/results", show_default=True, help="The records' folder.")
 @click.option("--out", default="docs/RESULTS.md", show_default=True, help="The page to write.")
-def main(render_only: bool, resnet: bool, records: str, out: str) -> None:
-    """Measure the runs RESULTS.md reports, then write it from their JSON records."""
+@click.option(
+    "--readme",
+    "readme_path",
+    default="README.md",
+    show_default=True,
+    help="The README whose results block to rewrite.",
+)
+@click.option(
+    "--bench", default="docs/bench", show_default=True, help="The benchmarks' JSON lines."
+)
+def main(
+    render_only: bool, resnet: bool, records: str, out: str, readme_path: str, bench: str
+) -> None:
+    """Measure the runs RESULTS.md reports, then write it and README's block from the records."""
     folder = Path(records)
     if not render_only:
         for run in runs(resnet):
             measure(run, folder)
-    Path(out).write_text(render(load(folder)))
-    click.echo(f"wrote {out}", err=True)
+    kept = load(folder)
+    page, front = Path(out), Path(readme_path)
+    text = readme.render(front.read_text(), kept, readme.load_bench(Path(bench)))
+    page.write_text(render(kept))
+    front.write_text(text)
+    click.echo(f"wrote {out} and the results block of {readme_path}", err=True)
 
 
 if __name__ == "__main__":
