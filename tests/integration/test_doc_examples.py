@@ -1,5 +1,6 @@
 """Every ```python block of README.md and docs/*.md runs as written, or says that it is a
-fragment: its first line is a ``# fragment: ...`` comment naming what it needs.
+fragment: its first line is a ``# fragment: ...`` comment naming what it needs; and every
+``paramserver ...`` command of their shell blocks parses (its command and options exist).
 
 Each complete block runs as a user would paste it: ``python -c`` in a fresh process, in an
 empty folder, with a deadline; the examples themselves are short (a few seconds each).
@@ -7,12 +8,15 @@ empty folder, with a deadline; the examples themselves are short (a few seconds 
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import pytest
 
 from paramserver.errors import DataUnavailable
@@ -129,3 +133,62 @@ def test_a_complete_example_runs_as_written(block: Block, tmp_path: Path):
         check=False,
     )
     assert done.returncode == 0, f"{block.where} exited {done.returncode}:\n{done.stderr[-4000:]}"
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every ``paramserver ...`` command line of a shell block (not python, toml, yaml or
+    json) in README.md and docs/: (where, its words after ``paramserver``), with a
+    continued line joined, a leading ``$ `` and variable assignments dropped, and a ``...``
+    (the doc's "and the rest") left out."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = []
+    for page in pages:
+        for block in fenced_blocks(page.read_text(encoding="utf-8"), page.name):
+            if block.lang in PYTHON | {"toml", "yaml", "json"}:
+                continue
+            for line in block.code.replace("\\\n", " ").splitlines():
+                words = _words(line.strip().removeprefix("$ "))
+                while words and re.match(r"^[A-Z_]+=", words[0]):
+                    words = words[1:]
+                if words and words[0] in ("paramserver", ".venv/bin/paramserver"):
+                    found.append((block.where, [w for w in words[1:] if w != "..."]))
+    return found
+
+
+def _words(line: str) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:  # prose in a block (an unclosed quote): not a command
+        return []
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_show_commands():
+    assert len(COMMANDS) >= 20, COMMANDS
+
+
+@pytest.mark.parametrize("where,words", COMMANDS, ids=[f"{w}:{' '.join(c)}" for w, c in COMMANDS])
+def test_every_documented_command_parses(where, words, tmp_path, monkeypatch):
+    """Each documented command names a command and options that exist, with values they
+    take (a renamed option or a wrong spelling fails here); nothing is run. Files it names
+    for --config and TLS are made empty in a scratch folder."""
+    from paramserver import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in os.environ if n.startswith("PARAMSERVER_")]:
+        monkeypatch.delenv(name)
+    for flag, value in zip(words, words[1:], strict=False):
+        if flag in ("--config", "--tls-cert", "--tls-key", "--tls-ca"):
+            (tmp_path / value).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / value).write_text("")
+    group, rest = cli.cli, list(words)
+    while rest and rest[0].startswith("--"):  # the group's own options before the command
+        rest = rest[2:]
+    assert rest and rest[0] in group.commands, f"{where}: no command in {words}"
+    command = group.commands[rest[0]]
+    try:
+        command.make_context(rest[0], rest[1:])
+    except click.ClickException as exc:
+        pytest.fail(f"{where}: paramserver {' '.join(words)}: {exc.format_message()}")
