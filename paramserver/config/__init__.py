@@ -14,15 +14,18 @@ from paramserver.config.base import (
     DATASETS,
     DEFAULT_CACHE_ROWS,
     LR_SCHEDULES,
+    MAX_MESSAGE_BYTES,
     MAX_PUSH_EVERY,
     MODEL_DEFAULTS,
     OPTIMIZERS,
+    ROW_OPTIMIZERS,
     SHM_CHOICES,
     WIRE_CHOICES,
     OptimizerConfig,
     Security,
     parse_every,
     parse_shard,
+    parse_table_optimizers,
 )
 from paramserver.config.server import ServerConfig
 from paramserver.config.worker import LaunchConfig, WorkerConfig
@@ -31,9 +34,11 @@ __all__ = [
     "DATASETS",
     "DEFAULT_CACHE_ROWS",
     "LR_SCHEDULES",
+    "MAX_MESSAGE_BYTES",
     "MAX_PUSH_EVERY",
     "MODEL_DEFAULTS",
     "OPTIMIZERS",
+    "ROW_OPTIMIZERS",
     "SHM_CHOICES",
     "WIRE_CHOICES",
     "LaunchConfig",
@@ -43,4 +48,5 @@ __all__ = [
     "WorkerConfig",
     "parse_every",
     "parse_shard",
+    "parse_table_optimizers",
 ]

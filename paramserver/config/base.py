@@ -15,6 +15,7 @@ from paramserver.settings import setting
 DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise-adagrad", "adam")  # a sparse table's (sparse/optim)
 LR_SCHEDULES = ("constant", "cosine")
 SHM_CHOICES = ("on", "payloads", "off")
 WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
@@ -22,6 +23,8 @@ DATASETS = ("fashion-mnist", "synthetic", "clicks")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.
 MAX_PUSH_EVERY = 1024
+# The largest gRPC message either end sends or takes (a row pull's reply is refused above it).
+MAX_MESSAGE_BYTES = 64 << 20
 # What a built-in model brings on the command line (``server``, ``launch``) for settings left
 # at their defaults: the run that reaches the accuracy docs/RESULTS.md reports. Keys are the
 # click parameters' names.
@@ -35,6 +38,44 @@ MODEL_DEFAULTS["dlrm-sparse"] = MODEL_DEFAULTS["dlrm"]
 def _positive(name: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{name} must be positive; got {value!r}.")
+
+
+def parse_table_optimizers(text: str) -> dict[str, tuple[str, float | None]]:
+    """``--table-optimizer``: comma-separated ``[TABLE=]OPTIMIZER[:LR]``, as
+    ``{table: (optimizer, lr)}``; the key "" is every table not named, and an lr of None
+    the server's --lr and its schedule.
+
+    Raises:
+        ConfigError: an entry that names no row optimizer, a learning rate that is not a
+            positive number, or a table (or the default) given twice.
+    """
+    out: dict[str, tuple[str, float | None]] = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        table, _, rest = entry.rpartition("=")
+        name, _, rate = rest.partition(":")
+        if name not in ROW_OPTIMIZERS:
+            raise ConfigError(
+                f"--table-optimizer {entry!r}: {name!r} is not a row optimizer; choose one "
+                f"of {', '.join(ROW_OPTIMIZERS)} ([TABLE=]OPTIMIZER[:LR], comma-separated)."
+            )
+        lr = None
+        if rate:
+            try:
+                lr = float(rate)
+            except ValueError:
+                lr = math.nan
+            if not (lr > 0 and math.isfinite(lr)):
+                raise ConfigError(
+                    f"--table-optimizer {entry!r}: the learning rate must be a positive "
+                    f"number; got {rate!r}."
+                )
+        key = table.strip()
+        if key in out:
+            raise ConfigError(
+                f"--table-optimizer names {'table ' + repr(key) if key else 'the default'} twice."
+            )
+        out[key] = (name, lr)
+    return out
 
 
 def _non_negative(name: str, value: float) -> None:

@@ -13,6 +13,7 @@ from paramserver.config.base import (
     _positive,
     _shard_fields,
     parse_every,
+    parse_table_optimizers,
 )
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
@@ -105,6 +106,11 @@ class ServerConfig:
         "--table-rows",
         "Also hold as a sparse table on the servers every trainable nn.Embedding or nn.EmbeddingBag of at least this many rows, built with sparse=True or not (0: only those built with sparse=True).",
     )
+    table_optimizer: str = setting(
+        "",
+        "--table-optimizer",
+        "The sparse tables' row optimizers, comma-separated [TABLE=]OPTIMIZER[:LR] (OPTIMIZER: sgd, adagrad, rowwise-adagrad or adam, lazy; no TABLE=: every table not named; LR: the table's own, constant; no LR: --lr and its schedule). Empty: every table follows --optimizer (adam and adamw: lazy adam; sgd and momentum: sgd).",
+    )
     skip_nonfinite: bool = setting(
         False,
         "--skip-nonfinite",
@@ -172,15 +178,10 @@ class ServerConfig:
             raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}.")
         if self.epochs < 1:
             raise ConfigError(f"--epochs must be at least 1; got {self.epochs}.")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be between 0 and 65535; got {self.port}.")
-        self.data_port_number  # noqa: B018 - checks --data-port
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(
-                f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."
-            )
+        self._check_ports()
         _positive("--lease-timeout", self.lease_seconds)
         _non_negative("--table-rows", self.table_rows)
+        parse_table_optimizers(self.table_optimizer)
         if self.coalesce not in ("on", "off"):
             raise ConfigError(f"--coalesce must be on or off; got {self.coalesce!r}.")
         if not 4096 <= self.chunk_bytes <= 16 << 20 or self.chunk_bytes % 4:
@@ -200,6 +201,15 @@ class ServerConfig:
                 "A shard of a sharded run checkpoints every N iterations (sync rounds, or "
                 "worker clocks), so that every shard cuts at the same point: give "
                 f"--checkpoint-every a number (e.g. 200), not {self.checkpoint_every!r}."
+            )
+
+    def _check_ports(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be between 0 and 65535; got {self.port}.")
+        self.data_port_number  # noqa: B018 - checks --data-port
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."
             )
 
     @property

@@ -17,7 +17,7 @@ from torch import nn
 
 from paramserver import models
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
-from paramserver.config import ServerConfig
+from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig, parse_table_optimizers
 from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
 from paramserver.server.checkpointer import Checkpointer, saved_state
@@ -29,7 +29,7 @@ from paramserver.server.servicer import Servicer
 from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
 from paramserver.sparse.embedding import make_tables
-from paramserver.sparse.tableset import TableSet, row_optimizer
+from paramserver.sparse.tableset import TableSet, table_optimizers
 from paramserver.transport import ports, security, stub
 from paramserver.transport.attachments import Attachments
 from paramserver.transport.health import BoundedHealth
@@ -48,7 +48,6 @@ CHECKPOINT_HEALTH = "paramserver.v1.Checkpoints"
 # without the token can make the server hold (docs/operations.md). Answers (a row pull's
 # rows) may be larger.
 MAX_RECEIVE_BYTES = 17 << 20
-MAX_SEND_BYTES = 64 << 20
 
 
 # Hosts that bind every interface; clients on this machine dial 127.0.0.1 instead.
@@ -131,9 +130,16 @@ def _tables_and_frozen(
     strictly)."""
     tables, frozen = None, {}
     specs = models.table_specs(model)
+    if config.table_optimizer.strip() and not specs:
+        raise ConfigError(
+            f"--table-optimizer {config.table_optimizer!r} is set, but the model holds no "
+            "sparse table (an nn.Embedding or nn.EmbeddingBag with sparse=True, or one of "
+            "--table-rows rows or more)."
+        )
     if specs:
-        optimizer = row_optimizer(config.optimizer.name, config.optimizer.lr)
-        tables = TableSet(specs, optimizer, config.seed, config.shard, config.shards)
+        chosen = parse_table_optimizers(config.table_optimizer)
+        optimizers = table_optimizers(specs, chosen, config.optimizer.name, config.optimizer.lr)
+        tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards)
     if config.shards == 1:
         frozen = {
             n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad
@@ -151,7 +157,7 @@ def _grpc_server(config: ServerConfig, timing: grpc.ServerInterceptor) -> grpc.S
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
         options=[
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
         maximum_concurrent_rpcs=threads,

@@ -292,15 +292,16 @@ class Coordinator:
     # --- pull -------------------------------------------------------------------------
 
     def pull_rows(self, worker_id: str, incarnation: str, wanted: list[tuple[str, Any]]) -> Any:
-        """The rows of each ``(table, ids)`` (this shard's), created on first touch (none if
-        any is bad); an empty id observes (evaluation, checkpoints), creating no row."""
+        """The rows of each ``(table, ids)`` (this shard's; none if any is bad): the rows
+        held, copied under the lock, and the initial values of the rest, computed after
+        it; no row is created. An empty id observes (evaluation, checkpoints)."""
         tables = self._tables("A row pull")
         with self._cond:
             self.check_incarnation(incarnation)
-            if not worker_id:
-                return [tables.table(table).read(ids) for table, ids in wanted]
-            self.membership.touch(worker_id)
-            return tables.pull_many(wanted)
+            if worker_id:
+                self.membership.touch(worker_id)
+            found = tables.lookup_many(wanted, counted=bool(worker_id))
+        return [f.complete() for f in found]
 
     def pull(
         self,

@@ -21,13 +21,16 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.codec import rows as sparse_wire
 from paramserver.codec.rows import RowGradients
-from paramserver.config import MAX_PUSH_EVERY
+from paramserver.config import MAX_MESSAGE_BYTES, MAX_PUSH_EVERY
 from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
 
 log = logging.getLogger(__name__)
+# A row pull's reply may carry this many bytes of rows: the message limit less room for
+# its framing.
+ROWS_REPLY_LIMIT = MAX_MESSAGE_BYTES - (64 << 10)
 
 
 class Steps:
@@ -190,6 +193,14 @@ class Steps:
             sparse_wire.ids_from_bytes(data, f"A row pull of table {table!r}")
             for table, data in wanted
         ]
+        tables = self.c.tables
+        size = tables.reply_bytes(zip((t for t, _ in wanted), ids, strict=True)) if tables else 0
+        if size > ROWS_REPLY_LIMIT:  # refused before any work, the lock untaken
+            raise InvalidRequest(
+                f"A row pull of {sum(len(i) for i in ids)} ids would answer {size >> 20} MiB, "
+                f"over the {ROWS_REPLY_LIMIT >> 20} MiB a reply may carry: ask for fewer ids "
+                "a request."
+            )
         rows = self.c.pull_rows(
             request.worker_id,
             request.incarnation,

@@ -7,13 +7,14 @@ touches them.
 - ``rows``: which shard holds a row (``splitmix64(id) mod S``) and a row's initial value, a
   deterministic function of (seed, table, id) whatever the number of shards;
 - ``index``: row ids to storage slots, a vectorised open-addressing hash table;
-- ``optim``: row-wise sgd, adagrad and lazy adam (torch's SGD, Adagrad and SparseAdam on
-  the touched rows);
-- ``table``: one shard's rows of a table: created on first touch, pulled and pushed by id,
-  checked before anything changes, saved and restored;
+- ``optim``: row-wise sgd, adagrad (torch's SGD and Adagrad on the touched rows),
+  rowwise-adagrad (one accumulator a row) and lazy adam (each row bias-corrected by its
+  own steps);
+- ``table``: one shard's rows of a table: created by their first push (a pull creates
+  nothing), pulled and pushed by id, checked before anything changes, saved and restored;
 - ``tableset``: every table a shard holds, as the coordinator uses them: a push's rows
   checked whole before any table changes, the sync round's row gradients averaged like the
-  dense part's, the tables' optimizer chosen from the server's;
+  dense part's, each table's optimizer (``--table-optimizer``, else the server's);
 - ``client``: ``Tables`` (pull and push rows by id, one request per shard that holds
   them) and ``LocalTables``, every shard in this process;
 - ``embedding``: ``TableEmbedding`` in place of a sparse ``nn.Embedding`` or

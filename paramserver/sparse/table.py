@@ -1,5 +1,9 @@
-"""One shard's rows of one table: created on first touch from the seeded initialiser,
+"""One shard's rows of one table: created by their first push from the seeded initialiser,
 pulled and pushed by id, updated by a row-wise optimizer, saved and restored.
+
+A pull creates nothing: it reads the rows held and gives the initial values of the others
+(``Lookup``). What a pull does under the lock pushes wait on is a copy of the rows held;
+the initial values of the rest are computed after it, in chunks of bounded size.
 
 Every request is checked whole before anything changes: ids must be integers in
 [0, rows), held by this shard, and a push's ids distinct with one finite row of ``dim``
@@ -9,6 +13,7 @@ leaves the table as it was.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +24,33 @@ from paramserver.errors import InvalidRequest
 from paramserver.sparse.index import RowIndex
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
 from paramserver.sparse.rows import initial_rows, shard_of, table_key
+
+INITIAL_CHUNK = 1 << 16  # ids whose initial values are computed at once (bounded temporaries)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A pull's rows of one table as read under the lock: ``values`` are the rows held
+    (``held`` marks their ids); ``complete`` adds the initial values of the rest."""
+
+    ids: np.ndarray
+    held: np.ndarray  # bool, one per id
+    values: torch.Tensor  # (held.sum(), dim), a copy
+    key: np.uint64
+    dim: int
+    dtype: str
+
+    def complete(self) -> torch.Tensor:
+        """The rows of ``ids``: (len(ids), dim); the initial values computed a chunk of
+        ``INITIAL_CHUNK`` ids at a time."""
+        out = torch.empty((len(self.ids), self.dim), dtype=getattr(torch, self.dtype))
+        out[torch.from_numpy(self.held)] = self.values
+        missing = np.flatnonzero(~self.held)
+        for lo in range(0, len(missing), INITIAL_CHUNK):
+            part = missing[lo : lo + INITIAL_CHUNK]
+            initial = initial_rows(self.key, self.ids[part], self.dim, self.dtype)
+            out[torch.from_numpy(part)] = torch.from_numpy(initial)
+        return out
 
 
 class ShardTable:
@@ -40,7 +72,8 @@ class ShardTable:
         dtype = getattr(torch, spec.dtype)
         self.values = torch.empty((capacity, spec.dim), dtype=dtype)
         self.state = [
-            torch.empty((capacity, spec.dim), dtype=dtype) for _ in range(optimizer.state_width)
+            torch.empty((capacity, width), dtype=kind or dtype)
+            for width, kind in optimizer.state_layout(spec.dim)
         ]
 
     @property
@@ -120,7 +153,7 @@ class ShardTable:
         size = max(n, 2 * len(self.values))
 
         def grown(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty((size, self.spec.dim), dtype=t.dtype)
+            out = torch.empty((size, t.shape[1]), dtype=t.dtype)
             out[: len(t)] = t
             return out
 
@@ -128,14 +161,16 @@ class ShardTable:
         self.state = [grown(s) for s in self.state]
 
     def pull(self, ids: Any) -> torch.Tensor:
-        """The rows ``ids`` (any order, repeats allowed): (len(ids), dim), a copy."""
-        return self.pull_checked(self.check_ids(ids, "A pull"))
+        """The rows ``ids`` (any order, repeats allowed): (len(ids), dim), a copy; the
+        initial values of rows not held, none of which is created."""
+        return self.lookup(self.check_ids(ids, "A pull")).complete()
 
-    def pull_checked(self, arr: np.ndarray) -> torch.Tensor:
-        """``pull`` of ids that ``check_ids`` returned."""
-        unique, inverse = np.unique(arr, return_inverse=True)
-        slots = self._slots(unique)  # may grow (replace) self.values: first
-        return self.values[slots[torch.from_numpy(inverse.reshape(-1))]]
+    def lookup(self, arr: np.ndarray) -> Lookup:
+        """The rows held among ids that ``check_ids`` returned, copied; creates nothing."""
+        slots = self.index.find(arr)
+        held = slots >= 0
+        values = self.values[torch.from_numpy(slots[held])]
+        return Lookup(arr, held, values, self.key, self.spec.dim, self.spec.dtype)
 
     def push(self, ids: Any, grads: Any) -> None:
         """One optimizer step on rows ``ids`` (distinct) with ``grads`` (one row each)."""
@@ -149,12 +184,7 @@ class ShardTable:
     def read(self, ids: Any) -> torch.Tensor:
         """The current values of rows ``ids`` without creating any (untouched rows: their
         initial values), for checkpoints and ``model_state_dict``."""
-        arr = self.check_ids(ids, "A read")
-        slots = self.index.find(arr)
-        out = torch.from_numpy(initial_rows(self.key, arr, self.spec.dim, self.spec.dtype))
-        held = torch.from_numpy(slots >= 0)
-        out[held] = self.values[torch.from_numpy(slots[slots >= 0])]
-        return out
+        return self.lookup(self.check_ids(ids, "A read")).complete()
 
     # --- saving -----------------------------------------------------------------------
 
@@ -170,7 +200,11 @@ class ShardTable:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         ids = self.check_ids(saved["ids"].numpy(), "A restored table")
-        if len(saved["state"]) != len(self.state):
+        states = list(saved["state"])
+        if self.optimizer.config.name == "adam" and len(states) == 2:
+            # a checkpoint from before adam counted each row's steps: the table's, for all
+            states.append(torch.full((len(ids), 1), int(saved["steps"]), dtype=torch.int64))
+        if len(states) != len(self.state):
             raise ValueError(
                 f"Table {self.spec.name!r}: the saved optimizer state does not "
                 f"match {self.optimizer.config.name}."
@@ -179,6 +213,6 @@ class ShardTable:
         slots = torch.from_numpy(self.index.insert(ids))
         self._reserve(len(ids))
         self.values[slots] = saved["values"].to(self.values.dtype)
-        for mine, theirs in zip(self.state, saved["state"], strict=True):
+        for mine, theirs in zip(self.state, states, strict=True):
             mine[slots] = theirs.to(mine.dtype)
         self.optimizer.steps = int(saved["steps"])

@@ -8,24 +8,25 @@ bookkeeping only, no I/O.
   round's end the mean is their sum over the ``n`` non-empty pushes, as for the dense
   part (``server/rounds.py``), so sync stays large-batch SGD for the tables too.
 - ``row_optimizer``: the tables' optimizer for the server's ``--optimizer``: adam and
-  adamw give lazy adam (torch's SparseAdam; weight decay is not applied to rows), sgd and
-  momentum give sgd, at the same learning rate and schedule (the coordinator passes each
-  step's rate to ``apply``).
+  adamw give lazy adam (weight decay is not applied to rows), sgd and momentum give sgd,
+  at the same learning rate and schedule (the coordinator passes each step's rate to
+  ``apply``); ``table_optimizers`` gives each table its own where ``--table-optimizer``
+  names one (with its own learning rate, the table keeps it: no schedule).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from paramserver.codec.rows import RowGradients, TableSpec
-from paramserver.errors import InvalidRequest
+from paramserver.errors import ConfigError, InvalidRequest
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import initial_rows
-from paramserver.sparse.table import ShardTable
+from paramserver.sparse.table import Lookup, ShardTable
 
 
 def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
@@ -36,13 +37,48 @@ def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
     return RowOptimizerConfig(rows, lr)
 
 
+# A table's optimizer, and whether it follows the server's learning-rate schedule.
+Chosen = tuple[RowOptimizerConfig, bool]
+
+
+def table_optimizers(
+    specs: Sequence[TableSpec],
+    chosen: Mapping[str, tuple[str, float | None]],
+    dense: str,
+    lr: float,
+) -> dict[str, Chosen]:
+    """Each table's optimizer: the one ``chosen`` names for it (``--table-optimizer``,
+    parsed; "" for the tables it does not name), else the one that stands for the server's
+    ``dense`` optimizer. Its own learning rate keeps it constant; without one it is ``lr``
+    on the server's schedule.
+
+    Raises:
+        ConfigError: ``chosen`` names a table the model does not have.
+    """
+    names = [s.name for s in specs]
+    unknown = sorted(set(chosen) - set(names) - {""})
+    if unknown:
+        raise ConfigError(
+            f"--table-optimizer names {', '.join(map(repr, unknown))}, which the model does "
+            f"not hold as a sparse table (tables: {', '.join(names) or 'none'})."
+        )
+    out: dict[str, Chosen] = {}
+    for name in names:
+        pick = chosen.get(name, chosen.get(""))
+        if pick is None:
+            out[name] = (row_optimizer(dense, lr), True)
+        else:
+            out[name] = (RowOptimizerConfig(pick[0], pick[1] or lr), pick[1] is None)
+    return out
+
+
 class TableSet:
     """Shard ``shard`` of ``shards`` of every table in ``specs``."""
 
     def __init__(
         self,
         specs: Sequence[TableSpec],
-        optimizer: RowOptimizerConfig,
+        optimizer: RowOptimizerConfig | Mapping[str, Chosen],
         seed: int = 0,
         shard: int = 0,
         shards: int = 1,
@@ -50,7 +86,13 @@ class TableSet:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"Two tables share a name: {names}.")
-        self.tables = {s.name: ShardTable(s, optimizer, seed, shard, shards) for s in specs}
+        chosen = (
+            {name: (optimizer, True) for name in names}
+            if isinstance(optimizer, RowOptimizerConfig)
+            else optimizer
+        )
+        self.tables = {s.name: ShardTable(s, chosen[s.name][0], seed, shard, shards) for s in specs}
+        self.scheduled = {name: chosen[name][1] for name in names}
         self.rows_pulled = 0
         self.rows_pushed = 0
 
@@ -74,12 +116,30 @@ class TableSet:
         return self.pull_many([(name, ids)])[0]
 
     def pull_many(self, wanted: Iterable[tuple[str, Any]]) -> list[torch.Tensor]:
-        """The rows of each ``(table, ids)``, or InvalidRequest before any row is created."""
+        """The rows of each ``(table, ids)``, or InvalidRequest; creates no row."""
+        return [found.complete() for found in self.lookup_many(wanted)]
+
+    def lookup_many(self, wanted: Iterable[tuple[str, Any]], counted: bool = True) -> list[Lookup]:
+        """The rows held of each ``(table, ids)`` (every table's ids checked first, or
+        InvalidRequest); ``Lookup.complete`` adds the initial values of the rest, which
+        the caller may do outside its lock. ``counted``: in ``rows_pulled``."""
         tables = [(self.table(name), ids) for name, ids in wanted]
         checked = [(t, t.check_ids(ids, "A pull")) for t, ids in tables]
-        rows = [t.pull_checked(ids) for t, ids in checked]
-        self.rows_pulled += sum(len(r) for r in rows)
-        return rows
+        found = [t.lookup(ids) for t, ids in checked]
+        if counted:
+            self.rows_pulled += sum(len(f.ids) for f in found)
+        return found
+
+    def reply_bytes(self, wanted: Iterable[tuple[str, Any]]) -> int:
+        """The bytes of the rows a pull of each ``(table, ids)`` would answer (tables not
+        held count nothing: the pull refuses them)."""
+        total = 0
+        for name, ids in wanted:
+            table = self.tables.get(name)
+            if table is not None:
+                spec = table.spec
+                total += len(ids) * spec.dim * np.dtype(spec.dtype).itemsize
+        return total
 
     def check(self, pushes: Iterable[RowGradients], nonfinite: bool = False) -> list[RowGradients]:
         """The pushes as ``apply`` takes them, or InvalidRequest; changes nothing.
@@ -99,7 +159,8 @@ class TableSet:
         """One optimizer step on each checked push's rows, at ``lr`` (the server's schedule;
         None: the row optimizer's own)."""
         for push in checked:
-            self.tables[push.table].apply(push.ids, push.grads, lr)
+            scheduled = self.scheduled[push.table]
+            self.tables[push.table].apply(push.ids, push.grads, lr if scheduled else None)
             self.rows_pushed += len(push.ids)
 
     def state_dict(self) -> dict[str, Any]:

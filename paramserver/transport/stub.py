@@ -14,15 +14,15 @@ import grpc
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import wire
-from paramserver.config import Security
+from paramserver.config import MAX_MESSAGE_BYTES, Security
 from paramserver.errors import ServerUnavailable
 from paramserver.transport import security
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.v1.ParameterServer"
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.config import MAX_PUSH_EVERY
+from paramserver.server import steps
 from paramserver.transport.stub import Stub
 from tests.conftest import tiny_model
 
@@ -82,11 +83,14 @@ OTHER_FAULTS = [
     "pull_rows_more_unknown_table",
     "pull_rows_table_twice",
     "pull_rows_more_out_of_range",
+    # a pull whose reply would pass the message limit (made small here): refused before work
+    "pull_rows_reply_too_large",
     # PushPull: neither part, or a pull alone that does not go through shared memory
     "pushpull_empty",
     "pushpull_pull_not_shm",
 ]
 ROWS, DIM = 100, 4  # the probed model's sparse table "emb"
+REPLY_LIMIT = 4096  # the bytes a row pull's reply may carry, in this test
 
 
 class WithTable(nn.Module):
@@ -303,6 +307,9 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
         elif fault == "pull_rows_more_out_of_range":
             bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
             request.more.add(table="emb2", ids=np.array([1, bad], "<i8").tobytes())
+        elif fault == "pull_rows_reply_too_large":
+            many = data.draw(st.integers(REPLY_LIMIT // (DIM * 4) + 1, 4 * REPLY_LIMIT))
+            request.ids = np.ones(many, "<i8").tobytes()
         elif fault == "pull_rows_incarnation":
             request.incarnation = wrong
         else:
@@ -315,7 +322,8 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
         )
 
 
-def test_a_thousand_malformed_requests_change_nothing(serve):
+def test_a_thousand_malformed_requests_change_nothing(serve, monkeypatch):
+    monkeypatch.setattr(steps, "ROWS_REPLY_LIMIT", REPLY_LIMIT)
     server = serve(WithTable(), optimizer="sgd", lr=0.1, policy="async", lease_seconds=600)
     target = Target(server)
     before = target.state()

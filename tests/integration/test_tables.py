@@ -266,7 +266,9 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     assert resumed.coordinator.tables.held == held
     torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
     saved = resumed.coordinator.tables.table("emb").state_dict()
-    assert saved["steps"] == 5 and len(saved["state"]) == 2  # lazy adam's moments came back
+    # lazy adam's moments and each row's steps came back
+    assert saved["steps"] == 5 and len(saved["state"]) == 3
+    assert int(saved["state"][2].max()) <= 5
 
 
 @pytest.mark.parametrize("path", ["control-socket", "data-port"])
@@ -308,3 +310,34 @@ def test_a_push_of_rows_larger_than_a_grpc_message_is_applied(serve, shm):
         worker.step(samples=1)
     assert server.coordinator.tables.held == n
     assert server.status()["rows_pushed"] == n
+
+
+def test_a_table_trains_with_the_row_optimizer_table_optimizer_names(serve):
+    model = nn.Sequential(nn.EmbeddingBag(500, 8, mode="sum", sparse=True), nn.Linear(8, 2))
+    server = serve(
+        model,
+        optimizer="adam",
+        lr=0.01,
+        policy="async",
+        workers=1,
+        table_optimizer="0=rowwise-adagrad:0.05",
+    )
+    table = server.coordinator.tables.table("0")
+    assert (
+        table.optimizer.config.name == "rowwise-adagrad"
+        and not server.coordinator.tables.scheduled["0"]
+    )
+    with ps.Worker(server.address, model) as worker:
+        for step in range(3):
+            F.cross_entropy(
+                model(torch.arange(10).view(1, -1) + step), torch.tensor([1])
+            ).backward()
+            worker.step(samples=1)
+    assert table.held == 12 and [s.shape[1] for s in table.state] == [1]
+    (spec,) = server._servicer.steps.manifest().tables  # what a join tells the workers
+    assert (spec.optimizer, spec.lr) == ("rowwise-adagrad", 0.05)
+    fresh = nn.Sequential(nn.EmbeddingBag(500, 8, mode="sum", sparse=True), nn.Linear(8, 2))
+    with pytest.raises(ps.ConfigError, match="'nope', which the model does not hold"):
+        ps.serve(fresh, table_optimizer="nope=sgd", port=0)
+    with pytest.raises(ps.ConfigError, match="the model holds no sparse table"):
+        ps.serve(nn.Linear(8, 2), table_optimizer="adam", port=0)
