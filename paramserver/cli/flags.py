@@ -45,11 +45,24 @@ class ConfigFile:
 
 @dataclass(frozen=True)
 class Query:
-    """The server that ``status`` and ``health`` ask."""
+    """The server that ``status`` and ``health`` ask: the worker's ``--server`` setting (one
+    variable, PARAMSERVER_SERVER, for both), of which they ask the first address."""
 
     server: str = setting(
-        "127.0.0.1:50051", "--server", "The server's HOST:PORT.", dest="server_address"
+        "127.0.0.1:50051",
+        "--server",
+        "The server's HOST:PORT, or every shard's comma-separated as a worker takes them (the same PARAMSERVER_SERVER): the first, shard 0, is asked.",
+        dest="server_address",
     )
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ConfigError(f"--server needs a HOST:PORT; got {self.server!r}.")
+
+    @property
+    def address(self) -> str:
+        """The address asked: the first of those given."""
+        return self.server.split(",")[0].strip()
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,10 @@ class Status:
         None, "--watch", "Redraw every this many seconds until Ctrl-C.", type=float
     )
     timeout: float = setting(
-        5.0, "--rpc-timeout", "Seconds to wait for the server.", env="STATUS_RPC_TIMEOUT"
+        5.0,
+        "--rpc-timeout",
+        "Seconds to wait for the server (5: a person waits for the answer; a worker's calls, which carry payloads, wait 60).",
+        env="STATUS_RPC_TIMEOUT",
     )
 
     def __post_init__(self) -> None:
@@ -77,7 +93,10 @@ class Status:
 @dataclass(frozen=True)
 class Health:
     timeout: float = setting(
-        5.0, "--rpc-timeout", "Seconds to wait for an answer.", env="HEALTH_RPC_TIMEOUT"
+        5.0,
+        "--rpc-timeout",
+        "Seconds to wait for an answer (5: a healthcheck's or a person's; a worker's calls, which carry payloads, wait 60).",
+        env="HEALTH_RPC_TIMEOUT",
     )
     service: str = setting(
         "paramserver.v1.ParameterServer",

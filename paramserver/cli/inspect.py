@@ -39,7 +39,7 @@ def _connect(address: str, timeout: float, security: Security) -> Any:
 @command(Query, Status, Security)
 def status(**kw: Any) -> None:
     """Show a server's version, policy, throughput and live workers (clock, lag, samples/s)."""
-    address = settings.build(Query, kw).server
+    address = settings.build(Query, kw).address
     opts: Status = settings.build(Status, kw)
     security = security_config(kw)
     if printed():
@@ -79,7 +79,7 @@ def status(**kw: Any) -> None:
 @command(Query, Health, Security)
 def health(**kw: Any) -> None:
     """Exit 0 if the server's gRPC health service says SERVING (for container healthchecks)."""
-    address = settings.build(Query, kw).server
+    address = settings.build(Query, kw).address
     opts: Health = settings.build(Health, kw)
     security = security_config(kw)
     if printed():

@@ -41,6 +41,8 @@ class Members:
         self.membership = membership or Membership(config.workers, config.lease_seconds, now)
         self.queue = queue  # None until a join brings data
         self.started = started  # True once --min-workers workers are live
+        # the workers a checkpoint brought back, until each joins again (logged then)
+        self.returning: set[str] = set(self.membership.members)
 
     @classmethod
     def restored(
@@ -92,7 +94,16 @@ class Members:
         member = self.membership.members.get(worker_id) if worker_id else None
         if member is not None:  # its start-up's second Join (its payload path), or a rejoin
             self.membership.touch(worker_id)
-            log.debug("worker %s (rank %d) joined again while live", worker_id, member.rank)
+            if worker_id in self.returning:
+                self.returning.discard(worker_id)
+                log.info(
+                    "worker %s (rank %d) came back after the restart, at clock %d",
+                    worker_id,
+                    member.rank,
+                    member.clock,
+                )
+            else:
+                log.debug("worker %s (rank %d) joined again while live", worker_id, member.rank)
             return member
         joined = self.membership.joined_total
         member = self.membership.join(name, start_clock=start, join_id=join_id)

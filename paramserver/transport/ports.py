@@ -37,6 +37,11 @@ def refusal(host: str, port: int) -> str | None:
                 return "the port is in use (another server?). Pick another --port, or stop what holds it."
             if exc.errno == errno.EADDRNOTAVAIL:
                 return "this machine has no such address (--host)."
+            if exc.errno == errno.EACCES:
+                return (
+                    "permission denied: a port below 1024 needs root (or "
+                    "CAP_NET_BIND_SERVICE); pick another --port."
+                )
     return None
 
 

@@ -136,11 +136,9 @@ class Session:
             elif self.backoff.now() - said >= EVERY:
                 said = self.backoff.now()
                 log.warning(
-                    "%s: still no answer from %s after %.0fs; retrying for %.0fs more "
-                    "(--server-timeout)",
-                    what,
-                    self.address,
+                    "still failing after %.0fs (%s); retrying for %.0fs more (--server-timeout)",
                     said - since,
+                    exc,
                     max(self.backoff.budget - (said - since), 0.0),
                 )
             if self.backoff.expired(since) and not isinstance(exc, ServerUnavailable):
@@ -251,13 +249,15 @@ class Session:
         except ParamServerError as exc:
             log.info("%s", exc)
 
-    def report_waits(self) -> None:
+    def report_waits(self, timeout: float) -> None:
         """Log each call of this session that has waited another ``waits.EVERY`` seconds
         (a pull held for slower workers, or for a run that has not started), with the
-        reason the server's status gives."""
+        reason the server's status gives within ``timeout`` seconds (the heartbeat
+        thread's: never long enough to starve the lease)."""
         for what, waited in self.waits.due():
             try:
-                why = explain(self.call("status", self.channel.status, pb.StatusRequest()))
+                asked = self.call("status", self.channel.status, pb.StatusRequest(), timeout)
+                why = explain(asked)
             except ParamServerError as exc:
                 why = f"the server's status did not come: {exc}"
             log.info("%s has waited %.0fs: %s", what, waited, why)
@@ -333,7 +333,7 @@ class Heartbeats:
         for s in self.sessions:
             s.heartbeat_once(2 * self.interval())
         for s in self.sessions:
-            s.report_waits()
+            s.report_waits(2 * self.interval())
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval()):
@@ -341,7 +341,8 @@ class Heartbeats:
                 self.once()
             except Exception:  # noqa: BLE001 - the thread must live on: logged, counted
                 self.failures += 1
-                log.exception("heartbeat round %d failed; the next one retries", self.failures)
+                if self.failures == 1 or self.failures % 100 == 0:  # loud, not a flood
+                    log.exception("heartbeat round failed (%d so far); retrying", self.failures)
 
     def start(self) -> Heartbeats:
         self._thread.start()

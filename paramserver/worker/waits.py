@@ -67,7 +67,7 @@ class Waits:
 def explain(st: pb.StatusResponse) -> str:
     """Why a pull waits, as the server's status says."""
     live = len(st.workers)
-    if live < st.min_workers:
+    if live < st.min_workers and st.version == 0:  # the server's own test, before a step
         return (
             f"the run has not started: {live} of {st.min_workers} workers are live "
             f"(training starts with {st.min_workers}: the server's --min-workers)"
@@ -75,7 +75,13 @@ def explain(st: pb.StatusResponse) -> str:
     if st.batches_total and st.batches_done >= st.batches_total:
         return "the run is over: every batch is applied"
     slowest = min((w.clock for w in st.workers), default=0)
+    disk = (
+        f"; checkpoint writes have failed for {st.checkpoint_failing_seconds:.0f}s and "
+        f"{st.cuts_pending} cuts wait for the disk"
+        if st.checkpoint_failing_seconds >= 0
+        else ""
+    )
     return (
         f"{live} workers are live under {st.policy}; the slowest live clock is {slowest} "
-        f"(a pull waits for slower workers as the policy says)"
+        f"(a pull waits for slower workers as the policy says){disk}"
     )

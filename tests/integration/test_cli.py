@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -32,7 +33,8 @@ def test_every_option_has_help_and_an_environment_variable():
         options = [
             line
             for line in out.stdout.splitlines()
-            if line.strip().startswith("--") and "--help" not in line
+            # an option's own line (a wrapped help line may start with an --option too)
+            if re.match(r"^  -?-\w", line) and "--help" not in line
         ]
         assert options, out.stdout
         text = out.stdout.replace("\n", " ")

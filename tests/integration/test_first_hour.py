@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -149,6 +150,9 @@ def test_ctrl_c_ends_status_watch_quietly(serve):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal delivers it: a shell's background job (CI's) inherits SIGINT
+        # ignored, and Python then never turns it into KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None
@@ -182,3 +186,18 @@ def test_an_address_not_on_this_machine_is_named_as_such():
     assert (
         out.stderr.strip().splitlines()[-1].endswith("this machine has no such address (--host).")
     )
+
+
+def test_status_and_health_take_the_workers_list_of_shards_and_ask_the_first(serve):
+    """PARAMSERVER_SERVER is one setting: a worker's comma-separated shards; status and
+    health ask the first (shard 0)."""
+    server = serve("mlp", host="127.0.0.1")
+    shards = f"{server.address},127.0.0.1:{free_port()}"
+    env = {**os.environ, "PARAMSERVER_SERVER": shards}
+    for command in (["status", "--json"], ["health"]):
+        out = subprocess.run(
+            paramserver_cmd(*command), capture_output=True, text=True, timeout=DEADLINE, env=env
+        )
+        assert out.returncode == 0, out.stderr
+    line = json.loads(_cli("status", "--server", shards, "--json").stdout)
+    assert line["incarnation"] == server.status()["incarnation"]

@@ -147,6 +147,8 @@ def test_workers_survive_a_server_restart_from_its_checkpoint(tmp_path):
             # same host: steps went over the control socket, whose end the kill -9 showed
             assert "steps over the control socket" in log
             assert "the control socket failed" in log
+        # the restarted server says which of the checkpoint's workers came back
+        assert "came back after the restart" in second.log_path.read_text()
         final = _status(address)
         # Exactly once across the restart: one applied gradient per batch of the run.
         assert final.batches_done == total

@@ -16,7 +16,8 @@ from paramserver.settings import SettingOption
 # Variables that two declarations share on purpose: the same thing, asked by several
 # commands (the address of the server; the model and seed of the run that export reads).
 SHARED = {
-    "PARAMSERVER_SERVER": "the server's address: worker, status and health dial it",
+    "PARAMSERVER_SERVER": "the servers' addresses, comma-separated: a worker dials each, "
+    "status and health the first",
     "PARAMSERVER_MODEL": "the run's model: export rebuilds the run's",
     "PARAMSERVER_SEED": "the run's seed: export rebuilds the run's frozen parameters",
 }
