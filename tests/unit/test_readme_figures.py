@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 import pytest
 
-from paramserver.bench import readme, results
+from paramserver.bench import readme
+from tests.unit.test_results import MACHINE, results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,14 +80,7 @@ def _record(policy: str, accuracy: float) -> dict:
         "section": "main",
         "command": f"paramserver launch --workers 2 --policy {policy} --json",
         "date": "2026-11-25 06:36 UTC",
-        "machine": {
-            "cpu": "Test CPU",
-            "cores": 2,
-            "memory_gib": 24,
-            "gpu": "none",
-            "torch": "2.13.0",
-            "python": "3.11.7",
-        },
+        "machine": dict(MACHINE),
         "summary": {
             "policy": "ssp:1" if policy == "delay-1" else policy,
             "workers": 2,

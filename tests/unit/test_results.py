@@ -10,6 +10,16 @@ import pytest
 
 from paramserver.bench import results
 
+# what results.machine() records, for the records the tests make
+MACHINE = {
+    "cpu": "Test CPU",
+    "cores": 2,
+    "memory_gib": 24,
+    "gpu": "none",
+    "torch": "2.13.0",
+    "python": "3.11.7",
+}
+
 
 def _record(name: str, section: str, policy: str, accuracy: float) -> dict:
     return {
@@ -17,14 +27,7 @@ def _record(name: str, section: str, policy: str, accuracy: float) -> dict:
         "section": section,
         "command": f"paramserver launch --policy {policy} --json",
         "date": "2026-11-25 06:00 UTC",
-        "machine": {
-            "cpu": "Test CPU",
-            "cores": 2,
-            "memory_gib": 24,
-            "gpu": "none",
-            "torch": "2.13.0",
-            "python": "3.11.7",
-        },
+        "machine": dict(MACHINE),
         "summary": {
             "policy": policy,
             "test_accuracy": accuracy,
