@@ -91,14 +91,21 @@ class RowCache:
         """Note ``ids`` as fetched ahead for the next step (kept by ``end_step``)."""
         self._ahead.append(ids)
 
-    def end_step(self, pushed: np.ndarray) -> None:
+    def ahead(self) -> np.ndarray:
+        """The ids fetched ahead since the last ``end_step`` (sorted, distinct)."""
+        if not self._ahead:
+            return np.empty(0, np.int64)
+        return np.unique(np.concatenate(self._ahead))
+
+    def end_step(self, pushed: np.ndarray, keep_ahead: bool = True) -> None:
         """A push of rows ``pushed`` went out: keep only the rows prefetched since the last
-        call that it did not touch."""
+        call that it did not touch (``keep_ahead`` False: none; under ``sync`` the round
+        may change any row, so rows fetched before its end are not kept)."""
         ahead, self._ahead = self._ahead, []
         if not len(self.index):
             return
         wanted = np.unique(np.concatenate(ahead)) if len(ahead) > 1 else ahead[0] if ahead else None
-        if wanted is None or np.array_equal(wanted, pushed):
+        if wanted is None or not keep_ahead or np.array_equal(wanted, pushed):
             # nothing fetched ahead, or only rows this push touched (the daemon's fetch of
             # the batch before its forward pass, both sorted and distinct): keep no row
             self.index = RowIndex(16)
@@ -192,11 +199,11 @@ class TableEmbedding(nn.Module):
         self.end_step(ids)
         return len(ids)
 
-    def end_step(self, pushed: np.ndarray) -> None:
+    def end_step(self, pushed: np.ndarray, keep_ahead: bool = True) -> None:
         """Rows ``pushed`` went to the servers: see ``RowCache.end_step``."""
         with self.lock:
             self.cache.counters.pushed += len(pushed)
-            self.cache.end_step(pushed)
+            self.cache.end_step(pushed, keep_ahead)
 
     def forget(self) -> None:
         """Drop every cached row (and any gradient not pushed): the next forward pass

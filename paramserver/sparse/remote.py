@@ -178,14 +178,17 @@ class RemoteTables:
         raise NotImplementedError("Rows are pushed with the dense gradient: Worker.step().")
 
 
-def stage_rows(tables: dict[str, TableEmbedding], shards: int) -> dict[int, tuple[Any, ...]]:
+def stage_rows(
+    tables: dict[str, TableEmbedding], shards: int, keep_ahead: bool = True
+) -> dict[int, tuple[Any, ...]]:
     """Each shard's ``RowGradients`` messages of the rows the tables' forward passes touched
     since the last call (those rows leave the caches: the next forward fetches them after
-    the push, but those prefetched since the last push and not pushed now)."""
+    the push, but those prefetched since the last push and not pushed now, unless
+    ``keep_ahead`` is False)."""
     by_shard: dict[int, list[pb.RowGradients]] = {}
     for name, table in tables.items():
         got = table.gradients()
-        table.end_step(got[0] if got is not None else np.empty(0, np.int64))
+        table.end_step(got[0] if got is not None else np.empty(0, np.int64), keep_ahead)
         if got is None:
             continue
         ids, grads = got

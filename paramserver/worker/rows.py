@@ -9,7 +9,8 @@ rows, their prefetch, and what a step pushes of them.
   ``prefetch_later(fn)`` does it on a background thread, ``fn`` giving the ids: the
   daemon's prefetch of the next batch while this one computes. A step waits for it
   before staging its push, and rows prefetched and not pushed since are kept at most one
-  step, within the policy's bound (see ``sparse/embedding.py``). A background prefetch
+  step, within the policy's bound (see ``sparse/embedding.py``); under ``sync`` (bound 0)
+  none is kept across a round: they are fetched again after its pull (``refetch``). A background prefetch
   that fails only logs: the forward pass fetches what is missing on demand, and raises
   there.
 - **Memory.** A worker with tables fixes glibc's mmap threshold (``sparse/memory.py``), so
@@ -65,6 +66,9 @@ class WorkerTables:
         if self.modules:
             fix_mmap_threshold()  # row buffers back to the system when freed (sparse/memory.py)
         self._ahead: Future[None] | None = None
+        # sync: rows prefetched before a round's end are fetched again after its pull
+        self.exact = False
+        self._again: dict[str, np.ndarray] = {}
 
     def __bool__(self) -> bool:
         return bool(self.modules)
@@ -128,11 +132,23 @@ class WorkerTables:
         """Each shard's row gradients of this step (``stage_rows``), once the background
         prefetch has landed."""
         self.wait()
-        return stage_rows(self.modules, shards)
+        if self.exact:
+            ahead = {name: m.cache.ahead() for name, m in self.modules.items()}
+            self._again = {name: ids for name, ids in ahead.items() if len(ids)}
+        return stage_rows(self.modules, shards, keep_ahead=not self.exact)
+
+    def refetch(self) -> None:
+        """Under ``sync``, once the step's pull has come: the rows prefetched for the next
+        step before the round ended, fetched again (the round may have changed any of
+        them: another worker's push of the same row)."""
+        again, self._again = self._again, {}
+        if again:
+            self.prefetch(again)
 
     def forget(self) -> None:
         """Drop every table's cached rows and the gradients not pushed (a dropped step)."""
         self.wait()
+        self._again = {}
         for table in self.modules.values():
             table.forget()
 

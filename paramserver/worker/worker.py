@@ -191,6 +191,7 @@ class Worker(WorkerView):
         self.device, self.manifest = self._replica.device, self._replica.manifest
         self.ranges, self.train_samples = joined.ranges, joined.train_samples
         self._slots, self._attacher = joined.slots, joined.attacher
+        self.tables.exact = self.policy.synchronous  # sync: rows exact, step for step
 
     def _start(self, rpc_timeout: float, barrier_timeout: float) -> None:
         """The step's stages over the joined sessions, the heartbeats, and the first pull."""
@@ -296,6 +297,8 @@ class Worker(WorkerView):
             self._exchange.then(staged)
         elif pull:
             self.pull()
+        if pull:
+            self.tables.refetch()
 
     def prefetch(self, ids: IdsByTable) -> None:
         """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) now, for the

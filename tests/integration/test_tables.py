@@ -117,9 +117,13 @@ def _trains_as_torch(serve, shards: int, shm: bool, wire: str = "auto") -> None:
     assert held == 2 * touched  # only the rows touched exist, in each of the two tables
 
 
-def test_two_sync_workers_are_one_large_batch(serve):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_two_sync_workers_are_one_large_batch(serve, prefetch):
     """Two workers, each half of every batch, under sync: the tables end as one local model
-    trained on the whole batches (mean of the halves' mean losses)."""
+    trained on the whole batches (mean of the halves' mean losses). With ``prefetch`` each
+    fetches its next half's rows before its step, while the other's push of the same rows
+    may still be on its way (issue 27: the round changed row 7 after it was prefetched):
+    the rows are fetched again after the round's pull, so the training stays exact."""
     torch.manual_seed(1)
     model = Clicky()
     server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=2)
@@ -130,18 +134,26 @@ def test_two_sync_workers_are_one_large_batch(serve):
     def run(half: int) -> None:
         replica = Clicky()
         replica.load_state_dict(model.state_dict())
+        part = slice(half * BATCH // 2, (half + 1) * BATCH // 2)
         with ps.Worker(server.address, replica) as worker:
-            for x, y in batches:
-                part = slice(half * BATCH // 2, (half + 1) * BATCH // 2)
+            # the rows each forward pass computed with, to hold against the local model's
+            replica.emb.register_forward_hook(lambda m, i, out: used[half].append(out.detach()))
+            for i, (x, y) in enumerate(batches):
                 F.cross_entropy(replica(x[part]), y[part]).backward()
+                if prefetch and i + 1 < len(batches):
+                    ahead = batches[i + 1][0][part]
+                    worker.prefetch({"emb": ahead, "bag": ahead})
                 worker.step(samples=BATCH // 2)
 
+    used: list[list[torch.Tensor]] = [[], []]
     threads = [WorkerThread(lambda h=h: run(h), name=f"w{h}") for h in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.result(timeout=60)
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        for half, p in enumerate((slice(0, 8), slice(8, 16))):  # rows exact, round by round
+            torch.testing.assert_close(used[half][i], local.emb(x[p]).detach(), rtol=0, atol=1e-6)
         opt.zero_grad()
         halves = [F.cross_entropy(local(x[p]), y[p]) for p in (slice(0, 8), slice(8, 16))]
         (sum(halves) / 2).backward()
