@@ -41,6 +41,7 @@ def as_json(st: pb.StatusResponse) -> str:
     )
     _plain(pb.StatusResponse.DESCRIPTOR, d)
     d["staleness_histogram"] = {int(k): int(v) for k, v in d["staleness_histogram"].items()}
+    d["table_rows"] = {k: int(v) for k, v in d["table_rows"].items()}
     d["finished"] = finished(st)
     return json.dumps(d, sort_keys=True)
 

@@ -102,7 +102,13 @@ def _disk_and_rows(s: ServerStatus) -> Iterator[Metric]:
         max(s.checkpoint_failing_seconds, 0.0),
     )
     yield _gauge("cuts_pending", "Consistent cuts taken and not yet on disk.", s.cuts_pending)
-    yield _gauge("rows_held", "Sparse table rows held (created on first touch).", s.rows_held)
+    yield _gauge("rows_held", "Sparse table rows held (created by their first push).", s.rows_held)
+    by_table = GaugeMetricFamily(
+        "paramserver_table_rows", "Sparse table rows this shard holds, by table.", labels=["table"]
+    )
+    for table, rows in sorted(s.table_rows.items()):
+        by_table.add_metric([table], rows)
+    yield by_table
     yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)
     yield _counter("rows_pushed", "Sparse table row gradients applied.", s.rows_pushed)
 

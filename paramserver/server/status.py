@@ -86,6 +86,7 @@ class ServerStatus:
     pushes_late: int = 0
     pushes_coalesced: int = 0
     apply_failures: int = 0
+    table_rows: dict[str, int] = field(default_factory=dict)  # rows held, by table
 
     def to_proto(self) -> pb.StatusResponse:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -97,6 +98,7 @@ class ServerStatus:
         d = dataclasses.asdict(self)
         d["workers"] = list(d["workers"])
         d["staleness_histogram"] = dict(self.staleness_histogram)
+        d["table_rows"] = dict(self.table_rows)
         return d
 
 
@@ -257,6 +259,7 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         pulls_answered=n.pulls,
         barrier_wait_seconds=n.barrier_wait_seconds,
         rows_held=tables.held if tables is not None else 0,
+        table_rows={n: t.held for n, t in tables.tables.items()} if tables is not None else {},
         rows_pulled=tables.rows_pulled if tables is not None else 0,
         rows_pushed=tables.rows_pushed if tables is not None else 0,
         checkpoint_failures=c.saves.failures,

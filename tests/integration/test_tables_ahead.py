@@ -59,6 +59,9 @@ def test_rows_named_ahead_are_fetched_before_the_forward_pass_and_counted(serve)
     assert w["row_cache_hits"] == counters.hits
     assert w["row_cache_misses"] == counters.misses
     assert scraped["paramserver_rows_held"].samples[0].value == 2 * touched
+    by_table = {s.labels["table"]: s.value for s in scraped["paramserver_table_rows"].samples}
+    assert len(by_table) == 2 and sum(by_table.values()) == 2 * touched
+    assert status["table_rows"] == by_table
     cache = {s.labels["result"]: s.value for s in scraped["paramserver_worker_row_cache"].samples}
     assert cache == {"hit": counters.hits, "miss": counters.misses}
     assert len(batches[0][0]) == BATCH
