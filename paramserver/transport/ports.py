@@ -34,7 +34,10 @@ def refusal(host: str, port: int) -> str | None:
             probe.bind((address, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE and port != 0:
-                return "the port is in use (another server?). Pick another --port, or stop what holds it."
+                return (
+                    "the port is in use (another server?). Pick another --port, or stop "
+                    "what holds it."
+                )
             if exc.errno == errno.EADDRNOTAVAIL:
                 return "this machine has no such address (--host)."
             if exc.errno == errno.EACCES:

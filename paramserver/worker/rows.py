@@ -10,9 +10,9 @@ rows, their prefetch, and what a step pushes of them.
   daemon's prefetch of the next batch while this one computes. A step waits for it
   before staging its push, and rows prefetched and not pushed since are kept at most one
   step, within the policy's bound (see ``sparse/embedding.py``); under ``sync`` (bound 0)
-  none is kept across a round: they are fetched again after its pull (``refetch``). A background prefetch
-  that fails only logs: the forward pass fetches what is missing on demand, and raises
-  there.
+  none is kept across a round: they are fetched again after its pull (``refetch``). A
+  background prefetch that fails only logs: the forward pass fetches what is missing on
+  demand, and raises there.
 - **Memory.** A worker with tables fixes glibc's mmap threshold (``sparse/memory.py``), so
   the large row buffers of each step do not stay in its heap.
 - **A restarted server.** A row pull that meets a server that restarted or dropped this
