@@ -35,20 +35,22 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "rows", "dim", "dtype", "optimizer", "lr")
+    __slots__ = ("name", "rows", "dim", "dtype", "optimizer", "lr", "init")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     dim: int
     dtype: str
     optimizer: str
     lr: float
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
+    init: str
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., init: _Optional[str] = ...) -> None: ...
 
 class RowGradients(_message.Message):
     __slots__ = ("table", "ids", "values")
@@ -363,7 +365,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., lag: _Optional[int] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds", "pulls_answered", "barrier_wait_seconds", "rows_held", "rows_pulled", "rows_pushed", "checkpoint_failures", "checkpoint_failing_seconds", "checkpoint_error", "cuts_pending", "cut_written", "batches_applied", "pushes_repeated", "pushes_late", "pushes_coalesced", "apply_failures", "table_rows")
+    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds", "pulls_answered", "barrier_wait_seconds", "rows_held", "rows_pulled", "rows_pushed", "checkpoint_failures", "checkpoint_failing_seconds", "checkpoint_error", "cuts_pending", "cut_written", "batches_applied", "pushes_repeated", "pushes_late", "pushes_coalesced", "apply_failures", "table_rows", "table_admitted", "table_evicted", "table_dropped", "table_reborn")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +374,34 @@ class StatusResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     class TableRowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TableAdmittedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TableEvictedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TableDroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TableRebornEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +450,10 @@ class StatusResponse(_message.Message):
     PUSHES_COALESCED_FIELD_NUMBER: _ClassVar[int]
     APPLY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    TABLE_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    TABLE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TABLE_REBORN_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -462,4 +496,8 @@ class StatusResponse(_message.Message):
     pushes_coalesced: int
     apply_failures: int
     table_rows: _containers.ScalarMap[str, int]
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ..., pulls_answered: _Optional[int] = ..., barrier_wait_seconds: _Optional[float] = ..., rows_held: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., checkpoint_failing_seconds: _Optional[float] = ..., checkpoint_error: _Optional[str] = ..., cuts_pending: _Optional[int] = ..., cut_written: _Optional[int] = ..., batches_applied: _Optional[int] = ..., pushes_repeated: _Optional[int] = ..., pushes_late: _Optional[int] = ..., pushes_coalesced: _Optional[int] = ..., apply_failures: _Optional[int] = ..., table_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    table_admitted: _containers.ScalarMap[str, int]
+    table_evicted: _containers.ScalarMap[str, int]
+    table_dropped: _containers.ScalarMap[str, int]
+    table_reborn: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ..., pulls_answered: _Optional[int] = ..., barrier_wait_seconds: _Optional[float] = ..., rows_held: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., checkpoint_failing_seconds: _Optional[float] = ..., checkpoint_error: _Optional[str] = ..., cuts_pending: _Optional[int] = ..., cut_written: _Optional[int] = ..., batches_applied: _Optional[int] = ..., pushes_repeated: _Optional[int] = ..., pushes_late: _Optional[int] = ..., pushes_coalesced: _Optional[int] = ..., apply_failures: _Optional[int] = ..., table_rows: _Optional[_Mapping[str, int]] = ..., table_admitted: _Optional[_Mapping[str, int]] = ..., table_evicted: _Optional[_Mapping[str, int]] = ..., table_dropped: _Optional[_Mapping[str, int]] = ..., table_reborn: _Optional[_Mapping[str, int]] = ...) -> None: ...

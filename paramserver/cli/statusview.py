@@ -10,6 +10,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.server.status import TABLE_COUNTS
 
 _INTEGERS = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
 _FLOATS = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT}
@@ -41,7 +42,8 @@ def as_json(st: pb.StatusResponse) -> str:
     )
     _plain(pb.StatusResponse.DESCRIPTOR, d)
     d["staleness_histogram"] = {int(k): int(v) for k, v in d["staleness_histogram"].items()}
-    d["table_rows"] = {k: int(v) for k, v in d["table_rows"].items()}
+    for name in TABLE_COUNTS:
+        d[name] = {k: int(v) for k, v in d[name].items()}
     d["finished"] = finished(st)
     return json.dumps(d, sort_keys=True)
 

@@ -18,17 +18,20 @@ DTYPES = ("float32", "float64")
 
 @dataclass(frozen=True)
 class TableSpec:
-    """A table as the manifest describes it."""
+    """A table as the manifest describes it: ``rows`` 0 is an unbounded table (ids any
+    int64, hashed to shards); ``init`` its rows' initialiser (``sparse.rows.Init``)."""
 
     name: str
     rows: int
     dim: int
     dtype: str = "float32"
+    init: str = "normal"
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.dim < 1:
+        if self.rows < 0 or self.dim < 1:
             raise ValueError(
-                f"Table {self.name!r} needs rows and dim >= 1; got {self.rows} x {self.dim}."
+                f"Table {self.name!r} needs rows >= 0 (0: unbounded) and dim >= 1; got "
+                f"{self.rows} x {self.dim}."
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"Table {self.name!r}: dtype {self.dtype} is not one of {DTYPES}.")
@@ -51,12 +54,18 @@ ROWS_IN_HEADER = 8 << 20
 
 def spec_to_proto(spec: TableSpec, optimizer: str = "", lr: float = 0.0) -> pb.TableSpec:
     return pb.TableSpec(
-        name=spec.name, rows=spec.rows, dim=spec.dim, dtype=spec.dtype, optimizer=optimizer, lr=lr
+        name=spec.name,
+        rows=spec.rows,
+        dim=spec.dim,
+        dtype=spec.dtype,
+        optimizer=optimizer,
+        lr=lr,
+        init=spec.init,
     )
 
 
 def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
-    return TableSpec(msg.name, msg.rows, msg.dim, msg.dtype or "float32")
+    return TableSpec(msg.name, msg.rows, msg.dim, msg.dtype or "float32", msg.init or "normal")
 
 
 def ids_to_bytes(ids: np.ndarray) -> bytes:

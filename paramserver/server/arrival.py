@@ -187,7 +187,8 @@ class OnArrival(Arrival):
         if grad is None:
             return None
         if rows and self.tables is not None:  # at this step's rate (--lr-schedule)
-            self.tables.apply(rows, self.store.config.lr_at(self.applies.next_version))
+            step = self.applies.next_version
+            self.tables.apply(rows, self.store.config.lr_at(step), step)
         waiting = self.applies.add(worker_id, grad)
         self.share(live)
         return waiting
@@ -250,7 +251,7 @@ class Rounds(Arrival):
         n = self.round.n
         mean = self.round.take_mean()
         if self.tables is not None and n:
-            self.tables.apply(self.row_round.take_mean(n), self.store.lr)
+            self.tables.apply(self.row_round.take_mean(n), self.store.lr, self.store.version + 1)
         if mean is not None:
             self.store.apply(mean)
         self.rounds += 1

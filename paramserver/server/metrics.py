@@ -109,8 +109,21 @@ def _disk_and_rows(s: ServerStatus) -> Iterator[Metric]:
     for table, rows in sorted(s.table_rows.items()):
         by_table.add_metric([table], rows)
     yield by_table
+    for name, doc in LIFECYCLE.items():
+        family = CounterMetricFamily(f"paramserver_table_{name}", doc, labels=["table"])
+        for table, count in sorted(getattr(s, f"table_{name}").items()):
+            family.add_metric([table], count)
+        yield family
     yield _counter("rows_pulled", "Sparse table rows sent to workers.", s.rows_pulled)
     yield _counter("rows_pushed", "Sparse table row gradients applied.", s.rows_pushed)
+
+
+LIFECYCLE = {  # sparse/lifecycle.py; this process is one shard
+    "admitted": "Sparse table rows created (a first push, or an admission), by table.",
+    "evicted": "Sparse table rows evicted (capacity or TTL), by table.",
+    "dropped": "Sparse table gradient rows dropped (ids not admitted yet), by table.",
+    "reborn": "Sparse table rows created again after their eviction, by table.",
+}
 
 
 def _per_worker(s: ServerStatus) -> Iterator[Metric]:

@@ -87,6 +87,11 @@ class ServerStatus:
     pushes_coalesced: int = 0
     apply_failures: int = 0
     table_rows: dict[str, int] = field(default_factory=dict)  # rows held, by table
+    # the tables' lifecycle counters, by table (sparse/lifecycle.py)
+    table_admitted: dict[str, int] = field(default_factory=dict)
+    table_evicted: dict[str, int] = field(default_factory=dict)
+    table_dropped: dict[str, int] = field(default_factory=dict)
+    table_reborn: dict[str, int] = field(default_factory=dict)
 
     def to_proto(self) -> pb.StatusResponse:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -98,7 +103,8 @@ class ServerStatus:
         d = dataclasses.asdict(self)
         d["workers"] = list(d["workers"])
         d["staleness_histogram"] = dict(self.staleness_histogram)
-        d["table_rows"] = dict(self.table_rows)
+        for name in TABLE_COUNTS:
+            d[name] = dict(getattr(self, name))
         return d
 
 
@@ -259,7 +265,7 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         pulls_answered=n.pulls,
         barrier_wait_seconds=n.barrier_wait_seconds,
         rows_held=tables.held if tables is not None else 0,
-        table_rows={n: t.held for n, t in tables.tables.items()} if tables is not None else {},
+        **_table_counts(tables),
         rows_pulled=tables.rows_pulled if tables is not None else 0,
         rows_pushed=tables.rows_pushed if tables is not None else 0,
         checkpoint_failures=c.saves.failures,
@@ -270,3 +276,15 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         batches_applied=c.ledger.applied,
         pushes_repeated=c.ledger.repeated,
     )
+
+
+TABLE_COUNTS = ("table_rows", "table_admitted", "table_evicted", "table_dropped", "table_reborn")
+
+
+def _table_counts(tables: TableSet | None) -> dict[str, dict[str, int]]:
+    """``TABLE_COUNTS``: each table's rows held and lifecycle counters."""
+    tallies = tables.tallies() if tables is not None else {}
+    return {
+        name: {table: t[name.removeprefix("table_")] for table, t in tallies.items()}
+        for name in TABLE_COUNTS
+    }

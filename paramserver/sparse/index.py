@@ -1,6 +1,16 @@
-"""Row ids to storage slots: a vectorised open-addressing hash table (linear probing, at
-most half full), so a batch of ids is looked up or inserted with a few numpy passes and
-never a Python loop per id. Slots are handed out 0, 1, 2, ... in order of first touch."""
+"""Row ids to storage slots: a vectorised open-addressing hash table (linear probing), so a
+batch of ids is looked up, inserted or removed with a few numpy passes and never a Python
+loop per id.
+
+- Any int64 is an id (an unbounded table's ids are production feature ids, negative ones
+  too): whether a bucket is empty, full or deleted is kept apart, one byte a bucket.
+- Slots are handed out 0, 1, 2, ... in order of first touch; a removed id's slot is given
+  to the next id inserted, so storage stays as large as the most rows held at once.
+- Removal leaves a tombstone (lookups probe past it, inserts reuse it); the table is
+  rebuilt when full and deleted buckets pass ``MAX_LOAD`` of it.
+- Memory: 13 bytes a bucket (key, int32 slot, state), between 1/``MAX_LOAD`` and
+  2/``MAX_LOAD`` buckets a row: 19 to 37 bytes a row.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +18,9 @@ import numpy as np
 
 from paramserver.sparse.rows import splitmix64
 
-EMPTY = -1
+EMPTY, FULL, DELETED = 0, 1, 2
+MAX_LOAD = 0.7
+MAX_SLOTS = (1 << 31) - 1  # slots are int32: rows one index holds at most
 # Buckets use another hash than the shard choice: on shard s of S every id has
 # splitmix64(id) = s (mod S), so those low bits would crowd a power-of-two table.
 _BUCKET_SALT = np.uint64(0x5851F42D4C957F2D)
@@ -16,9 +28,16 @@ _BUCKET_SALT = np.uint64(0x5851F42D4C957F2D)
 
 class RowIndex:
     def __init__(self, capacity: int = 1024):
-        self._keys = np.full(_power_of_two(capacity), EMPTY, np.int64)
-        self._slots = np.empty(len(self._keys), np.int64)
-        self.size = 0
+        self._alloc(_buckets_for(capacity))
+        self.size = 0  # ids held
+        self._deleted = 0  # tombstones
+        self._next = 0  # slots handed out so far (held or free)
+        self._free = np.empty(0, np.int64)  # slots of removed ids, reused first
+
+    def _alloc(self, buckets: int) -> None:
+        self._keys = np.zeros(buckets, np.int64)
+        self._slots = np.zeros(buckets, np.int32)
+        self._state = np.zeros(buckets, np.uint8)
 
     def __len__(self) -> int:
         return self.size
@@ -27,65 +46,106 @@ class RowIndex:
     def capacity(self) -> int:
         return len(self._keys)
 
+    @property
+    def slots_used(self) -> int:
+        """Slots handed out so far: storage must hold this many rows."""
+        return self._next
+
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._slots.nbytes + self._state.nbytes + self._free.nbytes
+
     def _buckets(self, ids: np.ndarray) -> np.ndarray:
         mask = np.uint64(len(self._keys) - 1)
         return (splitmix64(ids.astype(np.uint64) ^ _BUCKET_SALT) & mask).astype(np.int64)
 
-    def find(self, ids: np.ndarray) -> np.ndarray:
-        """The slot of each id (int64), or -1 where the id was never inserted."""
-        ids = np.asarray(ids, np.int64)
-        out = np.full(len(ids), EMPTY, np.int64)
+    def _locate(self, ids: np.ndarray) -> np.ndarray:
+        """The bucket of each id, or -1 where it is not held."""
+        out = np.full(len(ids), -1, np.int64)
         at = self._buckets(ids)
         pending = np.arange(len(ids))
         mask = len(self._keys) - 1
         while pending.size:
-            keys = self._keys[at[pending]]
-            hit = keys == ids[pending]
-            out[pending[hit]] = self._slots[at[pending[hit]]]
-            pending = pending[~hit & (keys != EMPTY)]
+            b = at[pending]
+            state = self._state[b]
+            hit = (state == FULL) & (self._keys[b] == ids[pending])
+            out[pending[hit]] = b[hit]
+            pending = pending[~hit & (state != EMPTY)]
             at[pending] = (at[pending] + 1) & mask
         return out
 
-    def insert(self, ids: np.ndarray) -> np.ndarray:
-        """Give each id, distinct and not present, the next slot; returns them."""
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id (int64), or -1 where the id is not held."""
         ids = np.asarray(ids, np.int64)
-        if 2 * (self.size + len(ids)) > len(self._keys):
-            self._grow(self.size + len(ids))
-        slots = np.arange(self.size, self.size + len(ids), dtype=np.int64)
+        at = self._locate(ids)
+        out = np.full(len(ids), -1, np.int64)
+        held = at >= 0
+        out[held] = self._slots[at[held]]
+        return out
+
+    def insert(self, ids: np.ndarray) -> np.ndarray:
+        """Give each id, distinct and not held, a slot (freed ones first); returns them."""
+        ids = np.asarray(ids, np.int64)
+        n = len(ids)
+        if self.size + n > MAX_SLOTS:
+            raise OverflowError(f"One index holds at most {MAX_SLOTS} rows.")
+        if self.size + self._deleted + n > MAX_LOAD * len(self._keys):
+            self._rebuild(self.size + n)
+        reused = min(n, len(self._free))
+        slots = np.empty(n, np.int64)
+        slots[:reused] = self._free[len(self._free) - reused :]
+        self._free = self._free[: len(self._free) - reused]
+        slots[reused:] = np.arange(self._next, self._next + n - reused)
+        self._next += n - reused
         self._place(ids, slots)
-        self.size += len(ids)
+        self.size += n
         return slots
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Forget the ids held among ``ids`` (distinct); returns the slots they freed."""
+        at = self._locate(np.asarray(ids, np.int64))
+        at = at[at >= 0]
+        freed = self._slots[at].astype(np.int64)
+        self._state[at] = DELETED
+        self.size -= len(at)
+        self._deleted += len(at)
+        self._free = np.concatenate([self._free, freed])
+        return freed
 
     def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
         at = self._buckets(ids)
         pending = np.arange(len(ids))
         mask = len(self._keys) - 1
         while pending.size:
-            free = pending[self._keys[at[pending]] == EMPTY]
+            free = pending[self._state[at[pending]] != FULL]
             # of the ids aiming at one free bucket, the first takes it
             _, first = np.unique(at[free], return_index=True)
             won = free[first]
-            self._keys[at[won]] = ids[won]
-            self._slots[at[won]] = slots[won]
+            b = at[won]
+            self._deleted -= int((self._state[b] == DELETED).sum())
+            self._keys[b] = ids[won]
+            self._slots[b] = slots[won]
+            self._state[b] = FULL
             left = np.ones(len(ids), bool)
             left[won] = False
             pending = pending[left[pending]]
             at[pending] = (at[pending] + 1) & mask
 
-    def _grow(self, needed: int) -> None:
-        held = self._keys != EMPTY
+    def _rebuild(self, needed: int) -> None:
+        held = self._state == FULL
         ids, slots = self._keys[held], self._slots[held]
-        self._keys = np.full(_power_of_two(2 * needed), EMPTY, np.int64)
-        self._slots = np.empty(len(self._keys), np.int64)
+        self._alloc(_buckets_for(needed))
+        self._deleted = 0
         self._place(ids, slots)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every (id, slot), ordered by slot."""
-        held = self._keys != EMPTY
-        ids, slots = self._keys[held], self._slots[held]
+        """Every (id, slot) held, ordered by slot."""
+        held = self._state == FULL
+        ids, slots = self._keys[held], self._slots[held].astype(np.int64)
         order = np.argsort(slots, kind="stable")
         return ids[order], slots[order]
 
 
-def _power_of_two(n: int) -> int:
-    return 1 << max(4, (max(n, 1) - 1).bit_length())
+def _buckets_for(rows: int) -> int:
+    """A power of two of buckets that holds ``rows`` under ``MAX_LOAD``."""
+    need = max(16, int(np.ceil(max(rows, 1) / MAX_LOAD)) + 1)
+    return 1 << (need - 1).bit_length()

@@ -1,14 +1,21 @@
-"""One shard's rows of one table: created by their first push from the seeded initialiser,
-pulled and pushed by id, updated by a row-wise optimizer, saved and restored.
+"""One shard's rows of one table: created by their first push (or their admission) from
+the table's initialiser, pulled and pushed by id, updated by a row-wise optimizer, evicted
+by its lifecycle (``lifecycle.py``), saved and restored.
 
-A pull creates nothing: it reads the rows held and gives the initial values of the others
-(``Lookup``). What a pull does under the lock pushes wait on is a copy of the rows held;
-the initial values of the rest are computed after it, in chunks of bounded size.
+A pull creates nothing: it reads the rows held and gives the initial values (or zeros,
+``unadmitted``) of the others (``Lookup``). What a pull does under the lock pushes wait on
+is a copy of the rows held; the initial values of the rest are computed after it, in
+chunks of bounded size.
+
+Storage: the rows, their optimizer state and their counters (pushes, last step pushed) sit
+in arrays indexed by slot (``index.RowIndex``); an evicted row's slot is reused, and the
+arrays grow by a quarter at a time, so they hold at most about 1.25 times the most rows
+held at once.
 
 Every request is checked whole before anything changes: ids must be integers in
-[0, rows), held by this shard, and a push's ids distinct with one finite row of ``dim``
-values each. A bad request raises ``InvalidRequest`` (INVALID_ARGUMENT on the wire) and
-leaves the table as it was.
+[0, rows) (any int64 for an unbounded table), held by this shard, and a push's ids
+distinct with one finite row of ``dim`` values each. A bad request raises
+``InvalidRequest`` (INVALID_ARGUMENT on the wire) and leaves the table as it was.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import torch
 
 from paramserver.codec.rows import TableSpec
 from paramserver.errors import InvalidRequest
+from paramserver.sparse import lifecycle as life
 from paramserver.sparse.index import RowIndex
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
-from paramserver.sparse.rows import initial_rows, shard_of, table_key
+from paramserver.sparse.rows import Init, initial_rows, shard_of, table_key
 
 INITIAL_CHUNK = 1 << 16  # ids whose initial values are computed at once (bounded temporaries)
 
@@ -39,16 +47,19 @@ class Lookup:
     key: np.uint64
     dim: int
     dtype: str
+    init: Init | None  # None: rows not held read as zeros
 
     def complete(self) -> torch.Tensor:
         """The rows of ``ids``: (len(ids), dim); the initial values computed a chunk of
         ``INITIAL_CHUNK`` ids at a time."""
-        out = torch.empty((len(self.ids), self.dim), dtype=getattr(torch, self.dtype))
+        out = torch.zeros((len(self.ids), self.dim), dtype=getattr(torch, self.dtype))
         out[torch.from_numpy(self.held)] = self.values
+        if self.init is None:
+            return out
         missing = np.flatnonzero(~self.held)
         for lo in range(0, len(missing), INITIAL_CHUNK):
             part = missing[lo : lo + INITIAL_CHUNK]
-            initial = initial_rows(self.key, self.ids[part], self.dim, self.dtype)
+            initial = initial_rows(self.key, self.ids[part], self.dim, self.dtype, self.init)
             out[torch.from_numpy(part)] = torch.from_numpy(initial)
         return out
 
@@ -63,23 +74,41 @@ class ShardTable:
         seed: int = 0,
         shard: int = 0,
         shards: int = 1,
-        capacity: int = 1024,
+        reserve: int = 1024,
+        lifecycle: life.Lifecycle | None = None,
     ):
         self.spec, self.shard, self.shards = spec, shard, shards
         self.key = table_key(seed, spec.name)
+        self.init = Init.parse(spec.init)
+        self.lifecycle = (lifecycle or life.Lifecycle()).checked(spec.name)
+        self.sketch = life.Sketch(self.lifecycle.sketch) if self.lifecycle.admit_after > 1 else None
+        self.tally = life.Tally()
         self.optimizer = RowOptimizer(optimizer)
-        self.index = RowIndex(capacity)
+        self.index = RowIndex(reserve)
         dtype = getattr(torch, spec.dtype)
-        self.values = torch.empty((capacity, spec.dim), dtype=dtype)
+        self.values = torch.empty((reserve, spec.dim), dtype=dtype)
         self.state = [
-            torch.empty((capacity, width), dtype=kind or dtype)
+            torch.empty((reserve, width), dtype=kind or dtype)
             for width, kind in optimizer.state_layout(spec.dim)
         ]
+        self.hits = np.zeros(reserve, np.int64)  # pushes applied to the row in each slot
+        self.last = np.zeros(reserve, np.int64)  # the step of the last one
 
     @property
     def held(self) -> int:
-        """Rows created so far (touched at least once)."""
+        """Rows held now (created and not evicted)."""
         return len(self.index)
+
+    def nbytes(self) -> int:
+        """The bytes the table's storage and index take."""
+        arrays = [self.values, *self.state]
+        return (
+            sum(t.numel() * t.element_size() for t in arrays)
+            + self.hits.nbytes
+            + self.last.nbytes
+            + self.index.nbytes()
+            + (self.sketch.counts.nbytes if self.sketch is not None else 0)
+        )
 
     # --- checks -----------------------------------------------------------------------
 
@@ -92,7 +121,7 @@ class ShardTable:
                 f"array of integers, not {arr.dtype} of shape {arr.shape}."
             )
         arr = arr.astype(np.int64, copy=False)
-        bad = (arr < 0) | (arr >= self.spec.rows)
+        bad = (arr < 0) | (arr >= self.spec.rows) if self.spec.rows else np.zeros(0, bool)
         if bad.any():
             raise InvalidRequest(
                 f"{what} of table {self.spec.name!r}: id {int(arr[bad][0])} is "
@@ -131,26 +160,25 @@ class ShardTable:
 
     # --- rows -------------------------------------------------------------------------
 
-    def _slots(self, ids: np.ndarray) -> torch.Tensor:
-        """The slots of ``ids`` (distinct), creating the rows never touched."""
-        slots = self.index.find(ids)
-        new = slots < 0
-        if new.any():
-            fresh = ids[new]
-            slots[new] = self.index.insert(fresh)
-            self._reserve(len(self.index))
-            start = len(self.index) - len(fresh)
-            self.values[start : len(self.index)] = torch.from_numpy(
-                initial_rows(self.key, fresh, self.spec.dim, self.spec.dtype)
-            )
-            for s in self.state:
-                s[start : len(self.index)] = self.optimizer.config.initial_state()
-        return torch.from_numpy(slots)
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        """Rows for ``ids`` (distinct, not held) at their initial values; their slots."""
+        slots = self.index.insert(ids)
+        self._reserve(self.index.slots_used)
+        at = torch.from_numpy(slots)
+        self.values[at] = torch.from_numpy(
+            initial_rows(self.key, ids, self.spec.dim, self.spec.dtype, self.init)
+        )
+        for s in self.state:
+            s[at] = self.optimizer.config.initial_state()
+        self.hits[slots] = 0
+        self.tally.create(ids)
+        return slots
 
     def _reserve(self, n: int) -> None:
+        """Storage for slots [0, n): grown by a quarter (at least 1024 rows) at a time."""
         if n <= len(self.values):
             return
-        size = max(n, 2 * len(self.values))
+        size = max(n, len(self.values) + max(1024, len(self.values) // 4))
 
         def grown(t: torch.Tensor) -> torch.Tensor:
             out = torch.empty((size, t.shape[1]), dtype=t.dtype)
@@ -159,6 +187,23 @@ class ShardTable:
 
         self.values = grown(self.values)
         self.state = [grown(s) for s in self.state]
+        self.hits = np.concatenate([self.hits, np.zeros(size - len(self.hits), np.int64)])
+        self.last = np.concatenate([self.last, np.zeros(size - len(self.last), np.int64)])
+
+    def _evict(self, count: int, spared_ids: np.ndarray, step: int, ttl: bool) -> None:
+        """Evict ``count`` rows by the lifecycle's policy (``ttl``: those past their TTL at
+        ``step``), never one of ``spared_ids``."""
+        held, slots = self.index.items()
+        spared = np.isin(held, spared_ids)
+        if ttl:
+            gone = life.expired(self.last[slots], spared, step, self.lifecycle.ttl)
+        else:
+            gone = life.victims(
+                self.hits[slots], self.last[slots], spared, count, self.lifecycle.evict
+            )
+        if len(gone):
+            self.index.remove(held[gone])
+            self.tally.evict(held[gone])
 
     def pull(self, ids: Any) -> torch.Tensor:
         """The rows ``ids`` (any order, repeats allowed): (len(ids), dim), a copy; the
@@ -170,16 +215,46 @@ class ShardTable:
         slots = self.index.find(arr)
         held = slots >= 0
         values = self.values[torch.from_numpy(slots[held])]
-        return Lookup(arr, held, values, self.key, self.spec.dim, self.spec.dtype)
+        init = None if self.lifecycle.unadmitted == "zeros" else self.init
+        return Lookup(arr, held, values, self.key, self.spec.dim, self.spec.dtype, init)
 
-    def push(self, ids: Any, grads: Any) -> None:
+    def push(self, ids: Any, grads: Any, step: int | None = None) -> None:
         """One optimizer step on rows ``ids`` (distinct) with ``grads`` (one row each)."""
-        self.apply(*self.check_push(ids, grads))
+        self.apply(*self.check_push(ids, grads), step=step)
 
-    def apply(self, ids: np.ndarray, grads: torch.Tensor, lr: float | None = None) -> None:
-        """``push`` of what ``check_push`` returned (at ``lr``; None: the optimizer's)."""
-        slots = self._slots(ids)  # may grow (replace) self.values and self.state: first
-        self.optimizer.step(self.values, self.state, slots, grads, lr)
+    def apply(
+        self, ids: np.ndarray, grads: torch.Tensor, lr: float | None = None, step: int | None = None
+    ) -> None:
+        """``push`` of what ``check_push`` returned (at ``lr``; None: the optimizer's), at
+        the server's ``step`` (None: this table's count of steps): the rows not held are
+        created (those admitted; the others' gradients are dropped and counted), rows go
+        where the capacity or the TTL says so, then the optimizer steps."""
+        now = self.optimizer.steps + 1 if step is None else step
+        slots = self.index.find(ids)
+        new = slots < 0
+        if new.any():
+            lc = self.lifecycle
+            if self.sketch is not None:
+                admitted = self.sketch.add(ids[new]) >= lc.admit_after
+                if not admitted.all():
+                    self.tally.dropped += int((~admitted).sum())
+                    keep = ~new
+                    keep[np.flatnonzero(new)[admitted]] = True
+                    ids, grads, slots = ids[keep], grads[torch.from_numpy(keep)], slots[keep]
+                    new = slots < 0
+            over = len(self.index) + int(new.sum()) - lc.capacity
+            if lc.bounded and over > 0:
+                self._evict(len(self.index) - lc.low_water + int(new.sum()), ids, now, False)
+            if new.any():
+                slots[new] = self._create(ids[new])  # may replace the arrays: first
+        if self.lifecycle.sweeps_at(now):
+            self._evict(0, ids, now, True)
+        if not len(ids):
+            self.optimizer.steps += 1
+            return
+        self.hits[slots] += 1
+        self.last[slots] = now
+        self.optimizer.step(self.values, self.state, torch.from_numpy(slots), grads, lr)
 
     def read(self, ids: Any) -> torch.Tensor:
         """The current values of rows ``ids`` without creating any (untouched rows: their
@@ -196,6 +271,10 @@ class ShardTable:
             "values": self.values[take].clone(),
             "state": [s[take].clone() for s in self.state],
             "steps": self.optimizer.steps,
+            "hits": torch.from_numpy(self.hits[slots].copy()),
+            "last": torch.from_numpy(self.last[slots].copy()),
+            "tally": self.tally.state(),
+            "sketch": None if self.sketch is None else torch.from_numpy(self.sketch.counts.copy()),
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -209,10 +288,23 @@ class ShardTable:
                 f"Table {self.spec.name!r}: the saved optimizer state does not "
                 f"match {self.optimizer.config.name}."
             )
-        self.index = RowIndex(max(1024, 2 * len(ids)))
-        slots = torch.from_numpy(self.index.insert(ids))
+        self.index = RowIndex(max(1024, len(ids)))
+        at = self.index.insert(ids)
+        slots = torch.from_numpy(at)
         self._reserve(len(ids))
         self.values[slots] = saved["values"].to(self.values.dtype)
         for mine, theirs in zip(self.state, states, strict=True):
             mine[slots] = theirs.to(mine.dtype)
         self.optimizer.steps = int(saved["steps"])
+        # checkpoints from before the lifecycle: one push each, at the table's last step
+        hits, last = saved.get("hits"), saved.get("last")
+        self.hits[at] = hits.numpy() if hits is not None else 1
+        self.last[at] = last.numpy() if last is not None else self.optimizer.steps
+        self.tally.load(saved.get("tally", {"admitted": len(ids)}))
+        sketch = saved.get("sketch")
+        if (
+            self.sketch is not None
+            and sketch is not None
+            and len(sketch) == len(self.sketch.counts)
+        ):
+            self.sketch.counts[:] = sketch.numpy()

@@ -24,8 +24,9 @@ import torch
 
 from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.errors import ConfigError, InvalidRequest
+from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
-from paramserver.sparse.rows import initial_rows
+from paramserver.sparse.rows import Init, initial_rows
 from paramserver.sparse.table import Lookup, ShardTable
 
 
@@ -82,16 +83,29 @@ class TableSet:
         seed: int = 0,
         shard: int = 0,
         shards: int = 1,
+        lifecycles: Mapping[str, Lifecycle] | None = None,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"Two tables share a name: {names}.")
+        lifecycles = lifecycles or {}
+        unknown = sorted(set(lifecycles) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"A lifecycle is set for {', '.join(map(repr, unknown))}, which the model does "
+                f"not hold as a sparse table (tables: {', '.join(names) or 'none'})."
+            )
         chosen = (
             {name: (optimizer, True) for name in names}
             if isinstance(optimizer, RowOptimizerConfig)
             else optimizer
         )
-        self.tables = {s.name: ShardTable(s, chosen[s.name][0], seed, shard, shards) for s in specs}
+        self.tables = {
+            s.name: ShardTable(
+                s, chosen[s.name][0], seed, shard, shards, lifecycle=lifecycles.get(s.name)
+            )
+            for s in specs
+        }
         self.scheduled = {name: chosen[name][1] for name in names}
         self.rows_pulled = 0
         self.rows_pushed = 0
@@ -155,13 +169,21 @@ class TableSet:
             checked.append(RowGradients(push.table, ids, grads))
         return checked
 
-    def apply(self, checked: Iterable[RowGradients], lr: float | None = None) -> None:
+    def apply(
+        self, checked: Iterable[RowGradients], lr: float | None = None, step: int | None = None
+    ) -> None:
         """One optimizer step on each checked push's rows, at ``lr`` (the server's schedule;
-        None: the row optimizer's own)."""
+        None: the row optimizer's own), as the server's ``step`` (the version it makes:
+        the rows' last step pushed, and their TTL, count these)."""
         for push in checked:
             scheduled = self.scheduled[push.table]
-            self.tables[push.table].apply(push.ids, push.grads, lr if scheduled else None)
+            self.tables[push.table].apply(push.ids, push.grads, lr if scheduled else None, step)
             self.rows_pushed += len(push.ids)
+
+    def tallies(self) -> dict[str, dict[str, int]]:
+        """Each table's rows held and lifecycle counters (admitted, evicted, dropped,
+        reborn)."""
+        return {name: {"rows": t.held, **t.tally.state()} for name, t in self.tables.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {name: t.state_dict() for name, t in self.tables.items()}
@@ -176,6 +198,7 @@ class TableSet:
                 "dtype": t.spec.dtype,
                 "key": int(t.key),
                 "shards": t.shards,
+                "init": t.spec.init,
             }
             for name, t in self.tables.items()
         }
@@ -244,19 +267,20 @@ def whole_tables(
     """``{"NAME.weight": the whole table}`` from the ``state_dict`` of every shard (``saved``,
     one a shard): their rows where touched, the seeded initial values elsewhere. Empty
     when ``saved`` lacks a shard (a shard of several holds a part of each table), and for
-    tables over ``limit`` bytes (None: no limit)."""
+    tables over ``limit`` bytes (None: no limit), and unbounded tables (rows 0)."""
     out = {}
     for name, lay in layouts.items():
         rows, dim = lay["rows"], lay["dim"]
         too_large = limit is not None and rows * dim * np.dtype(lay["dtype"]).itemsize > limit
-        if lay["shards"] != len(saved) or too_large:
+        if lay["shards"] != len(saved) or too_large or not rows:
             continue
+        init = Init.parse(lay.get("init", "normal"))
         table = torch.empty((rows, dim), dtype=getattr(torch, lay["dtype"]))
         step = max(1, (1 << 20) // dim)  # initial values a chunk at a time: bounded temporaries
         for lo in range(0, rows, step):
             ids = np.arange(lo, min(lo + step, rows))
             table[lo : lo + len(ids)] = torch.from_numpy(
-                initial_rows(np.uint64(lay["key"]), ids, dim, lay["dtype"])
+                initial_rows(np.uint64(lay["key"]), ids, dim, lay["dtype"], init)
             )
         for shard in saved:
             held = shard[name]

@@ -19,23 +19,41 @@ from paramserver.sparse.table import ShardTable, TableSpec
 ROWS, DIM = 500, 8
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 10**12), max_size=200), max_size=8))
-def test_the_index_agrees_with_a_dict(batches):
-    index, expected = RowIndex(capacity=16), {}
-    for batch in batches:
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 40), max_size=120),
+            st.lists(st.integers(-3, 40), max_size=30),
+        ),
+        max_size=10,
+    )
+)
+def test_the_index_agrees_with_a_dict(steps):
+    """Inserts and removals of any int64 (-1 and 0 too); freed slots are reused, so the
+    slots handed out never pass the most ids held at once."""
+    index, expected, most = RowIndex(capacity=16), {}, 0
+    for batch, gone in steps:
         ids = np.array(batch, np.int64)
         found = index.find(ids)
         assert found.tolist() == [expected.get(i, -1) for i in batch]
         new = np.unique(ids[found < 0])
         for i, slot in zip(new.tolist(), index.insert(new).tolist(), strict=True):
+            assert slot not in expected.values()
             expected[i] = slot
-        assert len(index) == len(expected) and 2 * len(index) <= index.capacity
+        most = max(most, len(expected))
+        drop = np.unique(np.array(gone, np.int64))
+        freed = index.remove(drop)
+        assert sorted(freed.tolist()) == sorted(
+            expected.pop(i) for i in drop.tolist() if i in expected
+        )
+        assert len(index) == len(expected) and index.slots_used <= most
+        assert len(index) <= 0.7 * index.capacity
     ids = np.array(sorted(expected), np.int64)
     assert index.find(ids).tolist() == [expected[i] for i in ids.tolist()]
     held, slots = index.items()
-    assert slots.tolist() == list(range(len(expected)))
     assert dict(zip(held.tolist(), slots.tolist(), strict=True)) == expected
+    assert slots.tolist() == sorted(slots.tolist())
 
 
 def test_rows_spread_over_shards_and_start_the_same_whatever_the_sharding():
@@ -68,7 +86,7 @@ def _torch_twin(table: ShardTable, name: str, lr: float):
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
 def test_row_optimizers_train_a_table_as_torch_trains_a_sparse_embedding(name):
     lr = 0.05
-    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=3, capacity=16)
+    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=3, reserve=16)
     emb, opt = _torch_twin(table, name, lr)
     rng = np.random.default_rng(0)
     touched: set[int] = set()
@@ -141,7 +159,7 @@ def test_rowwise_adagrad_and_lazy_adam_follow_their_definitions(name):
     from tests.unit.rowref import Reference
 
     lr = 0.05
-    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=4, capacity=8)
+    table = ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig(name, lr), seed=4, reserve=8)
     ref = Reference(table.read(np.arange(ROWS)), name, lr)
     rng = np.random.default_rng(2)
     for _ in range(25):

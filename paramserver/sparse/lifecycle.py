@@ -1,0 +1,180 @@
+"""A table's row lifecycle on one shard: which ids get a row, and which rows go. Decisions
+only: ``table.ShardTable`` holds the rows and asks these.
+
+- **Admission** (``admit_after`` K): a row is created and trained only once a push has
+  named its id K times. Until then its gradient is dropped (counted) and a lookup answers
+  the table's initial value (``unadmitted`` "init") or zeros. The sightings are counted in
+  a count-min sketch (``Sketch``: two hashes into ``sketch`` one-byte counters, about 1 MiB
+  a table and shard), so ids never admitted cost no memory of their own; a collision can
+  only admit an id early, never late (Monolith's and DeepRec's filters do the same).
+- **Capacity** (rows a shard holds at most) with ``evict`` "lru" (least recently pushed
+  first) or "lfu" (fewest pushes first, then least recent). A push that would pass the
+  capacity first evicts down to ``low_water`` (15/16 of it), never a row of that push, so
+  one scan of the rows serves a sixteenth of the capacity in new rows.
+- **TTL** (steps): a row not pushed for more than ``ttl`` of the server's steps goes, at a
+  sweep every ``ttl // 4`` steps (so at most ``1.25 * ttl`` after its last push).
+- **Counters** per row: pushes (``hits``) and the last step pushed; per table: admitted,
+  evicted, dropped gradient rows, and rows reborn (created again after their eviction, as a
+  push computed on the row before it was evicted makes; estimated with a bitset of evicted
+  ids, which may count a collision too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from paramserver.errors import ConfigError
+from paramserver.sparse.rows import splitmix64
+
+POLICIES = ("lru", "lfu")
+UNADMITTED = ("init", "zeros")
+_SALTS = (np.uint64(0xA0761D6478BD642F), np.uint64(0xE7037ED1A0B428DB))
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """One table's lifecycle settings; the defaults keep every row for ever."""
+
+    admit_after: int = 1  # pushes naming an id before its row is created (1: the first)
+    capacity: int = 0  # rows a shard holds at most (0: no limit)
+    evict: str = "lru"  # which rows go first at capacity: "lru" or "lfu"
+    ttl: int = 0  # steps without a push after which a row goes (0: never)
+    unadmitted: str = "init"  # a row not held reads as its initial value, or "zeros"
+    sketch: int = 1 << 20  # counters of the admission sketch
+
+    def checked(self, table: str) -> Lifecycle:
+        """Itself, or ConfigError naming the table, the setting and its value."""
+        for name, lowest in (("admit_after", 1), ("capacity", 0), ("ttl", 0), ("sketch", 1024)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ConfigError(
+                    f"Table {table!r}: {name} must be an integer >= {lowest}; got {value!r}."
+                )
+        if self.evict not in POLICIES:
+            raise ConfigError(
+                f"Table {table!r}: evict is one of {', '.join(POLICIES)}; got {self.evict!r}."
+            )
+        if self.unadmitted not in UNADMITTED:
+            raise ConfigError(
+                f"Table {table!r}: unadmitted is one of {', '.join(UNADMITTED)}; got "
+                f"{self.unadmitted!r}."
+            )
+        return self
+
+    @property
+    def bounded(self) -> bool:
+        return self.capacity > 0
+
+    @property
+    def low_water(self) -> int:
+        """Rows held after an eviction at capacity."""
+        return self.capacity - max(1, self.capacity // 16)
+
+    def sweeps_at(self, step: int) -> bool:
+        """Whether the TTL sweep runs at ``step``."""
+        return self.ttl > 0 and step % max(1, self.ttl // 4) == 0
+
+
+def parse_lifecycle(table: str, text: str) -> Lifecycle:
+    """``admit_after=2,capacity=100000,evict=lfu,ttl=5000,unadmitted=zeros`` (any of them,
+    in any order) as a checked ``Lifecycle``."""
+    known = {f.name: f.type for f in fields(Lifecycle)}
+    values: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in known:
+            raise ConfigError(
+                f"Table {table!r}: {part!r} is not NAME=VALUE with NAME one of {', '.join(known)}."
+            )
+        if name in ("evict", "unadmitted"):
+            values[name] = value.strip()
+        else:
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise ConfigError(
+                    f"Table {table!r}: {name} must be an integer; got {value.strip()!r}."
+                ) from None
+    return Lifecycle(**values).checked(table)
+
+
+class Sketch:
+    """Count-min counts of the ids pushed before their admission: ``add`` counts one
+    sighting of each id (distinct) and answers the counts after it (at most 255)."""
+
+    def __init__(self, width: int):
+        self.counts = np.zeros(width, np.uint8)
+
+    def _cells(self, ids: np.ndarray) -> list[np.ndarray]:
+        width = np.uint64(len(self.counts))
+        u = ids.astype(np.uint64)
+        return [(splitmix64(u ^ salt) % width).astype(np.int64) for salt in _SALTS]
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        cells = self._cells(ids)
+        for c in cells:
+            where, bumped = np.unique(c, return_counts=True)
+            total = self.counts[where].astype(np.int64) + bumped
+            self.counts[where] = np.minimum(total, 255).astype(np.uint8)
+        return np.minimum(*(self.counts[c] for c in cells)).astype(np.int64)
+
+
+@dataclass
+class Tally:
+    """A table's lifecycle counters on one shard."""
+
+    admitted: int = 0
+    evicted: int = 0
+    dropped: int = 0
+    reborn: int = 0
+    evicted_ids: np.ndarray = field(default_factory=lambda: np.zeros(1 << 16, bool))
+
+    def _cells(self, ids: np.ndarray) -> np.ndarray:
+        width = np.uint64(len(self.evicted_ids))
+        return (splitmix64(ids.astype(np.uint64) ^ _SALTS[0]) % width).astype(np.int64)
+
+    def evict(self, ids: np.ndarray) -> None:
+        self.evicted += len(ids)
+        self.evicted_ids[self._cells(ids)] = True
+
+    def create(self, ids: np.ndarray) -> None:
+        self.admitted += len(ids)
+        if self.evicted:
+            cells = self._cells(ids)
+            self.reborn += int(self.evicted_ids[cells].sum())
+            self.evicted_ids[cells] = False
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "admitted": self.admitted,
+            "evicted": self.evicted,
+            "dropped": self.dropped,
+            "reborn": self.reborn,
+        }
+
+    def load(self, saved: dict[str, Any]) -> None:
+        for name in ("admitted", "evicted", "dropped", "reborn"):
+            setattr(self, name, int(saved.get(name, 0)))
+
+
+def victims(
+    hits: np.ndarray, last: np.ndarray, spared: np.ndarray, n: int, policy: str
+) -> np.ndarray:
+    """Positions of the ``n`` rows to evict first under ``policy`` among rows with counters
+    ``hits`` and ``last``, never one where ``spared`` (all of them when fewer can go)."""
+    candidates = np.flatnonzero(~spared)
+    if n >= len(candidates):
+        return candidates
+    key = np.minimum(last[candidates], (1 << 40) - 1)
+    if policy == "lfu":  # fewest pushes (up to 2**22), then least recent
+        key = key + (np.minimum(hits[candidates], (1 << 22) - 1) << 40)
+    return candidates[np.argpartition(key, n - 1)[:n]]
+
+
+def expired(last: np.ndarray, spared: np.ndarray, step: int, ttl: int) -> np.ndarray:
+    """Positions of the rows not pushed for more than ``ttl`` steps at ``step``."""
+    return np.flatnonzero((last < step - ttl) & ~spared)
