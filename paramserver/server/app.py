@@ -28,6 +28,7 @@ from paramserver.server.metrics import DATA_METHOD, SOCKET_METHOD, Metrics
 from paramserver.server.servicer import Servicer
 from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
+from paramserver.sparse.declared import declared_choices
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import TableSet, table_optimizers
 from paramserver.transport import ports, security, stub
@@ -138,8 +139,11 @@ def _tables_and_frozen(
         )
     if specs:
         chosen = parse_table_optimizers(config.table_optimizer)
-        optimizers = table_optimizers(specs, chosen, config.optimizer.name, config.optimizer.lr)
-        tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards)
+        declared, lifecycles = declared_choices(model)  # sparse.Embedding's own
+        optimizers = table_optimizers(
+            specs, chosen, config.optimizer.name, config.optimizer.lr, declared
+        )
+        tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards, lifecycles)
     if config.shards == 1:
         frozen = {
             n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad

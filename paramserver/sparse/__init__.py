@@ -22,7 +22,11 @@ touches them.
   ``prefetch``), and ``attach_tables`` that swaps them into a model;
 - ``remote``: ``RemoteTables`` over a worker's sessions (``PullRows``, joining a restarted
   server again), and ``stage_rows``: a step's row gradients for each shard's push header;
-- ``memory``: the worker's glibc mmap threshold, so large row buffers are not kept.
+- ``memory``: the worker's glibc mmap threshold, so large row buffers are not kept;
+- ``declared``: ``Embedding`` and ``EmbeddingBag``, tables declared in a model and never
+  allocated (in a cluster the servers hold them; on their own they train on an in-process
+  row store), exported here;
+- ``lifecycle``: admission, capacity with LRU or LFU eviction, TTL and their counters.
 
 Their wire format is ``codec/rows.py``; the worker's side of them is ``worker/rows.py``
 (attach, prefetch, a step's rows).
@@ -30,3 +34,8 @@ Their wire format is ``codec/rows.py``; the worker's side of them is ``worker/ro
 May import: ``codec``, ``config``, ``errors``, ``_proto``. Never ``server``, ``worker`` or
 anything above them.
 """
+
+from paramserver.sparse.declared import Embedding, EmbeddingBag
+from paramserver.sparse.lifecycle import Lifecycle
+
+__all__ = ["Embedding", "EmbeddingBag", "Lifecycle"]

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paramserver.codec.rows import TableSpec
 from paramserver.config import DEFAULT_CACHE_ROWS
 from paramserver.sparse.client import Tables
+from paramserver.sparse.declared import Embedding, declared, lookup, name_tables
 from paramserver.sparse.index import RowIndex
 
 
@@ -151,7 +151,12 @@ class TableEmbedding(nn.Module):
         with self.lock:
             return distinct[self.cache.index.find(distinct) < 0]
 
-    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
         distinct = unique.cpu().numpy().astype(np.int64, copy=False)
         with self.lock:
@@ -164,9 +169,7 @@ class TableEmbedding(nn.Module):
         rows.requires_grad_(self.training)
         if self.training:
             self._used.append((distinct, rows))
-        if self.bag is None:
-            return F.embedding(inverse, rows)
-        return F.embedding_bag(inverse, rows, offsets, mode=self.bag)
+        return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
 
     def gradients(self) -> tuple[np.ndarray, torch.Tensor] | None:
         """The distinct ids the forward passes since the last call touched and the sum of
@@ -232,10 +235,14 @@ def _served_from(
 
 
 def table_specs(model: nn.Module) -> list[TableSpec]:
-    """A ``TableSpec`` for each trainable sparse embedding of ``model``, named by its module
-    path, in its weight's dtype."""
+    """A ``TableSpec`` for each table of ``model`` (a declared ``Embedding`` or a trainable
+    sparse embedding), named by its module path, in its weight's dtype (a declared one's
+    own, with its initialiser)."""
+    name_tables(model)
     return [
-        TableSpec(
+        m.spec(name)
+        if isinstance(m, Embedding)
+        else TableSpec(
             name, m.num_embeddings, m.embedding_dim, str(m.weight.dtype).removeprefix("torch.")
         )
         for name, m in _sparse_embeddings(model)
@@ -258,8 +265,12 @@ def make_tables(model: nn.Module, min_rows: int = 0, names: Iterable[str] = ()) 
     return made
 
 
-def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
-    found = []
+Table = nn.Embedding | nn.EmbeddingBag | Embedding
+
+
+def _sparse_embeddings(model: nn.Module) -> list[tuple[str, Table]]:
+    """The tables of ``model`` in module order: declared ones and sparse embeddings."""
+    found: list[tuple[str, Table]] = list(declared(model))
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad:
             unsupported = [
@@ -274,7 +285,8 @@ def _sparse_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.Em
                     f"Embedding {name!r}: a table cannot take {', '.join(unsupported)} yet."
                 )
             found.append((name, m))
-    return found
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(found, key=lambda pair: order[pair[0]])
 
 
 def attach_tables(
@@ -287,12 +299,17 @@ def attach_tables(
         if not name:
             raise ValueError("A sparse embedding that is the whole model: wrap it in a module.")
         spec = tables.spec(name)
-        if (spec.rows, spec.dim) != (m.num_embeddings, m.embedding_dim):
+        rows = m.rows if isinstance(m, Embedding) else m.num_embeddings
+        if (spec.rows, spec.dim) != (rows, m.embedding_dim):
             raise ValueError(
-                f"Embedding {name!r} is {m.num_embeddings} x {m.embedding_dim}; "
-                f"its table is {spec.rows} x {spec.dim}."
+                f"Embedding {name!r} is {rows or 'unbounded'} x {m.embedding_dim}; "
+                f"its table is {spec.rows or 'unbounded'} x {spec.dim}."
             )
-        bag = m.mode if isinstance(m, nn.EmbeddingBag) else None
+        bag = (
+            m.bag
+            if isinstance(m, Embedding)
+            else (m.mode if isinstance(m, nn.EmbeddingBag) else None)
+        )
         replacement = TableEmbedding(name, tables, cache_rows, bag)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, replacement)

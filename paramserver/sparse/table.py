@@ -261,6 +261,19 @@ class ShardTable:
         initial values), for checkpoints and ``model_state_dict``."""
         return self.lookup(self.check_ids(ids, "A read")).complete()
 
+    def load_rows(self, ids: np.ndarray, values: torch.Tensor) -> None:
+        """Rows ``ids`` (distinct) set to ``values``, their optimizer state fresh: a whole
+        table loaded from a state dict."""
+        arr = self.check_ids(ids, "Rows loaded")
+        slots = self.index.find(arr)
+        new = slots < 0
+        if new.any():
+            slots[new] = self._create(arr[new])
+        at = torch.from_numpy(slots)
+        self.values[at] = values.to(self.values.dtype)
+        for s in self.state:
+            s[at] = self.optimizer.config.initial_state()
+
     # --- saving -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -47,11 +47,13 @@ def table_optimizers(
     chosen: Mapping[str, tuple[str, float | None]],
     dense: str,
     lr: float,
+    declared: Mapping[str, tuple[str, float | None]] | None = None,
 ) -> dict[str, Chosen]:
     """Each table's optimizer: the one ``chosen`` names for it (``--table-optimizer``,
-    parsed; "" for the tables it does not name), else the one that stands for the server's
-    ``dense`` optimizer. Its own learning rate keeps it constant; without one it is ``lr``
-    on the server's schedule.
+    parsed; "" for the tables it does not name), else the one the model ``declared`` for
+    it (``declared.Embedding``; its name "": the dense one's at its own rate), else the
+    one that stands for the server's ``dense`` optimizer. Its own learning rate keeps it
+    constant; without one it is ``lr`` on the server's schedule.
 
     Raises:
         ConfigError: ``chosen`` names a table the model does not have.
@@ -65,11 +67,12 @@ def table_optimizers(
         )
     out: dict[str, Chosen] = {}
     for name in names:
-        pick = chosen.get(name, chosen.get(""))
+        pick = chosen.get(name, chosen.get("")) or (declared or {}).get(name)
         if pick is None:
             out[name] = (row_optimizer(dense, lr), True)
         else:
-            out[name] = (RowOptimizerConfig(pick[0], pick[1] or lr), pick[1] is None)
+            kind = pick[0] or row_optimizer(dense, lr).name
+            out[name] = (RowOptimizerConfig(kind, pick[1] or lr), pick[1] is None)
     return out
 
 

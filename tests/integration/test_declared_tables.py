@@ -1,0 +1,96 @@
+"""One model definition, both ways: a model with declared tables (``ps.sparse.Embedding``
+and ``EmbeddingBag``) trains on its own and through real servers (1 and 2 shards) to the
+same rows and weights; the servers use the tables' declared initialiser, optimizer and
+lifecycle, and allocate nothing for the rows declared."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import paramserver as ps
+from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
+from paramserver.sparse.declared import name_tables
+from paramserver.sparse.embedding import TableEmbedding
+from paramserver.sparse.rows import shard_of
+
+ITEMS = 10**12  # 16 TB of float32 rows declared
+USERS = np.array([-(2**62), -7, -1, 0, 3, 2**40, 2**62 + 5, 11, 12, 13], np.int64)
+
+
+class Recommender(nn.Module):
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.users = Embedding(
+            None,  # unbounded: any int64 id
+            4,
+            optimizer="rowwise-adagrad",
+            lr=0.05,
+            lifecycle=Lifecycle(capacity=capacity, evict="lru"),
+        )
+        self.items = EmbeddingBag(ITEMS, 4, mode="mean", init="normal:0.1", optimizer="sgd", lr=0.2)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.users(x[:, 0]), self.items(x[:, 1:])], 1))
+
+
+def batches(n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(n):
+        users = rng.choice(USERS, 6)
+        items = rng.integers(0, 40, (6, 3)) * (ITEMS // 40)
+        x = torch.from_numpy(np.concatenate([users[:, None], items], 1))
+        out.append((x, torch.from_numpy(rng.integers(0, 2, 6))))
+    return out
+
+
+def rows_of(servers: list[ps.ServerApp], table: str, ids: np.ndarray) -> torch.Tensor:
+    out = torch.empty(len(ids), 4)
+    owner = shard_of(ids, len(servers))
+    for i, server in enumerate(servers):
+        mine = owner == i
+        out[torch.from_numpy(mine)] = server.coordinator.tables.table(table).read(ids[mine])
+    return out
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_one_model_definition_trains_the_same_on_its_own_and_in_a_cluster(serve, shards):
+    capacity = 6 if shards == 1 else 0  # a capacity is per shard: compared on one
+    torch.manual_seed(0)
+    model, alone = Recommender(capacity), Recommender(capacity)
+    alone.load_state_dict(model.state_dict())
+    name_tables(alone)
+    servers = [
+        serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i, shards=shards)
+        for i in range(shards)
+    ]
+    first = servers[0].coordinator.tables
+    assert first.table("users").optimizer.config.name == "rowwise-adagrad"
+    assert not first.scheduled["users"] and first.table("users").spec.rows == 0
+    assert first.table("items").init.b == 0.1
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    with ps.Worker([s.address for s in servers], model) as worker:
+        assert isinstance(model.users, TableEmbedding) and isinstance(model.items, TableEmbedding)
+        for x, y in batches():
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+            opt.zero_grad()
+            F.cross_entropy(alone(x), y).backward()
+            opt.step()
+    items = np.unique(torch.cat([x[:, 1:].flatten() for x, _ in batches()]).numpy())
+    torch.testing.assert_close(rows_of(servers, "users", USERS), alone.users.local.pull(USERS))
+    torch.testing.assert_close(rows_of(servers, "items", items), alone.items.local.pull(items))
+    torch.testing.assert_close(model.head.weight, alone.head.weight)
+    for server in servers:  # nothing in proportion to the 10**12 rows declared
+        assert server.coordinator.tables.table("items").nbytes() < 4 << 20
+    status = servers[0].status()
+    if capacity:
+        assert first.table("users").held <= capacity
+        assert status["table_evicted"]["users"] > 0
+        assert status["table_evicted"]["users"] == alone.users.local.tally.evicted
+    assert status["table_rows"]["items"] == int(np.sum(shard_of(items, shards) == 0))
