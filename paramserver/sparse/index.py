@@ -8,6 +8,9 @@ loop per id.
   to the next id inserted, so storage stays as large as the most rows held at once.
 - Removal leaves a tombstone (lookups probe past it, inserts reuse it); the table is
   rebuilt when full and deleted buckets pass ``MAX_LOAD`` of it.
+- ``held_hint`` reads without the lock that guards changes: its arrays are one snapshot,
+  and buckets only go empty to full to deleted (to full again) until a rebuild swaps in
+  new ones, so it ends and is right for every id not being inserted or removed meanwhile.
 - Memory: 13 bytes a bucket (key, int32 slot, state), between 1/``MAX_LOAD`` and
   2/``MAX_LOAD`` buckets a row: 19 to 37 bytes a row.
 """
@@ -29,6 +32,7 @@ _BUCKET_SALT = np.uint64(0x5851F42D4C957F2D)
 class RowIndex:
     def __init__(self, capacity: int = 1024):
         self._alloc(_buckets_for(capacity))
+        self._snapshot = (self._keys, self._state)  # for held_hint: swapped once whole
         self.size = 0  # ids held
         self._deleted = 0  # tombstones
         self._next = 0  # slots handed out so far (held or free)
@@ -71,6 +75,26 @@ class RowIndex:
             out[pending[hit]] = b[hit]
             pending = pending[~hit & (state != EMPTY)]
             at[pending] = (at[pending] + 1) & mask
+        return out
+
+    def held_hint(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each id is held, read while another thread may change the index (see
+        the module's note): a hint, exact for ids no change touches."""
+        keys, state = self._snapshot
+        ids = np.asarray(ids, np.int64)
+        out = np.zeros(len(ids), bool)
+        mask = np.uint64(len(keys) - 1)
+        at = (splitmix64(ids.astype(np.uint64) ^ _BUCKET_SALT) & mask).astype(np.int64)
+        pending = np.arange(len(ids))
+        for _ in range(len(keys)):  # at most one lap
+            if not pending.size:
+                break
+            b = at[pending]
+            st = state[b]
+            hit = (st == FULL) & (keys[b] == ids[pending])
+            out[pending[hit]] = True
+            pending = pending[~hit & (st != EMPTY)]
+            at[pending] = (at[pending] + 1) & int(mask)
         return out
 
     def find(self, ids: np.ndarray) -> np.ndarray:
@@ -136,6 +160,7 @@ class RowIndex:
         self._alloc(_buckets_for(needed))
         self._deleted = 0
         self._place(ids, slots)
+        self._snapshot = (self._keys, self._state)  # filled first, then seen
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (id, slot) held, ordered by slot."""

@@ -54,14 +54,28 @@ class Lookup:
         ``INITIAL_CHUNK`` ids at a time."""
         out = torch.zeros((len(self.ids), self.dim), dtype=getattr(torch, self.dtype))
         out[torch.from_numpy(self.held)] = self.values
-        if self.init is None:
-            return out
-        missing = np.flatnonzero(~self.held)
-        for lo in range(0, len(missing), INITIAL_CHUNK):
-            part = missing[lo : lo + INITIAL_CHUNK]
-            initial = initial_rows(self.key, self.ids[part], self.dim, self.dtype, self.init)
-            out[torch.from_numpy(part)] = torch.from_numpy(initial)
+        if self.init is not None and not self.held.all():
+            missing = np.flatnonzero(~self.held)
+            out[torch.from_numpy(missing)] = initial_values(
+                self.key, self.ids[missing], self.dim, self.dtype, self.init
+            )
         return out
+
+
+def initial_values(
+    key: np.uint64, ids: np.ndarray, dim: int, dtype: str, init: Init
+) -> torch.Tensor:
+    """``initial_rows`` of ``ids`` as a tensor, computed ``INITIAL_CHUNK`` ids at a time
+    (bounded temporaries)."""
+    out = torch.empty((len(ids), dim), dtype=getattr(torch, dtype))
+    for lo in range(0, len(ids), INITIAL_CHUNK):
+        part = ids[lo : lo + INITIAL_CHUNK]
+        out[lo : lo + len(part)] = torch.from_numpy(initial_rows(key, part, dim, dtype, init))
+    return out
+
+
+# Rows prepared before the lock: the sorted ids found not held, and their initial values.
+Prepared = tuple[np.ndarray, torch.Tensor]
 
 
 class ShardTable:
@@ -160,14 +174,29 @@ class ShardTable:
 
     # --- rows -------------------------------------------------------------------------
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
-        """Rows for ``ids`` (distinct, not held) at their initial values; their slots."""
+    def prepare(self, ids: np.ndarray) -> Prepared:
+        """The initial values of the ids of a push that are not held now, computed before
+        the push takes the lock its apply holds (``apply``'s ``prepared``). The index is
+        read as a hint: a row created or evicted meanwhile costs a computation under the
+        lock, never a wrong value."""
+        fresh = np.sort(ids[~self.index.held_hint(ids)])
+        return fresh, initial_values(self.key, fresh, self.spec.dim, self.spec.dtype, self.init)
+
+    def _create(self, ids: np.ndarray, prepared: Prepared | None = None) -> np.ndarray:
+        """Rows for ``ids`` (distinct, not held) at their initial values (those
+        ``prepared`` holds taken from it); their slots."""
         slots = self.index.insert(ids)
         self._reserve(self.index.slots_used)
         at = torch.from_numpy(slots)
-        self.values[at] = torch.from_numpy(
-            initial_rows(self.key, ids, self.spec.dim, self.spec.dtype, self.init)
-        )
+        have = np.zeros(len(ids), bool)
+        if prepared is not None and len(prepared[0]):
+            pos = np.minimum(np.searchsorted(prepared[0], ids), len(prepared[0]) - 1)
+            have = prepared[0][pos] == ids
+            self.values[at[torch.from_numpy(have)]] = prepared[1][torch.from_numpy(pos[have])]
+        if not have.all():
+            self.values[at[torch.from_numpy(~have)]] = initial_values(
+                self.key, ids[~have], self.spec.dim, self.spec.dtype, self.init
+            )
         for s in self.state:
             s[at] = self.optimizer.config.initial_state()
         self.hits[slots] = 0
@@ -223,12 +252,18 @@ class ShardTable:
         self.apply(*self.check_push(ids, grads), step=step)
 
     def apply(
-        self, ids: np.ndarray, grads: torch.Tensor, lr: float | None = None, step: int | None = None
+        self,
+        ids: np.ndarray,
+        grads: torch.Tensor,
+        lr: float | None = None,
+        step: int | None = None,
+        prepared: Prepared | None = None,
     ) -> None:
         """``push`` of what ``check_push`` returned (at ``lr``; None: the optimizer's), at
         the server's ``step`` (None: this table's count of steps): the rows not held are
         created (those admitted; the others' gradients are dropped and counted), rows go
-        where the capacity or the TTL says so, then the optimizer steps."""
+        where the capacity or the TTL says so, then the optimizer steps. ``prepared``: the
+        initial values ``prepare`` computed before the lock."""
         now = self.optimizer.steps + 1 if step is None else step
         slots = self.index.find(ids)
         new = slots < 0
@@ -246,7 +281,7 @@ class ShardTable:
             if lc.bounded and over > 0:
                 self._evict(len(self.index) - lc.low_water + int(new.sum()), ids, now, False)
             if new.any():
-                slots[new] = self._create(ids[new])  # may replace the arrays: first
+                slots[new] = self._create(ids[new], prepared)  # may replace the arrays
         if self.lifecycle.sweeps_at(now):
             self._evict(0, ids, now, True)
         if not len(ids):

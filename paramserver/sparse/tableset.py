@@ -17,6 +17,7 @@ bookkeeping only, no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,15 @@ from paramserver.errors import ConfigError, InvalidRequest
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows
-from paramserver.sparse.table import Lookup, ShardTable
+from paramserver.sparse.table import Lookup, Prepared, ShardTable
+
+
+@dataclass(frozen=True)
+class Checked(RowGradients):
+    """A push's rows of one table as ``TableSet.check`` passed them, with the initial values
+    of those not held then (computed outside the coordinator's lock: ``ShardTable.prepare``)."""
+
+    prepared: Prepared | None = None
 
 
 def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
@@ -159,17 +168,20 @@ class TableSet:
         return total
 
     def check(self, pushes: Iterable[RowGradients], nonfinite: bool = False) -> list[RowGradients]:
-        """The pushes as ``apply`` takes them, or InvalidRequest; changes nothing.
-        ``nonfinite``: rows with NaN or Inf pass (see ``finite``), for ``--skip-nonfinite``."""
-        checked, seen = [], set()
+        """The pushes as ``apply`` takes them (``Checked``: with the initial values of rows
+        not held yet), or InvalidRequest; changes nothing. ``nonfinite``: rows with NaN or
+        Inf pass (see ``finite``), for ``--skip-nonfinite``."""
+        checked: list[RowGradients] = []
+        seen: set[str] = set()
         for push in pushes:
             if push.table in seen:
                 raise InvalidRequest(
                     f"A push names table {push.table!r} twice; send its rows once, coalesced."
                 )
             seen.add(push.table)
-            ids, grads = self.table(push.table).check_push(push.ids, push.grads, nonfinite)
-            checked.append(RowGradients(push.table, ids, grads))
+            table = self.table(push.table)
+            ids, grads = table.check_push(push.ids, push.grads, nonfinite)
+            checked.append(Checked(push.table, ids, grads, table.prepare(ids)))
         return checked
 
     def apply(
@@ -180,7 +192,9 @@ class TableSet:
         the rows' last step pushed, and their TTL, count these)."""
         for push in checked:
             scheduled = self.scheduled[push.table]
-            self.tables[push.table].apply(push.ids, push.grads, lr if scheduled else None, step)
+            prepared = push.prepared if isinstance(push, Checked) else None
+            rate = lr if scheduled else None
+            self.tables[push.table].apply(push.ids, push.grads, rate, step, prepared)
             self.rows_pushed += len(push.ids)
 
     def tallies(self) -> dict[str, dict[str, int]]:
@@ -256,7 +270,12 @@ def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
     first = pushes[0].grads
     total = torch.zeros((len(unique), first.shape[1]), dtype=first.dtype)
     total.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([p.grads for p in pushes]))
-    return RowGradients(table, unique, total / n)
+    ready = [p.prepared for p in pushes if isinstance(p, Checked) and p.prepared is not None]
+    prepared = None
+    if ready:
+        fresh, first_at = np.unique(np.concatenate([i for i, _ in ready]), return_index=True)
+        prepared = (fresh, torch.cat([v for _, v in ready])[torch.from_numpy(first_at)])
+    return Checked(table, unique, total / n, prepared)
 
 
 WHOLE_TABLE_BYTES = 1 << 30  # larger tables are not written whole into a model_state_dict

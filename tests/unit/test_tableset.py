@@ -224,3 +224,72 @@ def test_a_checkpoint_of_lazy_adam_before_per_row_steps_resumes_each_row_from_th
     for t in (tables, old):
         t.apply(t.check([RowGradients("a", ids, torch.ones(3, DIM))]))
     torch.testing.assert_close(old.pull("a", ids), tables.pull("a", ids), rtol=0, atol=0)
+
+
+def test_a_push_s_new_rows_start_from_values_computed_before_the_lock(monkeypatch):
+    """``check`` (outside the coordinator's lock) computes the initial values of the rows
+    not held yet; ``apply`` (under it) computes none, also for a sync round's mean."""
+    from paramserver.sparse import table as table_module
+
+    real, calls = table_module.initial_rows, []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(table_module, "initial_rows", counted)
+    tables = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=1)
+    ids, grads = _rows(30, 0)
+    first = tables.check([RowGradients("a", ids[:20], grads[:20])])
+    second = tables.check([RowGradients("a", ids[10:], grads[10:])])
+    assert calls == [20, 20]
+    rnd = RowRound()
+    rnd.add(first)
+    rnd.add(second)
+    tables.apply(rnd.take_mean(2), step=1)
+    assert calls == [20, 20]  # the round's 30 new rows came prepared
+    ref = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=1)
+    ref.table("a").push(*_coalesced(ids, grads))
+    torch.testing.assert_close(tables.table("a").read(ids), ref.table("a").read(ids))
+    # a row created after its push was checked is not created twice, nor from stale values
+    late = tables.check([RowGradients("a", ids[:5], grads[:5])])
+    tables.apply(tables.check([RowGradients("a", ids[:5], grads[:5])]), step=2)
+    held = tables.table("a").read(ids[:5])
+    tables.apply(late, step=3)
+    torch.testing.assert_close(tables.table("a").read(ids[:5]), held - 0.1 * grads[:5])
+
+
+def _coalesced(ids: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """The round's mean of the two pushes above: rows 10..19 in both."""
+    total = grads.clone()
+    total[10:20] *= 2
+    return ids, total / 2
+
+
+def test_the_index_hint_is_right_for_ids_no_concurrent_change_touches():
+    import threading
+
+    from paramserver.sparse.index import RowIndex
+
+    index = RowIndex(16)
+    held = np.arange(0, 2000, 2, dtype=np.int64)
+    index.insert(held)
+    absent = held + 1
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():  # other ids come and go, with rebuilds
+            ids = np.arange(10**6 + n, 10**6 + n + 500, dtype=np.int64)
+            index.insert(ids)
+            index.remove(ids[::2])
+            n += 500
+
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        for _ in range(200):
+            assert index.held_hint(held).all() and not index.held_hint(absent).any()
+    finally:
+        stop.set()
+        writer.join(timeout=30)
