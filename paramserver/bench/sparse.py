@@ -10,14 +10,26 @@ side in one run, then a table too large for a worker.
 
 Each reports samples/s; (a) and (b) their payload bytes per step (ids and values of the rows
 fetched and pushed, and the flat buffer's weights and gradients), (a), (c) and (d) the test
-AUC after one epoch. The big case then trains (a) alone on a table of which about 2.2 GB of
-rows come to exist on the server, and reports each worker's peak resident memory.
+AUC after one epoch. Then:
+
+(e) lifecycle: (a) with the table declared (``paramserver.sparse.Embedding``) with a
+    lifecycle: ids admitted at their second push, a capacity of an eighth of the table's
+    rows (a half in the quick run): rows live against the rows (a) touched, and its AUC
+    against (a)'s;
+(f) big: (a) alone on a declared table of 8 GiB (32M rows x 64), of which about 1.1 GB
+    come to exist on the server: each worker's peak resident memory against the declared
+    table, and how far the server's grew;
+(g) bytes per row: a shard's resident memory per row held, lazy adam at dim 16, in a fresh
+    process (``sparse_rows.py``).
+
 The processes are in ``sparse_ranks.py``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,39 +38,51 @@ from typing import Any, NamedTuple
 import torch
 
 from paramserver.bench.ddp import run_ranks
-from paramserver.bench.sparse_ranks import CASES, LR, Case, auc, build_model, data, local_run
+from paramserver.bench.sparse_ranks import (
+    CASES,
+    LR,
+    Case,
+    auc,
+    build_model,
+    data,
+    local_run,
+    peak_rss_mb,
+)
 
 WORLD = 2
 RANKS = "paramserver.bench.sparse_ranks"
 
 
-def ps_run(case: Case, sparse: bool, steps: int, logs: Path, evaluate: bool) -> dict[str, Any]:
-    """(a) or (b): a server in this process and WORLD worker processes."""
+def ps_run(case: Case, mode: str, steps: int, logs: Path, evaluate: bool) -> dict[str, Any]:
+    """(a), (b), (e) or (f): a server in this process, its table as ``mode`` says
+    (``build_model``), and WORLD worker processes."""
     from paramserver.api import serve
 
     logging.getLogger("paramserver").setLevel(logging.WARNING)  # the server's joins and leaves
+    saved = logs / f"train-{case.name}.pt"  # made once here, not in each worker
+    if not saved.exists():
+        torch.save(data(case)[:2], saved)
+    rss_before = peak_rss_mb("VmRSS")
     server = serve(
-        build_model(case, sparse),
+        build_model(case, mode),
         optimizer=case.optimizer,
         lr=LR,
         policy="async",
         workers=WORLD,
         lease_seconds=120,
     )
-    saved = logs / f"train-{case.name}.pt"  # made once here, not in each worker
-    if not saved.exists():
-        torch.save(data(case)[:2], saved)
     try:
-        name = f"ps-{case.name}-{'tables' if sparse else 'dense'}"
+        name = f"ps-{case.name}-{mode}"
         results = run_ranks(
             RANKS,
-            ["ps", server.address, case.name, "1" if sparse else "0", str(steps), str(saved)],
+            ["ps", server.address, case.name, mode, str(steps), str(saved)],
             WORLD,
             logs,
             name,
             timeout=1800,
         )
         status = server.status()
+        server_growth = peak_rss_mb("VmRSS") - rss_before
         state = server.model_state_dict() if evaluate else None
     finally:
         server.stop(grace=0)
@@ -74,11 +98,14 @@ def ps_run(case: Case, sparse: bool, steps: int, logs: Path, evaluate: bool) -> 
         "rows_per_step": sum(r["rows_fetched"] + r["rows_pushed"] for r in results) / steps_done,
         "worker_rss_mb": max(r["peak_rss_mb"] for r in results),
         "rows_held": status["rows_held"],
+        "evicted": sum(status["table_evicted"].values()),
+        "dropped": sum(status["table_dropped"].values()),
+        "server_rss_growth_mb": server_growth,
         "steps": steps_done,
     }
     if state is not None:
         _, _, test_x, test_y = data(case)
-        model = build_model(case, sparse=False)
+        model = build_model(case, "dense")
         model.load_state_dict(state, strict=True)
         out["auc"] = auc(model, test_x, test_y)
     return out
@@ -98,14 +125,29 @@ def ddp_run(case: Case, logs: Path) -> dict[str, Any]:
     }
 
 
+def bytes_per_row(rows: int) -> dict[str, Any]:
+    """(g), in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, "-m", "paramserver.bench.sparse_rows", str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 class Runs(NamedTuple):
-    """What each way measured on the main case, and the big case's run."""
+    """What each way measured on the main case, the lifecycle run, the big case's run, and
+    the bytes per row."""
 
     local: dict[str, Any]
     ddp: dict[str, Any]
     tables: dict[str, Any]
     dense: dict[str, Any]
+    life: dict[str, Any]
     large: dict[str, Any]
+    rows: dict[str, Any]
 
 
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
@@ -116,17 +158,19 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         logs = Path(tmp)
         local = local_run(main)
         ddp = ddp_run(main, logs)
-        tables = ps_run(main, sparse=True, steps=0, logs=logs, evaluate=True)
-        dense = ps_run(main, sparse=False, steps=main.dense_steps, logs=logs, evaluate=False)
-        large = ps_run(big, sparse=True, steps=0, logs=logs, evaluate=False)
-    runs = Runs(local, ddp, tables, dense, large)
+        tables = ps_run(main, "sparse", steps=0, logs=logs, evaluate=True)
+        dense = ps_run(main, "dense", steps=main.dense_steps, logs=logs, evaluate=False)
+        life = ps_run(main, "lifecycle", steps=0, logs=logs, evaluate=True)
+        large = ps_run(big, "declared", steps=0, logs=logs, evaluate=False)
+    rows = bytes_per_row(200_000 if quick else 2_000_000)
+    runs = Runs(local, ddp, tables, dense, life, large, rows)
     figures = figures_of(main, big, runs)
     return rows_of(main, big, runs, figures), figures
 
 
 def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
     """The report's figures: each way's rate and AUC, the payloads, the big table's memory."""
-    local, ddp, tables, dense, large = runs
+    local, ddp, tables, dense, life, large, rows = runs
     local_rate = local["samples"] / local["seconds"]
     big_mb = large["rows_held"] * big.dim * 4 / 2**20
     return {
@@ -154,16 +198,28 @@ def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
         "big_table_declared_mb": big.table_mb,
         "big_table_mb": big_mb,
         "big_worker_rss_mb": large["worker_rss_mb"],
-        "big_rss_over_table": large["worker_rss_mb"] / big_mb,
+        "big_rss_over_table": large["worker_rss_mb"] / big.table_mb,
+        "big_rss_over_rows_held": large["worker_rss_mb"] / big_mb,
+        "big_server_rss_mb": large["server_rss_growth_mb"],
         "big_samples_per_s": large["samples_per_s"],
         "big_bytes_per_step": large["bytes_per_step"],
         "big_rows_per_step": large["rows_per_step"],
+        "lifecycle_rows_live": life["rows_held"],
+        "lifecycle_rows_touched": tables["rows_held"],
+        "lifecycle_capacity": main.lifecycle.capacity,
+        "lifecycle_evicted": life["evicted"],
+        "lifecycle_dropped": life["dropped"],
+        "lifecycle_auc": life["auc"],
+        "lifecycle_auc_delta": life["auc"] - tables["auc"],
+        "lifecycle_samples_per_s": life["samples_per_s"],
+        "bytes_per_row": rows["bytes_per_row"],
+        "bytes_per_row_vs_state": rows["bytes_per_row"] / rows["state_bytes_per_row"],
     }
 
 
 def rows_of(main: Case, big: Case, runs: Runs, figures: dict[str, Any]) -> list[tuple[str, str]]:
     """The readable table of ``figures``."""
-    local, ddp, tables, dense, large = runs
+    local, ddp, tables, dense, life, large, per_row = runs
     local_rate = figures["samples_per_s"]["local"]
     big_mb = figures["big_table_mb"]
     rate = figures["samples_per_s"]
@@ -193,15 +249,32 @@ def rows_of(main: Case, big: Case, runs: Runs, figures: dict[str, Any]) -> list[
         ),
         ("AUC tables - local", f"{tables['auc'] - local['auc']:+.4f}"),
         (
-            "big table",
+            "(e) lifecycle",
+            f"admit at the 2nd push, capacity {figures['lifecycle_capacity']:,}: "
+            f"{life['rows_held']:,} rows live of {tables['rows_held']:,} touched "
+            f"({life['evicted']:,} evicted, {life['dropped']:,} gradient rows dropped); "
+            f"AUC {life['auc']:.4f} ({figures['lifecycle_auc_delta']:+.4f} against (a)), "
+            f"{life['samples_per_s']:,.0f} samples/s",
+        ),
+        (
+            "(f) big table",
             f"{big.table_rows:,} rows x {big.dim} declared ({big.table_mb:,.0f} MB); "
-            f"{large['rows_held']:,} rows held on the server = {big_mb:,.0f} MB",
+            f"{large['rows_held']:,} rows held on the server = {big_mb:,.0f} MB; the "
+            f"server grew by {large['server_rss_growth_mb']:,.0f} MB",
         ),
         (
             "big: worker peak RSS",
             f"{large['worker_rss_mb']:.0f} MB = "
-            f"{100 * figures['big_rss_over_table']:.1f}% of the rows held; "
+            f"{figures['big_rss_over_table']:.3f} of the table declared (target <= 0.1), "
+            f"{figures['big_rss_over_rows_held']:.2f} of the rows held; "
             f"{large['samples_per_s']:,.0f} samples/s",
+        ),
+        (
+            "(g) bytes per row",
+            f"{per_row['bytes_per_row']:.0f} bytes of a shard's memory per row held "
+            f"({per_row['rows']:,} rows, lazy adam, dim 16) = "
+            f"{figures['bytes_per_row_vs_state']:.2f}x its values and state "
+            f"({per_row['state_bytes_per_row']} bytes; target <= 1.3x)",
         ),
     ]
     return rows

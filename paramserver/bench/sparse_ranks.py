@@ -1,20 +1,21 @@
 """The processes of ``bench sparse``: the cases, the model, and each way of training it.
 
-- ``python -m paramserver.bench.sparse_ranks RANK WORLD PORT ps ADDRESS CASE SPARSE STEPS
+- ``python -m paramserver.bench.sparse_ranks RANK WORLD PORT ps ADDRESS CASE MODE STEPS
   DATA OUT`` (PORT unused; DATA: the case's training samples, saved by the bench):
   a paramserver worker (the Python API, ``ps.Worker``) that trains batches RANK, RANK+WORLD,
-  ... of the case's click log (at most STEPS of them; 0: all), its table as server rows
-  (SPARSE 1) or as a dense parameter (0), and writes its figures to OUT: samples, seconds,
-  rows fetched and pushed, the flat buffer's size, and its peak resident memory.
+  ... of the case's click log (at most STEPS of them; 0: all), its table as MODE says
+  (``build_model``), and writes its figures to OUT: samples, seconds, rows fetched and
+  pushed, the flat buffer's size, and its peak resident memory.
 - ``python -m paramserver.bench.sparse_ranks RANK WORLD PORT CASE OUT`` (``run_ranks``'s
   form): one rank of torch DDP (gloo) with the table as a sparse embedding (its gradients
   all-reduced sparse) under SparseAdam, the rest under Adam; rank 0 also writes the AUC.
 - ``local_run``: the same model and samples in one process, the same optimizers.
 
-The model is ``models.DLRM`` with one shared table of ``fields x rows`` rows (``shared``).
-Workers build it without touching the table's pages (``build_model``), so a table larger
-than a worker's memory never takes its memory there: the worker's table is the servers'
-rows and a bounded cache.
+The model is ``models.DLRM`` with one shared table of ``fields x rows`` rows (``shared``):
+a sparse ``nn.Embedding`` whose pages are never touched, a dense one, or a declared
+``paramserver.sparse.Embedding`` (allocated nowhere), with or without a lifecycle. So a
+table larger than a worker's memory never takes its memory there: the worker's table is
+the servers' rows and a bounded cache.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver import models
+from paramserver.sparse import Embedding, Lifecycle
 from paramserver.training import clicks
 from paramserver.training.evaluation import evaluate
 
 LR = 0.01
+MODES = ("sparse", "dense", "declared", "lifecycle")
+ADMIT_AFTER = 2  # the lifecycle run: ids admitted at their second push
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Case:
     optimizer: str = "adam"  # the servers' (and the baselines') optimizer
     dense_steps: int = 0  # steps per worker of the same table as a dense parameter (0: none)
     cache_rows: int = 1 << 16
+    capacity_share: int = 8  # the lifecycle run's capacity: this fraction of the table
 
     @property
     def table_rows(self) -> int:
@@ -67,18 +72,22 @@ class Case:
     def row_bytes(self) -> int:
         return self.dim * 4 + 8  # its values and its id on the wire
 
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return Lifecycle(admit_after=ADMIT_AFTER, capacity=self.table_rows // self.capacity_share)
+
 
 CASES = {
     c.name: c
     for c in (
         # 1M rows x 64 (256 MB): tables against the same table dense, local and DDP
         Case("main", 8, 125_000, 64, 200_000, 20_000, 256, dense_steps=8),
-        # 4M rows x 256 (3.9 GB declared), uniform ids: about 2.7 GB of rows come to exist
+        # 32M rows x 64 declared (8 GiB), uniform ids: about 1.1 GB of rows come to exist
         Case(
             "big",
             8,
-            500_000,
-            256,
+            4 << 20,
+            64,
             600_000,
             5_000,
             2048,
@@ -86,7 +95,8 @@ CASES = {
             optimizer="sgd",
             cache_rows=1 << 15,
         ),
-        Case("quick-main", 4, 500, 8, 8_192, 2_048, 256, dense_steps=4),
+        # a push holds about 400 distinct rows: a capacity of half the table holds two
+        Case("quick-main", 4, 500, 8, 8_192, 2_048, 256, dense_steps=4, capacity_share=2),
         Case("quick-big", 4, 4_000, 32, 8_192, 1_024, 512, zipf=0.0, optimizer="sgd"),
     )
 }
@@ -98,23 +108,32 @@ def data(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     )
 
 
-def build_model(case: Case, sparse: bool) -> nn.Module:
-    """The case's DLRM, seeded. Its table's storage is ``torch.empty``, pages untouched, where
-    it is a server table (the worker replaces it, the server creates rows on first touch);
-    a dense table is initialised N(0, 1)."""
+def build_model(case: Case, mode: str) -> nn.Module:
+    """The case's DLRM, seeded, its table as ``mode`` says: "sparse", an ``nn.Embedding``
+    whose storage is ``torch.empty``, pages untouched (the worker replaces it, the server
+    creates rows on first push); "dense", initialised N(0, 1); "declared", a
+    ``paramserver.sparse.Embedding``; "lifecycle", the same with ``case.lifecycle``."""
+    if mode not in MODES:
+        raise ValueError(f"A table mode is one of {MODES}; got {mode!r}.")
     torch.manual_seed(0)
-    model = models.DLRM(case.fields, 1, case.dim, sparse=sparse, shared=True)
-    weight = torch.empty(case.table_rows, case.dim)
-    if not sparse:
-        nn.init.normal_(weight)
+    model = models.DLRM(case.fields, 1, case.dim, sparse=mode != "dense", shared=True)
     model.rows = case.rows  # field f's ids start at f * rows
-    model.tables[0] = nn.Embedding(case.table_rows, case.dim, sparse=sparse, _weight=weight)
+    if mode in ("declared", "lifecycle"):
+        life = case.lifecycle if mode == "lifecycle" else None
+        model.tables[0] = Embedding(case.table_rows, case.dim, lifecycle=life)
+        return model
+    weight = torch.empty(case.table_rows, case.dim)
+    if mode == "dense":
+        nn.init.normal_(weight)
+    model.tables[0] = nn.Embedding(
+        case.table_rows, case.dim, sparse=mode != "dense", _weight=weight
+    )
     return model
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (VmHWM), in MiB."""
-    found = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+def peak_rss_mb(field: str = "VmHWM") -> float:
+    """This process's peak resident memory (VmHWM; "VmRSS": now), in MiB."""
+    found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
     return int(found.group(1)) / 1024 if found else float("nan")
 
 
@@ -155,11 +174,11 @@ def ps_main(argv: list[str]) -> None:
     from paramserver.worker.worker import Worker
 
     rank, world, address, name = int(argv[0]), int(argv[1]), argv[4], argv[5]
-    sparse, max_steps, saved, out = argv[6] == "1", int(argv[7]), argv[8], argv[9]
+    mode, max_steps, saved, out = argv[6], int(argv[7]), argv[8], argv[9]
     torch.set_num_threads(1)
     case = CASES[name]
     train_x, train_y = torch.load(saved)
-    model = build_model(case, sparse)
+    model = build_model(case, mode)
     mine = list(range(rank, case.train // case.batch, world))[: max_steps or None]
     with Worker(address, model, cache_rows=case.cache_rows, name=f"bench-{rank}") as worker:
         started = time.perf_counter()

@@ -10,7 +10,9 @@ only: ``table.ShardTable`` holds the rows and asks these.
 - **Capacity** (rows a shard holds at most) with ``evict`` "lru" (least recently pushed
   first) or "lfu" (fewest pushes first, then least recent). A push that would pass the
   capacity first evicts down to ``low_water`` (15/16 of it), never a row of that push, so
-  one scan of the rows serves a sixteenth of the capacity in new rows.
+  one scan of the rows serves a sixteenth of the capacity in new rows. The capacity is a
+  hard bound: a push with more new rows than there is room for once every other row is
+  gone creates only as many as fit (the rest of its gradients dropped and counted).
 - **TTL** (steps): a row not pushed for more than ``ttl`` of the server's steps goes, at a
   sweep every ``ttl // 4`` steps (so at most ``1.25 * ttl`` after its last push).
 - **Counters** per row: pushes (``hits``) and the last step pushed; per table: admitted,
@@ -169,9 +171,9 @@ def victims(
     candidates = np.flatnonzero(~spared)
     if n >= len(candidates):
         return candidates
-    key = np.minimum(last[candidates], (1 << 40) - 1)
-    if policy == "lfu":  # fewest pushes (up to 2**22), then least recent
-        key = key + (np.minimum(hits[candidates], (1 << 22) - 1) << 40)
+    key = last[candidates].astype(np.int64)  # int32 steps: below 2**31
+    if policy == "lfu":  # fewest pushes, then least recent
+        key += hits[candidates].astype(np.int64) << 31
     return candidates[np.argpartition(key, n - 1)[:n]]
 
 

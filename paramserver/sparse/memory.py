@@ -5,6 +5,11 @@ measured with ``bench sparse``'s big table, a worker's resident memory grew by a
 a step (504 to 929 MB over 30 steps) and stayed flat (432 MB) with the threshold fixed.
 ``fix_mmap_threshold`` fixes it at 128 KiB (glibc's default, without the raising), so
 large blocks go back to the system when freed. Elsewhere than glibc it does nothing.
+
+A server with tables fixes it too: a table's arrays grow by replacing them, and its pushes
+allocate temporaries; with the threshold fixed a shard's resident memory grew by about 250
+bytes per row held (2M rows, lazy adam, dim 16) against 341 with glibc's raising
+(``python -m paramserver.bench.sparse_rows 2000000``).
 """
 
 from __future__ import annotations

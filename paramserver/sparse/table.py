@@ -105,8 +105,8 @@ class ShardTable:
             torch.empty((reserve, width), dtype=kind or dtype)
             for width, kind in optimizer.state_layout(spec.dim)
         ]
-        self.hits = np.zeros(reserve, np.int64)  # pushes applied to the row in each slot
-        self.last = np.zeros(reserve, np.int64)  # the step of the last one
+        self.hits = np.zeros(reserve, np.int32)  # pushes applied to the row in each slot
+        self.last = np.zeros(reserve, np.int32)  # the step of the last one
 
     @property
     def held(self) -> int:
@@ -216,8 +216,8 @@ class ShardTable:
 
         self.values = grown(self.values)
         self.state = [grown(s) for s in self.state]
-        self.hits = np.concatenate([self.hits, np.zeros(size - len(self.hits), np.int64)])
-        self.last = np.concatenate([self.last, np.zeros(size - len(self.last), np.int64)])
+        self.hits = np.concatenate([self.hits, np.zeros(size - len(self.hits), np.int32)])
+        self.last = np.concatenate([self.last, np.zeros(size - len(self.last), np.int32)])
 
     def _evict(self, count: int, spared_ids: np.ndarray, step: int, ttl: bool) -> None:
         """Evict ``count`` rows by the lifecycle's policy (``ttl``: those past their TTL at
@@ -280,6 +280,14 @@ class ShardTable:
             over = len(self.index) + int(new.sum()) - lc.capacity
             if lc.bounded and over > 0:
                 self._evict(len(self.index) - lc.low_water + int(new.sum()), ids, now, False)
+                room = max(lc.capacity - len(self.index), 0)
+                if int(new.sum()) > room:  # the push alone passes the capacity: its
+                    # new rows past it are not created, their gradients dropped and counted
+                    keep = np.ones(len(ids), bool)
+                    keep[np.flatnonzero(new)[room:]] = False
+                    self.tally.dropped += int((~keep).sum())
+                    ids, grads, slots = ids[keep], grads[torch.from_numpy(keep)], slots[keep]
+                    new = slots < 0
             if new.any():
                 slots[new] = self._create(ids[new], prepared)  # may replace the arrays
         if self.lifecycle.sweeps_at(now):
@@ -287,8 +295,8 @@ class ShardTable:
         if not len(ids):
             self.optimizer.steps += 1
             return
-        self.hits[slots] += 1
-        self.last[slots] = now
+        self.hits[slots] = np.minimum(self.hits[slots].astype(np.int64) + 1, 2**31 - 1)
+        self.last[slots] = min(now, 2**31 - 1)
         self.optimizer.step(self.values, self.state, torch.from_numpy(slots), grads, lr)
 
     def read(self, ids: Any) -> torch.Tensor:

@@ -102,6 +102,11 @@ KEYS = {
         "big_table_mb",
         "big_worker_rss_mb",
         "samples_per_s",
+        "big_rss_over_table",
+        "big_server_rss_mb",
+        "lifecycle_rows_live",
+        "lifecycle_auc_delta",
+        "bytes_per_row",
     ],
 }
 
@@ -146,6 +151,11 @@ def test_bench_quick_json(name):
         assert figures["bytes_per_step_sparse"] < figures["bytes_per_step_dense"]
         assert 0.5 < figures["auc"] < 1 and 0.5 < figures["auc_local"] < 1
         assert figures["big_table_mb"] <= figures["big_table_declared_mb"]
+        # one server: the lifecycle's capacity holds, and rows went (evicted or never admitted)
+        assert 0 < figures["lifecycle_rows_live"] <= figures["lifecycle_capacity"]
+        assert figures["lifecycle_rows_live"] < figures["lifecycle_rows_touched"]
+        assert figures["lifecycle_evicted"] > 0 and figures["lifecycle_dropped"] > 0
+        assert 0.5 < figures["lifecycle_auc"] < 1 and figures["bytes_per_row"] > 0
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
     if name == "network":
