@@ -85,12 +85,14 @@ class TableIds(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsResponse(_message.Message):
-    __slots__ = ("values", "more")
+    __slots__ = ("values", "more", "low_clock")
     VALUES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    LOW_CLOCK_FIELD_NUMBER: _ClassVar[int]
     values: bytes
     more: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, values: _Optional[bytes] = ..., more: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    low_clock: int
+    def __init__(self, values: _Optional[bytes] = ..., more: _Optional[_Iterable[bytes]] = ..., low_clock: _Optional[int] = ...) -> None: ...
 
 class TrainingPlan(_message.Message):
     __slots__ = ("model", "dataset", "batch_size", "epochs", "seed", "world_size")

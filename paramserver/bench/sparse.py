@@ -13,7 +13,7 @@ fetched and pushed, and the flat buffer's weights and gradients), (a), (c) and (
 AUC after one epoch. Then:
 
 (e) lifecycle: (a) with the table declared (``paramserver.sparse.Embedding``) with a
-    lifecycle: ids admitted at their second push, a capacity of an eighth of the table's
+    lifecycle: ids admitted at their second push, a capacity of a sixteenth of the table's
     rows (a half in the quick run): rows live against the rows (a) touched, and its AUC
     against (a)'s;
 (f) big: (a) alone on a declared table of 8 GiB (32M rows x 64), of which about 1.1 GB

@@ -291,17 +291,22 @@ class Coordinator:
 
     # --- pull -------------------------------------------------------------------------
 
-    def pull_rows(self, worker_id: str, incarnation: str, wanted: list[tuple[str, Any]]) -> Any:
+    def pull_rows(
+        self, worker_id: str, incarnation: str, wanted: list[tuple[str, Any]]
+    ) -> tuple[list[Any], int]:
         """The rows of each ``(table, ids)`` (this shard's; none if any is bad): the rows
         held, copied under the lock, and the initial values of the rest, computed after
-        it; no row is created. An empty id observes (evaluation, checkpoints)."""
+        it; no row is created. An empty id observes (evaluation, checkpoints). With them
+        the slowest live clock when they were read (-1: none live): rows are applied as
+        their push arrives, so they hold every push below it."""
         tables = self._tables("A row pull")
         with self._cond:
             self.check_incarnation(incarnation)
             if worker_id:
                 self.membership.touch(worker_id)
             found = tables.lookup_many(wanted, counted=bool(worker_id))
-        return [f.complete() for f in found]
+            low = self.membership.min_clock()
+        return [f.complete() for f in found], -1 if low is None else low
 
     def pull(
         self,

@@ -201,13 +201,13 @@ class Steps:
                 f"over the {ROWS_REPLY_LIMIT >> 20} MiB a reply may carry: ask for fewer ids "
                 "a request."
             )
-        rows = self.c.pull_rows(
+        rows, low = self.c.pull_rows(
             request.worker_id,
             request.incarnation,
             [(table, i) for (table, _), i in zip(wanted, ids, strict=True)],
         )
         values = [sparse_wire.rows_to_bytes(r) for r in rows]
-        return pb.RowsResponse(values=values[0], more=values[1:])
+        return pb.RowsResponse(values=values[0], more=values[1:], low_clock=low)
 
     def close(self) -> None:
         self.c.applies.close()  # the thread applying pushes answered early

@@ -33,6 +33,8 @@ from paramserver.sparse.client import Tables
 from paramserver.sparse.declared import Embedding, declared, lookup, name_tables
 from paramserver.sparse.index import RowIndex
 
+FRESH = np.iinfo(np.int64).max  # a row fetched by the forward pass that uses it
+
 
 @dataclass
 class CacheCounters:
@@ -40,6 +42,7 @@ class CacheCounters:
     misses: int = 0  # and not found (fetched then)
     fetched: int = 0  # rows fetched, prefetches included
     pushed: int = 0  # row gradients pushed
+    refetched: int = 0  # prefetched rows fetched again: older than the policy's bound
 
 
 class RowCache:
@@ -50,6 +53,7 @@ class RowCache:
             raise ValueError(f"A row cache holds at least one row; got {capacity}.")
         self.capacity = capacity
         self.values = torch.empty((capacity, dim), dtype=dtype)
+        self.read_at = np.zeros(capacity, np.int64)  # each slot's low clock when fetched
         self.index = RowIndex(16)
         self.counters = CacheCounters()
         self._ahead: list[np.ndarray] = []  # ids prefetched since the last end_step
@@ -61,12 +65,18 @@ class RowCache:
         """Hold only the rows ``keep`` (a mask over ``index.items()``), compacted."""
         held, slots = self.index.items()
         rows = self.values[torch.from_numpy(slots[keep])].clone()
+        read_at = self.read_at[slots[keep]]
         self.index = RowIndex(max(16, 2 * int(keep.sum())))
-        self.values[torch.from_numpy(self.index.insert(held[keep]))] = rows
+        new = self.index.insert(held[keep])
+        self.values[torch.from_numpy(new)] = rows
+        self.read_at[new] = read_at
 
-    def slots(self, ids: np.ndarray, fetch: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
-        """The slots of ``ids`` (distinct), fetching the rows not held; when they do not all
-        fit, every other row is dropped first."""
+    def slots(
+        self, ids: np.ndarray, fetch: Callable[[np.ndarray], torch.Tensor], read_at: int = FRESH
+    ) -> torch.Tensor:
+        """The slots of ``ids`` (distinct), fetching the rows not held (read when the
+        slowest live clock was ``read_at``); when they do not all fit, every other row is
+        dropped first."""
         if len(ids) > self.capacity:
             raise ValueError(
                 f"{len(ids)} distinct rows do not fit a cache of {self.capacity}; "
@@ -83,9 +93,19 @@ class RowCache:
             fresh = ids[missing]
             new = self.index.insert(fresh)
             self.values[torch.from_numpy(new)] = fetch(fresh).to(self.values.dtype)
+            self.read_at[new] = read_at
             self.counters.fetched += len(fresh)
             found[missing] = new
         return torch.from_numpy(found)
+
+    def stale(self, low: int) -> np.ndarray:
+        """Drop the rows read before the slowest live clock reached ``low``; their ids."""
+        held, slots = self.index.items()
+        old = self.read_at[slots] < low
+        if old.any():
+            self._keep(~old)
+            self.counters.refetched += int(old.sum())
+        return held[old]
 
     def prefetched(self, ids: np.ndarray) -> None:
         """Note ``ids`` as fetched ahead for the next step (kept by ``end_step``)."""
@@ -136,15 +156,25 @@ class TableEmbedding(nn.Module):
         return self.tables.pull(self.table, ids)
 
     def prefetch(
-        self, ids: torch.Tensor | np.ndarray, fetched: tuple[np.ndarray, torch.Tensor] | None = None
+        self,
+        ids: torch.Tensor | np.ndarray,
+        fetched: tuple[np.ndarray, torch.Tensor] | None = None,
+        read_at: int = -1,
     ) -> None:
         """Fetch the rows ``ids`` touch now, for a forward pass to come. ``fetched``: rows
-        already pulled (sorted distinct ids, their rows), used for those it holds."""
+        already pulled (sorted distinct ids, their rows), used for those it holds, read
+        when the slowest live clock was ``read_at`` (-1: unknown, so as old as can be)."""
         distinct = np.unique(np.asarray(ids, dtype=np.int64))
         fetch = self._fetch if fetched is None else _served_from(fetched, self._fetch)
         with self.lock:
-            self.cache.slots(distinct, fetch)
+            self.cache.slots(distinct, fetch, read_at)
             self.cache.prefetched(distinct)
+
+    def stale(self, low: int) -> np.ndarray:
+        """Drop the cached rows read before the slowest live clock reached ``low``; their
+        ids (``RowCache.stale``)."""
+        with self.lock:
+            return self.cache.stale(low)
 
     def missing(self, distinct: np.ndarray) -> np.ndarray:
         """The ids of ``distinct`` (sorted, distinct int64) that the cache does not hold."""

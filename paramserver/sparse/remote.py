@@ -86,9 +86,14 @@ class RemoteTables:
         return self.pull_many({table: ids})[table]
 
     def pull_many(self, wanted: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return self.pull_many_at(wanted)[0]
+
+    def pull_many_at(self, wanted: Mapping[str, np.ndarray]) -> tuple[dict[str, torch.Tensor], int]:
         """The rows ``wanted[table]`` of each table: one request per shard for all of them
-        (several when their values pass ``PULL_BYTES``)."""
+        (several when their values pass ``PULL_BYTES``); and the lowest ``low_clock`` the
+        replies gave (the rows hold every push of the iterations below it; -1: unknown)."""
         specs = [self.spec(name) for name in wanted]
+        lows: list[int] = []
         out = {
             spec.name: torch.empty((len(ids), spec.dim), dtype=getattr(torch, spec.dtype))
             for spec, ids in zip(specs, wanted.values(), strict=True)
@@ -100,11 +105,13 @@ class RemoteTables:
                 for spec, ids in zip(specs, wanted.values(), strict=True)
                 if len(where[spec.name][i])
             ]
-            for (spec, _), rows in zip(parts, self._pull_shard(s, parts), strict=True):
+            for (spec, _), rows in zip(parts, self._pull_shard(s, parts, lows), strict=True):
                 out[spec.name][torch.from_numpy(where[spec.name][i])] = rows
-        return out
+        return out, min(lows, default=-1)
 
-    def _pull_shard(self, s: Any, parts: list[tuple[TableSpec, np.ndarray]]) -> list[torch.Tensor]:
+    def _pull_shard(
+        self, s: Any, parts: list[tuple[TableSpec, np.ndarray]], lows: list[int]
+    ) -> list[torch.Tensor]:
         """The rows of ``parts`` from one shard, in requests of at most ``PULL_BYTES`` of
         values (at least one row each), a table at most once in each."""
         requests: list[list[tuple[int, TableSpec, np.ndarray]]] = [[]]
@@ -125,12 +132,14 @@ class RemoteTables:
                 lo += len(piece)
         got: list[list[torch.Tensor]] = [[] for _ in parts]
         for request in filter(None, requests):
-            rows = self._pull_part(s, [(spec, ids) for _, spec, ids in request])
+            rows = self._pull_part(s, [(spec, ids) for _, spec, ids in request], lows)
             for (k, _, _), r in zip(request, rows, strict=True):
                 got[k].append(r)
         return [g[0] if len(g) == 1 else torch.cat(g) for g in got]
 
-    def _pull_part(self, s: Any, pieces: list[tuple[TableSpec, np.ndarray]]) -> list[torch.Tensor]:
+    def _pull_part(
+        self, s: Any, pieces: list[tuple[TableSpec, np.ndarray]], lows: list[int]
+    ) -> list[torch.Tensor]:
         (first, first_ids), rest = pieces[0], pieces[1:]
         names = ", ".join(repr(spec.name) for spec, _ in pieces)
 
@@ -153,6 +162,7 @@ class RemoteTables:
             except RejoinRequired:
                 if self.rejoin is None or not self.rejoin():
                     raise
+        lows.append(reply.low_clock)
         values = [reply.values, *reply.more]
         if len(values) != len(pieces):
             raise ConfigError(

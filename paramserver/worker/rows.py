@@ -9,8 +9,11 @@ rows, their prefetch, and what a step pushes of them.
   ``prefetch_later(fn)`` does it on a background thread, ``fn`` giving the ids: the
   daemon's prefetch of the next batch while this one computes. A step waits for it
   before staging its push, and rows prefetched and not pushed since are kept at most one
-  step, within the policy's bound (see ``sparse/embedding.py``); under ``sync`` (bound 0)
-  none is kept across a round: they are fetched again after its pull (``refetch``). A
+  step (see ``sparse/embedding.py``). Each row carries the slowest live clock when it was
+  read (the pull's ``low_clock``): under ``ssp:K`` a row read before that clock reached
+  ``i - K`` is fetched again before iteration i computes, so a row is never older than the
+  policy allows; under ``sync`` (bound 0) none is kept across a round: they are fetched
+  again after its pull (``refetch``). A
   background prefetch that fails only logs: the forward pass fetches what is missing on
   demand, and raises there.
 - **Memory.** A worker with tables fixes glibc's mmap threshold (``sparse/memory.py``), so
@@ -29,17 +32,16 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.sparse.client import Tables
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS, CacheCounters, TableEmbedding
 from paramserver.sparse.memory import fix_mmap_threshold
-from paramserver.sparse.remote import attach_remote, stage_rows
+from paramserver.sparse.remote import RemoteTables, attach_remote, stage_rows
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,9 @@ class WorkerTables:
         return bool(self.modules)
 
     @property
-    def remote(self) -> Tables:
-        """Where the tables' rows come from (``sparse/remote.py``'s ``RemoteTables``)."""
-        return next(iter(self.modules.values())).tables
+    def remote(self) -> RemoteTables:
+        """Where the tables' rows come from (``sparse/remote.py``)."""
+        return cast(RemoteTables, next(iter(self.modules.values())).tables)
 
     def _rejoin_hook(self, rejoin: Callable[[], None] | None) -> Callable[[], bool]:
         def hook() -> bool:
@@ -98,10 +100,10 @@ class WorkerTables:
                 raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
         missing = {name: self.modules[name].missing(i) for name, i in wanted.items()}
         missing = {name: m for name, m in missing.items() if len(m)}
-        rows = self.remote.pull_many(missing) if missing else {}
+        rows, low = self.remote.pull_many_at(missing) if missing else ({}, -1)
         for name, table_ids in wanted.items():
             got = (missing[name], rows[name]) if name in rows else None
-            self.modules[name].prefetch(table_ids, got)
+            self.modules[name].prefetch(table_ids, got, low)
 
     def prefetch_later(self, ids: Callable[[], IdsByTable | None]) -> None:
         """``prefetch(ids())`` on the background thread (``ids()`` None: nothing to fetch)."""
@@ -137,11 +139,19 @@ class WorkerTables:
             self._again = {name: ids for name, ids in ahead.items() if len(ids)}
         return stage_rows(self.modules, shards, keep_ahead=not self.exact)
 
-    def refetch(self) -> None:
-        """Under ``sync``, once the step's pull has come: the rows prefetched for the next
-        step before the round ended, fetched again (the round may have changed any of
-        them: another worker's push of the same row)."""
+    def refetch(self, clock: int = 0, bound: int | None = None) -> None:
+        """Once the step's pull has come, for iteration ``clock`` under a policy of
+        ``bound`` (K; None: async). Under ``sync``: the rows prefetched for the next step
+        before the round ended, fetched again (the round may have changed any of them:
+        another worker's push of the same row). Under ``ssp:K``: the rows read before the
+        slowest live clock reached ``clock - K``, fetched again, so no row is older than
+        the dense weights may be."""
         again, self._again = self._again, {}
+        if bound is not None and not self.exact:
+            for name, module in self.modules.items():
+                old = module.stale(clock - bound)
+                if len(old):
+                    again[name] = old
         if again:
             self.prefetch(again)
 

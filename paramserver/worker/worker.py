@@ -298,7 +298,7 @@ class Worker(WorkerView):
         elif pull:
             self.pull()
         if pull:
-            self.tables.refetch()
+            self.tables.refetch(self.clock, self.policy.bound)
 
     def prefetch(self, ids: IdsByTable) -> None:
         """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) now, for the

@@ -81,9 +81,9 @@ def test_a_prefetch_of_several_tables_is_one_request_a_shard(serve, monkeypatch)
     requests: list[list[tuple[str, int]]] = []
     pull_part = RemoteTables._pull_part
 
-    def count(self, s, pieces):
+    def count(self, s, pieces, lows):
         requests.append([(spec.name, len(ids)) for spec, ids in pieces])
-        return pull_part(self, s, pieces)
+        return pull_part(self, s, pieces, lows)
 
     monkeypatch.setattr(RemoteTables, "_pull_part", count)
     x, y = _batches(1)[0]
@@ -157,9 +157,9 @@ def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap
     requests: list[int] = []  # tables a row pull asked for, one entry a request
     pull_part = RemoteTables._pull_part
 
-    def count(self, s, pieces):
+    def count(self, s, pieces, lows):
         requests.append(len(pieces))
-        return pull_part(self, s, pieces)
+        return pull_part(self, s, pieces, lows)
 
     monkeypatch.setattr(RemoteTables, "_pull_part", count)
     server = serve(
