@@ -51,6 +51,7 @@ _SUBMODULES = {
     "checkpoint": "paramserver.server.checkpoint",
     "codec": "paramserver.codec",
     "settings": "paramserver.settings",
+    "sparse": "paramserver.sparse",
 }
 
 # Where the modules of the flat layout went: ``import paramserver.launch`` (users' scripts,
