@@ -8,6 +8,7 @@ correct push and pull must still work.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import grpc
 import numpy as np
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.config import MAX_PUSH_EVERY
@@ -55,6 +57,9 @@ PUSH_FAULTS = [
     "rows_non_finite",
     "rows_table_twice",
     "rows_with_empty",
+    # a declared unbounded table with a lifecycle: nothing counted, admitted or evicted
+    "rows_unbounded_width",
+    "rows_unbounded_with_a_bad_table",
     # rows that follow the header as row chunks (PushHeader.row_chunks)
     "row_chunks_short",
     "row_chunks_duplicate",
@@ -101,6 +106,8 @@ class WithTable(nn.Module):
         self.mlp = tiny_model()
         self.emb = nn.Embedding(ROWS, DIM, sparse=True)
         self.emb2 = nn.Embedding(ROWS, DIM, sparse=True)
+        life = ps.sparse.Lifecycle(admit_after=2, capacity=8)
+        self.users = ps.sparse.Embedding(None, DIM, lifecycle=life)  # any int64 id
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)
@@ -136,10 +143,12 @@ class Target:
         payload = memoryview(_payload(self.nbytes))
         return self.stub.Push(wire.encode_push(h, payload, 4096), timeout=10)
 
-    def state(self) -> tuple[bytes, int, bytes, int]:
+    def state(self) -> tuple[Any, ...]:
         store, tables = self.server.coordinator.store, self.server.coordinator.tables
         rows = tables.table("emb").read(np.arange(ROWS)).numpy().tobytes()
-        return store.snapshot().tobytes(), store.version, rows, tables.held
+        users = tables.table("users")
+        counts = (users.tally.state(), users.sketch.counts.tobytes())
+        return store.snapshot().tobytes(), store.version, rows, tables.held, counts
 
 
 def _payload(n: int, fill: float = 0.01) -> bytes:
@@ -236,6 +245,14 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         bad = data.draw(st.one_of(st.integers(-(1 << 62), -1), st.integers(ROWS, 1 << 62)))
         row_chunks.append(_rows([bad]))
         h.row_chunks = len(row_chunks)
+    elif fault == "rows_unbounded_width":
+        ids = data.draw(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=4))
+        h.rows.append(_rows(sorted(set(ids)), table="users"))
+        h.rows[0].values = h.rows[0].values[: -data.draw(st.integers(1, 4 * DIM))]
+    elif fault == "rows_unbounded_with_a_bad_table":  # good rows of users, then a bad table
+        ids = data.draw(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=4))
+        h.rows.append(_rows(sorted(set(ids)), table="users"))
+        h.rows.append(_rows([data.draw(st.integers(ROWS, 1 << 62))]))
     elif fault == "rows_with_empty":
         h.empty, h.total_bytes = True, 0
         h.rows.append(_rows([1]))
