@@ -111,8 +111,7 @@ class Embedding(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        distinct = unique.cpu().numpy().astype(np.int64, copy=False)
+        distinct, inverse = distinct_ids(ids)
         table = self.local
         rows = table.pull(distinct).to(ids.device)
         if self.training and torch.is_grad_enabled():
@@ -157,6 +156,13 @@ class EmbeddingBag(Embedding):
     @property
     def mode(self) -> str:
         return self.bag or "mean"
+
+
+def distinct_ids(ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """The distinct ids of an input (sorted int64, in host memory) and, for each of its ids,
+    the position of its row among them."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    return unique.cpu().numpy().astype(np.int64, copy=False), inverse
 
 
 def lookup(

@@ -30,7 +30,7 @@ from torch import nn
 from paramserver.codec.rows import TableSpec
 from paramserver.config import DEFAULT_CACHE_ROWS
 from paramserver.sparse.client import Tables
-from paramserver.sparse.declared import Embedding, declared, lookup, name_tables
+from paramserver.sparse.declared import Embedding, declared, distinct_ids, lookup, name_tables
 from paramserver.sparse.index import RowIndex
 
 FRESH = np.iinfo(np.int64).max  # a row fetched by the forward pass that uses it
@@ -187,8 +187,7 @@ class TableEmbedding(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        distinct = unique.cpu().numpy().astype(np.int64, copy=False)
+        distinct, inverse = distinct_ids(ids)
         with self.lock:
             before = self.cache.counters.fetched
             slots = self.cache.slots(distinct, self._fetch)
