@@ -186,7 +186,7 @@ class OnArrival(Arrival):
     ) -> Pending | None:
         if grad is None:
             return None
-        if rows and self.tables is not None:  # at this step's rate (--lr-schedule)
+        if self.tables is not None:  # at this step's rate (--lr-schedule); no rows: the TTL
             step = self.applies.next_version
             self.tables.apply(rows, self.store.config.lr_at(step), step)
         waiting = self.applies.add(worker_id, grad)

@@ -121,7 +121,8 @@ def _disk_and_rows(s: ServerStatus) -> Iterator[Metric]:
 LIFECYCLE = {  # sparse/lifecycle.py; this process is one shard
     "admitted": "Sparse table rows created (a first push, or an admission), by table.",
     "evicted": "Sparse table rows evicted (capacity or TTL), by table.",
-    "dropped": "Sparse table gradient rows dropped (ids not admitted yet), by table.",
+    "dropped": "Sparse table gradient rows dropped (ids not admitted yet, or past the "
+    "capacity), by table.",
     "reborn": "Sparse table rows created again after their eviction, by table.",
 }
 

@@ -35,7 +35,7 @@ May import: ``codec``, ``config``, ``errors``, ``_proto``. Never ``server``, ``w
 anything above them.
 """
 
-from paramserver.sparse.declared import Embedding, EmbeddingBag
+from paramserver.sparse.declared import Embedding, EmbeddingBag, name_tables
 from paramserver.sparse.lifecycle import Lifecycle
 
-__all__ = ["Embedding", "EmbeddingBag", "Lifecycle"]
+__all__ = ["Embedding", "EmbeddingBag", "Lifecycle", "name_tables"]

@@ -15,11 +15,18 @@ A declared table holds no weight. Its rows come into being where they are first 
 ``num_embeddings`` None declares an unbounded table: ids are any int64 (production feature
 ids, hashed to shards). The initial rows are a function of (seed, table name, id) only:
 ``name_tables`` names each declared table by its module path (``table_specs`` does it, so
-servers and workers agree), and a table trained on its own before that is keyed by "".
+servers and workers agree; call it before training a model on its own to start from the
+rows a cluster would), and a table not named yet has a name of its own (``#N``).
+
+On its own, backward leaves each use's gradient rows; the store applies them as one step
+(summed per id, as a worker's push does) before it is next read: the next forward pass, a
+``state_dict``, ``.local``. ``state_dict`` holds the rows trained so far (``NAME.rows``:
+rows, optimizer state, counters), and loading it restores them.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -81,8 +88,13 @@ class Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.init, self.optimizer, self.lr, self.dtype, self.seed = init, optimizer, lr, dtype, seed
         self.lifecycle = (lifecycle or Lifecycle()).checked(what)
-        self.table_name = ""  # its module path, once ``name_tables`` has run
+        # its module path once ``name_tables`` has run; until then a name of its own, so
+        # that two tables trained on their own never start from the same rows
+        self.table_name = f"#{next(_UNNAMED)}"
         self._local: ShardTable | None = None
+        # gradients of the forward passes since the store last stepped: applied as one
+        # step (summed per id) before the store is next read, as a worker's push does
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
 
     @property
     def rows(self) -> int:
@@ -95,7 +107,8 @@ class Embedding(nn.Module):
 
     @property
     def local(self) -> ShardTable:
-        """The in-process row store this table trains on when on its own."""
+        """The in-process row store this table trains on when on its own, every gradient
+        of the backward passes so far applied."""
         if self._local is None:
             config = RowOptimizerConfig(
                 self.optimizer or LOCAL_OPTIMIZER, LOCAL_LR if self.lr is None else self.lr
@@ -103,6 +116,9 @@ class Embedding(nn.Module):
             self._local = ShardTable(
                 self.spec(self.table_name), config, self.seed, lifecycle=self.lifecycle
             )
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._local.push(*coalesce(pending))
         return self._local
 
     def forward(
@@ -111,19 +127,34 @@ class Embedding(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        distinct, inverse = distinct_ids(ids)
+        distinct, inverse = distinct_ids(ids, self.table_name)
         table = self.local
         rows = table.pull(distinct).to(ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
-            rows.register_hook(lambda grad: _apply(table, distinct, grad))
+            pending = self._pending
+            rows.register_hook(
+                lambda grad: pending.append((distinct, grad.detach().to("cpu", table.values.dtype)))
+            )
         return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        """The rows it trained on its own (none: no key), as ``PREFIX.rows``."""
+        if self._local is not None or self._pending:
+            local = self.local
+            if local.held:
+                destination[prefix + "rows"] = local.state_dict()
 
     def _load_from_state_dict(  # type: ignore[no-untyped-def]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ) -> None:
-        """A whole table saved as ``PREFIX.weight`` (a checkpoint's model_state_dict, an
-        export) becomes the rows of the in-process store."""
+        """``PREFIX.rows`` (what ``state_dict`` saved) restores the in-process store, rows,
+        optimizer state and counters; a whole table saved as ``PREFIX.weight`` (a
+        checkpoint's model_state_dict, an export) becomes its rows."""
+        saved = state_dict.get(prefix + "rows")
+        if saved is not None:
+            self._pending = []
+            self.local.load_state_dict(saved)
         weight = state_dict.get(prefix + "weight")
         if weight is None:
             return
@@ -158,9 +189,14 @@ class EmbeddingBag(Embedding):
         return self.bag or "mean"
 
 
-def distinct_ids(ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+def distinct_ids(ids: torch.Tensor, table: str) -> tuple[np.ndarray, torch.Tensor]:
     """The distinct ids of an input (sorted int64, in host memory) and, for each of its ids,
-    the position of its row among them."""
+    the position of its row among them; ValueError naming ``table`` for ids that are not
+    integers (as ``nn.Embedding`` refuses them)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(
+            f"Table {table!r}: ids must be integers, not {str(ids.dtype).removeprefix('torch.')}."
+        )
     unique, inverse = torch.unique(ids, return_inverse=True)
     return unique.cpu().numpy().astype(np.int64, copy=False), inverse
 
@@ -179,12 +215,27 @@ def lookup(
     return F.embedding_bag(inverse, rows, offsets, mode=bag, per_sample_weights=per_sample_weights)
 
 
-def _apply(table: ShardTable, ids: np.ndarray, grad: torch.Tensor) -> None:
-    table.push(ids, grad.detach().to("cpu", table.values.dtype))
+def coalesce(parts: list[tuple[np.ndarray, torch.Tensor]]) -> tuple[np.ndarray, torch.Tensor]:
+    """The (ids, gradient rows) of several uses of a table as distinct ids with their
+    gradients summed."""
+    if len(parts) == 1:
+        return parts[0]
+    ids = np.concatenate([i for i, _ in parts])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    first = parts[0][1]
+    total = torch.zeros((len(unique), first.shape[1]), dtype=first.dtype, device=first.device)
+    total.index_add_(
+        0, torch.from_numpy(inverse.reshape(-1)).to(total.device), torch.cat([g for _, g in parts])
+    )
+    return unique, total
+
+
+_UNNAMED = itertools.count()
 
 
 def declared(model: nn.Module) -> list[tuple[str, Embedding]]:
-    """The declared tables of ``model``, by module path."""
+    """The declared tables of ``model``, by module path (a table under several paths: by
+    its first)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Embedding)]
 
 
@@ -193,10 +244,12 @@ def name_tables(model: nn.Module) -> None:
     rows), as a cluster does."""
     for name, m in declared(model):
         if m.table_name != name:
-            if m._local is not None and m._local.held:
+            if m._pending or (m._local is not None and m._local.held):
                 raise ValueError(
-                    f"Table {name!r} trained on its own as {m.table_name!r}: name the "
-                    "model's tables before training it."
+                    f"Table {name!r} trained on its own before its name was known (rows "
+                    "start from the seed, the table's name and the id): call "
+                    "paramserver.sparse.name_tables(model) before training it. A cluster "
+                    "starts its tables from their initial rows, not from a model's own."
                 )
             m.table_name, m._local = name, None
 

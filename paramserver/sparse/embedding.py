@@ -33,7 +33,9 @@ from paramserver.sparse.client import Tables
 from paramserver.sparse.declared import Embedding, declared, distinct_ids, lookup, name_tables
 from paramserver.sparse.index import RowIndex
 
-FRESH = np.iinfo(np.int64).max  # a row fetched by the forward pass that uses it
+FRESH = np.iinfo(np.int64).max  # a row read where no clock says how old: in-process tables
+# A fetch of rows by id: the rows, and the slowest live clock when they were read.
+Fetch = Callable[[np.ndarray], tuple[torch.Tensor, int]]
 
 
 @dataclass
@@ -71,12 +73,10 @@ class RowCache:
         self.values[torch.from_numpy(new)] = rows
         self.read_at[new] = read_at
 
-    def slots(
-        self, ids: np.ndarray, fetch: Callable[[np.ndarray], torch.Tensor], read_at: int = FRESH
-    ) -> torch.Tensor:
-        """The slots of ``ids`` (distinct), fetching the rows not held (read when the
-        slowest live clock was ``read_at``); when they do not all fit, every other row is
-        dropped first."""
+    def slots(self, ids: np.ndarray, fetch: Fetch) -> torch.Tensor:
+        """The slots of ``ids`` (distinct), fetching the rows not held (``fetch`` answers
+        them and the slowest live clock when they were read); when they do not all fit,
+        every other row is dropped first."""
         if len(ids) > self.capacity:
             raise ValueError(
                 f"{len(ids)} distinct rows do not fit a cache of {self.capacity}; "
@@ -92,7 +92,8 @@ class RowCache:
                 missing = found < 0
             fresh = ids[missing]
             new = self.index.insert(fresh)
-            self.values[torch.from_numpy(new)] = fetch(fresh).to(self.values.dtype)
+            rows, read_at = fetch(fresh)
+            self.values[torch.from_numpy(new)] = rows.to(self.values.dtype)
             self.read_at[new] = read_at
             self.counters.fetched += len(fresh)
             found[missing] = new
@@ -152,8 +153,14 @@ class TableEmbedding(nn.Module):
         self._used: list[tuple[np.ndarray, torch.Tensor]] = []
         self.lock = threading.Lock()  # the cache, between a forward pass and a prefetch
 
-    def _fetch(self, ids: np.ndarray) -> torch.Tensor:
-        return self.tables.pull(self.table, ids)
+    def _fetch(self, ids: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Rows ``ids`` from the servers, and the slowest live clock when they were read
+        (``FRESH`` where the tables do not say: in-process ones)."""
+        pull_at = getattr(self.tables, "pull_many_at", None)
+        if pull_at is None:
+            return self.tables.pull(self.table, ids), FRESH
+        rows, low = pull_at({self.table: ids})
+        return rows[self.table], low
 
     def prefetch(
         self,
@@ -165,9 +172,9 @@ class TableEmbedding(nn.Module):
         already pulled (sorted distinct ids, their rows), used for those it holds, read
         when the slowest live clock was ``read_at`` (-1: unknown, so as old as can be)."""
         distinct = np.unique(np.asarray(ids, dtype=np.int64))
-        fetch = self._fetch if fetched is None else _served_from(fetched, self._fetch)
+        fetch = self._fetch if fetched is None else _served_from(fetched, read_at, self._fetch)
         with self.lock:
-            self.cache.slots(distinct, fetch, read_at)
+            self.cache.slots(distinct, fetch)
             self.cache.prefetched(distinct)
 
     def stale(self, low: int) -> np.ndarray:
@@ -187,7 +194,7 @@ class TableEmbedding(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        distinct, inverse = distinct_ids(ids)
+        distinct, inverse = distinct_ids(ids, self.table)
         with self.lock:
             before = self.cache.counters.fetched
             slots = self.cache.slots(distinct, self._fetch)
@@ -244,21 +251,21 @@ class TableEmbedding(nn.Module):
         self.end_step(np.empty(0, np.int64))
 
 
-def _served_from(
-    fetched: tuple[np.ndarray, torch.Tensor], fetch: Callable[[np.ndarray], torch.Tensor]
-) -> Callable[[np.ndarray], torch.Tensor]:
-    """A fetch that takes rows from ``fetched`` (sorted ids, rows), and the rest from ``fetch``."""
+def _served_from(fetched: tuple[np.ndarray, torch.Tensor], read_at: int, fetch: Fetch) -> Fetch:
+    """A fetch that takes rows from ``fetched`` (sorted ids, their rows, read when the
+    slowest live clock was ``read_at``), and the rest from ``fetch``."""
     have, rows = fetched
 
-    def serve(ids: np.ndarray) -> torch.Tensor:
+    def serve(ids: np.ndarray) -> tuple[torch.Tensor, int]:
         pos = np.minimum(np.searchsorted(have, ids), max(len(have) - 1, 0))
         found = have[pos] == ids if len(have) else np.zeros(len(ids), bool)
         if found.all():
-            return rows[torch.from_numpy(pos)]
+            return rows[torch.from_numpy(pos)], read_at
         out = torch.empty((len(ids), rows.shape[1]), dtype=rows.dtype)
         out[torch.from_numpy(found)] = rows[torch.from_numpy(pos[found])]
-        out[torch.from_numpy(~found)] = fetch(ids[~found])
-        return out
+        rest, low = fetch(ids[~found])
+        out[torch.from_numpy(~found)] = rest
+        return out, min(read_at, low)
 
     return serve
 
@@ -322,8 +329,13 @@ def attach_tables(
     model: nn.Module, tables: Tables, cache_rows: int = DEFAULT_CACHE_ROWS
 ) -> dict[str, TableEmbedding]:
     """Replace each sparse embedding of ``model`` by a ``TableEmbedding`` of the table of
-    the same name; returns them by name. The replaced modules' weights are freed."""
+    the same name, under every path the module has (a table shared by two parts of a model
+    is one table, named by its first path); returns them by name. The replaced modules'
+    weights are freed."""
     attached: dict[str, TableEmbedding] = {}
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
     for name, m in _sparse_embeddings(model):
         if not name:
             raise ValueError("A sparse embedding that is the whole model: wrap it in a module.")
@@ -340,7 +352,8 @@ def attach_tables(
             else (m.mode if isinstance(m, nn.EmbeddingBag) else None)
         )
         replacement = TableEmbedding(name, tables, cache_rows, bag)
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
+        for path in paths[id(m)]:
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
         attached[name] = replacement
     return attached

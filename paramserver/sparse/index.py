@@ -7,7 +7,9 @@ loop per id.
 - Slots are handed out 0, 1, 2, ... in order of first touch; a removed id's slot is given
   to the next id inserted, so storage stays as large as the most rows held at once.
 - Removal leaves a tombstone (lookups probe past it, inserts reuse it); the table is
-  rebuilt when full and deleted buckets pass ``MAX_LOAD`` of it.
+  rebuilt when full and deleted buckets pass ``MAX_LOAD`` of it, to a load of at most
+  ``REBUILT_LOAD``: rows evicted and created push after push rebuild it once in a while,
+  not at every push.
 - ``held_hint`` reads without the lock that guards changes: its arrays are one snapshot,
   and buckets only go empty to full to deleted (to full again) until a rebuild swaps in
   new ones, so it ends and is right for every id not being inserted or removed meanwhile.
@@ -23,6 +25,7 @@ from paramserver.sparse.rows import splitmix64
 
 EMPTY, FULL, DELETED = 0, 1, 2
 MAX_LOAD = 0.7
+REBUILT_LOAD = 0.6
 MAX_SLOTS = (1 << 31) - 1  # slots are int32: rows one index holds at most
 # Buckets use another hash than the shard choice: on shard s of S every id has
 # splitmix64(id) = s (mod S), so those low bits would crowd a power-of-two table.
@@ -155,9 +158,11 @@ class RowIndex:
             at[pending] = (at[pending] + 1) & mask
 
     def _rebuild(self, needed: int) -> None:
+        """New buckets for ``needed`` ids with room to spare (a load of at most
+        ``REBUILT_LOAD``), so that ids coming and going do not rebuild it again at once."""
         held = self._state == FULL
         ids, slots = self._keys[held], self._slots[held]
-        self._alloc(_buckets_for(needed))
+        self._alloc(_buckets_for(int(needed * MAX_LOAD / REBUILT_LOAD) + 1))
         self._deleted = 0
         self._place(ids, slots)
         self._snapshot = (self._keys, self._state)  # filled first, then seen

@@ -6,15 +6,19 @@ only: ``table.ShardTable`` holds the rows and asks these.
   the table's initial value (``unadmitted`` "init") or zeros. The sightings are counted in
   a count-min sketch (``Sketch``: two hashes into ``sketch`` one-byte counters, about 1 MiB
   a table and shard), so ids never admitted cost no memory of their own; a collision can
-  only admit an id early, never late (Monolith's and DeepRec's filters do the same).
+  only admit an id early, never late (Monolith's and DeepRec's filters do the same). The
+  counters stop at 255, so K is at most ``MAX_ADMIT``.
 - **Capacity** (rows a shard holds at most) with ``evict`` "lru" (least recently pushed
   first) or "lfu" (fewest pushes first, then least recent). A push that would pass the
   capacity first evicts down to ``low_water`` (15/16 of it), never a row of that push, so
-  one scan of the rows serves a sixteenth of the capacity in new rows. The capacity is a
+  one scan of the rows serves a sixteenth of the capacity in new rows. Ties go to the
+  smaller id, so the rows kept do not depend on where rows sit in storage (a restored
+  checkpoint evicts as the run it came from would have). The capacity is a
   hard bound: a push with more new rows than there is room for once every other row is
   gone creates only as many as fit (the rest of its gradients dropped and counted).
 - **TTL** (steps): a row not pushed for more than ``ttl`` of the server's steps goes, at a
-  sweep every ``ttl // 4`` steps (so at most ``1.25 * ttl`` after its last push).
+  sweep once ``ttl // 4`` steps have passed since the last one (so at most ``1.25 * ttl``
+  after its last push), whether or not a push names the table then.
 - **Counters** per row: pushes (``hits``) and the last step pushed; per table: admitted,
   evicted, dropped gradient rows, and rows reborn (created again after their eviction, as a
   push computed on the row before it was evicted makes; estimated with a bitset of evicted
@@ -23,15 +27,17 @@ only: ``table.ShardTable`` holds the rows and asks these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from paramserver.errors import ConfigError
 from paramserver.sparse.rows import splitmix64
 
 POLICIES = ("lru", "lfu")
+MAX_ADMIT = 255  # the sketch's one-byte counters count this far
 UNADMITTED = ("init", "zeros")
 _SALTS = (np.uint64(0xA0761D6478BD642F), np.uint64(0xE7037ED1A0B428DB))
 
@@ -49,11 +55,15 @@ class Lifecycle:
 
     def checked(self, table: str) -> Lifecycle:
         """Itself, or ConfigError naming the table, the setting and its value."""
-        for name, lowest in (("admit_after", 1), ("capacity", 0), ("ttl", 0), ("sketch", 1024)):
+        limits = {"admit_after": (1, MAX_ADMIT), "capacity": (0, None), "ttl": (0, None)}
+        limits["sketch"] = (1024, None)
+        for name, (lowest, highest) in limits.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            whole = isinstance(value, int | np.integer) and not isinstance(value, bool)
+            if not whole or value < lowest or (highest is not None and value > highest):
+                within = f">= {lowest}" if highest is None else f"in [{lowest}, {highest}]"
                 raise ConfigError(
-                    f"Table {table!r}: {name} must be an integer >= {lowest}; got {value!r}."
+                    f"Table {table!r}: {name} must be an integer {within}; got {value!r}."
                 )
         if self.evict not in POLICIES:
             raise ConfigError(
@@ -75,33 +85,9 @@ class Lifecycle:
         """Rows held after an eviction at capacity."""
         return self.capacity - max(1, self.capacity // 16)
 
-    def sweeps_at(self, step: int) -> bool:
-        """Whether the TTL sweep runs at ``step``."""
-        return self.ttl > 0 and step % max(1, self.ttl // 4) == 0
-
-
-def parse_lifecycle(table: str, text: str) -> Lifecycle:
-    """``admit_after=2,capacity=100000,evict=lfu,ttl=5000,unadmitted=zeros`` (any of them,
-    in any order) as a checked ``Lifecycle``."""
-    known = {f.name: f.type for f in fields(Lifecycle)}
-    values: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in known:
-            raise ConfigError(
-                f"Table {table!r}: {part!r} is not NAME=VALUE with NAME one of {', '.join(known)}."
-            )
-        if name in ("evict", "unadmitted"):
-            values[name] = value.strip()
-        else:
-            try:
-                values[name] = int(value)
-            except ValueError:
-                raise ConfigError(
-                    f"Table {table!r}: {name} must be an integer; got {value.strip()!r}."
-                ) from None
-    return Lifecycle(**values).checked(table)
+    def sweep_due(self, step: int, last_sweep: int) -> bool:
+        """Whether the TTL sweep runs at ``step``, the last one having run at ``last_sweep``."""
+        return self.ttl > 0 and step - last_sweep >= max(1, self.ttl // 4)
 
 
 class Sketch:
@@ -150,7 +136,8 @@ class Tally:
             self.reborn += int(self.evicted_ids[cells].sum())
             self.evicted_ids[cells] = False
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, int]:
+        """The counters (what status reports)."""
         return {
             "admitted": self.admitted,
             "evicted": self.evicted,
@@ -158,23 +145,41 @@ class Tally:
             "reborn": self.reborn,
         }
 
+    def saved(self) -> dict[str, Any]:
+        """The counters and the bitset of evicted ids, for a checkpoint (tensors and plain
+        values: what ``torch.load(weights_only=True)`` reads)."""
+        return {**self.state(), "evicted_ids": torch.from_numpy(np.packbits(self.evicted_ids))}
+
     def load(self, saved: dict[str, Any]) -> None:
         for name in ("admitted", "evicted", "dropped", "reborn"):
             setattr(self, name, int(saved.get(name, 0)))
+        bits = saved.get("evicted_ids")
+        if bits is not None and len(bits) * 8 == len(self.evicted_ids):
+            self.evicted_ids = np.unpackbits(torch.as_tensor(bits).numpy()).astype(bool)
 
 
 def victims(
-    hits: np.ndarray, last: np.ndarray, spared: np.ndarray, n: int, policy: str
+    ids: np.ndarray,
+    hits: np.ndarray,
+    last: np.ndarray,
+    spared: np.ndarray,
+    n: int,
+    policy: str,
 ) -> np.ndarray:
-    """Positions of the ``n`` rows to evict first under ``policy`` among rows with counters
-    ``hits`` and ``last``, never one where ``spared`` (all of them when fewer can go)."""
+    """Positions of the ``n`` rows to evict first under ``policy`` among rows ``ids`` with
+    counters ``hits`` and ``last``, never one where ``spared`` (all of them when fewer can
+    go); ties go to the smaller id."""
     candidates = np.flatnonzero(~spared)
     if n >= len(candidates):
         return candidates
     key = last[candidates].astype(np.int64)  # int32 steps: below 2**31
     if policy == "lfu":  # fewest pushes, then least recent
         key += hits[candidates].astype(np.int64) << 31
-    return candidates[np.argpartition(key, n - 1)[:n]]
+    cut = np.partition(key, n - 1)[n - 1]
+    below = candidates[key < cut]
+    tied = candidates[key == cut]
+    tied = tied[np.argsort(ids[tied], kind="stable")[: n - len(below)]]
+    return np.concatenate([below, tied])
 
 
 def expired(last: np.ndarray, spared: np.ndarray, step: int, ttl: int) -> np.ndarray:

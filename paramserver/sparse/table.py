@@ -31,7 +31,7 @@ from paramserver.errors import InvalidRequest
 from paramserver.sparse import lifecycle as life
 from paramserver.sparse.index import RowIndex
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
-from paramserver.sparse.rows import Init, initial_rows, shard_of, table_key
+from paramserver.sparse.rows import Init, initial_rows, shard_of, splitmix64, table_key
 
 INITIAL_CHUNK = 1 << 16  # ids whose initial values are computed at once (bounded temporaries)
 
@@ -48,6 +48,7 @@ class Lookup:
     dim: int
     dtype: str
     init: Init | None  # None: rows not held read as zeros
+    mix: bool = False  # an unbounded table's: see ``initial_values``
 
     def complete(self) -> torch.Tensor:
         """The rows of ``ids``: (len(ids), dim); the initial values computed a chunk of
@@ -57,17 +58,21 @@ class Lookup:
         if self.init is not None and not self.held.all():
             missing = np.flatnonzero(~self.held)
             out[torch.from_numpy(missing)] = initial_values(
-                self.key, self.ids[missing], self.dim, self.dtype, self.init
+                self.key, self.ids[missing], self.dim, self.dtype, self.init, self.mix
             )
         return out
 
 
 def initial_values(
-    key: np.uint64, ids: np.ndarray, dim: int, dtype: str, init: Init
+    key: np.uint64, ids: np.ndarray, dim: int, dtype: str, init: Init, mix: bool = False
 ) -> torch.Tensor:
     """``initial_rows`` of ``ids`` as a tensor, computed ``INITIAL_CHUNK`` ids at a time
-    (bounded temporaries)."""
+    (bounded temporaries). ``mix`` (an unbounded table's ids, any int64): each id hashed
+    first (``splitmix64``, a bijection), since ``initial_rows`` counts ``id * dim`` cells,
+    which wrap for ids past 2**64 / dim and would repeat other ids' rows."""
     out = torch.empty((len(ids), dim), dtype=getattr(torch, dtype))
+    if mix:
+        ids = splitmix64(ids.astype(np.uint64)).view(np.int64)
     for lo in range(0, len(ids), INITIAL_CHUNK):
         part = ids[lo : lo + INITIAL_CHUNK]
         out[lo : lo + len(part)] = torch.from_numpy(initial_rows(key, part, dim, dtype, init))
@@ -105,6 +110,7 @@ class ShardTable:
             torch.empty((reserve, width), dtype=kind or dtype)
             for width, kind in optimizer.state_layout(spec.dim)
         ]
+        self._swept = 0  # the step of the last TTL sweep
         self.hits = np.zeros(reserve, np.int32)  # pushes applied to the row in each slot
         self.last = np.zeros(reserve, np.int32)  # the step of the last one
 
@@ -180,7 +186,11 @@ class ShardTable:
         read as a hint: a row created or evicted meanwhile costs a computation under the
         lock, never a wrong value."""
         fresh = np.sort(ids[~self.index.held_hint(ids)])
-        return fresh, initial_values(self.key, fresh, self.spec.dim, self.spec.dtype, self.init)
+        return fresh, self._initial(fresh)
+
+    def _initial(self, ids: np.ndarray) -> torch.Tensor:
+        spec = self.spec
+        return initial_values(self.key, ids, spec.dim, spec.dtype, self.init, not spec.rows)
 
     def _create(self, ids: np.ndarray, prepared: Prepared | None = None) -> np.ndarray:
         """Rows for ``ids`` (distinct, not held) at their initial values (those
@@ -194,9 +204,7 @@ class ShardTable:
             have = prepared[0][pos] == ids
             self.values[at[torch.from_numpy(have)]] = prepared[1][torch.from_numpy(pos[have])]
         if not have.all():
-            self.values[at[torch.from_numpy(~have)]] = initial_values(
-                self.key, ids[~have], self.spec.dim, self.spec.dtype, self.init
-            )
+            self.values[at[torch.from_numpy(~have)]] = self._initial(ids[~have])
         for s in self.state:
             s[at] = self.optimizer.config.initial_state()
         self.hits[slots] = 0
@@ -228,11 +236,18 @@ class ShardTable:
             gone = life.expired(self.last[slots], spared, step, self.lifecycle.ttl)
         else:
             gone = life.victims(
-                self.hits[slots], self.last[slots], spared, count, self.lifecycle.evict
+                held, self.hits[slots], self.last[slots], spared, count, self.lifecycle.evict
             )
         if len(gone):
             self.index.remove(held[gone])
             self.tally.evict(held[gone])
+
+    def tick(self, step: int, spared: np.ndarray | None = None) -> None:
+        """The server's ``step`` has come: evict the rows past their TTL if a sweep is due
+        (never one of ``spared``, a push's rows), whether or not a push named this table."""
+        if self.lifecycle.sweep_due(step, self._swept):
+            self._swept = step
+            self._evict(0, np.empty(0, np.int64) if spared is None else spared, step, True)
 
     def pull(self, ids: Any) -> torch.Tensor:
         """The rows ``ids`` (any order, repeats allowed): (len(ids), dim), a copy; the
@@ -245,7 +260,8 @@ class ShardTable:
         held = slots >= 0
         values = self.values[torch.from_numpy(slots[held])]
         init = None if self.lifecycle.unadmitted == "zeros" else self.init
-        return Lookup(arr, held, values, self.key, self.spec.dim, self.spec.dtype, init)
+        spec = self.spec
+        return Lookup(arr, held, values, self.key, spec.dim, spec.dtype, init, not spec.rows)
 
     def push(self, ids: Any, grads: Any, step: int | None = None) -> None:
         """One optimizer step on rows ``ids`` (distinct) with ``grads`` (one row each)."""
@@ -290,8 +306,7 @@ class ShardTable:
                     new = slots < 0
             if new.any():
                 slots[new] = self._create(ids[new], prepared)  # may replace the arrays
-        if self.lifecycle.sweeps_at(now):
-            self._evict(0, ids, now, True)
+        self.tick(now, ids)
         if not len(ids):
             self.optimizer.steps += 1
             return
@@ -316,6 +331,10 @@ class ShardTable:
         self.values[at] = values.to(self.values.dtype)
         for s in self.state:
             s[at] = self.optimizer.config.initial_state()
+        self.last[slots] = self.optimizer.steps
+        over = len(self.index) - self.lifecycle.capacity
+        if self.lifecycle.bounded and over > 0:  # rows past the capacity go, as it says
+            self._evict(over, np.empty(0, np.int64), self.optimizer.steps, False)
 
     # --- saving -----------------------------------------------------------------------
 
@@ -329,7 +348,8 @@ class ShardTable:
             "steps": self.optimizer.steps,
             "hits": torch.from_numpy(self.hits[slots].copy()),
             "last": torch.from_numpy(self.last[slots].copy()),
-            "tally": self.tally.state(),
+            "tally": self.tally.saved(),
+            "swept": self._swept,
             "sketch": None if self.sketch is None else torch.from_numpy(self.sketch.counts.copy()),
         }
 
@@ -357,6 +377,7 @@ class ShardTable:
         self.hits[at] = hits.numpy() if hits is not None else 1
         self.last[at] = last.numpy() if last is not None else self.optimizer.steps
         self.tally.load(saved.get("tally", {"admitted": len(ids)}))
+        self._swept = int(saved.get("swept", 0))
         sketch = saved.get("sketch")
         if (
             self.sketch is not None

@@ -190,12 +190,18 @@ class TableSet:
         """One optimizer step on each checked push's rows, at ``lr`` (the server's schedule;
         None: the row optimizer's own), as the server's ``step`` (the version it makes:
         the rows' last step pushed, and their TTL, count these)."""
+        named = set()
         for push in checked:
             scheduled = self.scheduled[push.table]
             prepared = push.prepared if isinstance(push, Checked) else None
             rate = lr if scheduled else None
             self.tables[push.table].apply(push.ids, push.grads, rate, step, prepared)
             self.rows_pushed += len(push.ids)
+            named.add(push.table)
+        if step is not None:  # the TTL of the tables this push did not name
+            for name, table in self.tables.items():
+                if name not in named:
+                    table.tick(step)
 
     def tallies(self) -> dict[str, dict[str, int]]:
         """Each table's rows held and lifecycle counters (admitted, evicted, dropped,

@@ -94,3 +94,28 @@ def test_one_model_definition_trains_the_same_on_its_own_and_in_a_cluster(serve,
         assert status["table_evicted"]["users"] > 0
         assert status["table_evicted"]["users"] == alone.users.local.tally.evicted
     assert status["table_rows"]["items"] == int(np.sum(shard_of(items, shards) == 0))
+
+
+class Tied(nn.Module):
+    """One table under two paths (a query tower and an item tower sharing it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = Embedding(100, 4, optimizer="sgd", lr=0.5)
+        self.query = self.items
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.items(x[:, 0]) * self.query(x[:, 1]))
+
+
+def test_a_table_under_two_paths_is_one_table_on_the_servers(serve):
+    torch.manual_seed(0)
+    model = Tied()
+    server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1)
+    with ps.Worker(server.address, model) as worker:
+        assert model.items is model.query and isinstance(model.query, TableEmbedding)
+        model(torch.tensor([[1, 2], [3, 2]])).sum().backward()
+        worker.step(samples=2)
+    assert server.coordinator.tables.table("items").held == 3  # both paths' rows
+    assert [s.name for s in server.coordinator.tables.specs] == ["items"]

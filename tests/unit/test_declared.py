@@ -137,7 +137,7 @@ def test_declared_tables_are_specs_named_by_their_path():
     ]
     trained = nn.Sequential(Embedding(10, 2))
     trained[0](torch.tensor([1])).sum().backward()  # trained before its name was known
-    with pytest.raises(ValueError, match="name the model's tables"):
+    with pytest.raises(ValueError, match="name_tables"):
         name_tables(trained)
 
 
@@ -157,3 +157,49 @@ def test_declared_tables_are_specs_named_by_their_path():
 def test_a_declaration_that_makes_no_sense_is_refused_at_once(make, message):
     with pytest.raises((ValueError, ps.ConfigError), match=message):
         make()
+
+
+def test_tables_not_named_yet_start_from_rows_of_their_own():
+    a, b = Embedding(None, 4), Embedding(None, 4)
+    ids = torch.tensor([1, 2, 3])
+    assert not torch.equal(a(ids), b(ids))
+
+
+def test_ids_that_are_not_integers_are_refused_naming_the_table():
+    model = nn.Sequential(Embedding(10, 2))
+    name_tables(model)
+    with pytest.raises(ValueError, match="Table '0': ids must be integers, not float32"):
+        model(torch.tensor([1.7, 2.2]))
+
+
+def test_a_table_used_twice_in_a_step_takes_one_step_as_in_a_cluster():
+    """Two uses (or two micro-batches) before the next read: their gradients summed into
+    one optimizer step, as a worker's push is; lazy adam counts one step of the row."""
+    table = Embedding(10, 3, optimizer="adam", lr=0.1)
+    (table(torch.tensor([4])).sum() + 2 * table(torch.tensor([4, 5])).sum()).backward()
+    steps = table.local.state[2]
+    slots = table.local.index.find(np.array([4, 5]))
+    assert steps[torch.from_numpy(slots)].flatten().tolist() == [1, 1]
+    once = Embedding(10, 3, optimizer="adam", lr=0.1)
+    once.table_name = table.table_name  # the same initial rows
+    (
+        once(torch.tensor([4, 4, 4, 5]))[[0, 1, 2, 3]] * torch.tensor([[1.0], [2.0], [0.0], [2.0]])
+    ).sum().backward()
+    ids = np.array([4, 5])
+    torch.testing.assert_close(table.local.pull(ids), once.local.pull(ids))
+
+
+def test_a_state_dict_holds_the_rows_trained_on_its_own():
+    model = Model(lifecycle=Lifecycle(capacity=50))
+    name_tables(model)
+    for x, y in batches():
+        F.cross_entropy(model(x), y).backward()
+    saved = model.state_dict()
+    assert set(saved) == {"bag.rows", "head.weight", "head.bias"}
+    back = Model(lifecycle=Lifecycle(capacity=50))
+    name_tables(back)
+    back.load_state_dict(saved)
+    ids = np.arange(ROWS)
+    torch.testing.assert_close(back.bag.local.pull(ids), model.bag.local.pull(ids))
+    assert back.bag.local.tally.state() == model.bag.local.tally.state()
+    assert "bag.rows" not in Model().state_dict()  # nothing trained: no key

@@ -4,12 +4,14 @@ unbounded ids."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
 
 from paramserver.errors import ConfigError, InvalidRequest
-from paramserver.sparse.lifecycle import Lifecycle, Sketch, parse_lifecycle
+from paramserver.sparse.lifecycle import Lifecycle, Sketch
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows, table_key
 from paramserver.sparse.table import ShardTable, TableSpec
@@ -139,6 +141,7 @@ def test_counters_and_the_sketch_survive_a_checkpoint():
         ("evict", "fifo"),
         ("unadmitted", "nan"),
         ("capacity", 2.5),
+        ("admit_after", 256),
     ],
 )
 def test_a_setting_that_makes_no_sense_names_the_table_and_the_value(setting, value):
@@ -146,13 +149,44 @@ def test_a_setting_that_makes_no_sense_names_the_table_and_the_value(setting, va
         Lifecycle(**{setting: value}).checked("clicks")
 
 
-def test_lifecycle_settings_parse():
-    assert parse_lifecycle("t", "admit_after=2, capacity=100,evict=lfu,ttl=50") == Lifecycle(
-        admit_after=2, capacity=100, evict="lfu", ttl=50
-    )
-    for bad in ("capacity", "size=3", "capacity=big", "admit-after=0"):
-        with pytest.raises(ConfigError, match="Table 't'"):
-            parse_lifecycle("t", bad)
+def test_a_ttl_sweeps_whenever_its_time_has_come_pushed_or_not():
+    """Steps that never land on a multiple of ttl/4, and steps that do not name the table."""
+    t = table(Lifecycle(ttl=8))
+    push(t, [1], 1)
+    for step in range(3, 40, 2):
+        push(t, [2], step)
+    assert set(t.index.items()[0].tolist()) == {2}
+    quiet = table(Lifecycle(ttl=8))
+    push(quiet, [1], 1)
+    for step in range(2, 20):
+        quiet.tick(step)  # other tables' pushes: the server's steps go on
+    assert quiet.held == 0 and quiet.tally.evicted == 1
+
+
+def test_a_checkpoint_resumes_the_lifecycle_as_if_never_stopped():
+    """Rows kept, their values and the counters equal a run never interrupted (ties go to
+    the smaller id, whatever slot a row sits in)."""
+    rng = np.random.default_rng(0)
+    for policy in ("lru", "lfu"):
+        life = Lifecycle(admit_after=2, capacity=64, evict=policy, ttl=12)
+        pushes = [np.unique(rng.zipf(1.3, 40) % 500) for _ in range(120)]
+        grads = [torch.randn(len(ids), DIM) for ids in pushes]
+        whole, first = table(life, rows=0), table(life, rows=0)
+        for step, (ids, g) in enumerate(zip(pushes[:60], grads[:60], strict=True), start=1):
+            whole.push(ids, g, step)
+            first.push(ids, g, step)
+        resumed = table(life, rows=0)
+        buffer = io.BytesIO()
+        torch.save(first.state_dict(), buffer)  # as a checkpoint is written and read
+        buffer.seek(0)
+        resumed.load_state_dict(torch.load(buffer, weights_only=True))
+        for step, (ids, g) in enumerate(zip(pushes[60:], grads[60:], strict=True), start=61):
+            whole.push(ids, g, step)
+            resumed.push(ids, g, step)
+        everyone = np.arange(500)
+        assert sorted(whole.index.items()[0]) == sorted(resumed.index.items()[0])
+        assert torch.equal(whole.pull(everyone), resumed.pull(everyone))
+        assert whole.tally.state() == resumed.tally.state()
 
 
 def test_the_sketch_counts_never_less_than_the_truth():
