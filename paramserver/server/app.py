@@ -30,7 +30,7 @@ from paramserver.server.state import CoordinatorSnapshot
 from paramserver.server.store import ParameterStore
 from paramserver.sparse.declared import declared_choices
 from paramserver.sparse.embedding import make_tables
-from paramserver.sparse.memory import fix_mmap_threshold
+from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold
 from paramserver.sparse.tableset import TableSet, table_optimizers
 from paramserver.transport import ports, security, stub
 from paramserver.transport.attachments import Attachments
@@ -145,7 +145,7 @@ def _tables_and_frozen(
             specs, chosen, config.optimizer.name, config.optimizer.lr, declared
         )
         tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards, lifecycles)
-        fix_mmap_threshold()  # a table's grown-out arrays and temporaries go back when freed
+        fix_mmap_threshold(SERVER_MMAP_THRESHOLD)  # grown-out table arrays go back when freed
     if config.shards == 1:
         frozen = {
             n: p.detach().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad

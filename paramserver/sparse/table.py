@@ -8,9 +8,10 @@ is a copy of the rows held; the initial values of the rest are computed after it
 chunks of bounded size.
 
 Storage: the rows, their optimizer state and their counters (pushes, last step pushed) sit
-in arrays indexed by slot (``index.RowIndex``); an evicted row's slot is reused, and the
-arrays grow by a quarter at a time, so they hold at most about 1.25 times the most rows
-held at once.
+in arrays indexed by slot (``index.RowIndex``); an evicted row's slot is reused. The
+arrays double when full, and only the slots handed out are ever written, so resident
+memory follows the most rows held at once (241 bytes a row for lazy Adam at dim 16,
+``bench/sparse_rows.py``).
 
 Every request is checked whole before anything changes: ids must be integers in
 [0, rows) (any int64 for an unbounded table), held by this shard, and a push's ids
@@ -76,6 +77,12 @@ def initial_values(
     for lo in range(0, len(ids), INITIAL_CHUNK):
         part = ids[lo : lo + INITIAL_CHUNK]
         out[lo : lo + len(part)] = torch.from_numpy(initial_rows(key, part, dim, dtype, init))
+    return out
+
+
+def _grown_counts(counts: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros(size, counts.dtype)  # calloc: pages untouched until written
+    out[: len(counts)] = counts
     return out
 
 
@@ -212,10 +219,12 @@ class ShardTable:
         return slots
 
     def _reserve(self, n: int) -> None:
-        """Storage for slots [0, n): grown by a quarter (at least 1024 rows) at a time."""
+        """Storage for slots [0, n): doubled at a time, so a table of n rows copies its
+        rows about once while it grows. The pages past the rows held are never touched
+        (``torch.empty``, zeros from ``calloc``), so they cost address space, not memory."""
         if n <= len(self.values):
             return
-        size = max(n, len(self.values) + max(1024, len(self.values) // 4))
+        size = max(n, 2 * len(self.values))
 
         def grown(t: torch.Tensor) -> torch.Tensor:
             out = torch.empty((size, t.shape[1]), dtype=t.dtype)
@@ -224,8 +233,8 @@ class ShardTable:
 
         self.values = grown(self.values)
         self.state = [grown(s) for s in self.state]
-        self.hits = np.concatenate([self.hits, np.zeros(size - len(self.hits), np.int32)])
-        self.last = np.concatenate([self.last, np.zeros(size - len(self.last), np.int32)])
+        self.hits = _grown_counts(self.hits, size)
+        self.last = _grown_counts(self.last, size)
 
     def _evict(self, count: int, spared_ids: np.ndarray, step: int, ttl: bool) -> None:
         """Evict ``count`` rows by the lifecycle's policy (``ttl``: those past their TTL at
