@@ -162,6 +162,7 @@ class InProcessChannel(Channel):
         if segment is not None:
             request.shm_name, request.shm_nonce = segment.name, segment.nonce
             request.shm_slots = segment.nslots
+            request.shm_rows_bytes = segment.rows_bytes
         self._offered = (segment, spec)
 
     def open(self, reply: pb.JoinResponse) -> None:

@@ -53,28 +53,34 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., init: _Optional[str] = ...) -> None: ...
 
 class RowGradients(_message.Message):
-    __slots__ = ("table", "ids", "values")
+    __slots__ = ("table", "ids", "values", "shm", "shm_offset")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: bytes
     values: bytes
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+    shm: bool
+    shm_offset: int
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ..., shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "table", "ids", "more")
+    __slots__ = ("worker_id", "incarnation", "table", "ids", "more", "shm")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     table: str
     ids: bytes
     more: _containers.RepeatedCompositeFieldContainer[TableIds]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ...) -> None: ...
+    shm: bool
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., shm: _Optional[bool] = ...) -> None: ...
 
 class TableIds(_message.Message):
     __slots__ = ("table", "ids")
@@ -85,14 +91,18 @@ class TableIds(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsResponse(_message.Message):
-    __slots__ = ("values", "more", "low_clock")
+    __slots__ = ("values", "more", "low_clock", "shm", "shm_sizes")
     VALUES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     LOW_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZES_FIELD_NUMBER: _ClassVar[int]
     values: bytes
     more: _containers.RepeatedScalarFieldContainer[bytes]
     low_clock: int
-    def __init__(self, values: _Optional[bytes] = ..., more: _Optional[_Iterable[bytes]] = ..., low_clock: _Optional[int] = ...) -> None: ...
+    shm: bool
+    shm_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[bytes] = ..., more: _Optional[_Iterable[bytes]] = ..., low_clock: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainingPlan(_message.Message):
     __slots__ = ("model", "dataset", "batch_size", "epochs", "seed", "world_size")
@@ -111,13 +121,14 @@ class TrainingPlan(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("name", "worker_id", "train_samples", "shm_name", "shm_nonce", "shm_slots", "join_id")
+    __slots__ = ("name", "worker_id", "train_samples", "shm_name", "shm_nonce", "shm_slots", "shm_rows_bytes", "join_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     SHM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_ROWS_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOIN_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     worker_id: str
@@ -125,8 +136,9 @@ class JoinRequest(_message.Message):
     shm_name: str
     shm_nonce: bytes
     shm_slots: int
+    shm_rows_bytes: int
     join_id: str
-    def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ..., join_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ..., shm_rows_bytes: _Optional[int] = ..., join_id: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce")

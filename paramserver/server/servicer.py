@@ -81,7 +81,11 @@ class Servicer(pb_grpc.ParameterServerServicer):
             request.join_id,
         )
         shm = self.shared.attach(
-            member.worker_id, request.shm_name, request.shm_nonce, request.shm_slots
+            member.worker_id,
+            request.shm_name,
+            request.shm_nonce,
+            request.shm_slots,
+            request.shm_rows_bytes,
         )
         cfg = self.c.config
         return pb.JoinResponse(

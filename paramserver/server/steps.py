@@ -20,7 +20,7 @@ import numpy as np
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.codec import rows as sparse_wire
-from paramserver.codec.rows import RowGradients
+from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.config import MAX_MESSAGE_BYTES, MAX_PUSH_EVERY
 from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
 from paramserver.server.applier import Applier, call
@@ -125,7 +125,8 @@ class Steps:
         self.c.check_incarnation(header.incarnation)
         self.check_push_header(header)
         self.c.accept_header(header.worker_id, (header.row_cache_hits, header.row_cache_misses))
-        rows = self._rows(header, rest)
+        with self._dropping_broken_segments():
+            rows = self._rows(header, rest)
         gradient = self.payloads.gradient(header, rest, received, finite)
         with self._dropping_broken_segments(), gradient as (grad, finite):
             result = self._apply(
@@ -181,7 +182,29 @@ class Steps:
             raise InvalidRequest("A push carries rows in its header or after it, not both.")
         chunks = wire.decode_push_rows(header, rest)
         specs = {t.name: t for t in self.c.tables.specs} if self.c.tables is not None else {}
-        return sparse_wire.gradients_from_proto(header.rows, specs, chunks)
+        messages = [self._from_segment(header, r, specs) for r in header.rows]
+        return sparse_wire.gradients_from_proto(messages, specs, chunks)
+
+    def _from_segment(
+        self, header: pb.PushHeader, msg: pb.RowGradients, specs: dict[str, TableSpec]
+    ) -> pb.RowGradients:
+        """``msg`` with its values, read from the rows part of the push's slot in the worker's
+        segment where it says they are (``RowGradients.shm``)."""
+        if not msg.shm:
+            return msg
+        if not header.shm:
+            raise InvalidRequest(
+                f"Rows of table {msg.table!r} are in shared memory, but the push is not."
+            )
+        spec = specs.get(msg.table)
+        if spec is None:
+            raise InvalidRequest(f"A push names table {msg.table!r}, which is not held here.")
+        n = len(msg.ids) // sparse_wire.IDS.itemsize
+        nbytes = n * spec.dim * np.dtype(spec.dtype).itemsize
+        values = self.payloads.shared.rows(
+            header.worker_id, header.shm_slot, msg.shm_offset, nbytes
+        )
+        return pb.RowGradients(table=msg.table, ids=msg.ids, values=values)
 
     def pull_rows(self, request: pb.RowsRequest) -> pb.RowsResponse:
         """The rows of the request's table, and of its ``more`` tables; every table's ids are
@@ -207,6 +230,16 @@ class Steps:
             [(table, i) for (table, _), i in zip(wanted, ids, strict=True)],
         )
         values = [sparse_wire.rows_to_bytes(r) for r in rows]
+        room = self.payloads.shared.rows_room(request.worker_id) if request.shm else 0
+        if request.worker_id and 0 < sum(len(v) for v in values) <= room:
+            with self._dropping_broken_segments():  # the values go into the worker's segment
+                self.payloads.shared.put_rows(request.worker_id, values)
+            return pb.RowsResponse(
+                low_clock=low,
+                more=[b""] * (len(values) - 1),
+                shm=True,
+                shm_sizes=[len(v) for v in values],
+            )
         return pb.RowsResponse(values=values[0], more=values[1:], low_clock=low)
 
     def close(self) -> None:

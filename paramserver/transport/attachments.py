@@ -5,7 +5,6 @@ named one with ``preadv``/``pwrite`` (never mapped: its worker may truncate it).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import fcntl
 import hmac
@@ -19,28 +18,21 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
+from paramserver.transport.segment_io import copy_split, read_at, read_split, write_at
 from paramserver.transport.shm import (
     _ALIGN,
+    MAX_ROWS_BYTES,
     NAME,
     NONCE_BYTES,
     SEALED_NAME,
     SEALS,
     SHM_DIR,
     _aligned,
+    rows_offset,
     segment_bytes,
 )
 
 log = logging.getLogger("paramserver.transport.shm")
-
-# A gradient at least this large is copied by two threads at once, half each: a read from
-# tmpfs runs at about a third of memcpy's speed (18.5 ms against 5.8 for 64 MiB on the
-# 2-core machine). Writes would not overlap (the kernel takes the file's lock for each), so
-# a pull's weights are written by one.
-SPLIT_READ_BYTES = 8 << 20
-_readers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ps-shm-read")
-# A sealed segment's gradient is copied and scanned this much at a time: a piece is checked
-# while it is still in the core's cache, so the check reads no memory of its own.
-SCAN_BYTES = 1 << 20
 
 
 def _sealed(fd: int) -> bool:
@@ -58,13 +50,20 @@ class _Attached:
     file is closed (and unmapped) when it is detached and none is left (never under one: its
     descriptor's number could be another file's by then)."""
 
-    __slots__ = ("fd", "size", "nslots", "nonce", "users", "detached", "mapping")
+    __slots__ = ("fd", "size", "nslots", "nonce", "users", "detached", "mapping", "rows_bytes")
 
     def __init__(
-        self, fd: int, size: int, nslots: int, nonce: bytes, mapping: mmap.mmap | None = None
+        self,
+        fd: int,
+        size: int,
+        nslots: int,
+        nonce: bytes,
+        mapping: mmap.mmap | None = None,
+        rows_bytes: int = 0,
     ):
         self.fd, self.size, self.nslots, self.nonce = fd, size, nslots, nonce
         self.mapping = mapping
+        self.rows_bytes = rows_bytes
         self.users = 0
         self.detached = False
 
@@ -85,7 +84,9 @@ class Attachments:
         self._by_worker: dict[str, _Attached] = {}
         self._declined: set[str] = set()  # workers whose segments this server cannot use
 
-    def attach(self, worker_id: str, name: str, nonce: bytes, slots: int) -> bool:
+    def attach(
+        self, worker_id: str, name: str, nonce: bytes, slots: int, rows_bytes: int = 0
+    ) -> bool:
         """Keep the segment ``name`` open for ``worker_id`` if it is the worker's; False if not.
 
         A segment that cannot be opened (another host or container), is not a regular file,
@@ -103,9 +104,12 @@ class Attachments:
                 worker_id,
             )
             return False
+        if not 0 <= rows_bytes <= MAX_ROWS_BYTES:
+            log.info("worker %s offered rows parts of %d bytes; streaming", worker_id, rows_bytes)
+            return False
         if not 1 <= slots <= 64 or not (fd := self._open(worker_id, name)):
             return False
-        size = segment_bytes(self.total_bytes, slots)
+        size = segment_bytes(self.total_bytes, slots, rows_bytes)
         try:
             why = self._declines(fd, size, nonce)
             mapping = mmap.mmap(fd, size) if not why and _sealed(fd) else None
@@ -116,7 +120,9 @@ class Attachments:
             log.info("worker %s: its segment %s %s; streaming", worker_id, name, why)
             return False
         with self._lock:
-            self._by_worker[worker_id] = _Attached(fd, size, slots, bytes(nonce), mapping)
+            self._by_worker[worker_id] = _Attached(
+                fd, size, slots, bytes(nonce), mapping, rows_bytes
+            )
         return True
 
     @staticmethod
@@ -244,10 +250,10 @@ class Attachments:
             offset = _ALIGN + _aligned(self.total_bytes) * (1 + slot)
             view = into.data.cast("B")
             if seg.mapping is not None:  # sealed: one memcpy, which cannot fault
-                _copy_split(view, seg.mapping, offset, scan)
+                copy_split(view, seg.mapping, offset, scan)
                 return into
             try:
-                done = _read_split(seg.fd, view, offset)
+                done = read_split(seg.fd, view, offset)
             except OSError as exc:
                 raise SegmentUnusable(worker_id, f"reading it: {exc.strerror}") from None
             if done < len(view):
@@ -273,9 +279,72 @@ class Attachments:
                 )
                 return
             try:
-                _write_at(seg.fd, weights.data.cast("B"), _ALIGN)
+                write_at(seg.fd, weights.data.cast("B"), _ALIGN)
             except OSError as exc:  # EFBIG, ENOSPC: this server's limits, not the worker's
                 raise SegmentUnusable(worker_id, f"writing it: {exc.strerror}") from None
+
+    def rows_room(self, worker_id: str) -> int:
+        """The bytes of the worker's rows parts (0: it has none, or no segment)."""
+        with self._lock:
+            seg = self._by_worker.get(worker_id)
+            return seg.rows_bytes if seg is not None else 0
+
+    def put_rows(self, worker_id: str, values: list[bytes]) -> None:
+        """Write a row pull's ``values`` (one table after another) into the worker's rows part
+        for pulls.
+
+        Raises:
+            InvalidRequest: no segment, or they do not fit its part.
+            BrokenSegment: the segment changed size, or cannot be written.
+        """
+        with self._using(worker_id) as seg:
+            data = b"".join(values)
+            if len(data) > seg.rows_bytes:
+                raise InvalidRequest(
+                    f"A row pull of {len(data)} bytes does not fit worker {worker_id}'s rows "
+                    f"part of {seg.rows_bytes}."
+                )
+            self._check_size(worker_id, seg)
+            offset = rows_offset(self.total_bytes, seg.nslots, seg.rows_bytes, 0)
+            if seg.mapping is not None:
+                seg.mapping[offset : offset + len(data)] = data
+                return
+            try:
+                write_at(seg.fd, memoryview(data), offset)
+            except OSError as exc:
+                raise SegmentUnusable(worker_id, f"writing it: {exc.strerror}") from None
+
+    def rows(self, worker_id: str, slot: int, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` of a push's row values the worker wrote at ``offset`` of slot ``slot``'s
+        rows part, copied (the server's own bytes, which the worker cannot change).
+
+        Raises:
+            InvalidRequest: no segment, no such slot, or bytes outside the part.
+            BrokenSegment: the segment changed size, or cannot be read.
+        """
+        with self._using(worker_id) as seg:
+            if not 0 <= slot < seg.nslots:
+                raise InvalidRequest(
+                    f"Worker {worker_id} pushed rows from slot {slot}; its segment has "
+                    f"{seg.nslots}."
+                )
+            if offset < 0 or nbytes < 0 or offset + nbytes > seg.rows_bytes:
+                raise InvalidRequest(
+                    f"Worker {worker_id} pushed rows at bytes [{offset}, {offset + nbytes}) "
+                    f"of a rows part of {seg.rows_bytes}."
+                )
+            self._check_size(worker_id, seg)
+            at = rows_offset(self.total_bytes, seg.nslots, seg.rows_bytes, 1 + slot) + offset
+            if seg.mapping is not None:
+                return bytes(seg.mapping[at : at + nbytes])
+            out = bytearray(nbytes)
+            try:
+                done = read_at(seg.fd, memoryview(out), at)
+            except OSError as exc:
+                raise SegmentUnusable(worker_id, f"reading it: {exc.strerror}") from None
+            if done < nbytes:
+                raise BrokenSegment(worker_id, f"ends inside slot {slot}'s rows (truncated)")
+            return bytes(out)
 
     @staticmethod
     def _check_size(worker_id: str, seg: _Attached) -> None:
@@ -295,71 +364,3 @@ class Attachments:
             workers = list(self._by_worker)
         for worker_id in workers:
             self.detach(worker_id)
-
-
-def _read_split(fd: int, view: memoryview, offset: int) -> int:
-    """``_read_at``, the second half of a large ``view`` on another thread; returns once
-    both halves are read (or failed), so ``fd`` is in use by neither after."""
-    if len(view) < SPLIT_READ_BYTES:
-        return _read_at(fd, view, offset)
-    half = len(view) // 2 // _ALIGN * _ALIGN
-    second = _readers.submit(_read_at, fd, view[half:], offset + half)
-    try:
-        first = _read_at(fd, view[:half], offset)
-    finally:
-        rest = second.result()
-    return first + rest if first == half else first
-
-
-def _read_at(fd: int, view: memoryview, offset: int) -> int:
-    """Read into ``view`` from ``offset`` of ``fd`` until it is full or the file ends; the
-    bytes read."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _write_at(fd: int, view: memoryview, offset: int) -> None:
-    """Write all of ``view`` at ``offset`` of ``fd`` (a write may take part of it)."""
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n == 0:
-            raise OSError(0, "nothing written")
-        done += n
-
-
-def _copy_split(
-    view: memoryview,
-    mapping: mmap.mmap,
-    offset: int,
-    scan: Callable[[np.ndarray], None] | None = None,
-) -> None:
-    """Copy ``len(view)`` bytes at ``offset`` of a sealed segment's ``mapping`` into
-    ``view``, ``SCAN_BYTES`` at a time, each piece handed to ``scan`` (if any) while it is
-    still in cache; the second half of a large one on another thread (numpy and BLAS let go
-    of the GIL)."""
-    n = len(view)
-    out = np.frombuffer(view, np.uint8)
-    src = np.frombuffer(mapping, np.uint8, n, offset)
-
-    def copy(lo: int, hi: int) -> None:
-        for a in range(lo, hi, SCAN_BYTES):
-            b = min(a + SCAN_BYTES, hi)
-            out[a:b] = src[a:b]
-            if scan is not None:
-                scan(out[a:b])
-
-    if n < SPLIT_READ_BYTES:
-        copy(0, n)
-        return
-    half = n // 2 // _ALIGN * _ALIGN
-    done = _readers.submit(copy, half, n)
-    try:
-        copy(0, half)
-    finally:
-        done.result()

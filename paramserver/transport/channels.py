@@ -243,11 +243,66 @@ class ShmChannel(PayloadChannel):
         self.codec = codec
         self.weights = torch.from_numpy(segment.weights)
         self.slots = [torch.from_numpy(a) for a in segment.slots]
+        self._rows_pull = threading.Lock()  # one row pull at a time uses the pulls' part
 
     @property
     def description(self) -> str:
         via = "the control socket" if self.control is not None else "gRPC"
         return f"in shared memory, steps over {via}"
+
+    def pull_rows(
+        self, stub: Stub, request: pb.RowsRequest, timeout: float | None
+    ) -> pb.RowsResponse:
+        """A row pull whose values the server may write into the segment's rows part for
+        pulls (``RowsResponse.shm``): they are copied out into the reply's ``values`` and
+        ``more``, as if they had come in it."""
+        if not self.segment.rows:
+            reply: pb.RowsResponse = stub.PullRows(request, timeout=timeout)
+            return reply
+        request.shm = True
+        with self._rows_pull:
+            reply = stub.PullRows(request, timeout=timeout)
+            if not reply.shm:
+                return reply
+            part, at, values = self.segment.rows[0], 0, []
+            for size in reply.shm_sizes:
+                if size < 0 or at + size > len(part):
+                    raise InvalidRequest(
+                        f"A row pull's reply places {size} bytes at {at} of a rows part of "
+                        f"{len(part)}."
+                    )
+                values.append(part[at : at + size].tobytes())
+                at += size
+        if len(values) != 1 + len(reply.more):
+            raise InvalidRequest(
+                "A row pull's reply names more tables in shared memory than it has."
+            )
+        reply.values = values[0]
+        for i, v in enumerate(values[1:]):
+            reply.more[i] = v
+        reply.shm = False
+        del reply.shm_sizes[:]
+        return reply
+
+    def _rows_into_segment(self, header: pb.PushHeader, slot: int) -> None:
+        """Move the values of the push's rows into slot ``slot``'s rows part (those that fit,
+        in order; the rest stay in the header), so the header that goes to the server is
+        small: the control socket carries it."""
+        if not header.rows or not self.segment.rows:
+            return
+        if (
+            sum(len(m.ids) for m in header.rows) + 64 * len(header.rows)
+            > sparse_wire.ROWS_IN_HEADER
+        ):
+            return  # the ids alone pass a header's rows: row chunks carry them, values and all
+        part, at = self.segment.rows[1 + slot], 0
+        for msg in header.rows:
+            n = len(msg.values)
+            if msg.shm or at + n > len(part):
+                continue
+            part[at : at + n] = np.frombuffer(msg.values, np.uint8)
+            msg.shm, msg.shm_offset, msg.values = True, at, b""
+            at = -(-(at + n) // 64) * 64
 
     def _push_pull(self, request: pb.PushPullRequest, timeout: float) -> pb.PushPullResponse:
         control = self.control
@@ -280,6 +335,7 @@ class ShmChannel(PayloadChannel):
         header.shm, header.shm_slot = True, slot
         if not header.empty:
             self._rounded(slot, header.iteration)
+            self._rows_into_segment(header, slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             return self._push_stream(sent, rows, timeout)
@@ -308,6 +364,7 @@ class ShmChannel(PayloadChannel):
         header.shm, header.shm_slot, request.shm = True, slot, True
         if not header.empty:
             self._rounded(slot, header.iteration)
+            self._rows_into_segment(header, slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             self._push_stream(sent, rows, timeout)
@@ -344,10 +401,13 @@ class StreamBuffers:
         return self._buffers[0][lo:hi], [b[lo:hi] for b in self._buffers[1:]]
 
 
-def new_segment(nbytes: int, slots: int, dtype: str = "float32") -> shmem.Segment | None:
-    """A fresh shared segment to offer a server, or None (logged) if none can be made."""
+def new_segment(
+    nbytes: int, slots: int, dtype: str = "float32", rows_bytes: int = shmem.ROWS_BYTES
+) -> shmem.Segment | None:
+    """A fresh shared segment to offer a server (with rows parts of ``rows_bytes``), or None
+    (logged) if none can be made."""
     try:
-        return shmem.Segment(nbytes, slots, dtype)
+        return shmem.Segment(nbytes, slots, dtype, rows_bytes=rows_bytes)
     except OSError as exc:
         log.warning("cannot create a shared-memory segment (%s); streaming over gRPC", exc)
         return None

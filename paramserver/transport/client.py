@@ -188,6 +188,10 @@ class GrpcChannel(Channel):
         return self.stub.Rewind(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
+        """A row pull: its values through the shared segment where the payloads go there."""
+        payloads = self.payloads
+        if isinstance(payloads, ShmChannel):
+            return payloads.pull_rows(self.stub, request, timeout)
         return self.stub.PullRows(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def offer(self, request: pb.JoinRequest, spec: PayloadSpec) -> None:
@@ -196,6 +200,7 @@ class GrpcChannel(Channel):
         if segment is not None:
             request.shm_name, request.shm_nonce = segment.name, segment.nonce
             request.shm_slots = segment.nslots
+            request.shm_rows_bytes = segment.rows_bytes
         self._offered = (segment, spec)
 
     def open(self, reply: pb.JoinResponse) -> None:

@@ -30,8 +30,11 @@ checks and the optimizer see the same bytes whatever the worker writes into its 
 meanwhile; each access checks the file's size first, and a segment whose size changed, or
 that cannot be read or written, is refused (``BrokenSegment``) and its worker dropped.
 
-Layout: a 64-byte header (the nonce), the weights, then one slot per push in flight; every
-region starts on a 64-byte boundary.
+Layout: a 64-byte header (the nonce), the weights, then one slot per push in flight, then
+(``rows_bytes`` > 0) the rows parts: one for row pulls (the server writes the values of the
+rows a worker asked for), then one per slot (the worker writes the row gradients of the
+push in that slot); every region starts on a 64-byte boundary. Pages of a part that is
+never used are never touched, so the parts cost address space, not memory.
 """
 
 from __future__ import annotations
@@ -73,9 +76,19 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def segment_bytes(total_bytes: int, slots: int) -> int:
-    """The size of a segment for a model of ``total_bytes`` and ``slots`` pushes in flight."""
-    return _ALIGN + _aligned(total_bytes) * (1 + slots)
+ROWS_BYTES = 16 << 20  # a worker's rows parts, each (a row pull's values fit: PULL_BYTES)
+MAX_ROWS_BYTES = 64 << 20  # what a server takes
+
+
+def segment_bytes(total_bytes: int, slots: int, rows_bytes: int = 0) -> int:
+    """The size of a segment for a model of ``total_bytes`` and ``slots`` pushes in flight,
+    with rows parts of ``rows_bytes``."""
+    return _ALIGN + _aligned(total_bytes) * (1 + slots) + _aligned(rows_bytes) * (1 + slots)
+
+
+def rows_offset(total_bytes: int, slots: int, rows_bytes: int, part: int) -> int:
+    """Where rows part ``part`` starts: 0 for pulls, 1 + i for slot i's push."""
+    return _ALIGN + _aligned(total_bytes) * (1 + slots) + _aligned(rows_bytes) * part
 
 
 def available() -> bool:
@@ -90,11 +103,11 @@ class _Regions:
     mapping: mmap.mmap
     weights: np.ndarray
     slots: list[np.ndarray]
-    nonce: bytes = b""
+    rows: list[np.ndarray]  # bytes: the pulls' part, then each slot's
 
     @classmethod
     def of(
-        cls, mapping: mmap.mmap, total_bytes: int, slots: int, dtype: str, nonce: bytes = b""
+        cls, mapping: mmap.mmap, total_bytes: int, slots: int, dtype: str, rows_bytes: int = 0
     ) -> _Regions:
         raw = np.frombuffer(mapping, np.uint8)
         step = _aligned(total_bytes)
@@ -103,11 +116,17 @@ class _Regions:
             start = _ALIGN + i * step
             return raw[start : start + total_bytes].view(dtype)
 
-        return cls(mapping, region(0), [region(1 + i) for i in range(slots)], nonce)
+        def part(k: int) -> np.ndarray:
+            start = rows_offset(total_bytes, slots, rows_bytes, k)
+            return raw[start : start + rows_bytes]
+
+        rows = [part(k) for k in range(1 + slots)] if rows_bytes else []
+        return cls(mapping, region(0), [region(1 + i) for i in range(slots)], rows)
 
     def close(self) -> None:
         self.weights = np.empty(0, np.float32)
         self.slots = []
+        self.rows = []
         # A view still referenced keeps the mapping; it is unmapped with the last one.
         with contextlib.suppress(BufferError):
             self.mapping.close()
@@ -118,14 +137,20 @@ class Segment:
     (``sealed`` None), else a named file in /dev/shm."""
 
     def __init__(
-        self, total_bytes: int, slots: int, dtype: str = "float32", sealed: bool | None = None
+        self,
+        total_bytes: int,
+        slots: int,
+        dtype: str = "float32",
+        sealed: bool | None = None,
+        rows_bytes: int = 0,
     ):
         base = f"paramserver-{os.getpid()}-{secrets.token_hex(8)}"
         self.sealed = sealing_available() if sealed is None else sealed
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.total_bytes = total_bytes
         self.nslots = slots
-        size = segment_bytes(total_bytes, slots)
+        self.rows_bytes = rows_bytes
+        size = segment_bytes(total_bytes, slots, rows_bytes)
         self._fd: int | None = None
         if self.sealed:
             fd = os.memfd_create(base, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -150,7 +175,7 @@ class Segment:
             finally:
                 os.close(fd)
         mapping[:NONCE_BYTES] = self.nonce
-        self._regions = _Regions.of(mapping, total_bytes, slots, dtype)
+        self._regions = _Regions.of(mapping, total_bytes, slots, dtype, rows_bytes)
 
     @property
     def path(self) -> str:
@@ -166,6 +191,11 @@ class Segment:
     @property
     def slots(self) -> list[np.ndarray]:
         return self._regions.slots
+
+    @property
+    def rows(self) -> list[np.ndarray]:
+        """The rows parts (bytes): [0] the pulls', [1 + i] slot i's push; none without."""
+        return self._regions.rows
 
     def unlink(self) -> None:
         """Remove the name of a named segment (the memory stays while mapped)."""

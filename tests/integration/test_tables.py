@@ -353,3 +353,28 @@ def test_a_table_trains_with_the_row_optimizer_table_optimizer_names(serve):
         ps.serve(fresh, table_optimizer="nope=sgd", port=0)
     with pytest.raises(ps.ConfigError, match="the model holds no sparse table"):
         ps.serve(nn.Linear(8, 2), table_optimizer="adam", port=0)
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_rows_travel_in_the_shared_segment_on_the_same_host(serve, shm, monkeypatch):
+    """With shared memory, a row pull's values come through the worker's segment and a
+    push's row gradients go through it (the messages carry ids); training is unchanged."""
+    from paramserver.transport import shm as shm_module
+    from paramserver.transport.attachments import Attachments
+
+    if shm and not shm_module.available():
+        pytest.skip("no writable /dev/shm here")
+    used = {"put_rows": 0, "rows": 0}
+    for name in used:
+        real = getattr(Attachments, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            used[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(Attachments, name, counted)
+    _trains_as_torch(serve, 2, shm)
+    if shm:
+        assert used["put_rows"] > 0 and used["rows"] > 0
+    else:
+        assert used == {"put_rows": 0, "rows": 0}
