@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver import models
-from paramserver.sparse import Embedding, Lifecycle
+from paramserver.sparse import Embedding, Lifecycle, name_tables
 from paramserver.training import clicks
 from paramserver.training.evaluation import evaluate
 
@@ -142,8 +142,9 @@ def optimizers(model: nn.Module, case: Case) -> list[torch.optim.Optimizer]:
     """What the servers do, locally: the table row-wise (lazy adam or sgd), the rest dense."""
     table = [p for n, p in model.named_parameters() if n.startswith("tables.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
-    if case.optimizer == "adam":
-        return [torch.optim.SparseAdam(table, lr=LR), torch.optim.Adam(rest, lr=LR)]
+    if case.optimizer == "adam":  # a declared table has no parameter: its store steps it
+        sparse = [torch.optim.SparseAdam(table, lr=LR)] if table else []
+        return [*sparse, torch.optim.Adam(rest, lr=LR)]
     return [torch.optim.SGD(table + rest, lr=LR)]
 
 
@@ -151,12 +152,18 @@ def auc(model: nn.Module, test_x: torch.Tensor, test_y: torch.Tensor) -> float:
     return float(evaluate(model, test_x, test_y).auc or float("nan"))
 
 
-def local_run(case: Case) -> dict[str, Any]:
-    """One process, every batch of the epoch in order: samples/s and test AUC."""
+def local_run(case: Case, rows: bool = False) -> dict[str, Any]:
+    """One process, every batch of the epoch in order: samples/s and test AUC. ``rows``:
+    the table declared (``paramserver.sparse.Embedding``) and trained on its own with the
+    servers' row optimizer (lazy adam bias-corrected by each row's own steps, where torch's
+    ``SparseAdam`` counts the table's), the rest as before."""
     torch.set_num_threads(1)
     train_x, train_y, test_x, test_y = data(case)
     torch.manual_seed(0)
     model = models.DLRM(case.fields, case.rows, case.dim, sparse=True, shared=True)
+    if rows:
+        model.tables[0] = Embedding(case.table_rows, case.dim, optimizer=case.optimizer, lr=LR)
+        name_tables(model)
     opts = optimizers(model, case)
     batches = case.train // case.batch
     started = time.perf_counter()

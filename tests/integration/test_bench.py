@@ -97,6 +97,7 @@ KEYS = {
         "sparse_vs_ddp",
         "auc",
         "auc_local",
+        "auc_local_rows",
         "bytes_per_step_sparse",
         "bytes_per_step_dense",
         "big_table_mb",
