@@ -67,20 +67,22 @@ class RowGradients(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ..., shm: _Optional[bool] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "table", "ids", "more", "shm")
+    __slots__ = ("worker_id", "incarnation", "table", "ids", "more", "shm", "shm_stamp")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_STAMP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     table: str
     ids: bytes
     more: _containers.RepeatedCompositeFieldContainer[TableIds]
     shm: bool
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., shm: _Optional[bool] = ...) -> None: ...
+    shm_stamp: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., table: _Optional[str] = ..., ids: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., shm: _Optional[bool] = ..., shm_stamp: _Optional[int] = ...) -> None: ...
 
 class TableIds(_message.Message):
     __slots__ = ("table", "ids")

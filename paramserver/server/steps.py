@@ -26,6 +26,7 @@ from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
 from paramserver.server.applier import Applier, call
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.payloads import Payloads
+from paramserver.transport.shm import ROWS_STAMP
 
 log = logging.getLogger(__name__)
 # A row pull's reply may carry this many bytes of rows: the message limit less room for
@@ -182,29 +183,57 @@ class Steps:
             raise InvalidRequest("A push carries rows in its header or after it, not both.")
         chunks = wire.decode_push_rows(header, rest)
         specs = {t.name: t for t in self.c.tables.specs} if self.c.tables is not None else {}
-        messages = [self._from_segment(header, r, specs) for r in header.rows]
+        spans = self._segment_spans(header, specs)
+        messages = [
+            pb.RowGradients(
+                table=r.table,
+                ids=r.ids,
+                values=self.payloads.shared.rows(header.worker_id, header.shm_slot, *spans[i]),
+            )
+            if i in spans
+            else r
+            for i, r in enumerate(header.rows)
+        ]
         return sparse_wire.gradients_from_proto(messages, specs, chunks)
 
-    def _from_segment(
-        self, header: pb.PushHeader, msg: pb.RowGradients, specs: dict[str, TableSpec]
-    ) -> pb.RowGradients:
-        """``msg`` with its values, read from the rows part of the push's slot in the worker's
-        segment where it says they are (``RowGradients.shm``)."""
-        if not msg.shm:
-            return msg
+    def _segment_spans(
+        self, header: pb.PushHeader, specs: dict[str, TableSpec]
+    ) -> dict[int, tuple[int, int]]:
+        """Where the values of the header's rows in the worker's segment are (its rows part of
+        the push's slot: message index -> offset, bytes), every one checked before any is
+        read: a table once, whole ids, inside the part, no two overlapping. So a push makes
+        the server read at most the part once."""
+        spans = {}
+        for i, msg in enumerate(header.rows):
+            if not msg.shm:
+                continue
+            spec = specs.get(msg.table)
+            if spec is None:
+                raise InvalidRequest(f"A push names table {msg.table!r}, which is not held here.")
+            if len(msg.ids) % sparse_wire.IDS.itemsize:
+                raise InvalidRequest(
+                    f"A push of table {msg.table!r}: {len(msg.ids)} bytes of ids are not whole "
+                    "int64 values."
+                )
+            n = len(msg.ids) // sparse_wire.IDS.itemsize
+            spans[i] = (msg.shm_offset, n * spec.dim * np.dtype(spec.dtype).itemsize)
+        if not spans:
+            return spans
         if not header.shm:
-            raise InvalidRequest(
-                f"Rows of table {msg.table!r} are in shared memory, but the push is not."
-            )
-        spec = specs.get(msg.table)
-        if spec is None:
-            raise InvalidRequest(f"A push names table {msg.table!r}, which is not held here.")
-        n = len(msg.ids) // sparse_wire.IDS.itemsize
-        nbytes = n * spec.dim * np.dtype(spec.dtype).itemsize
-        values = self.payloads.shared.rows(
-            header.worker_id, header.shm_slot, msg.shm_offset, nbytes
-        )
-        return pb.RowGradients(table=msg.table, ids=msg.ids, values=values)
+            raise InvalidRequest("Rows of a push are in shared memory, but the push is not.")
+        names = [m.table for m in header.rows]
+        if len(set(names)) < len(names):
+            raise InvalidRequest("A push names a table twice; send its rows once, coalesced.")
+        room = self.payloads.shared.rows_room(header.worker_id)
+        end = 0
+        for offset, nbytes in sorted(spans.values()):
+            if offset < end or offset + nbytes > room:
+                raise InvalidRequest(
+                    f"Worker {header.worker_id} pushed rows at bytes [{offset}, "
+                    f"{offset + nbytes}) of a rows part of {room}, or over other rows."
+                )
+            end = offset + nbytes
+        return spans
 
     def pull_rows(self, request: pb.RowsRequest) -> pb.RowsResponse:
         """The rows of the request's table, and of its ``more`` tables; every table's ids are
@@ -231,9 +260,9 @@ class Steps:
         )
         values = [sparse_wire.rows_to_bytes(r) for r in rows]
         room = self.payloads.shared.rows_room(request.worker_id) if request.shm else 0
-        if request.worker_id and 0 < sum(len(v) for v in values) <= room:
+        if request.worker_id and 0 < ROWS_STAMP + sum(len(v) for v in values) <= room:
             with self._dropping_broken_segments():  # the values go into the worker's segment
-                self.payloads.shared.put_rows(request.worker_id, values)
+                self.payloads.shared.put_rows(request.worker_id, values, request.shm_stamp)
             return pb.RowsResponse(
                 low_clock=low,
                 more=[b""] * (len(values) - 1),

@@ -24,6 +24,7 @@ from paramserver.transport.shm import (
     MAX_ROWS_BYTES,
     NAME,
     NONCE_BYTES,
+    ROWS_STAMP,
     SEALED_NAME,
     SEALS,
     SHM_DIR,
@@ -284,14 +285,15 @@ class Attachments:
                 raise SegmentUnusable(worker_id, f"writing it: {exc.strerror}") from None
 
     def rows_room(self, worker_id: str) -> int:
-        """The bytes of the worker's rows parts (0: it has none, or no segment)."""
+        """The bytes of each of the worker's rows parts (0: it has none, or no segment)."""
         with self._lock:
             seg = self._by_worker.get(worker_id)
             return seg.rows_bytes if seg is not None else 0
 
-    def put_rows(self, worker_id: str, values: list[bytes]) -> None:
+    def put_rows(self, worker_id: str, values: list[bytes], stamp: int) -> None:
         """Write a row pull's ``values`` (one table after another) into the worker's rows part
-        for pulls.
+        for pulls, after its ``ROWS_STAMP`` bytes: 0 there while they are written, then
+        ``stamp`` (a late writer of another pull leaves its own: the worker sees it).
 
         Raises:
             InvalidRequest: no segment, or they do not fit its part.
@@ -299,20 +301,26 @@ class Attachments:
         """
         with self._using(worker_id) as seg:
             data = b"".join(values)
-            if len(data) > seg.rows_bytes:
+            if ROWS_STAMP + len(data) > seg.rows_bytes:
                 raise InvalidRequest(
                     f"A row pull of {len(data)} bytes does not fit worker {worker_id}'s rows "
                     f"part of {seg.rows_bytes}."
                 )
             self._check_size(worker_id, seg)
             offset = rows_offset(self.total_bytes, seg.nslots, seg.rows_bytes, 0)
-            if seg.mapping is not None:
-                seg.mapping[offset : offset + len(data)] = data
-                return
-            try:
-                write_at(seg.fd, memoryview(data), offset)
-            except OSError as exc:
-                raise SegmentUnusable(worker_id, f"writing it: {exc.strerror}") from None
+            pieces = [
+                (offset, bytes(8)),
+                (offset + ROWS_STAMP, data),
+                (offset, (stamp & (2**64 - 1)).to_bytes(8, "little")),
+            ]
+            for at, piece in pieces:
+                if seg.mapping is not None:
+                    seg.mapping[at : at + len(piece)] = piece
+                    continue
+                try:
+                    write_at(seg.fd, memoryview(piece), at)
+                except OSError as exc:
+                    raise SegmentUnusable(worker_id, f"writing it: {exc.strerror}") from None
 
     def rows(self, worker_id: str, slot: int, offset: int, nbytes: int) -> bytes:
         """``nbytes`` of a push's row values the worker wrote at ``offset`` of slot ``slot``'s

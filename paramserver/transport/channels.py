@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -255,28 +256,25 @@ class ShmChannel(PayloadChannel):
     ) -> pb.RowsResponse:
         """A row pull whose values the server may write into the segment's rows part for
         pulls (``RowsResponse.shm``): they are copied out into the reply's ``values`` and
-        ``more``, as if they had come in it."""
-        if not self.segment.rows:
+        ``more``, as if they had come in it. Values whose stamp is not this pull's (a late
+        writer of an earlier pull that timed out, or a segment this session left after a
+        rejoin) are not used: the pull is made again with the values in the reply."""
+        rows = self.segment.rows
+        if not rows:
             reply: pb.RowsResponse = stub.PullRows(request, timeout=timeout)
             return reply
-        request.shm = True
+        stamp = secrets.randbits(63) | 1
+        request.shm, request.shm_stamp = True, stamp
         with self._rows_pull:
             reply = stub.PullRows(request, timeout=timeout)
             if not reply.shm:
                 return reply
-            part, at, values = self.segment.rows[0], 0, []
-            for size in reply.shm_sizes:
-                if size < 0 or at + size > len(part):
-                    raise InvalidRequest(
-                        f"A row pull's reply places {size} bytes at {at} of a rows part of "
-                        f"{len(part)}."
-                    )
-                values.append(part[at : at + size].tobytes())
-                at += size
-        if len(values) != 1 + len(reply.more):
-            raise InvalidRequest(
-                "A row pull's reply names more tables in shared memory than it has."
-            )
+            values = _stamped(rows[0], stamp, list(reply.shm_sizes))
+        if values is None or len(values) != 1 + len(reply.more):
+            log.info("a row pull's values in shared memory were not its own; pulling again")
+            request.shm, request.shm_stamp = False, 0
+            again: pb.RowsResponse = stub.PullRows(request, timeout=timeout)
+            return again
         reply.values = values[0]
         for i, v in enumerate(values[1:]):
             reply.more[i] = v
@@ -284,25 +282,31 @@ class ShmChannel(PayloadChannel):
         del reply.shm_sizes[:]
         return reply
 
-    def _rows_into_segment(self, header: pb.PushHeader, slot: int) -> None:
-        """Move the values of the push's rows into slot ``slot``'s rows part (those that fit,
-        in order; the rest stay in the header), so the header that goes to the server is
-        small: the control socket carries it."""
-        if not header.rows or not self.segment.rows:
-            return
-        if (
-            sum(len(m.ids) for m in header.rows) + 64 * len(header.rows)
-            > sparse_wire.ROWS_IN_HEADER
-        ):
-            return  # the ids alone pass a header's rows: row chunks carry them, values and all
-        part, at = self.segment.rows[1 + slot], 0
+    def _rows_into_segment(self, header: pb.PushHeader, slot: int) -> pb.PushHeader:
+        """The header to send: a copy whose rows' values are in slot ``slot``'s rows part
+        (``RowGradients.shm``), so it is small and the control socket carries it; or
+        ``header`` itself when they do not all fit there, or their ids alone pass a header's
+        rows (row chunks carry them then, values and all). ``header`` is not changed: a
+        retry hands it again, and it is moved again from offset 0, the same bytes."""
+        rows = self.segment.rows
+        if not header.rows or not rows or any(m.shm for m in header.rows):
+            return header
+        ids = sum(len(m.ids) for m in header.rows) + 64 * len(header.rows)
+        offsets, at = [], 0
         for msg in header.rows:
-            n = len(msg.values)
-            if msg.shm or at + n > len(part):
-                continue
-            part[at : at + n] = np.frombuffer(msg.values, np.uint8)
-            msg.shm, msg.shm_offset, msg.values = True, at, b""
-            at = -(-(at + n) // 64) * 64
+            offsets.append(at)
+            at = -(-(at + len(msg.values)) // 64) * 64
+        part = rows[1 + slot]
+        if ids > sparse_wire.ROWS_IN_HEADER or offsets[-1] + len(header.rows[-1].values) > len(
+            part
+        ):
+            return header
+        out = pb.PushHeader()
+        out.CopyFrom(header)
+        for msg, offset in zip(out.rows, offsets, strict=True):
+            part[offset : offset + len(msg.values)] = np.frombuffer(msg.values, np.uint8)
+            msg.shm, msg.shm_offset, msg.values = True, offset, b""
+        return out
 
     def _push_pull(self, request: pb.PushPullRequest, timeout: float) -> pb.PushPullResponse:
         control = self.control
@@ -335,7 +339,7 @@ class ShmChannel(PayloadChannel):
         header.shm, header.shm_slot = True, slot
         if not header.empty:
             self._rounded(slot, header.iteration)
-            self._rows_into_segment(header, slot)
+            header = self._rows_into_segment(header, slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             return self._push_stream(sent, rows, timeout)
@@ -364,7 +368,7 @@ class ShmChannel(PayloadChannel):
         header.shm, header.shm_slot, request.shm = True, slot, True
         if not header.empty:
             self._rounded(slot, header.iteration)
-            self._rows_into_segment(header, slot)
+            header = self._rows_into_segment(header, slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             self._push_stream(sent, rows, timeout)
@@ -399,6 +403,21 @@ class StreamBuffers:
                 for _ in range(1 + self.nslots)
             ]
         return self._buffers[0][lo:hi], [b[lo:hi] for b in self._buffers[1:]]
+
+
+def _stamped(part: np.ndarray, stamp: int, sizes: list[int]) -> list[bytes] | None:
+    """The values of ``sizes`` bytes each after the pulls' part's stamp, if the stamp is
+    ``stamp`` before and after they are copied (None otherwise, or if they do not fit)."""
+    if any(n < 0 for n in sizes) or shmem.ROWS_STAMP + sum(sizes) > len(part):
+        return None
+    mark = stamp.to_bytes(8, "little")
+    if part[:8].tobytes() != mark:
+        return None
+    at, values = shmem.ROWS_STAMP, []
+    for n in sizes:
+        values.append(part[at : at + n].tobytes())
+        at += n
+    return values if part[:8].tobytes() == mark else None
 
 
 def new_segment(

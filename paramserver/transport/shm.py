@@ -32,9 +32,10 @@ that cannot be read or written, is refused (``BrokenSegment``) and its worker dr
 
 Layout: a 64-byte header (the nonce), the weights, then one slot per push in flight, then
 (``rows_bytes`` > 0) the rows parts: one for row pulls (the server writes the values of the
-rows a worker asked for), then one per slot (the worker writes the row gradients of the
-push in that slot); every region starts on a 64-byte boundary. Pages of a part that is
-never used are never touched, so the parts cost address space, not memory.
+rows a worker asked for after a stamp of ``ROWS_STAMP`` bytes that names the pull), then
+one per slot (the worker writes the row gradients of the push in that slot); every region
+starts on a 64-byte boundary. Pages of a part never used are never touched, so the parts
+cost address space until rows pass through them (then, like the slots, memory).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-ROWS_BYTES = 16 << 20  # a worker's rows parts, each (a row pull's values fit: PULL_BYTES)
+ROWS_STAMP = 64  # the pulls' part starts with the stamp of the pull whose values follow
+ROWS_BYTES = (16 << 20) + ROWS_STAMP  # each rows part: a row pull's values fit (PULL_BYTES)
 MAX_ROWS_BYTES = 64 << 20  # what a server takes
 
 

@@ -100,11 +100,16 @@ def test_rows_go_both_ways_through_the_segment(serve):
                 table="0",
                 ids=np.array([1, 2, 3, 50], "<i8").tobytes(),
                 shm=True,
+                shm_stamp=77,
             ),
             timeout=10,
         )
         assert reply.shm and not reply.values and list(reply.shm_sizes) == [4 * DIM * 4]
-        got = np.frombuffer(peer.segment.rows[0][: 4 * DIM * 4].tobytes(), np.float32)
+        part = peer.segment.rows[0]
+        assert int.from_bytes(part[:8].tobytes(), "little") == 77
+        got = np.frombuffer(
+            part[shm.ROWS_STAMP : shm.ROWS_STAMP + 4 * DIM * 4].tobytes(), np.float32
+        )
         expected = server.coordinator.tables.table("0").read(np.array([1, 2, 3, 50]))
         np.testing.assert_array_equal(got.reshape(4, DIM), expected.numpy())
     finally:
@@ -178,3 +183,100 @@ def test_a_server_refuses_rows_parts_too_large_and_the_worker_streams(serve):
     server = serve(model(), optimizer="sgd", lr=1.0, policy="async", workers=1)
     with pytest.raises(AssertionError, match="did not take"):
         RowsPeer(server.address, rows_bytes=shm.MAX_ROWS_BYTES + 64)
+
+
+def test_many_messages_over_one_part_are_refused_before_anything_is_read(serve, monkeypatch):
+    """A table named again and again, each message over the whole part: the server would
+    copy the part once a message; it refuses before reading any."""
+    from paramserver.transport.attachments import Attachments
+
+    reads = []
+    real = Attachments.rows
+    monkeypatch.setattr(Attachments, "rows", lambda self, *a: reads.append(a) or real(self, *a))
+    server = serve(model(), optimizer="sgd", lr=1.0, policy="async", workers=1)
+    peer = RowsPeer(server.address)
+    try:
+        whole = list(range(PART // (DIM * 4)))[:ROWS]
+        for rows in (
+            [_in_segment(whole, 0) for _ in range(16)],  # a table 16 times
+            [_in_segment([1, 2], 0), pb.RowGradients(table="0", ids=b"\0" * 8, shm=True)],
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                peer.push(rows)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "twice" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # ids that are not whole int64s
+            peer.push([pb.RowGradients(table="0", ids=b"\0" * 12, shm=True)])
+        assert "not whole" in err.value.details()
+        assert reads == [] and server.coordinator.tables.held == 0
+    finally:
+        peer.close()
+
+
+class _Stub:
+    """PullRows that writes into the worker's part as a server would, then lets ``meddle``
+    change it before the worker reads (a late writer of an earlier pull)."""
+
+    def __init__(self, part: np.ndarray, meddle) -> None:
+        self.part, self.meddle, self.calls = part, meddle, []
+
+    def PullRows(self, request, timeout=None):  # noqa: N802 - the RPC's name
+        self.calls.append(request.shm)
+        values = np.arange(DIM, dtype=np.float32).tobytes()
+        if not request.shm:
+            return pb.RowsResponse(values=values)
+        self.part[shm.ROWS_STAMP : shm.ROWS_STAMP + len(values)] = np.frombuffer(values, np.uint8)
+        self.part[:8] = np.frombuffer(request.shm_stamp.to_bytes(8, "little"), np.uint8)
+        self.meddle(self.part)
+        return pb.RowsResponse(shm=True, shm_sizes=[len(values)])
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_values_stamped_by_another_pull_are_not_used(late):
+    from paramserver.transport.channels import ShmChannel
+
+    segment = shm.Segment(1024, SLOTS, sealed=False, rows_bytes=PART)
+    try:
+        channel = ShmChannel(None, segment)  # type: ignore[arg-type]
+
+        def meddle(part: np.ndarray) -> None:
+            if late:  # another pull's writer stamps over this one's values
+                part[:8] = np.frombuffer((12345).to_bytes(8, "little"), np.uint8)
+
+        stub = _Stub(segment.rows[0], meddle)
+        reply = channel.pull_rows(stub, pb.RowsRequest(table="0"), 10)  # type: ignore[arg-type]
+        assert np.frombuffer(reply.values, np.float32).tolist() == list(range(DIM))
+        assert stub.calls == ([True, False] if late else [True])  # pulled again in the reply
+    finally:
+        segment.close()
+
+
+def test_a_push_moved_into_the_segment_leaves_its_header_for_a_retry():
+    """The header a retry sends again is the caller's, unchanged; moving it again writes the
+    same bytes at the same offsets. Rows that do not all fit stay in the header, all."""
+    from paramserver.transport.channels import ShmChannel
+
+    segment = shm.Segment(1024, SLOTS, sealed=False, rows_bytes=PART)
+    try:
+        channel = ShmChannel(None, segment)  # type: ignore[arg-type]
+        a = np.full((2, DIM), 1.0, np.float32).tobytes()
+        b = np.full((3, DIM), 2.0, np.float32).tobytes()
+        header = pb.PushHeader(
+            rows=[
+                pb.RowGradients(table="a", ids=np.arange(2, dtype="<i8").tobytes(), values=a),
+                pb.RowGradients(table="b", ids=np.arange(3, dtype="<i8").tobytes(), values=b),
+            ]
+        )
+        first = channel._rows_into_segment(header, 1)
+        again = channel._rows_into_segment(header, 1)
+        assert header.rows[0].values == a and not header.rows[0].shm  # unchanged
+        assert [(m.shm, m.shm_offset) for m in first.rows] == [(True, 0), (True, 64)]
+        assert first == again
+        part = segment.rows[2]
+        assert part[:32].tobytes() == a and part[64:112].tobytes() == b
+        big = pb.PushHeader()
+        big.CopyFrom(header)
+        big.rows[1].values = bytes(PART)  # b does not fit: neither moves
+        assert channel._rows_into_segment(big, 0) is big
+    finally:
+        segment.close()
