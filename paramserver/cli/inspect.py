@@ -145,7 +145,8 @@ def bench(name: str, **kw: Any) -> None:
     wakeup: a round trip between two processes through each candidate for the same-host
     control path (gRPC call, Unix socket, pipe, eventfd, semaphore, futex).
     sparse: a DLRM with a 1M x 64 table as server rows, against the same table dense, one
-    local process and DDP; then a table of which 2 GB of rows exist on the server.
+    local process and DDP; the same with admission and a capacity; a declared 8 GiB table
+    of which 1 GB of rows come to exist; a shard's memory per row held.
     network: a worker and a server on two hosts (network namespaces) joined by links shaped
     to 100 Mbit/s, 1 and 10 Gbit/s (--rate): its push and pull over the data port and gRPC
     against raw TCP and the rate; then 2 workers training against DDP on the slowest link

@@ -30,7 +30,14 @@ from torch import nn
 from paramserver.codec.rows import TableSpec
 from paramserver.config import DEFAULT_CACHE_ROWS
 from paramserver.sparse.client import Tables
-from paramserver.sparse.declared import Embedding, declared, distinct_ids, lookup, name_tables
+from paramserver.sparse.declared import (
+    Embedding,
+    coalesce,
+    declared,
+    distinct_ids,
+    lookup,
+    name_tables,
+)
 from paramserver.sparse.index import RowIndex
 
 FRESH = np.iinfo(np.int64).max  # a row read where no clock says how old: in-process tables
@@ -212,20 +219,7 @@ class TableEmbedding(nn.Module):
         their gradients (one row each), or None when no gradient reached them."""
         used, self._used = self._used, []
         used = [(ids, rows.grad) for ids, rows in used if rows.grad is not None]
-        if not used:
-            return None
-        if len(used) == 1:
-            return used[0][0], used[0][1]
-        ids = np.concatenate([i for i, _ in used])
-        unique, inverse = np.unique(ids, return_inverse=True)
-        first = used[0][1]
-        grads = torch.zeros((len(unique), self.spec.dim), dtype=first.dtype, device=first.device)
-        grads.index_add_(
-            0,
-            torch.from_numpy(inverse.reshape(-1)).to(grads.device),
-            torch.cat([g for _, g in used]),
-        )
-        return unique, grads
+        return coalesce(used) if used else None
 
     def push(self) -> int:
         """Push the gradients of the rows used since the last push; those rows leave the
