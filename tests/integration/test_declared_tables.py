@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
+from paramserver.server.metrics import StatusCollector
 from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
 from paramserver.sparse.declared import name_tables
 from paramserver.sparse.embedding import TableEmbedding
@@ -93,6 +94,17 @@ def test_one_model_definition_trains_the_same_on_its_own_and_in_a_cluster(serve,
         assert first.table("users").held <= capacity
         assert status["table_evicted"]["users"] > 0
         assert status["table_evicted"]["users"] == alone.users.local.tally.evicted
+        scraped = {
+            (s.name, s.labels.get("table")): s.value
+            for m in StatusCollector(servers[0].coordinator.status).collect()
+            for s in m.samples
+        }
+        evicted = status["table_evicted"]["users"]
+        assert scraped[("paramserver_table_evicted_total", "users")] == evicted
+        assert (
+            scraped[("paramserver_table_admitted_total", "users")]
+            == (status["table_admitted"]["users"])
+        )
     assert status["table_rows"]["items"] == int(np.sum(shard_of(items, shards) == 0))
 
 
