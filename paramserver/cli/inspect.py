@@ -127,8 +127,8 @@ def export(checkpoint_dir: str, **kw: Any) -> None:
         return
     from paramserver.server.export import export as write
 
-    path, version = write(checkpoint_dir, opts.model, opts.seed, opts.out, opts.round)
-    click.echo(f"{path}: version {version}")
+    path, version, which = write(checkpoint_dir, opts.model, opts.seed, opts.out, opts.round)
+    click.echo(f"{path}: version {version}, from {which}")
 
 
 @command(Bench)

@@ -5,14 +5,16 @@ built with the run's seed.
 
 Which files: ``--round R``, the cuts of round R (``server-cut-shardIofS-roundR.pt``);
 otherwise every shard's last checkpoint (``server-checkpoint-shardIofS.pt``, or the single
-server's ``server-checkpoint.pt``) when they hold the same version, as at the end of a run;
-otherwise the newest round that every shard cut, which is consistent across the shards.
+server's ``server-checkpoint.pt``) when they hold the same pushes (the same version, and
+every member at the same clock), as at the end of a run; otherwise the newest round that
+every shard cut, which is consistent across the shards. It says which it read.
 Decisions (``choose``) are apart from the reading and the assembling.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,23 @@ def shard_count(directory: Path) -> int:
     return counts.pop()
 
 
-def choose(finals: list[int | None], cuts: list[set[int]], round_: int | None) -> int | None:
-    """The cut round to read (None: the last checkpoints), from each shard's last
-    checkpoint's version (None: no file) and its cuts' rounds.
+@dataclass(frozen=True)
+class Final:
+    """A shard's last checkpoint as ``choose`` sees it: its version and every member's clock
+    (the pushes it holds)."""
+
+    version: int
+    clocks: dict[str, int]
+
+
+def choose(
+    finals: list[Final | None], cuts: list[set[int]], round_: int | None
+) -> tuple[int | None, str]:
+    """The cut round to read (None: the last checkpoints), from each shard's last checkpoint
+    (None: no file) and its cuts' rounds; and why, in words. The last checkpoints are taken
+    only when they hold the same pushes: equal versions and every member at the same clock
+    on every shard (equal versions alone can hold different workers' pushes: async, a step
+    that reached shard 0 only and another that reached shard 1 only).
 
     Raises:
         ConfigError: no consistent set of files.
@@ -56,28 +72,47 @@ def choose(finals: list[int | None], cuts: list[set[int]], round_: int | None) -
                 f"Not every shard has a cut at round {round_}; the rounds all "
                 f"have: {sorted(common) or 'none'}."
             )
-        return round_
-    if None not in finals and len(set(finals)) == 1:
-        return None
+        return round_, f"the cuts of round {round_}, as asked"
+    present = [f for f in finals if f is not None]
+    if len(present) == len(finals) and len({(f.version, _key(f.clocks)) for f in present}) == 1:
+        return None, "the shards' last checkpoints, which hold the same pushes"
+    why = _disagree(finals)
     if common:
-        return max(common)
+        return max(common), f"the cuts of round {max(common)}, the newest on every shard ({why})"
     raise ConfigError(
-        f"The shards' last checkpoints hold versions {finals} (None: missing) "
-        "and no round has a cut on every shard: no consistent model to export."
+        f"The shards' last checkpoints do not hold the same pushes ({why}) and no round has "
+        "a cut on every shard: no consistent model to export."
     )
 
 
-def files(directory: str | Path, round_: int | None = None) -> list[Path]:
-    """Each shard's file to read, shard 0 first."""
+def _key(clocks: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(clocks.items()))
+
+
+def _disagree(finals: list[Final | None]) -> str:
+    """How the shards' last checkpoints differ, in words."""
+    if any(f is None for f in finals):
+        missing = [i for i, f in enumerate(finals) if f is None]
+        return f"shard {missing[0]} has none"
+    present = [f for f in finals if f is not None]
+    if len({f.version for f in present}) > 1:
+        return f"versions {[f.version for f in present]}"
+    return "clocks " + ", ".join(
+        f"shard {i} {dict(sorted(f.clocks.items()))}" for i, f in enumerate(present)
+    )
+
+
+def files(directory: str | Path, round_: int | None = None) -> tuple[list[Path], str]:
+    """Each shard's file to read, shard 0 first, and which they are, in words."""
     directory = Path(directory)
     shards = shard_count(directory)
     names = [checkpoint.server_file(i, shards) for i in range(shards)]
-    finals = [_version(directory / n) for n in names]
+    finals = [_final(directory / n) for n in names]
     cuts = [set(checkpoint.list_cuts(directory, i, shards)) for i in range(shards)]
-    chosen = choose(finals, cuts, round_)
+    chosen, which = choose(finals, cuts, round_)
     if chosen is None:
-        return [directory / n for n in names]
-    return [directory / checkpoint.cut_file(i, shards, chosen) for i in range(shards)]
+        return [directory / n for n in names], which
+    return [directory / checkpoint.cut_file(i, shards, chosen) for i in range(shards)], which
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -87,11 +122,13 @@ def _read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
 
 
-def _version(path: Path) -> int | None:
+def _final(path: Path) -> Final | None:
     if not path.exists():
         return None
     # mapped, not read: a shard's checkpoint may hold gigabytes of rows
-    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["version"])
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    clocks = {str(m["worker_id"]): int(m["clock"]) for m in saved.get("members", [])}
+    return Final(int(saved["version"]), clocks)
 
 
 def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -132,15 +169,15 @@ def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, 
 
 def export(
     directory: str | Path, model: str, seed: int, out: str | Path, round_: int | None = None
-) -> tuple[Path, int]:
+) -> tuple[Path, int, str]:
     """Write the whole model of the run whose server checkpoints are in ``directory`` to
-    ``out`` (a checkpoint that ``torch.load(weights_only=True)`` reads); returns the path
-    and the version.
+    ``out`` (a checkpoint that ``torch.load(weights_only=True)`` reads); returns the path,
+    the version and which files it read, in words.
 
     Raises:
         ConfigError: no consistent set of checkpoints, or another model's.
     """
-    paths = files(directory, round_)
+    paths, which = files(directory, round_)
     states = [_read(p) for p in paths]
     versions = {int(s["version"]) for s in states}
     built = models.build(model, seed=seed)
@@ -157,4 +194,4 @@ def export(
         "policy": states[0].get("policy", ""),
         "exported_from": [str(p) for p in paths],
     }
-    return checkpoint.save(out, state, model=model, **meta), version
+    return checkpoint.save(out, state, model=model, **meta), version, which

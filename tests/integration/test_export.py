@@ -14,7 +14,7 @@ import paramserver as ps
 from paramserver import models
 from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
-from paramserver.server.export import choose, export
+from paramserver.server.export import Final, choose, export
 from tests.conftest import DEADLINE, paramserver_cmd
 
 MODEL, SEED, STEPS = "tests.sparse_models:Mixed", 3, 12
@@ -56,8 +56,8 @@ def test_export_puts_the_shards_back_together_as_the_single_servers_model(serve,
     assert single is not None
     _train(serve, tmp_path / "two", 2)
     for name in ("one", "two"):
-        path, version = export(tmp_path / name, MODEL, SEED, tmp_path / f"{name}.pt")
-        assert version == STEPS
+        path, version, which = export(tmp_path / name, MODEL, SEED, tmp_path / f"{name}.pt")
+        assert version == STEPS and which.startswith("the shards' last checkpoints")
         saved = torch.load(path, weights_only=True)
         state = saved["model_state_dict"]
         assert state.keys() == single.keys()
@@ -91,11 +91,14 @@ def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tm
         timeout=DEADLINE,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"{tmp_path / 'cut.pt'}: version 10"
+    assert result.stdout.strip() == (
+        f"{tmp_path / 'cut.pt'}: version 10, from the cuts of round 10, the newest on every "
+        "shard (shard 1 has none)"
+    )
     cut = torch.load(tmp_path / "cut.pt", weights_only=True)["model_state_dict"]
     assert int(cut["norm.num_batches_tracked"]) == 10
-    path, version = export(tmp_path, MODEL, SEED, tmp_path / "five.pt", round_=5)
-    assert version == 5
+    path, version, which = export(tmp_path, MODEL, SEED, tmp_path / "five.pt", round_=5)
+    assert version == 5 and which == "the cuts of round 5, as asked"
     with pytest.raises(ConfigError, match="cut at round 7"):
         export(tmp_path, MODEL, SEED, tmp_path / "x.pt", round_=7)
     with pytest.raises(ConfigError, match="values; the model has"):
@@ -103,14 +106,30 @@ def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tm
 
 
 def test_which_files_are_read():
-    assert choose([12, 12], [{5, 10}, {5, 10}], None) is None  # the last checkpoints agree
-    assert choose([12, 11], [{5, 10}, {5, 10}], None) == 10  # they do not: the newest cut
-    assert choose([12, None], [{5, 10}, {10}], None) == 10
-    assert choose([12, 12], [{5, 10}, {5, 10}], 5) == 5
+    a, b = Final(12, {"A": 6, "B": 6}), Final(11, {"A": 6, "B": 5})
+    assert choose([a, a], [{5, 10}, {5, 10}], None)[0] is None  # the last checkpoints agree
+    assert choose([a, b], [{5, 10}, {5, 10}], None)[0] == 10  # they do not: the newest cut
+    assert choose([a, None], [{5, 10}, {10}], None)[0] == 10
+    assert choose([a, a], [{5, 10}, {5, 10}], 5)[0] == 5
     with pytest.raises(ConfigError, match="no round has a cut on every shard"):
-        choose([12, None], [{5}, {10}], None)
+        choose([a, None], [{5}, {10}], None)
     with pytest.raises(ConfigError, match="cut at round 10"):
-        choose([12, 12], [{5, 10}, {5}], 10)
+        choose([a, a], [{5, 10}, {5}], 10)
+
+
+def test_equal_versions_holding_different_pushes_are_not_mixed():
+    """Async, 2 shards, stopped while worker A's step had reached only shard 0 and B's only
+    shard 1: both at version 1, with clocks A 1 B 0 and A 0 B 1. The last checkpoints do not
+    make one model: the newest common cut is read, and the reason said."""
+    zero, one = Final(1, {"A": 1, "B": 0}), Final(1, {"A": 0, "B": 1})
+    chosen, which = choose([zero, one], [{0}, {0}], None)
+    assert chosen == 0
+    assert which == (
+        "the cuts of round 0, the newest on every shard (clocks shard 0 {'A': 1, 'B': 0}, "
+        "shard 1 {'A': 0, 'B': 1})"
+    )
+    with pytest.raises(ConfigError, match="do not hold the same pushes .clocks shard 0"):
+        choose([zero, one], [set(), set()], None)
 
 
 def test_export_of_another_model_says_so_in_one_line(serve, tmp_path):
