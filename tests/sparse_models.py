@@ -54,3 +54,16 @@ class Mixed(nn.Module):
 def Mixed2() -> nn.Module:  # noqa: N802 - stands for the class
     """``Mixed`` with a wider table: another model's checkpoints for ``export``."""
     return Mixed(dim=6)
+
+
+def dlrm_declared() -> nn.Module:
+    """The built-in DLRM with each field's table declared unbounded (``ps.sparse.Embedding``
+    of any int64 id), rowwise-adagrad at 0.05, ids admitted at their second push."""
+    from paramserver.sparse import Embedding, Lifecycle
+
+    model = models.DLRM(clicks.FIELDS, clicks.ROWS)
+    for f in range(len(model.tables)):
+        model.tables[f] = Embedding(
+            None, 16, optimizer="rowwise-adagrad", lr=0.05, lifecycle=Lifecycle(admit_after=2)
+        )
+    return model

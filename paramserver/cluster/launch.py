@@ -33,6 +33,7 @@ from paramserver.policy.staleness import Policy
 from paramserver.server import checkpoint
 from paramserver.sparse.embedding import TableEmbedding, attach_tables, make_tables
 from paramserver.sparse.remote import Observer, RemoteTables
+from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole
 from paramserver.training import data
 from paramserver.training.evaluation import evaluate_batches
 from paramserver.transport.channels import observe
@@ -192,6 +193,15 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
         state = job.model.state_dict()
         for spec in job.specs:  # the tables, read whole from the servers
             assert tables is not None
+            why = too_large_for_whole(spec.rows, spec.dim, spec.dtype, WHOLE_TABLE_BYTES)
+            if why:
+                log.warning(
+                    "table %r is not written whole into checkpoint.pt (%s): its rows are "
+                    "in the servers' checkpoints (--checkpoint-dir)",
+                    spec.name,
+                    why,
+                )
+                continue
             state[f"{spec.name}.weight"] = tables.read_all(spec.name)
         checkpoint.save(
             run.file("checkpoint.pt"),

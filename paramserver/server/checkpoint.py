@@ -40,6 +40,7 @@ the others rewind to the same cut and the run resumes as one model.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -51,6 +52,8 @@ import torch
 
 from paramserver.codec import layout
 from paramserver.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "paramserver-checkpoint-v1"
 SERVER_FILE = "server-checkpoint.pt"
@@ -125,19 +128,30 @@ def save_server(
     return save(Path(directory) / name, model_state_dict, frozen=sorted(frozen), **state)
 
 
+_SAID_NOT_WHOLE: set[str] = set()
+
+
 def server_model_state_dict(
     manifest: layout.Manifest, state: dict[str, Any], table_limit: int | None = None
 ) -> dict[str, torch.Tensor]:
     """The ``model_state_dict`` of a server state: parameters and buffers, frozen
     parameters, and sparse tables whole (``whole_tables``; tables over ``table_limit``
     bytes left out, by default 1 GiB)."""
-    from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, whole_tables
+    from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole, whole_tables
 
-    tables = whole_tables(
-        state.get("table_layouts") or {},
-        [state.get("tables") or {}],
-        WHOLE_TABLE_BYTES if table_limit is None else table_limit,
-    )
+    limit = WHOLE_TABLE_BYTES if table_limit is None else table_limit
+    layouts = state.get("table_layouts") or {}
+    tables = whole_tables(layouts, [state.get("tables") or {}], limit)
+    for name, lay in layouts.items():
+        why = too_large_for_whole(lay["rows"], lay["dim"], lay["dtype"], limit)
+        if why and name not in _SAID_NOT_WHOLE:  # once a table: checkpoints come often
+            _SAID_NOT_WHOLE.add(name)
+            log.warning(
+                "table %r is not in the checkpoint's model_state_dict (%s): its rows are "
+                "in the checkpoint's tables, which the servers resume from",
+                name,
+                why,
+            )
     frozen = state.get("frozen", {})
     return {**layout.state_dict(manifest, state["weights"]), **frozen, **tables}
 

@@ -287,6 +287,17 @@ def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
 WHOLE_TABLE_BYTES = 1 << 30  # larger tables are not written whole into a model_state_dict
 
 
+def too_large_for_whole(rows: int, dim: int, dtype: str, limit: int | None) -> str | None:
+    """Why a table of ``rows`` x ``dim`` is not written whole (into a ``model_state_dict``,
+    launch's checkpoint.pt), or None: unbounded, or over ``limit`` bytes."""
+    if not rows:
+        return "it is unbounded"
+    size = rows * dim * np.dtype(dtype).itemsize
+    if limit is not None and size > limit:
+        return f"it is {size / 2**30:.1f} GiB, over the {limit / 2**30:.0f} GiB written whole"
+    return None
+
+
 def whole_tables(
     layouts: dict[str, dict[str, Any]],
     saved: Sequence[dict[str, Any]],
@@ -299,8 +310,7 @@ def whole_tables(
     out = {}
     for name, lay in layouts.items():
         rows, dim = lay["rows"], lay["dim"]
-        too_large = limit is not None and rows * dim * np.dtype(lay["dtype"]).itemsize > limit
-        if lay["shards"] != len(saved) or too_large or not rows:
+        if lay["shards"] != len(saved) or too_large_for_whole(rows, dim, lay["dtype"], limit):
             continue
         init = Init.parse(lay.get("init", "normal"))
         table = torch.empty((rows, dim), dtype=getattr(torch, lay["dtype"]))

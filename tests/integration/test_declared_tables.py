@@ -5,6 +5,10 @@ lifecycle, and allocate nothing for the rows declared."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -12,11 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
+from paramserver.server import checkpoint
 from paramserver.server.metrics import StatusCollector
 from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
 from paramserver.sparse.declared import name_tables
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
+from tests.conftest import DEADLINE, paramserver_cmd
+from tests.sparse_models import dlrm_declared
 
 ITEMS = 10**12  # 16 TB of float32 rows declared
 USERS = np.array([-(2**62), -7, -1, 0, 3, 2**40, 2**62 + 5, 11, 12, 13], np.int64)
@@ -131,3 +138,44 @@ def test_a_table_under_two_paths_is_one_table_on_the_servers(serve):
         worker.step(samples=2)
     assert server.coordinator.tables.table("items").held == 3  # both paths' rows
     assert [s.name for s in server.coordinator.tables.specs] == ["items"]
+
+
+def test_launch_trains_declared_unbounded_tables_and_says_what_its_checkpoint_leaves_out(
+    tmp_path,
+):
+    """``launch`` of a model whose tables are declared unbounded: the workers train them,
+    the evaluation reads the servers' rows, and checkpoint.pt (which cannot hold an
+    unbounded table whole) says so in the log and still loads strictly into the model."""
+    out = subprocess.run(
+        paramserver_cmd(
+            "launch",
+            "--model",
+            "tests.sparse_models:dlrm_declared",
+            "--dataset",
+            "clicks",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "256",
+            "--workers",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            "--no-progress",
+            "--runs-dir",
+            str(tmp_path),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["test_auc"] > 0.6
+    assert "table 'tables.0' is not written whole into checkpoint.pt (it is unbounded)" in (
+        out.stderr
+    )
+    state = checkpoint.load(tmp_path / os.path.basename(summary["run_dir"]) / "checkpoint.pt")
+    assert not [k for k in state["model_state_dict"] if k.startswith("tables.")]
+    dlrm_declared().load_state_dict(state["model_state_dict"], strict=True)
