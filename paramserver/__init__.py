@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "serve": "paramserver.api",
     "load_checkpoint": ("paramserver.server.checkpoint", "load"),
+    "model_state_dict": "paramserver.cluster.reading",
     "LaunchConfig": "paramserver.config",
     "OptimizerConfig": "paramserver.config",
     "Security": "paramserver.config",
@@ -106,6 +107,7 @@ if not any(isinstance(finder, _Moved) for finder in sys.meta_path):
 
 if TYPE_CHECKING:
     from paramserver.api import serve
+    from paramserver.cluster.reading import model_state_dict
     from paramserver.config import (
         LaunchConfig,
         OptimizerConfig,
@@ -172,5 +174,6 @@ __all__ = [
     "WorkerConfig",
     "WrongIncarnation",
     "load_checkpoint",
+    "model_state_dict",
     "serve",
 ]

@@ -24,6 +24,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster.commands import CHILD_ENV, server_args, worker_args, worker_command
 from paramserver.cluster.commands import launch_args as launch_args  # the benchmarks' import
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
+from paramserver.cluster.reading import ShardReader
 from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
@@ -31,12 +32,10 @@ from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfi
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.policy.staleness import Policy
 from paramserver.server import checkpoint
-from paramserver.sparse.embedding import TableEmbedding, attach_tables, make_tables
-from paramserver.sparse.remote import Observer, RemoteTables
-from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole
+from paramserver.sparse.embedding import TableEmbedding, make_tables
+from paramserver.sparse.remote import RemoteTables
 from paramserver.training import data
 from paramserver.training.evaluation import evaluate_batches
-from paramserver.transport.channels import observe
 from paramserver.transport.stub import Stub, connect
 
 log = logging.getLogger(__name__)
@@ -93,6 +92,7 @@ class _Cluster:
         for a in addresses:
             self.channels.append(connect(a, self.cfg.startup_timeout, Security(token=token)))
         self.addresses = addresses
+        self.reader = ShardReader(self.channels, addresses)
         self.stub = Stub(self.channels[0])  # shard 0 hands out the batches: its status is the run's
         for i in range(self.cfg.server.workers):
             args = worker_args(self.cfg, address, f"worker-{i}")
@@ -112,29 +112,11 @@ class _Cluster:
     def tables(self, model: torch.nn.Module, specs: list[TableSpec]) -> RemoteTables | None:
         """The servers' tables read by an observer, in place of ``model``'s sparse
         embeddings (none: None)."""
-        if not specs:
-            return None
-        observers = [
-            Observer(Stub(c), a) for c, a in zip(self.channels, self.addresses, strict=True)
-        ]
-        remote = RemoteTables(observers, specs, rpc_timeout=60)
-        attach_tables(model, remote)
-        return remote
+        return self.reader.tables(model, specs)
 
     def observe(self, manifest: layout.Manifest) -> tuple[pb.PullHeader, np.ndarray]:
         """The current weights, gathered from every shard (shard 0's header)."""
-        itemsize = manifest.itemsize
-        if len(self.channels) == 1:
-            return observe(self.channels[0], manifest.total_bytes, itemsize=itemsize)
-        flat = np.empty(manifest.numel, manifest.np_dtype)
-        header = None
-        for i, channel in enumerate(self.channels):
-            lo, hi = layout.shard_range(manifest.numel, i, len(self.channels))
-            h, part = observe(channel, itemsize * (hi - lo), itemsize=itemsize)
-            flat[lo:hi] = part
-            header = h if header is None else header
-        assert header is not None
-        return header, flat
+        return self.reader.observe(manifest)
 
     def status(self) -> pb.StatusResponse:
         try:
@@ -191,18 +173,7 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
         # The checkpoint holds exactly the weights the last evaluation saw.
         st, header = _record_epoch(run, cluster, job, evaluated + 1, t0, cfg.progress)
         state = job.model.state_dict()
-        for spec in job.specs:  # the tables, read whole from the servers
-            assert tables is not None
-            why = too_large_for_whole(spec.rows, spec.dim, spec.dtype, WHOLE_TABLE_BYTES)
-            if why:
-                log.warning(
-                    "table %r is not written whole into checkpoint.pt (%s): its rows are "
-                    "in the servers' checkpoints (--checkpoint-dir)",
-                    spec.name,
-                    why,
-                )
-                continue
-            state[f"{spec.name}.weight"] = tables.read_all(spec.name)
+        state.update(cluster.reader.whole_tables(tables, "checkpoint.pt"))  # read whole
         checkpoint.save(
             run.file("checkpoint.pt"),
             state,

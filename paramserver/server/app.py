@@ -337,14 +337,14 @@ class ServerApp:
 
         Raises:
             ConfigError: this server is one shard of several (it holds a part of the model;
-                ``launch`` writes the whole model into its run folder's checkpoint.pt, and
+                ``ps.model_state_dict(every shard's address, model)`` reads them all, and
                 ``paramserver export`` builds it from every shard's checkpoint).
         """
         if self.config.shards > 1:
             raise ConfigError(
                 f"Shard {self.config.shard} of {self.config.shards} holds a part "
-                "of the model; read every shard (launch's checkpoint.pt does, "
-                "and paramserver export from their checkpoints)."
+                "of the model; read every shard with ps.model_state_dict(addresses, model), "
+                "or paramserver export from their checkpoints."
             )
         return checkpoint.server_model_state_dict(
             self.coordinator.manifest,

@@ -378,3 +378,29 @@ def test_rows_travel_in_the_shared_segment_on_the_same_host(serve, shm, monkeypa
         assert used["put_rows"] > 0 and used["rows"] > 0
     else:
         assert used == {"put_rows": 0, "rows": 0}
+
+
+def test_a_live_sharded_runs_model_is_read_from_every_shard(serve):
+    """``ps.model_state_dict(every shard, model)``: the dense part from each shard's range and
+    the tables read whole, row by row; it loads strictly, and a shard alone refuses."""
+    torch.manual_seed(0)
+    model = Clicky()
+    servers = [
+        serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i, shards=2)
+        for i in range(2)
+    ]
+    worker = ps.Worker([s.address for s in servers], model)
+    try:
+        for x, y in _batches(4):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+        state = ps.model_state_dict([s.address for s in servers], Clicky())
+    finally:
+        worker.close()
+    fresh = Clicky()
+    fresh.load_state_dict(state, strict=True)
+    torch.testing.assert_close(fresh.emb.weight.detach(), _table(servers, "emb"))
+    torch.testing.assert_close(fresh.bag.weight.detach(), _table(servers, "bag"))
+    torch.testing.assert_close(fresh.head.weight, model.head.weight)
+    with pytest.raises(ps.ConfigError, match="ps.model_state_dict"):
+        servers[0].model_state_dict()
