@@ -52,6 +52,7 @@ _SUBMODULES = {
     "checkpoint": "paramserver.server.checkpoint",
     "codec": "paramserver.codec",
     "settings": "paramserver.settings",
+    "serving": "paramserver.serving",
     "sparse": "paramserver.sparse",
 }
 

@@ -67,3 +67,17 @@ def dlrm_declared() -> nn.Module:
             None, 16, optimizer="rowwise-adagrad", lr=0.05, lifecycle=Lifecycle(admit_after=2)
         )
     return model
+
+
+class Unbounded(nn.Module):
+    """A declared unbounded table (any int64 id) and a head: ``forward(ids)`` of (N, 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from paramserver.sparse import Embedding
+
+        self.users = Embedding(None, 4, init="normal:0.1", optimizer="sgd", lr=0.5)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.users(x).flatten(1))

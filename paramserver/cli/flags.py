@@ -126,6 +126,13 @@ class Export:
         type=int,
     )
     out: str = setting("model.pt", "--out", "Checkpoint to write.", env="EXPORT_OUT")
+    snapshot: str | None = setting(
+        None,
+        "--snapshot",
+        "Write a serving snapshot into this new folder instead (tables row by row, "
+        "checksummed; paramserver.serving.load reads it).",
+        env="EXPORT_SNAPSHOT",
+    )
 
 
 @dataclass(frozen=True)

@@ -121,9 +121,16 @@ def plot(run_dir: str, **kw: Any) -> None:
 @click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
 def export(checkpoint_dir: str, **kw: Any) -> None:
     """Write a run's whole model from its servers' checkpoints in CHECKPOINT_DIR: every
-    shard's part and sparse table rows, no server needed (see docs/guide.md)."""
+    shard's part and sparse table rows, no server needed; or, with --snapshot, a serving
+    snapshot (see docs/guide.md)."""
     opts: Export = settings.build(Export, kw)
     if printed():
+        return
+    if opts.snapshot:
+        from paramserver.serving import snapshot
+
+        out = snapshot.write(checkpoint_dir, opts.model, opts.seed, opts.snapshot, opts.round)
+        click.echo(f"{out[0]}: snapshot of version {out[1]}, from {out[2]}")
         return
     from paramserver.server.export import export as write
 

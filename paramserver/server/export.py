@@ -131,9 +131,12 @@ def _final(path: Path) -> Final | None:
     return Final(int(saved["version"]), clocks)
 
 
-def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def assemble(
+    model: torch.nn.Module, states: list[dict[str, Any]], tables: bool = True
+) -> dict[str, torch.Tensor]:
     """``model``'s whole state dict from its shards' checkpoint states (shard 0 first):
-    what ``model.load_state_dict(..., strict=True)`` takes."""
+    what ``model.load_state_dict(..., strict=True)`` takes; ``tables`` False: without its
+    sparse tables (a serving snapshot writes them row by row)."""
     layouts = states[0].get("table_layouts") or {}
     make_tables(model, names=layouts)  # the run's tables (--table-rows made dense ones too)
     manifest, _ = models.state(model)  # parameters and buffers, as the servers lay them out
@@ -162,8 +165,8 @@ def assemble(model: torch.nn.Module, states: list[dict[str, Any]]) -> dict[str, 
         )
     out = dict(model.state_dict())  # frozen parameters: as the model built with the seed
     out.update(layout.state_dict(manifest, flat.numpy()))
-    tables = [s.get("tables") or {} for s in states]
-    out.update(whole_tables(layouts, tables, limit=None))
+    if tables:
+        out.update(whole_tables(layouts, [s.get("tables") or {} for s in states], limit=None))
     return out
 
 

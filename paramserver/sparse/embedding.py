@@ -319,20 +319,40 @@ def _sparse_embeddings(model: nn.Module) -> list[tuple[str, Table]]:
     return sorted(found, key=lambda pair: order[pair[0]])
 
 
-def attach_tables(
-    model: nn.Module, tables: Tables, cache_rows: int = DEFAULT_CACHE_ROWS
-) -> dict[str, TableEmbedding]:
-    """Replace each sparse embedding of ``model`` by a ``TableEmbedding`` of the table of
-    the same name, under every path the module has (a table shared by two parts of a model
-    is one table, named by its first path); returns them by name. The replaced modules'
-    weights are freed."""
-    attached: dict[str, TableEmbedding] = {}
+def replace_tables(
+    model: nn.Module, make: Callable[[str, Table, str | None], nn.Module]
+) -> dict[str, nn.Module]:
+    """Replace each table of ``model`` by ``make(name, module, bag mode or None)``, under
+    every path the module has (a table shared by two parts of a model is one table, named
+    by its first path); returns the replacements by name."""
+    made: dict[str, nn.Module] = {}
     paths: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(module), []).append(path)
     for name, m in _sparse_embeddings(model):
         if not name:
             raise ValueError("A sparse embedding that is the whole model: wrap it in a module.")
+        bag = (
+            m.bag
+            if isinstance(m, Embedding)
+            else (m.mode if isinstance(m, nn.EmbeddingBag) else None)
+        )
+        replacement = make(name, m, bag)
+        for path in paths[id(m)]:
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
+        made[name] = replacement
+    return made
+
+
+def attach_tables(
+    model: nn.Module, tables: Tables, cache_rows: int = DEFAULT_CACHE_ROWS
+) -> dict[str, TableEmbedding]:
+    """Replace each sparse embedding of ``model`` by a ``TableEmbedding`` of the table of
+    the same name (``replace_tables``); returns them by name. The replaced modules'
+    weights are freed."""
+
+    def make(name: str, m: Table, bag: str | None) -> TableEmbedding:
         spec = tables.spec(name)
         rows = m.rows if isinstance(m, Embedding) else m.num_embeddings
         if (spec.rows, spec.dim) != (rows, m.embedding_dim):
@@ -340,14 +360,6 @@ def attach_tables(
                 f"Embedding {name!r} is {rows or 'unbounded'} x {m.embedding_dim}; "
                 f"its table is {spec.rows or 'unbounded'} x {spec.dim}."
             )
-        bag = (
-            m.bag
-            if isinstance(m, Embedding)
-            else (m.mode if isinstance(m, nn.EmbeddingBag) else None)
-        )
-        replacement = TableEmbedding(name, tables, cache_rows, bag)
-        for path in paths[id(m)]:
-            parent, _, leaf = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
-        attached[name] = replacement
-    return attached
+        return TableEmbedding(name, tables, cache_rows, bag)
+
+    return replace_tables(model, make)  # type: ignore[return-value]

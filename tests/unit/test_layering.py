@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"sparse"},
     {"models", "transport"},
     {"server", "worker"},
-    {"api"},
+    {"api", "serving"},
     {"training"},
     {"cluster"},
     {"bench"},

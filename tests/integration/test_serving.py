@@ -1,0 +1,118 @@
+"""A serving snapshot (``paramserver export --snapshot``, ``paramserver.serving.load``): a
+run's model from its servers' checkpoints, served with no server running, equal to the
+exported model; a snapshot whose files do not match its manifest is refused naming the
+file, and nothing is served."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paramserver as ps
+from paramserver import models
+from paramserver.errors import ConfigError
+from paramserver.server.export import export
+from paramserver.serving import snapshot
+from paramserver.serving.served import ServedTable
+from paramserver.sparse.rows import shard_of
+from tests.conftest import DEADLINE, paramserver_cmd
+from tests.integration.test_export import MODEL, SEED, _train
+
+
+def test_a_snapshot_serves_the_exported_model_with_no_server(serve, tmp_path):
+    _train(serve, tmp_path / "run", 2)
+    root, version, which = snapshot.write(tmp_path / "run", MODEL, SEED, tmp_path / "snap")
+    assert version == 12 and which.startswith("the shards' last checkpoints")
+    path, _, _ = export(tmp_path / "run", MODEL, SEED, tmp_path / "model.pt")
+    reference = models.build(MODEL, seed=0)
+    reference.load_state_dict(torch.load(path, weights_only=True)["model_state_dict"])
+    reference.eval()
+    served = ps.serving.load(root)
+    assert any(isinstance(m, ServedTable) for m in served.modules())
+    x = torch.randint(0, 200, (64, 3), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), reference(x))
+
+
+def test_a_snapshot_of_an_unbounded_table_answers_rows_and_initial_values(serve, tmp_path):
+    factory = "tests.sparse_models:Unbounded"
+    servers = [
+        serve(
+            factory,
+            optimizer="sgd",
+            lr=0.1,
+            policy="sync",
+            workers=1,
+            shard=i,
+            shards=2,
+            checkpoint_dir=str(tmp_path / "run"),
+            checkpoint_every="5",
+        )
+        for i in range(2)
+    ]
+    model = models.build(factory)
+    ids = torch.tensor([[-(2**62), 7], [2**61, -1]])
+    with ps.Worker([s.address for s in servers], model) as worker:
+        for _ in range(3):
+            F.cross_entropy(model(ids), torch.tensor([0, 1])).backward()
+            worker.step(samples=2)
+    flat = ids.flatten().numpy()
+    owner = [s.coordinator.tables.table("users") for s in servers]
+    expected = torch.stack(
+        [owner[int(shard_of(np.array([i]), 2)[0])].read(np.array([i]))[0] for i in flat]
+    )
+    for s in servers:
+        s.stop()
+    root, _, _ = snapshot.write(tmp_path / "run", factory, 0, tmp_path / "snap")
+    served = ps.serving.load(root)
+    users = served.users
+    torch.testing.assert_close(users.rows(flat), expected)
+    unseen = np.array([123456789], np.int64)  # never pushed: its initial value, as a server
+    holder = owner[int(shard_of(unseen, 2)[0])]
+    torch.testing.assert_close(users.rows(unseen), holder.read(unseen))
+
+
+def test_a_snapshot_whose_files_do_not_match_is_refused_naming_the_file(serve, tmp_path):
+    _train(serve, tmp_path / "run", 2)
+    root, _, _ = snapshot.write(tmp_path / "run", MODEL, SEED, tmp_path / "snap")
+    values = sorted(root.glob("tables/*/*.values.npy"))[0]
+    data = values.read_bytes()
+    values.write_bytes(data[:-4])  # truncated
+    with pytest.raises(ConfigError, match=f"{values.name}.*not the"):
+        ps.serving.load(root)
+    values.write_bytes(data[:-4] + bytes(4))  # the same size, other bytes
+    with pytest.raises(ConfigError, match=f"{values.name} does not match"):
+        ps.serving.load(root)
+    values.unlink()
+    with pytest.raises(ConfigError, match=f"{values.name} is missing"):
+        ps.serving.load(root)
+    with pytest.raises(ConfigError, match="not a snapshot's manifest"):
+        ps.serving.load(tmp_path / "run")
+    with pytest.raises(ConfigError, match="not an empty folder"):
+        snapshot.write(tmp_path / "run", MODEL, SEED, root)
+
+
+def test_export_writes_a_snapshot_from_the_command_line(serve, tmp_path):
+    _train(serve, tmp_path / "run", 1)
+    out = subprocess.run(
+        paramserver_cmd(
+            "export",
+            str(tmp_path / "run"),
+            "--model",
+            MODEL,
+            "--seed",
+            str(SEED),
+            "--snapshot",
+            str(tmp_path / "snap"),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(f"{tmp_path / 'snap'}: snapshot of version 12, from")
+    assert (tmp_path / "snap" / "manifest.json").is_file()
