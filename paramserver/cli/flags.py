@@ -133,6 +133,13 @@ class Export:
         "checksummed; paramserver.serving.load reads it).",
         env="EXPORT_SNAPSHOT",
     )
+    base: str = setting(
+        "",
+        "--base",
+        "With --snapshot: write a delta of this chain of snapshots, comma-separated (the "
+        "full one, then its deltas in order): only the rows changed since, and those gone.",
+        env="EXPORT_BASE",
+    )
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,12 @@ def export(checkpoint_dir: str, **kw: Any) -> None:
     if opts.snapshot:
         from paramserver.serving import snapshot
 
-        out = snapshot.write(checkpoint_dir, opts.model, opts.seed, opts.snapshot, opts.round)
-        click.echo(f"{out[0]}: snapshot of version {out[1]}, from {out[2]}")
+        bases = [b.strip() for b in opts.base.split(",") if b.strip()]
+        out = snapshot.write(
+            checkpoint_dir, opts.model, opts.seed, opts.snapshot, opts.round, bases
+        )
+        kind = f"a delta of {bases[-1]}" if bases else "a snapshot"
+        click.echo(f"{out[0]}: {kind}, version {out[1]}, from {out[2]}")
         return
     from paramserver.server.export import export as write
 

@@ -10,6 +10,11 @@ Layout of DIR:
 - ``tables/NAME/I.ids.npy`` and ``I.values.npy``: shard I's rows of table NAME, ids sorted,
   their values in the same order (``.npy``: a loader maps them, reading pages on demand).
 
+A delta (``--base FULL[,DELTA...]``, the chain it follows) holds the dense part whole, and of
+each table only the rows that changed since the chain's last snapshot, and the ids it held
+that the run no longer holds (``I.evicted.npy``); its manifest names its base (the last
+snapshot's version and the SHA-256 of its manifest). ``served.load`` applies them in order.
+
 Streamed: a shard's checkpoint is mapped, not read, and its rows are written a chunk of
 ``CHUNK_ROWS`` at a time, so a table larger than memory is exported with memory for its
 ids' order (8 bytes a row) and one chunk. The manifest is written last, atomically: a
@@ -18,9 +23,9 @@ folder without one, or whose files do not match it, is not a snapshot.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +35,17 @@ import torch
 from paramserver import models
 from paramserver.errors import ConfigError
 from paramserver.server import export as exporting
+from paramserver.serving.layers import (
+    FORMAT,
+    MANIFEST,
+    Layer,
+    ShardRows,
+    check_chain,
+    read_manifest,
+    sha256,
+)
 
-FORMAT = "paramserver-snapshot-v1"
-MANIFEST = "manifest.json"
 CHUNK_ROWS = 1 << 16
-
-
-def sha256(path: Path) -> str:
-    """The file's SHA-256, read a MiB at a time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _entry(root: Path, path: Path) -> dict[str, Any]:
@@ -53,43 +56,69 @@ def _entry(root: Path, path: Path) -> dict[str, Any]:
     }
 
 
-def _write_rows(root: Path, name: str, shard: int, held: dict[str, Any]) -> dict[str, Any]:
+def _write_rows(
+    root: Path, name: str, shard: int, held: dict[str, Any], base: ShardRows | None
+) -> dict[str, Any]:
     """Shard ``shard``'s rows of table ``name`` (its checkpoint's ``ids`` and ``values``,
-    mapped) as sorted ids and their values, a chunk at a time."""
+    mapped) as sorted ids and their values, a chunk at a time; against ``base`` (a delta):
+    only the rows that differ from it, and the ids it held that are gone."""
     folder = root / "tables" / name
     folder.mkdir(parents=True, exist_ok=True)
     ids = held["ids"].numpy()
     values = held["values"]
     order = np.argsort(ids, kind="stable")
+    entry: dict[str, Any] = {}
+    if base is not None:  # which rows differ from the chain's, a chunk at a time
+        keep = np.zeros(len(order), bool)
+        for lo in range(0, len(order), CHUNK_ROWS):
+            take = order[lo : lo + CHUNK_ROWS]
+            old, found = base.resolve(ids[take])
+            new = values[torch.from_numpy(take)].numpy()
+            keep[lo : lo + len(take)] = ~found | (old != new).any(axis=1)
+        gone = np.setdiff1d(base.held(), ids)
+        order = order[keep]
+        evicted_path = folder / f"{shard}.evicted.npy"
+        np.save(evicted_path, gone)
+        entry["evicted"] = _entry(root, evicted_path)
     ids_path, values_path = folder / f"{shard}.ids.npy", folder / f"{shard}.values.npy"
     np.save(ids_path, ids[order])
     out = np.lib.format.open_memmap(
         values_path,
         mode="w+",
         dtype=str(values.dtype).removeprefix("torch."),
-        shape=tuple(values.shape),
+        shape=(len(order), *tuple(values.shape)[1:]),
     )
     for lo in range(0, len(order), CHUNK_ROWS):
-        take = torch.from_numpy(order[lo : lo + CHUNK_ROWS])
-        out[lo : lo + len(take)] = values[take].numpy()
+        rows = torch.from_numpy(order[lo : lo + CHUNK_ROWS])
+        out[lo : lo + len(rows)] = values[rows].numpy()
     out.flush()
     del out
-    return {"rows": len(ids), "ids": _entry(root, ids_path), "values": _entry(root, values_path)}
+    entry.update(rows=len(order), ids=_entry(root, ids_path), values=_entry(root, values_path))
+    return entry
 
 
 def write(
-    directory: str | Path, model: str, seed: int, out: str | Path, round_: int | None = None
+    directory: str | Path,
+    model: str,
+    seed: int,
+    out: str | Path,
+    round_: int | None = None,
+    bases: Sequence[str | Path] = (),
 ) -> tuple[Path, int, str]:
     """Write the serving snapshot of the run whose server checkpoints are in ``directory``
     into the folder ``out``; returns it, the version and which checkpoints it read.
+    ``bases``: the chain (a full snapshot, then its deltas) this one is a delta of.
 
     Raises:
-        ConfigError: no consistent set of checkpoints, another model's, or ``out`` is not
-            an empty or absent folder.
+        ConfigError: no consistent set of checkpoints, another model's, ``out`` is not an
+            empty or absent folder, or ``bases`` is no chain of this run's model.
     """
     root = Path(out)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ConfigError(f"{root} is not an empty folder: a snapshot goes into a new one.")
+    chain = [read_manifest(b) for b in bases]
+    if chain:
+        check_chain(chain)
     paths, which = exporting.files(directory, round_)
     states = [_mapped(p) for p in paths]
     built = models.build(model, seed=seed)
@@ -99,9 +128,17 @@ def write(
         dense.pop(f"{name}.weight", None)
     root.mkdir(parents=True, exist_ok=True)
     torch.save(dense, root / "dense.pt")
+    if chain and (chain[-1][1]["model"], chain[-1][1]["shards"]) != (model, len(states)):
+        raise ConfigError(
+            f"{chain[-1][0]} is a snapshot of {chain[-1][1]['model']!r} on "
+            f"{chain[-1][1]['shards']} shards, not of this run's {model!r} on {len(states)}."
+        )
     tables = {}
     for name, lay in layouts.items():
-        shards = [_write_rows(root, name, i, s["tables"][name]) for i, s in enumerate(states)]
+        shards = []
+        for i, s in enumerate(states):
+            base = _base_rows(chain, name, i, lay) if chain else None
+            shards.append(_write_rows(root, name, i, s["tables"][name], base))
         tables[name] = {**{k: lay[k] for k in ("rows", "dim", "dtype", "key")}, "shards": shards}
         tables[name]["init"] = lay.get("init", "normal")
     version = max(int(s["version"]) for s in states)
@@ -115,10 +152,26 @@ def write(
         "dense": _entry(root, root / "dense.pt"),
         "tables": tables,
     }
+    if chain:
+        last, head = chain[-1]
+        manifest["base"] = {
+            "version": head["version"],
+            "manifest_sha256": sha256(last / MANIFEST),
+        }
     tmp = root / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, root / MANIFEST)
     return root, version, which
+
+
+def _base_rows(
+    chain: list[tuple[Path, dict[str, Any]]], name: str, shard: int, lay: dict[str, Any]
+) -> ShardRows:
+    """Table ``name``'s rows on ``shard`` as the chain holds them."""
+    if any(name not in m["tables"] for _, m in chain):
+        raise ConfigError(f"The base snapshots hold no table {name!r}: not this run's model.")
+    layers = [Layer.open(root, m["tables"][name]["shards"][shard]) for root, m in chain]
+    return ShardRows(layers, int(lay["dim"]), str(lay["dtype"]))
 
 
 def _mapped(path: Path) -> dict[str, Any]:

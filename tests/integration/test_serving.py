@@ -5,6 +5,7 @@ file, and nothing is served."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -114,5 +115,52 @@ def test_export_writes_a_snapshot_from_the_command_line(serve, tmp_path):
         timeout=DEADLINE,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith(f"{tmp_path / 'snap'}: snapshot of version 12, from")
+    assert out.stdout.strip().startswith(f"{tmp_path / 'snap'}: a snapshot, version 12, from")
     assert (tmp_path / "snap" / "manifest.json").is_file()
+
+
+def test_deltas_apply_in_order_and_a_gap_or_a_foreign_base_is_refused(serve, tmp_path):
+    """A full snapshot of round 5's cuts, a delta of round 10's, a delta of the last
+    checkpoints: served together they equal a full snapshot of the last checkpoints; the
+    deltas hold only the rows that changed."""
+    _train(serve, tmp_path / "run", 2)
+    run = tmp_path / "run"
+    full, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "full", round_=5)
+    one, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "d10", round_=10, bases=[full])
+    two, version, _ = snapshot.write(run, MODEL, SEED, tmp_path / "d12", bases=[full, one])
+    last, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "last")
+    assert version == 12
+    chained, whole = ps.serving.load(full, [one, two]), ps.serving.load(last)
+    x = torch.randint(0, 200, (64, 3), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(chained(x), whole(x))
+    for name, module in whole.named_modules():
+        if isinstance(module, ServedTable):
+            ids = np.arange(200, dtype=np.int64)
+            torch.testing.assert_close(chained.get_submodule(name).rows(ids), module.rows(ids))
+    rows = lambda root: sum(  # noqa: E731 - a one-line count
+        s["rows"]
+        for t in json.loads((root / "manifest.json").read_text())["tables"].values()
+        for s in t["shards"]
+    )
+    assert 0 < rows(two) < rows(last)  # only the rows the last two rounds touched
+    with pytest.raises(ConfigError, match="a gap, or a foreign base"):
+        ps.serving.load(full, [two])
+    with pytest.raises(ConfigError, match="a gap, or a foreign base"):
+        ps.serving.load(full, [one, one])
+    with pytest.raises(ConfigError, match="a chain starts with a full snapshot"):
+        ps.serving.load(one)
+    with pytest.raises(ConfigError, match="is a full snapshot, not a delta"):
+        ps.serving.load(full, [last])
+
+
+def test_a_newer_layer_s_eviction_hides_an_older_layer_s_row():
+    from paramserver.serving.layers import Layer, ShardRows
+
+    base = Layer(np.array([1, 2, 3]), np.ones((3, 2), np.float32), np.empty(0, np.int64))
+    delta = Layer(np.array([3, 9]), np.full((2, 2), 5.0, np.float32), np.array([2]))
+    rows = ShardRows([base, delta], 2, "float32")
+    values, found = rows.resolve(np.array([1, 2, 3, 9, 4]))
+    assert found.tolist() == [True, False, True, True, False]
+    assert values[:, 0].tolist() == [1.0, 0.0, 5.0, 5.0, 0.0]
+    assert rows.held().tolist() == [1, 3, 9]
