@@ -126,6 +126,7 @@ def write(
     layouts = states[0].get("table_layouts") or {}
     for name in layouts:
         dense.pop(f"{name}.weight", None)
+    _check_loads(built, dense, layouts, directory, model)  # before anything is written
     root.mkdir(parents=True, exist_ok=True)
     torch.save(dense, root / "dense.pt")
     if chain and (chain[-1][1]["model"], chain[-1][1]["shards"]) != (model, len(states)):
@@ -162,6 +163,30 @@ def write(
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, root / MANIFEST)
     return root, version, which
+
+
+def _check_loads(
+    built: torch.nn.Module,
+    dense: dict[str, torch.Tensor],
+    layouts: dict[str, Any],
+    directory: str | Path,
+    model: str,
+) -> None:
+    """The dense part loads into ``built`` (its tables aside), or ConfigError: the
+    checkpoints are another model's."""
+    try:
+        result = built.load_state_dict(dense, strict=False)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"The checkpoints in {directory} do not load into --model {model}: {exc}"
+        ) from None
+    tables = {f"{name}.weight" for name in layouts}
+    missing = [k for k in result.missing_keys if k not in tables]
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"The checkpoints in {directory} do not load into --model {model}: missing "
+            f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}."
+        )
 
 
 def _base_rows(

@@ -95,6 +95,9 @@ def test_a_snapshot_whose_files_do_not_match_is_refused_naming_the_file(serve, t
         ps.serving.load(tmp_path / "run")
     with pytest.raises(ConfigError, match="not an empty folder"):
         snapshot.write(tmp_path / "run", MODEL, SEED, root)
+    with pytest.raises(ConfigError, match="values; the model has|do not load into"):
+        snapshot.write(tmp_path / "run", "tests.sparse_models:Mixed2", SEED, tmp_path / "other")
+    assert not (tmp_path / "other").exists()  # nothing written
 
 
 def test_export_writes_a_snapshot_from_the_command_line(serve, tmp_path):
