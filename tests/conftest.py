@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,3 +148,34 @@ def free_port() -> int:
 
 def paramserver_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "paramserver", *args]
+
+
+def launch_clicks(runs_dir: Path, model: str) -> subprocess.CompletedProcess[str]:
+    """``paramserver launch --json`` of ``model`` on the click log: 1 epoch, batch 256, 2 CPU
+    workers, its run folder in ``runs_dir``."""
+    return subprocess.run(
+        paramserver_cmd(
+            "launch",
+            "--model",
+            model,
+            "--dataset",
+            "clicks",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "256",
+            "--lr",
+            "0.01",
+            "--workers",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            "--no-progress",
+            "--runs-dir",
+            str(runs_dir),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )

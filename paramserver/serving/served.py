@@ -24,13 +24,13 @@ from torch import nn
 from paramserver import models
 from paramserver.errors import ConfigError
 from paramserver.serving.layers import Layer, ShardRows, check_chain, read_manifest
-from paramserver.sparse.declared import distinct_ids, lookup
+from paramserver.sparse.declared import RowLookup
 from paramserver.sparse.embedding import make_tables, replace_tables
 from paramserver.sparse.rows import Init, shard_of
 from paramserver.sparse.table import initial_values
 
 
-class ServedTable(nn.Module):
+class ServedTable(RowLookup):
     """One table's rows from a chain of snapshots: read-only, mapped."""
 
     def __init__(self, name: str, chain: list[tuple[Path, dict[str, Any]]], bag: str | None):
@@ -49,7 +49,7 @@ class ServedTable(nn.Module):
             for i in range(len(meta["shards"]))
         ]
 
-    def rows(self, ids: np.ndarray) -> torch.Tensor:
+    def read(self, ids: np.ndarray) -> torch.Tensor:
         """The rows of ``ids`` (distinct int64): (len(ids), dim); those the snapshots do not
         hold (never created, or evicted) at their initial values."""
         out = torch.empty((len(ids), self.dim), dtype=getattr(torch, self.dtype))
@@ -69,15 +69,12 @@ class ServedTable(nn.Module):
             )
         return out
 
-    def forward(
-        self,
-        ids: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        per_sample_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        distinct, inverse = distinct_ids(ids, self.table)
-        rows = self.rows(distinct).to(ids.device)
-        return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
+    @property
+    def name(self) -> str:
+        return self.table
+
+    def rows_of(self, distinct: np.ndarray, device: torch.device) -> torch.Tensor:
+        return self.read(distinct).to(device)
 
 
 def load(

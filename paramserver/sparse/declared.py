@@ -44,7 +44,35 @@ LOCAL_OPTIMIZER, LOCAL_LR = "sgd", 0.01  # on its own, when none is declared
 BAG_MODES = ("sum", "mean", "max")
 
 
-class Embedding(nn.Module):
+class RowLookup(nn.Module):
+    """What every table module's forward pass does, ``nn.Embedding``'s and
+    ``nn.EmbeddingBag``'s interface: the input's distinct ids, their rows (``rows_of``, each
+    kind its own way: local store, servers' cache, snapshot files), then the embedding or
+    the bag's pooling over them."""
+
+    bag: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The table's name, for errors."""
+        raise NotImplementedError
+
+    def rows_of(self, distinct: np.ndarray, device: torch.device) -> torch.Tensor:
+        """The rows of ``distinct`` (sorted distinct int64 ids) on ``device``."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        distinct, inverse = distinct_ids(ids, self.name)
+        rows = self.rows_of(distinct, ids.device)
+        return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
+
+
+class Embedding(RowLookup):
     """A table of ``num_embeddings`` rows (None: unbounded) of ``embedding_dim`` values.
 
     Args:
@@ -59,8 +87,6 @@ class Embedding(nn.Module):
         seed: the seed of the rows' initial values when trained on its own (in a cluster,
             the servers' --seed).
     """
-
-    bag: str | None = None
 
     def __init__(
         self,
@@ -121,22 +147,21 @@ class Embedding(nn.Module):
             self._local.push(*coalesce(pending))
         return self._local
 
-    def forward(
-        self,
-        ids: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        per_sample_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        distinct, inverse = distinct_ids(ids, self.table_name)
+    @property
+    def name(self) -> str:
+        return self.table_name
+
+    def rows_of(self, distinct: np.ndarray, device: torch.device) -> torch.Tensor:
+        """From the in-process store; in training, backward leaves their gradients for it."""
         table = self.local
-        rows = table.pull(distinct).to(ids.device)
+        rows = table.pull(distinct).to(device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             pending = self._pending
             rows.register_hook(
                 lambda grad: pending.append((distinct, grad.detach().to("cpu", table.values.dtype)))
             )
-        return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
+        return rows
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         """The rows it trained on its own (none: no key), as ``PREFIX.rows``."""

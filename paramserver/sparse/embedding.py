@@ -32,10 +32,9 @@ from paramserver.config import DEFAULT_CACHE_ROWS
 from paramserver.sparse.client import Tables
 from paramserver.sparse.declared import (
     Embedding,
+    RowLookup,
     coalesce,
     declared,
-    distinct_ids,
-    lookup,
     name_tables,
 )
 from paramserver.sparse.index import RowIndex
@@ -142,7 +141,7 @@ class RowCache:
         self._keep(np.isin(held, wanted) & ~np.isin(held, pushed))
 
 
-class TableEmbedding(nn.Module):
+class TableEmbedding(RowLookup):
     """An embedding (``bag`` None) or embedding bag (``bag`` its mode) over ``table``, a
     table that ``tables`` serves."""
 
@@ -195,24 +194,24 @@ class TableEmbedding(nn.Module):
         with self.lock:
             return distinct[self.cache.index.find(distinct) < 0]
 
-    def forward(
-        self,
-        ids: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        per_sample_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        distinct, inverse = distinct_ids(ids, self.table)
+    @property
+    def name(self) -> str:
+        return self.table
+
+    def rows_of(self, distinct: np.ndarray, device: torch.device) -> torch.Tensor:
+        """From the cache, fetching what it lacks; in training, a leaf whose gradient the
+        next push takes (``gradients``)."""
         with self.lock:
             before = self.cache.counters.fetched
             slots = self.cache.slots(distinct, self._fetch)
             fetched = self.cache.counters.fetched - before
             self.cache.counters.misses += fetched
             self.cache.counters.hits += len(distinct) - fetched
-            rows = self.cache.values[slots].to(ids.device)
+            rows = self.cache.values[slots].to(device)
         rows.requires_grad_(self.training)
         if self.training:
             self._used.append((distinct, rows))
-        return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
+        return rows
 
     def gradients(self) -> tuple[np.ndarray, torch.Tensor] | None:
         """The distinct ids the forward passes since the last call touched and the sum of

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
 from paramserver.sparse.declared import name_tables
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import launch_clicks
 from tests.sparse_models import dlrm_declared
 
 ITEMS = 10**12  # 16 TB of float32 rows declared
@@ -146,30 +145,7 @@ def test_launch_trains_declared_unbounded_tables_and_says_what_its_checkpoint_le
     """``launch`` of a model whose tables are declared unbounded: the workers train them,
     the evaluation reads the servers' rows, and checkpoint.pt (which cannot hold an
     unbounded table whole) says so in the log and still loads strictly into the model."""
-    out = subprocess.run(
-        paramserver_cmd(
-            "launch",
-            "--model",
-            "tests.sparse_models:dlrm_declared",
-            "--dataset",
-            "clicks",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "256",
-            "--workers",
-            "2",
-            "--device",
-            "cpu",
-            "--json",
-            "--no-progress",
-            "--runs-dir",
-            str(tmp_path),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    out = launch_clicks(tmp_path, "tests.sparse_models:dlrm_declared")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["test_auc"] > 0.6

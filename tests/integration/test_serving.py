@@ -71,10 +71,10 @@ def test_a_snapshot_of_an_unbounded_table_answers_rows_and_initial_values(serve,
     root, _, _ = snapshot.write(tmp_path / "run", factory, 0, tmp_path / "snap")
     served = ps.serving.load(root)
     users = served.users
-    torch.testing.assert_close(users.rows(flat), expected)
+    torch.testing.assert_close(users.read(flat), expected)
     unseen = np.array([123456789], np.int64)  # never pushed: its initial value, as a server
     holder = owner[int(shard_of(unseen, 2)[0])]
-    torch.testing.assert_close(users.rows(unseen), holder.read(unseen))
+    torch.testing.assert_close(users.read(unseen), holder.read(unseen))
 
 
 def test_a_snapshot_whose_files_do_not_match_is_refused_naming_the_file(serve, tmp_path):
@@ -140,7 +140,7 @@ def test_deltas_apply_in_order_and_a_gap_or_a_foreign_base_is_refused(serve, tmp
     for name, module in whole.named_modules():
         if isinstance(module, ServedTable):
             ids = np.arange(200, dtype=np.int64)
-            torch.testing.assert_close(chained.get_submodule(name).rows(ids), module.rows(ids))
+            torch.testing.assert_close(chained.get_submodule(name).read(ids), module.read(ids))
     rows = lambda root: sum(  # noqa: E731 - a one-line count
         s["rows"]
         for t in json.loads((root / "manifest.json").read_text())["tables"].values()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import grpc
 import numpy as np
@@ -23,7 +22,7 @@ from paramserver.sparse.rows import shard_of
 from paramserver.training import clicks
 from paramserver.training.evaluation import evaluate
 from tests import sparse_models
-from tests.conftest import DEADLINE, WorkerThread, paramserver_cmd
+from tests.conftest import DEADLINE, WorkerThread, launch_clicks
 from tests.sparse_models import dlrm_sparse
 
 ROWS, DIM, FIELDS, BATCH = 500, 8, 3, 16
@@ -185,32 +184,7 @@ def test_launch_trains_a_model_with_tables_and_checkpoints_them(tmp_path):
     """``launch`` with a model whose embeddings are sparse tables: the workers push rows,
     the evaluation reads the servers' current rows, and the checkpoint holds the whole
     tables, so it loads strictly into the model and scores what launch reported."""
-    out = subprocess.run(
-        paramserver_cmd(
-            "launch",
-            "--model",
-            "tests.sparse_models:dlrm_sparse",
-            "--dataset",
-            "clicks",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "256",
-            "--lr",
-            "0.01",
-            "--workers",
-            "2",
-            "--device",
-            "cpu",
-            "--json",
-            "--no-progress",
-            "--runs-dir",
-            str(tmp_path),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    out = launch_clicks(tmp_path, "tests.sparse_models:dlrm_sparse")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["test_auc"] > 0.7
