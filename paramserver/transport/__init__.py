@@ -9,8 +9,9 @@
 - ``health``: the gRPC health service bounded against unauthenticated watchers, and the
   side pool;
 - ``shm``: the shared-memory segments a same-host worker's payloads travel in;
-- ``channels``: the worker's payload channels (``ShmChannel`` with its control-socket
-  client, ``GrpcStreamChannel``), one interface for push, pull and both;
+- ``channels``: the worker's payload channels (``GrpcStreamChannel``, the control-socket
+  client), one interface for push, pull and both;
+- ``shm_channel``: ``ShmChannel``, payloads and table rows through the shared segment;
 - ``ports``: binding the server's gRPC port, a port in use refused in one sentence;
 - ``tcp``: the data port's client (``TcpChannel``), what workers on other hosts step over;
 - ``client``: the ``Channel`` seam, everything a worker's session sends to one server

@@ -28,10 +28,10 @@ from paramserver.transport.channels import (
     ControlSocket,
     GrpcStreamChannel,
     PayloadChannel,
-    ShmChannel,
     new_segment,
     open_control,
 )
+from paramserver.transport.shm_channel import ShmChannel
 from paramserver.transport.stub import Stub, connect
 
 

@@ -233,7 +233,7 @@ class _Stub:
 
 @pytest.mark.parametrize("late", [False, True])
 def test_values_stamped_by_another_pull_are_not_used(late):
-    from paramserver.transport.channels import ShmChannel
+    from paramserver.transport.shm_channel import ShmChannel
 
     segment = shm.Segment(1024, SLOTS, sealed=False, rows_bytes=PART)
     try:
@@ -254,7 +254,7 @@ def test_values_stamped_by_another_pull_are_not_used(late):
 def test_a_push_moved_into_the_segment_leaves_its_header_for_a_retry():
     """The header a retry sends again is the caller's, unchanged; moving it again writes the
     same bytes at the same offsets. Rows that do not all fit stay in the header, all."""
-    from paramserver.transport.channels import ShmChannel
+    from paramserver.transport.shm_channel import ShmChannel
 
     segment = shm.Segment(1024, SLOTS, sealed=False, rows_bytes=PART)
     try:
