@@ -89,6 +89,11 @@ class ServerConfig:
         "--checkpoint-every",
         "With --checkpoint-dir: every N optimizer steps (500) or N seconds (30s, 5m); shards: every N iterations, a consistent cut.",
     )
+    checkpoint_delta_every: int = setting(
+        8,
+        "--checkpoint-delta-every",
+        "Sparse tables: each checkpoint writes only the rows changed since the previous one (a delta); after this many deltas they are merged on disk into one full copy of the rows (0: every checkpoint's rows merged into a full copy).",
+    )
     optimizer_thread: bool = setting(
         False,
         "--optimizer-thread",
@@ -181,6 +186,7 @@ class ServerConfig:
         self._check_ports()
         _positive("--lease-timeout", self.lease_seconds)
         _non_negative("--table-rows", self.table_rows)
+        _non_negative("--checkpoint-delta-every", self.checkpoint_delta_every)
         parse_table_optimizers(self.table_optimizer)
         if self.coalesce not in ("on", "off"):
             raise ConfigError(f"--coalesce must be on or off; got {self.coalesce!r}.")

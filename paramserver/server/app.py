@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
 from paramserver import models
+from paramserver.codec import layout
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig, parse_table_optimizers
 from paramserver.errors import ConfigError
-from paramserver.server import checkpoint
 from paramserver.server.checkpointer import Checkpointer, saved_state
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.dataport import data_port
@@ -31,7 +31,7 @@ from paramserver.server.store import ParameterStore
 from paramserver.sparse.declared import declared_choices
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold
-from paramserver.sparse.tableset import TableSet, table_optimizers
+from paramserver.sparse.tableset import TableSet, table_optimizers, whole_tables
 from paramserver.transport import ports, security, stub
 from paramserver.transport.attachments import Attachments
 from paramserver.transport.health import BoundedHealth
@@ -346,11 +346,14 @@ class ServerApp:
                 "of the model; read every shard with ps.model_state_dict(addresses, model), "
                 "or paramserver export from their checkpoints."
             )
-        return checkpoint.server_model_state_dict(
-            self.coordinator.manifest,
-            self.coordinator.checkpoint_state().as_dict(),
-            table_limit=1 << 62,
-        )
+        c = self.coordinator
+        weights, tables = c.model_state()
+        layouts = c.tables.layouts() if c.tables is not None else {}
+        return {
+            **layout.state_dict(c.manifest, weights),
+            **c.frozen,
+            **whole_tables(layouts, [tables or {}], limit=None),
+        }
 
     def status(self) -> dict[str, Any]:
         """The same figures as the Status RPC, as a dict."""

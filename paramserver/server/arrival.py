@@ -161,8 +161,8 @@ class Arrival:
             self.store.set_buffers(values)
 
     def state(self) -> dict[str, Any]:
-        """The snapshot's model side, copied: weights, optimizer, version, tables, buffers,
-        the batches applied and the rounds."""
+        """The snapshot's model side, copied: weights, optimizer, version, the tables' rows
+        changed since the last snapshot, buffers, the batches applied and the rounds."""
         store, tables = self.store, self.tables
         return {
             "weights": store.weights.copy(),
@@ -171,7 +171,7 @@ class Arrival:
             "rounds": self.rounds,
             "sync_round": self.round.state(),
             "buffers": self.buffers.state(),
-            "tables": tables.state_dict() if tables is not None else None,
+            "tables": tables.take_changes() if tables is not None else None,
             "table_layouts": tables.layouts() if tables is not None else None,
             "row_round": self.row_round.state(),
             "ledger": self.ledger.state(),
@@ -305,7 +305,10 @@ def _made(
     if tables is not None:
         if saved.tables is None:
             raise ValueError("The checkpoint holds no sparse tables, but this model has some.")
-        tables.load_state_dict(saved.tables)
+        if hasattr(saved.tables, "restore"):  # the row files it names (``rowfiles.py``)
+            saved.tables.restore(tables)
+        else:  # an older checkpoint's: every table whole
+            tables.load_state_dict(saved.tables)
     buffers.load(saved.buffers, live)
     ledger = Ledger.from_state(saved.ledger)
     return chosen(

@@ -23,11 +23,13 @@ server needs to go on exactly where it stopped:
     frozen            the names of the frozen parameters in ``model_state_dict`` (constants,
                       so that it loads with ``load_state_dict(strict=True)``)
     counters          pushes_applied, duplicates, skipped, samples, bytes_in, bytes_out, ...
-    tables            sparse tables: {name: {ids, values, state, steps}}, the rows this
-                      server holds and their optimizer state; None without tables
-    table_layouts     {name: {rows, dim, dtype, key, shards}}; a single server's
-                      ``model_state_dict`` also holds each table whole ("NAME.weight",
-                      untouched rows at their seeded initial values) up to 1 GiB a table
+    tables            None (older checkpoints: {name: {ids, values, state, steps}}, every
+                      row held)
+    row_chain         the sparse tables' rows: the row folders beside the file, base first,
+                      then the deltas (``server/rowfiles.py``); None without tables
+    row_sums          {folder: SHA-256 of its manifest.json}
+    table_layouts     {name: {rows, dim, dtype, key, shards}}; the tables are not in
+                      ``model_state_dict`` (``paramserver export`` writes them whole)
     row_round         sync: the row gradients of the round in progress
     ledger            {below, above, applied, repeated}: the server-handed batches this
                       server applied a gradient of (``server/ledger.py``)
@@ -118,42 +120,13 @@ def list_cuts(directory: str | Path, shard: int, shards: int) -> dict[int, Path]
 def save_server(
     directory: str | Path, manifest: layout.Manifest, state: dict[str, Any], name: str = SERVER_FILE
 ) -> Path:
-    """Write a server state (``CoordinatorSnapshot.as_dict()``) to ``directory``: its
-    parameters and buffers, its frozen parameters and, on a single server, its sparse tables
-    whole (``whole_tables``), as ``model_state_dict``."""
+    """Write a server state (``CoordinatorSnapshot.as_dict()``, its tables' rows already in
+    the row folders its ``row_chain`` names) to ``directory``: its parameters and buffers
+    and its frozen parameters as ``model_state_dict``."""
     state = dict(state)
-    model_state_dict = server_model_state_dict(manifest, state)
-    del state["weights"]
     frozen = state.pop("frozen", {})
+    model_state_dict = {**layout.state_dict(manifest, state.pop("weights")), **frozen}
     return save(Path(directory) / name, model_state_dict, frozen=sorted(frozen), **state)
-
-
-_SAID_NOT_WHOLE: set[str] = set()
-
-
-def server_model_state_dict(
-    manifest: layout.Manifest, state: dict[str, Any], table_limit: int | None = None
-) -> dict[str, torch.Tensor]:
-    """The ``model_state_dict`` of a server state: parameters and buffers, frozen
-    parameters, and sparse tables whole (``whole_tables``; tables over ``table_limit``
-    bytes left out, by default 1 GiB)."""
-    from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole, whole_tables
-
-    limit = WHOLE_TABLE_BYTES if table_limit is None else table_limit
-    layouts = state.get("table_layouts") or {}
-    tables = whole_tables(layouts, [state.get("tables") or {}], limit)
-    for name, lay in layouts.items():
-        why = too_large_for_whole(lay["rows"], lay["dim"], lay["dtype"], limit)
-        if why and name not in _SAID_NOT_WHOLE:  # once a table: checkpoints come often
-            _SAID_NOT_WHOLE.add(name)
-            log.warning(
-                "table %r is not in the checkpoint's model_state_dict (%s): its rows are "
-                "in the checkpoint's tables, which the servers resume from",
-                name,
-                why,
-            )
-    frozen = state.get("frozen", {})
-    return {**layout.state_dict(manifest, state["weights"]), **frozen, **tables}
 
 
 def load_server(
@@ -173,7 +146,8 @@ def load_server(
         raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
     if state.get("format") != FORMAT or "optimizer_state" not in state:
         raise ConfigError(f"{path} is not a paramserver server checkpoint.")
-    frozen = set(state.get("frozen", ())) | {f"{t}.weight" for t in state.get("tables") or {}}
+    tables = set(state.get("tables") or {}) | set(state.get("table_layouts") or {})
+    frozen = set(state.get("frozen", ())) | {f"{t}.weight" for t in tables}
     weights = {n: t for n, t in state["model_state_dict"].items() if n not in frozen}
     roles = {s.name: s.role for s in manifest.tensors}
     named = sorted(weights.items(), key=lambda kv: layout.ROLES.index(roles.get(kv[0], "param")))
@@ -184,4 +158,14 @@ def load_server(
     manifest.check_compatible(saved, f"the checkpoint {path}")
     flat = torch.empty(manifest.numel, dtype=manifest.torch_dtype)
     layout.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)
-    return state, flat.numpy()
+    return with_rows(state, path), flat.numpy()
+
+
+def with_rows(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A checkpoint's state read from ``path``, its ``tables`` the row folders its
+    ``row_chain`` names beside it (``rowfiles.RowChain``, read when used)."""
+    if state.get("row_chain") is not None:
+        from paramserver.server.rowfiles import RowChain
+
+        state["tables"] = RowChain(path.parent, state["row_chain"], state.get("row_sums"))
+    return state

@@ -14,7 +14,6 @@ disk. Nothing the loop meets ends the thread.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import resource
@@ -28,6 +27,7 @@ from paramserver.config import parse_every
 from paramserver.errors import OutOfOrder
 from paramserver.server import checkpoint
 from paramserver.server.coordinator import Coordinator
+from paramserver.server.rowlog import RowLog
 from paramserver.server.state import CoordinatorSnapshot
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,19 @@ class Checkpointer:
             ):
                 coordinator.saving.cut_on_disk(coordinator.cuts.last)  # resumed from it
         self.on_health = on_health
+        # the tables' row folders (``rowlog.py``): each write's changed rows
+        self.rows = (
+            RowLog(
+                self.directory,
+                self.shard,
+                self.shards,
+                coordinator.saving.rows,
+                cfg.checkpoint_delta_every,
+            )
+            if coordinator.tables is not None
+            else None
+        )
+        self._unsaved: CoordinatorSnapshot | None = None  # taken, its write failed
         self._lock = threading.RLock()  # one writer at a time
         self._stop = threading.Event()
         self._last_version = coordinator.store.version
@@ -199,7 +212,13 @@ class Checkpointer:
         with self._lock:
             started = time.perf_counter()
             path = self._writing = self.directory / name
-            checkpoint.save_server(self.directory, self.coordinator.manifest, state.as_dict(), name)
+            saved = state.as_dict()
+            if self.rows is not None and state.tables is not None:
+                self._writing = self.directory / "rows"
+                chain, sums = self.rows.write(state.tables, state.table_layouts or {})
+                saved.update(tables=None, row_chain=chain, row_sums=sums)
+                self._writing = path
+            checkpoint.save_server(self.directory, self.coordinator.manifest, saved, name)
             self._last_version = max(self._last_version, state.version)
             self.coordinator.saving.saved(state.version, time.time())
             log.info(
@@ -218,17 +237,27 @@ class Checkpointer:
         cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
         for old in self.coordinator.cuts.deletable(cuts):
             cuts[old].unlink(missing_ok=True)
+        if self.rows is not None:
+            self.rows.collect()
 
     def save(self) -> int:
-        """Write a checkpoint now; returns its version."""
-        state = self.coordinator.checkpoint_state()
-        self._write(state, checkpoint.server_file(self.shard, self.shards), "checkpoint")
+        """Write a checkpoint now; returns its version. A state taken whose write failed
+        is written first: the rows it changed are in no later state."""
+        name = checkpoint.server_file(self.shard, self.shards)
+        if self._unsaved is not None:
+            self._write(self._unsaved, name, "checkpoint")
+            self._unsaved = None
+        state = self._unsaved = self.coordinator.checkpoint_state()
+        self._write(state, name, "checkpoint")
+        self._unsaved = None
+        if self.rows is not None:
+            self.rows.collect()
         return state.version
 
     def rewind(self, round_: int, incarnation: str) -> None:
         """Go back to this shard's cut at sync round ``round_`` (another shard restarted
-        from it), as a new incarnation: the cut on disk, or the one taken and not yet
-        written.
+        from it), as a new incarnation, read from disk (a cut taken and not yet written is
+        written first, with those before it: its rows are a delta of theirs).
 
         Raises:
             WrongIncarnation: ``incarnation`` is not the current one: a rewind (or a restart)
@@ -237,11 +266,11 @@ class Checkpointer:
         """
         with self._lock:
             self.coordinator.check_incarnation(incarnation)
+            if self.coordinator.saving.pending_cut(round_) is not None:
+                self.write_cuts()  # its rows are on disk only with the cuts before it
             cuts = checkpoint.list_cuts(self.directory, self.shard, self.shards)
-            saved = self.coordinator.saving.pending_cut(round_)
-            if saved is not None:
-                saved = copy.deepcopy(saved)  # it may still be written: keep it apart
-            elif round_ in cuts:
+            saved = None
+            if round_ in cuts:
                 loaded = checkpoint.load_server(
                     self.directory, self.coordinator.manifest, cuts[round_].name
                 )
@@ -257,6 +286,9 @@ class Checkpointer:
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
                 cuts.pop(later).unlink(missing_ok=True)
             self.coordinator.rewind(saved, on_disk=cuts)
+            if self.rows is not None:
+                self.rows.follow(saved.row_chain or [], saved.row_sums or {})
+                self.rows.collect()
             log.warning(
                 "rewound from round %s to the cut at round %d (incarnation %s)",
                 was,

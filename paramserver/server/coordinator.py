@@ -107,7 +107,8 @@ class Coordinator:
             )
         self.members = Members.restored(self.config, self._now, s)
         self.arrival = self._arrival(s)
-        self.saving.resumed(s.cut, s.version)
+        rows = (list(s.row_chain), dict(s.row_sums or {})) if s.row_chain is not None else None
+        self.saving.resumed(s.cut, s.version, rows)
         self.counters.load(s.counters)
         log.info(
             "resumed from incarnation %s at version %d with %d workers",
@@ -357,6 +358,15 @@ class Coordinator:
             if self.applies.drain():
                 self._published()  # a cut may fall now: it is taken before this state
             return self._snapshot(self.cuts.last)
+
+    def model_state(self) -> tuple[np.ndarray, dict[str, Any] | None]:
+        """The flat weights and every table whole (``TableSet.state_dict``), copied; what a
+        checkpoint takes (the tables' changes) is left as it is."""
+        with self.applies.lock, self._cond:
+            if self.applies.drain():
+                self._published()
+            tables = self.tables.state_dict() if self.tables is not None else None
+            return self.store.weights.copy(), tables
 
     def _snapshot(self, cut: int) -> CoordinatorSnapshot:
         """Everything a resumed server needs, copied; the caller holds the lock."""

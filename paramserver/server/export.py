@@ -117,7 +117,7 @@ def files(directory: str | Path, round_: int | None = None) -> tuple[list[Path],
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        return checkpoint.load(path)
+        return checkpoint.with_rows(checkpoint.load(path), path)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
         raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
 

@@ -31,6 +31,8 @@ class Saving:
         self._cond = cond
         self.cuts: Cuts[CoordinatorSnapshot] = Cuts(synchronous=in_rounds)
         self.saves = Saves()  # the checkpointer's writes: the last one, failures
+        # the row folders of the state taken over (``resumed``): the next row delta's parent
+        self.rows: tuple[list[str], dict[str, str]] | None = None
 
     def schedule(self, every: int | None) -> None:
         """Cut every ``every`` iterations (sync: rounds); None: never (the default)."""
@@ -41,10 +43,14 @@ class Saving:
         """Keep the state taken at ``cut`` until it is on disk (the caller holds the lock)."""
         self.cuts.take(cut, snapshot)
 
-    def resumed(self, cut: int, version: int) -> None:
-        """The coordinator took over a snapshot of ``version``, whose last cut was ``cut``."""
+    def resumed(
+        self, cut: int, version: int, rows: tuple[list[str], dict[str, str]] | None = None
+    ) -> None:
+        """The coordinator took over a snapshot of ``version``, whose last cut was ``cut``
+        (``rows``: the row folders its tables came from, and their checksums)."""
         self.cuts.last = cut
         self.saves.version = version
+        self.rows = rows
 
     def rewound(self, cut: int, on_disk: Iterable[int]) -> None:
         """Back at the cut at ``cut``: the cuts after it are abandoned (``on_disk``: those

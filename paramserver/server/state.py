@@ -35,10 +35,15 @@ class CoordinatorSnapshot:
     buffers: dict[str, Any]  # SharedBuffers.state(): each worker's latest values
     counters: dict[str, int]  # Counters.state()
     frozen: dict[str, Any]  # the frozen parameters; a checkpoint file keeps their names
-    tables: dict[str, Any] | None  # TableSet.state_dict(); None: no sparse tables
+    # the sparse tables (None: none): as taken, each table's changes since the last
+    # snapshot (TableSet.take_changes); as read, the row files they are in (a
+    # rowfiles.RowChain), or in older checkpoints every table whole (TableSet.state_dict())
+    tables: Any
     table_layouts: dict[str, Any] | None  # TableSet.layouts()
     row_round: dict[str, Any]  # RowRound.state(): the round's row gradients
     ledger: dict[str, Any] | None  # Ledger.state(); None in checkpoints from before it
+    row_chain: list[str] | None = None  # the row folders of the tables, base first
+    row_sums: dict[str, str] | None = None  # their manifests' SHA-256
 
     KEYS: ClassVar[tuple[str, ...]]
 
@@ -80,6 +85,8 @@ class CoordinatorSnapshot:
             table_layouts=state.get("table_layouts"),
             row_round=state.get("row_round") or {},
             ledger=state.get("ledger"),
+            row_chain=state.get("row_chain"),
+            row_sums=state.get("row_sums"),
         )
 
 

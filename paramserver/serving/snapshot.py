@@ -15,9 +15,10 @@ each table only the rows that changed since the chain's last snapshot, and the i
 that the run no longer holds (``I.evicted.npy``); its manifest names its base (the last
 snapshot's version and the SHA-256 of its manifest). ``served.load`` applies them in order.
 
-Streamed: a shard's checkpoint is mapped, not read, and its rows are written a chunk of
-``CHUNK_ROWS`` at a time, so a table larger than memory is exported with memory for its
-ids' order (8 bytes a row) and one chunk. The manifest is written last, atomically: a
+Streamed: a shard's rows are read from its row files (``server/rowfiles.py``) a chunk at a
+time, merged in id order, and written so, so a table larger than memory is exported with
+memory for a few chunks (a delta also keeps the ids held, 8 bytes a row, to find those
+gone). The manifest is written last, atomically: a
 folder without one, or whose files do not match it, is not a snapshot.
 """
 
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ import torch
 
 from paramserver import models
 from paramserver.errors import ConfigError
+from paramserver.server import checkpoint
 from paramserver.server import export as exporting
 from paramserver.serving.layers import (
     FORMAT,
@@ -56,44 +59,70 @@ def _entry(root: Path, path: Path) -> dict[str, Any]:
     }
 
 
+def _blocks(state: dict[str, Any], name: str) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    """A shard's rows of table ``name``, ids ascending, a chunk at a time: from its row
+    files (``rowfiles.RowChain.merged``), or an older checkpoint's mapped ``tables``."""
+    tables = state["tables"]
+    if hasattr(tables, "merged"):
+        for block in tables.merged(name):
+            yield block.ids, block.values
+        return
+    held = tables[name]
+    ids, values = held["ids"].numpy(), held["values"]
+    order = np.argsort(ids, kind="stable")
+    for lo in range(0, len(order), CHUNK_ROWS):
+        take = order[lo : lo + CHUNK_ROWS]
+        yield ids[take], values[torch.from_numpy(take)]
+
+
+def _npy(raw: Path, out: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+    """``out``: the ``.npy`` of the raw array in ``raw`` (copied a MiB at a time), which goes."""
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    with open(out, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        with open(raw, "rb") as r:
+            shutil.copyfileobj(r, f, 1 << 20)
+    raw.unlink()
+
+
 def _write_rows(
-    root: Path, name: str, shard: int, held: dict[str, Any], base: ShardRows | None
+    root: Path,
+    name: str,
+    shard: int,
+    blocks: Iterator[tuple[np.ndarray, torch.Tensor]],
+    lay: dict[str, Any],
+    base: ShardRows | None,
 ) -> dict[str, Any]:
-    """Shard ``shard``'s rows of table ``name`` (its checkpoint's ``ids`` and ``values``,
-    mapped) as sorted ids and their values, a chunk at a time; against ``base`` (a delta):
-    only the rows that differ from it, and the ids it held that are gone."""
+    """Shard ``shard``'s rows of table ``name`` (``blocks``: ids ascending, a chunk at a
+    time) as sorted ids and their values; against ``base`` (a delta): only the rows that
+    differ from it, and the ids it held that are gone."""
     folder = root / "tables" / name
     folder.mkdir(parents=True, exist_ok=True)
-    ids = held["ids"].numpy()
-    values = held["values"]
-    order = np.argsort(ids, kind="stable")
+    ids_path, values_path = folder / f"{shard}.ids.npy", folder / f"{shard}.values.npy"
+    ids_raw, values_raw = folder / f".{shard}.ids.raw", folder / f".{shard}.values.raw"
+    every, count = [], 0
+    dtype = np.dtype(str(lay["dtype"]))
+    with open(ids_raw, "wb") as fi, open(values_raw, "wb") as fv:
+        for ids, values in blocks:
+            rows = values.numpy()
+            if base is not None:  # which rows differ from the chain's
+                every.append(ids)
+                old, found = base.resolve(ids)
+                keep = ~found | (old != rows).any(axis=1)
+                ids, rows = ids[keep], rows[keep]
+            fi.write(np.ascontiguousarray(ids, np.int64).tobytes())
+            fv.write(np.ascontiguousarray(rows, dtype).tobytes())
+            count += len(ids)
+    _npy(ids_raw, ids_path, np.dtype(np.int64), (count,))
+    _npy(values_raw, values_path, dtype, (count, int(lay["dim"])))
     entry: dict[str, Any] = {}
-    if base is not None:  # which rows differ from the chain's, a chunk at a time
-        keep = np.zeros(len(order), bool)
-        for lo in range(0, len(order), CHUNK_ROWS):
-            take = order[lo : lo + CHUNK_ROWS]
-            old, found = base.resolve(ids[take])
-            new = values[torch.from_numpy(take)].numpy()
-            keep[lo : lo + len(take)] = ~found | (old != new).any(axis=1)
-        gone = np.setdiff1d(base.held(), ids)
-        order = order[keep]
+    if base is not None:
+        held = np.concatenate(every) if every else np.empty(0, np.int64)
+        gone = np.setdiff1d(base.held(), held)
         evicted_path = folder / f"{shard}.evicted.npy"
         np.save(evicted_path, gone)
         entry["evicted"] = _entry(root, evicted_path)
-    ids_path, values_path = folder / f"{shard}.ids.npy", folder / f"{shard}.values.npy"
-    np.save(ids_path, ids[order])
-    out = np.lib.format.open_memmap(
-        values_path,
-        mode="w+",
-        dtype=str(values.dtype).removeprefix("torch."),
-        shape=(len(order), *tuple(values.shape)[1:]),
-    )
-    for lo in range(0, len(order), CHUNK_ROWS):
-        rows = torch.from_numpy(order[lo : lo + CHUNK_ROWS])
-        out[lo : lo + len(rows)] = values[rows].numpy()
-    out.flush()
-    del out
-    entry.update(rows=len(order), ids=_entry(root, ids_path), values=_entry(root, values_path))
+    entry.update(rows=count, ids=_entry(root, ids_path), values=_entry(root, values_path))
     return entry
 
 
@@ -139,7 +168,7 @@ def write(
         shards = []
         for i, s in enumerate(states):
             base = _base_rows(chain, name, i, lay) if chain else None
-            shards.append(_write_rows(root, name, i, s["tables"][name], base))
+            shards.append(_write_rows(root, name, i, _blocks(s, name), lay, base))
         tables[name] = {**{k: lay[k] for k in ("rows", "dim", "dtype", "key")}, "shards": shards}
         tables[name]["init"] = lay.get("init", "normal")
     version = max(int(s["version"]) for s in states)
@@ -201,6 +230,7 @@ def _base_rows(
 
 def _mapped(path: Path) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # type: ignore[no-any-return]
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return checkpoint.with_rows(state, path)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
         raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc

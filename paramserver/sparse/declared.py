@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.codec.rows import DTYPES, TableSpec
+from paramserver.sparse import tablestate
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init
@@ -168,7 +169,7 @@ class Embedding(RowLookup):
         if self._local is not None or self._pending:
             local = self.local
             if local.held:
-                destination[prefix + "rows"] = local.state_dict()
+                destination[prefix + "rows"] = tablestate.state_dict(local)
 
     def _load_from_state_dict(  # type: ignore[no-untyped-def]
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
@@ -179,7 +180,7 @@ class Embedding(RowLookup):
         saved = state_dict.get(prefix + "rows")
         if saved is not None:
             self._pending = []
-            self.local.load_state_dict(saved)
+            tablestate.load_state_dict(self.local, saved)
         weight = state_dict.get(prefix + "weight")
         if weight is None:
             return

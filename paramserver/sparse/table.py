@@ -120,6 +120,11 @@ class ShardTable:
         self._swept = 0  # the step of the last TTL sweep
         self.hits = np.zeros(reserve, np.int32)  # pushes applied to the row in each slot
         self.last = np.zeros(reserve, np.int32)  # the step of the last one
+        # since the last checkpoint took the changes (``tablestate.take_changes``): the
+        # slots written, each slot's id, and the ids evicted
+        self.changed = np.zeros(reserve, bool)
+        self.slot_ids = np.zeros(reserve, np.int64)
+        self.removed: list[np.ndarray] = []
 
     @property
     def held(self) -> int:
@@ -133,6 +138,8 @@ class ShardTable:
             sum(t.numel() * t.element_size() for t in arrays)
             + self.hits.nbytes
             + self.last.nbytes
+            + self.changed.nbytes
+            + self.slot_ids.nbytes
             + self.index.nbytes()
             + (self.sketch.counts.nbytes if self.sketch is not None else 0)
         )
@@ -215,6 +222,8 @@ class ShardTable:
         for s in self.state:
             s[at] = self.optimizer.config.initial_state()
         self.hits[slots] = 0
+        self.slot_ids[slots] = ids
+        self.changed[slots] = True
         self.tally.create(ids)
         return slots
 
@@ -235,6 +244,8 @@ class ShardTable:
         self.state = [grown(s) for s in self.state]
         self.hits = _grown_counts(self.hits, size)
         self.last = _grown_counts(self.last, size)
+        self.changed = _grown_counts(self.changed, size)
+        self.slot_ids = _grown_counts(self.slot_ids, size)
 
     def _evict(self, count: int, spared_ids: np.ndarray, step: int, ttl: bool) -> None:
         """Evict ``count`` rows by the lifecycle's policy (``ttl``: those past their TTL at
@@ -250,6 +261,8 @@ class ShardTable:
         if len(gone):
             self.index.remove(held[gone])
             self.tally.evict(held[gone])
+            self.changed[slots[gone]] = False
+            self.removed.append(held[gone])
 
     def tick(self, step: int, spared: np.ndarray | None = None) -> None:
         """The server's ``step`` has come: evict the rows past their TTL if a sweep is due
@@ -321,6 +334,7 @@ class ShardTable:
             return
         self.hits[slots] = np.minimum(self.hits[slots].astype(np.int64) + 1, 2**31 - 1)
         self.last[slots] = min(now, 2**31 - 1)
+        self.changed[slots] = True
         self.optimizer.step(self.values, self.state, torch.from_numpy(slots), grads, lr)
 
     def read(self, ids: Any) -> torch.Tensor:
@@ -341,56 +355,9 @@ class ShardTable:
         for s in self.state:
             s[at] = self.optimizer.config.initial_state()
         self.last[slots] = self.optimizer.steps
+        self.changed[slots] = True
         over = len(self.index) - self.lifecycle.capacity
         if self.lifecycle.bounded and over > 0:  # rows past the capacity go, as it says
             self._evict(over, np.empty(0, np.int64), self.optimizer.steps, False)
 
-    # --- saving -----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        ids, slots = self.index.items()
-        take = torch.from_numpy(slots)
-        return {
-            "ids": torch.from_numpy(ids),
-            "values": self.values[take].clone(),
-            "state": [s[take].clone() for s in self.state],
-            "steps": self.optimizer.steps,
-            "hits": torch.from_numpy(self.hits[slots].copy()),
-            "last": torch.from_numpy(self.last[slots].copy()),
-            "tally": self.tally.saved(),
-            "swept": self._swept,
-            "sketch": None if self.sketch is None else torch.from_numpy(self.sketch.counts.copy()),
-        }
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        ids = self.check_ids(saved["ids"].numpy(), "A restored table")
-        states = list(saved["state"])
-        if self.optimizer.config.name == "adam" and len(states) == 2:
-            # a checkpoint from before adam counted each row's steps: the table's, for all
-            states.append(torch.full((len(ids), 1), int(saved["steps"]), dtype=torch.int64))
-        if len(states) != len(self.state):
-            raise ValueError(
-                f"Table {self.spec.name!r}: the saved optimizer state does not "
-                f"match {self.optimizer.config.name}."
-            )
-        self.index = RowIndex(max(1024, len(ids)))
-        at = self.index.insert(ids)
-        slots = torch.from_numpy(at)
-        self._reserve(len(ids))
-        self.values[slots] = saved["values"].to(self.values.dtype)
-        for mine, theirs in zip(self.state, states, strict=True):
-            mine[slots] = theirs.to(mine.dtype)
-        self.optimizer.steps = int(saved["steps"])
-        # checkpoints from before the lifecycle: one push each, at the table's last step
-        hits, last = saved.get("hits"), saved.get("last")
-        self.hits[at] = hits.numpy() if hits is not None else 1
-        self.last[at] = last.numpy() if last is not None else self.optimizer.steps
-        self.tally.load(saved.get("tally", {"admitted": len(ids)}))
-        self._swept = int(saved.get("swept", 0))
-        sketch = saved.get("sketch")
-        if (
-            self.sketch is not None
-            and sketch is not None
-            and len(sketch) == len(self.sketch.counts)
-        ):
-            self.sketch.counts[:] = sketch.numpy()
+    # saving and restoring: ``tablestate.py``

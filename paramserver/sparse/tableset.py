@@ -25,10 +25,12 @@ import torch
 
 from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.errors import ConfigError, InvalidRequest
+from paramserver.sparse import tablestate
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows
 from paramserver.sparse.table import Lookup, Prepared, ShardTable
+from paramserver.sparse.tablestate import TableChanges
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,12 @@ class TableSet:
         return {name: {"rows": t.held, **t.tally.state()} for name, t in self.tables.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: t.state_dict() for name, t in self.tables.items()}
+        """Every table whole, copied (``model_state_dict``; checkpoints take changes)."""
+        return {name: tablestate.state_dict(t) for name, t in self.tables.items()}
+
+    def take_changes(self) -> dict[str, TableChanges]:
+        """Each table's rows changed since the last take (``tablestate.take_changes``)."""
+        return {name: tablestate.take_changes(t) for name, t in self.tables.items()}
 
     def layouts(self) -> dict[str, dict[str, Any]]:
         """What ``whole_tables`` needs besides the rows: each table's size, dtype and key,
@@ -232,7 +239,7 @@ class TableSet:
                 f"The saved tables {sorted(saved)} are not this run's {sorted(self.tables)}."
             )
         for name, table in self.tables.items():
-            table.load_state_dict(saved[name])
+            tablestate.load_state_dict(table, saved[name])
 
 
 def finite(checked: Iterable[RowGradients]) -> bool:
@@ -300,11 +307,12 @@ def too_large_for_whole(rows: int, dim: int, dtype: str, limit: int | None) -> s
 
 def whole_tables(
     layouts: dict[str, dict[str, Any]],
-    saved: Sequence[dict[str, Any]],
+    saved: Sequence[Any],
     limit: int | None = WHOLE_TABLE_BYTES,
 ) -> dict[str, torch.Tensor]:
-    """``{"NAME.weight": the whole table}`` from the ``state_dict`` of every shard (``saved``,
-    one a shard): their rows where touched, the seeded initial values elsewhere. Empty
+    """``{"NAME.weight": the whole table}`` from every shard's rows (``saved``, one a shard:
+    a ``state_dict``, or row files read a chunk at a time, ``rowfiles.RowChain``): their
+    rows where touched, the seeded initial values elsewhere. Empty
     when ``saved`` lacks a shard (a shard of several holds a part of each table), and for
     tables over ``limit`` bytes (None: no limit), and unbounded tables (rows 0)."""
     out = {}
@@ -321,7 +329,11 @@ def whole_tables(
                 initial_rows(np.uint64(lay["key"]), ids, dim, lay["dtype"], init)
             )
         for shard in saved:
-            held = shard[name]
-            table[held["ids"]] = held["values"].to(table.dtype)
+            if hasattr(shard, "merged"):  # row files, read a chunk at a time
+                for block in shard.merged(name):
+                    table[torch.from_numpy(block.ids)] = block.values.to(table.dtype)
+            else:
+                held = shard[name]
+                table[held["ids"]] = held["values"].to(table.dtype)
         out[f"{name}.weight"] = table
     return out

@@ -297,9 +297,16 @@ def test_a_sharded_async_run_whose_shard_is_killed_applies_every_batch_once_on_b
 
 def test_a_sharded_run_with_tables_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_path):
     """The cuts hold each shard's rows of the tables and their sync round: after the crash
-    and the rewind, the dense part and every table end as in the uninterrupted run."""
+    and the rewind, the dense part and every table end as in the uninterrupted run. The
+    rows come back from a base and the deltas after it (``server/rowfiles.py``): the
+    restarted shard read at least one delta, and so did shard 0's rewind."""
     clean, _ = _run(tmp_path, "tables-clean", crash=False, what=TABLES)
     crashed, statuses = _run(tmp_path, "tables-crash", crash=True, what=TABLES)
+    for log_name in ("tables-crash-shard1-2.log", "tables-crash-shard0-1.log"):
+        restored = re.findall(
+            r"restored from .*: a base and (\d+) deltas", (tmp_path / log_name).read_text()
+        )
+        assert restored and int(restored[-1]) >= 1, (log_name, restored)
     for st in statuses:
         assert st.rounds == ROUNDS
         assert st.rows_held > 0

@@ -17,6 +17,7 @@ from torch import nn
 import paramserver as ps
 from paramserver.codec import rows as sparse_wire
 from paramserver.server import checkpoint
+from paramserver.sparse import tablestate
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
 from paramserver.training import clicks
@@ -251,7 +252,7 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     )
     assert resumed.coordinator.tables.held == held
     torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
-    saved = resumed.coordinator.tables.table("emb").state_dict()
+    saved = tablestate.state_dict(resumed.coordinator.tables.table("emb"))
     # lazy adam's moments and each row's steps came back
     assert saved["steps"] == 5 and len(saved["state"]) == 3
     assert int(saved["state"][2].max()) <= 5

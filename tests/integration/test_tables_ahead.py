@@ -184,10 +184,12 @@ def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap
 
 
 def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, monkeypatch):
-    """``ServerApp.model_state_dict()`` and a single server's checkpoint load strictly into
-    the model, tables whole; a shard of several says it holds a part. Row pulls larger than
-    a request's share (here 3 rows) go as several requests."""
-    from paramserver.server import checkpoint
+    """``ServerApp.model_state_dict()`` loads strictly into the model, tables whole, and so
+    does a single server's checkpoint with its row files (``export.assemble``; the file
+    alone holds the dense part, its tables are in the row folders beside it); a shard of
+    several says it holds a part. Row pulls larger than a request's share (here 3 rows) go
+    as several requests."""
+    from paramserver.server import checkpoint, export
 
     monkeypatch.setattr(remote, "PULL_BYTES", 3 * 8 * 4)  # 3 rows of DIM 8 float32
     torch.manual_seed(6)
@@ -206,9 +208,11 @@ def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, mo
     torch.testing.assert_close(fresh.bag.weight.detach(), _table([server], "bag"), rtol=0, atol=0)
     torch.testing.assert_close(fresh.head.weight, model.head.weight)
     server.stop()  # writes a last checkpoint
-    saved = checkpoint.load(tmp_path / checkpoint.SERVER_FILE)
+    path = tmp_path / checkpoint.SERVER_FILE
+    saved = checkpoint.with_rows(checkpoint.load(path), path)
+    assert not {"emb.weight", "bag.weight"} & set(saved["model_state_dict"])
     again = Clicky()
-    again.load_state_dict(saved["model_state_dict"], strict=True)
+    again.load_state_dict(export.assemble(Clicky(), [saved]), strict=True)
     torch.testing.assert_close(again.emb.weight, fresh.emb.weight, rtol=0, atol=0)
     shard = serve(Clicky(), optimizer="sgd", workers=1, shard=0, shards=2)
     with pytest.raises(ps.ConfigError, match="holds a part"):

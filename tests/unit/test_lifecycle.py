@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from paramserver.errors import ConfigError, InvalidRequest
+from paramserver.sparse import tablestate
 from paramserver.sparse.lifecycle import Lifecycle, Sketch
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows, table_key
@@ -115,9 +116,9 @@ def test_counters_and_the_sketch_survive_a_checkpoint():
     t = table(Lifecycle(admit_after=2, capacity=8))
     for step in range(1, 7):
         push(t, [step, step + 1, 100 + step], step)
-    saved = t.state_dict()
+    saved = tablestate.state_dict(t)
     back = table(Lifecycle(admit_after=2, capacity=8))
-    back.load_state_dict(saved)
+    tablestate.load_state_dict(back, saved)
     ids, slots = t.index.items()
     ids2, slots2 = back.index.items()
     order, order2 = np.argsort(ids), np.argsort(ids2)
@@ -177,9 +178,9 @@ def test_a_checkpoint_resumes_the_lifecycle_as_if_never_stopped():
             first.push(ids, g, step)
         resumed = table(life, rows=0)
         buffer = io.BytesIO()
-        torch.save(first.state_dict(), buffer)  # as a checkpoint is written and read
+        torch.save(tablestate.state_dict(first), buffer)  # as a checkpoint is written and read
         buffer.seek(0)
-        resumed.load_state_dict(torch.load(buffer, weights_only=True))
+        tablestate.load_state_dict(resumed, torch.load(buffer, weights_only=True))
         for step, (ids, g) in enumerate(zip(pushes[60:], grads[60:], strict=True), start=61):
             whole.push(ids, g, step)
             resumed.push(ids, g, step)

@@ -1,0 +1,98 @@
+"""A shard's chain of row folders as its checkpointer writes them (``rowfiles.py`` holds
+the format): each snapshot's table changes go into a new folder whose parent is the
+previous one; after ``full_every`` deltas the chain is merged on disk into one base
+(``--checkpoint-delta-every``); folders no checkpoint file names any more are removed.
+
+The chain a checkpoint file names is the chain at the time its snapshot was written, and
+snapshots are written in the order they were taken, so every delta's parent holds the rows
+as they were when its changes began. A snapshot written again (its checkpoint file failed
+after its rows were written) reuses the folder written for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver.server import rowfiles
+from paramserver.server.rowfiles import RowChain
+
+log = logging.getLogger("paramserver.server.checkpointer")
+
+
+class RowLog:
+    """Shard ``shard`` of ``shards``'s row folders in ``directory``.
+
+    Args:
+        resumed: the chain (names, their manifests' SHA-256) of the state the server
+            resumed from; None: a fresh start.
+        full_every: deltas written before the chain is merged into a new base (0: every
+            checkpoint's rows are merged into a base).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        shard: int,
+        shards: int,
+        resumed: tuple[list[str], dict[str, str]] | None,
+        full_every: int,
+    ):
+        self.directory, self.shard, self.shards = directory, shard, shards
+        self.full_every = full_every
+        self.chain, self.sums = resumed if resumed is not None else ([], {})
+        found = rowfiles.existing(directory, shard, shards)
+        self.seq = max(found, default=0) + 1
+        self._written: tuple[Any, list[str], dict[str, str]] | None = None
+        self.merges = 0
+
+    def follow(self, chain: list[str], sums: dict[str, str]) -> None:
+        """Go on from ``chain`` (a rewind to a cut that names it)."""
+        self.chain, self.sums = list(chain), dict(sums)
+        self._written = None
+
+    def write(self, changes: Any, layouts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        """Write ``changes`` (a snapshot's ``tables``) as the chain's next folder, merged into
+        a base when due; returns the chain a checkpoint of it names and the checksums."""
+        if self._written is not None and self._written[0] is changes:
+            return self._written[1], self._written[2]
+        parent = self.chain[-1] if self.chain else None
+        name, sha = rowfiles.write_changes(
+            self.directory, self.shard, self.shards, self.seq, parent, changes, layouts
+        )
+        self.seq += 1
+        self.chain = [*self.chain, name]
+        self.sums = {**{n: self.sums[n] for n in self.chain[:-1] if n in self.sums}, name: sha}
+        if len(self.chain) > max(self.full_every, 1):
+            self._merge()
+        self._written = (changes, list(self.chain), dict(self.sums))
+        return list(self.chain), dict(self.sums)
+
+    def _merge(self) -> None:
+        started = time.perf_counter()
+        chain = RowChain(self.directory, self.chain, self.sums)
+        name, sha = rowfiles.compact(self.directory, chain, self.shard, self.shards, self.seq)
+        self.seq += 1
+        self.chain, self.sums = [name], {name: sha}
+        self.merges += 1
+        log.info(
+            "rows of %d folders merged into %s in %.2fs",
+            len(chain.names),
+            name,
+            time.perf_counter() - started,
+        )
+
+    def collect(self) -> None:
+        """Remove the row folders that neither the chain nor a checkpoint file on disk names."""
+        keep = set(self.chain)
+        for path in self.directory.glob("server-*.pt"):
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:  # noqa: BLE001 - a file being replaced: keep everything
+                return
+            keep.update(saved.get("row_chain") or ())
+        rowfiles.collect(self.directory, self.shard, self.shards, keep)
