@@ -163,9 +163,9 @@ def load_server(
 
 def with_rows(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """A checkpoint's state read from ``path``, its ``tables`` the row folders its
-    ``row_chain`` names beside it (``rowfiles.RowChain``, read when used)."""
+    ``row_chain`` names beside it (``rowchain.RowChain``, read when used)."""
     if state.get("row_chain") is not None:
-        from paramserver.server.rowfiles import RowChain
+        from paramserver.server.rowchain import RowChain
 
         state["tables"] = RowChain(path.parent, state["row_chain"], state.get("row_sums"))
     return state

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from paramserver.server import rowfiles
-from paramserver.server.rowfiles import RowChain
+from paramserver.server.rowchain import RowChain
 
 log = logging.getLogger("paramserver.server.checkpointer")
 

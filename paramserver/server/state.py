@@ -37,7 +37,7 @@ class CoordinatorSnapshot:
     frozen: dict[str, Any]  # the frozen parameters; a checkpoint file keeps their names
     # the sparse tables (None: none): as taken, each table's changes since the last
     # snapshot (TableSet.take_changes); as read, the row files they are in (a
-    # rowfiles.RowChain), or in older checkpoints every table whole (TableSet.state_dict())
+    # rowchain.RowChain), or in older checkpoints every table whole (TableSet.state_dict())
     tables: Any
     table_layouts: dict[str, Any] | None  # TableSet.layouts()
     row_round: dict[str, Any]  # RowRound.state(): the round's row gradients

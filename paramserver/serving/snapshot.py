@@ -61,7 +61,7 @@ def _entry(root: Path, path: Path) -> dict[str, Any]:
 
 def _blocks(state: dict[str, Any], name: str) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
     """A shard's rows of table ``name``, ids ascending, a chunk at a time: from its row
-    files (``rowfiles.RowChain.merged``), or an older checkpoint's mapped ``tables``."""
+    files (``rowchain.RowChain.merged``), or an older checkpoint's mapped ``tables``."""
     tables = state["tables"]
     if hasattr(tables, "merged"):
         for block in tables.merged(name):

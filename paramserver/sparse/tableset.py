@@ -311,7 +311,7 @@ def whole_tables(
     limit: int | None = WHOLE_TABLE_BYTES,
 ) -> dict[str, torch.Tensor]:
     """``{"NAME.weight": the whole table}`` from every shard's rows (``saved``, one a shard:
-    a ``state_dict``, or row files read a chunk at a time, ``rowfiles.RowChain``): their
+    a ``state_dict``, or row files read a chunk at a time, ``rowchain.RowChain``): their
     rows where touched, the seeded initial values elsewhere. Empty
     when ``saved`` lacks a shard (a shard of several holds a part of each table), and for
     tables over ``limit`` bytes (None: no limit), and unbounded tables (rows 0)."""

@@ -16,7 +16,7 @@ import torch
 
 from paramserver.errors import ConfigError
 from paramserver.server import rowfiles
-from paramserver.server.rowfiles import Folder, RowChain
+from paramserver.server.rowchain import Folder, RowChain
 from paramserver.server.rowlog import RowLog
 from paramserver.sparse import tablestate
 from paramserver.sparse.lifecycle import Lifecycle
