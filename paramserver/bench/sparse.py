@@ -22,7 +22,11 @@ AUC after one epoch. Then:
     come to exist on the server: each worker's peak resident memory against the declared
     table, and how far the server's grew;
 (g) bytes per row: a shard's resident memory per row held, lazy adam at dim 16, in a fresh
-    process (``sparse_rows.py``).
+    process (``sparse_rows.py``);
+(h)-(k) Criteo: a recommender DLRM on a Criteo-like stream (26 tables of the Criteo Kaggle
+    cardinalities, batch 1024) sparse, its tables dense, a small dense DLRM of the same
+    shape, one local process; the sparse run's export and serving (``criteo_bench.py``).
+    ``--only criteo`` runs it alone.
 
 The processes are in ``sparse_ranks.py``.
 """
@@ -39,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from paramserver.bench import criteo_bench
 from paramserver.bench.ddp import run_ranks
 from paramserver.bench.sparse_ranks import (
     CASES,
@@ -152,19 +157,34 @@ class Runs(NamedTuple):
     rows: dict[str, Any]
 
 
-def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+ONLY = ("", "criteo")
+
+
+def run(quick: bool, only: str = "") -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Cases (a) to (g), then the Criteo case (``criteo_bench``); ``only`` "criteo": that
+    case alone."""
+    if only not in ONLY:
+        raise ValueError(f"bench sparse --only is empty or one of {ONLY[1:]}; got {only!r}.")
+    with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
+        rows, figures = ([], {}) if only else first_cases(quick, Path(tmp))
+        criteo = Path(tmp) / "criteo"
+        criteo.mkdir()
+        more_rows, more = criteo_bench.run(quick, criteo)
+    return rows + more_rows, {**figures, **more, "only": only}
+
+
+def first_cases(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Cases (a) to (g)."""
     main, big = (
         (CASES["quick-main"], CASES["quick-big"]) if quick else (CASES["main"], CASES["big"])
     )
-    with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
-        logs = Path(tmp)
-        local = local_run(main)
-        local["auc_rows"] = local_run(main, rows=True)["auc"]
-        ddp = ddp_run(main, logs)
-        tables = ps_run(main, "sparse", steps=0, logs=logs, evaluate=True)
-        dense = ps_run(main, "dense", steps=main.dense_steps, logs=logs, evaluate=False)
-        life = ps_run(main, "lifecycle", steps=0, logs=logs, evaluate=True)
-        large = ps_run(big, "declared", steps=0, logs=logs, evaluate=False)
+    local = local_run(main)
+    local["auc_rows"] = local_run(main, rows=True)["auc"]
+    ddp = ddp_run(main, logs)
+    tables = ps_run(main, "sparse", steps=0, logs=logs, evaluate=True)
+    dense = ps_run(main, "dense", steps=main.dense_steps, logs=logs, evaluate=False)
+    life = ps_run(main, "lifecycle", steps=0, logs=logs, evaluate=True)
+    large = ps_run(big, "declared", steps=0, logs=logs, evaluate=False)
     rows = bytes_per_row(200_000 if quick else 2_000_000)
     runs = Runs(local, ddp, tables, dense, life, large, rows)
     figures = figures_of(main, big, runs)

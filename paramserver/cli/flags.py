@@ -161,3 +161,9 @@ class Bench:
         "network only: the link rates, comma-separated in tc's units (100mbit,1gbit,10gbit) [default: those three; --quick: 1gbit]; training runs at the slowest.",
         env="BENCH_RATE",
     )
+    only: str = setting(
+        "",
+        "--only",
+        "sparse only: run this case alone; criteo: the Criteo-like recommender case (h)-(k) [default: every case].",
+        env="BENCH_ONLY",
+    )

@@ -157,7 +157,10 @@ def bench(name: str, **kw: Any) -> None:
     control path (gRPC call, Unix socket, pipe, eventfd, semaphore, futex).
     sparse: a DLRM with a 1M x 64 table as server rows, against the same table dense, one
     local process and DDP; the same with admission and a capacity; a declared 8 GiB table
-    of which 1 GB of rows come to exist; a shard's memory per row held.
+    of which 1 GB of rows come to exist; a shard's memory per row held; then a DLRM on a
+    Criteo-like stream (26 tables of the Criteo Kaggle cardinalities, 33.8M rows) sparse
+    against its tables dense, a small dense DLRM and one process, its export and serving
+    (--only criteo: that case alone).
     network: a worker and a server on two hosts (network namespaces) joined by links shaped
     to 100 Mbit/s, 1 and 10 Gbit/s (--rate): its push and pull over the data port and gRPC
     against raw TCP and the rate; then 2 workers training against DDP on the slowest link
@@ -176,7 +179,14 @@ def bench(name: str, **kw: Any) -> None:
     module = importlib.import_module(f"paramserver.bench.{name}")
     if opts.rate and name != "network":
         raise click.UsageError("--rate is for bench network.")
+    if opts.only and name != "sparse":
+        raise click.UsageError("--only is for bench sparse.")
     rates = tuple(r.strip() for r in opts.rate.split(",") if r.strip())
-    rows, figures = module.run(opts.quick, rates) if name == "network" else module.run(opts.quick)
+    if name == "network":
+        rows, figures = module.run(opts.quick, rates)
+    elif opts.only:
+        rows, figures = module.run(opts.quick, opts.only)
+    else:
+        rows, figures = module.run(opts.quick)
     figures["quick"] = opts.quick
     report(name, rows, figures, opts.json)

@@ -106,6 +106,18 @@ KEYS = {
         "big_rss_over_table",
         "lifecycle_rows_live",
         "bytes_per_row",
+        "sparse_vs_dense_b1024",
+        "sparse_vs_dense_dlrm",
+        "criteo_samples_per_s",
+        "criteo_auc",
+        "criteo_auc_local",
+        "auc_dense_b1024",
+        "auc_small_dlrm",
+        "criteo_bytes_per_step",
+        "criteo_rows_held",
+        "export_mb",
+        "export_seconds",
+        "serve_first_answer_seconds",
     ],
 }
 
@@ -160,6 +172,17 @@ def test_bench_quick_json(name):
         # a difference of two AUCs: either sign, and what the two runs' AUCs say
         delta = figures["lifecycle_auc"] - figures["auc"]
         assert figures["lifecycle_auc_delta"] == pytest.approx(delta)
+        # the Criteo case: the 26 tables' rows move, not the tables; AUCs of a learnt model
+        assert figures["criteo_table_rows"] > figures["criteo_largest_table_rows"] >= 10_000
+        moved = figures["criteo_bytes_per_step"]
+        assert moved["sparse"] < moved["dense"]
+        for key in ("criteo_auc", "criteo_auc_local", "auc_dense_b1024", "auc_small_dlrm"):
+            assert 0.5 < figures[key] < 1, (key, figures[key])
+        delta = figures["criteo_auc"] - figures["criteo_auc_local"]
+        assert figures["criteo_auc_delta"] == pytest.approx(delta)
+        # rows came to exist only where pushed; the snapshot holds them and was served
+        assert 0 < figures["criteo_rows_held"] < figures["criteo_table_rows"]
+        assert figures["export_mb"] > figures["criteo_rows_held"] * 16 * 4 / 2**20
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
     if name == "network":
