@@ -56,6 +56,11 @@ def Mixed2() -> nn.Module:  # noqa: N802 - stands for the class
     return Mixed(dim=6)
 
 
+def MixedMoreRows() -> nn.Module:  # noqa: N802 - stands for the class
+    """``Mixed`` with a table of more rows and the same dense part: another table layout."""
+    return Mixed(rows=300)
+
+
 def dlrm_declared() -> nn.Module:
     """The built-in DLRM with each field's table declared unbounded (``ps.sparse.Embedding``
     of any int64 id), rowwise-adagrad at 0.05, ids admitted at their second push."""

@@ -1,7 +1,8 @@
 """A shard's chain of row folders as its checkpointer writes them (``rowfiles.py`` holds
 the format): each snapshot's table changes go into a new folder whose parent is the
 previous one; after ``full_every`` deltas the chain is merged on disk into one base
-(``--checkpoint-delta-every``); folders no checkpoint file names any more are removed.
+(``--checkpoint-delta-every``); folders no checkpoint file names any more are removed
+(those of the chain before the last write a write later).
 
 The chain a checkpoint file names is the chain at the time its snapshot was written, and
 snapshots are written in the order they were taken, so every delta's parent holds the rows
@@ -48,6 +49,7 @@ class RowLog:
         found = rowfiles.existing(directory, shard, shards)
         self.seq = max(found, default=0) + 1
         self._written: tuple[Any, list[str], dict[str, str]] | None = None
+        self._before: list[str] = []  # the chain before the last write: kept one write more
         self.merges = 0
 
     def follow(self, chain: list[str], sums: dict[str, str]) -> None:
@@ -61,6 +63,7 @@ class RowLog:
         if self._written is not None and self._written[0] is changes:
             return self._written[1], self._written[2]
         parent = self.chain[-1] if self.chain else None
+        self._before = list(self.chain)
         name, sha = rowfiles.write_changes(
             self.directory, self.shard, self.shards, self.seq, parent, changes, layouts
         )
@@ -87,8 +90,11 @@ class RowLog:
         )
 
     def collect(self) -> None:
-        """Remove the row folders that neither the chain nor a checkpoint file on disk names."""
-        keep = set(self.chain)
+        """Remove the row folders that neither the chain, nor the one before the last write,
+        nor a checkpoint file on disk names (the chain before is kept one write longer, so
+        that a reader, ``paramserver export`` of a live run, that read a checkpoint file
+        just replaced still finds its rows)."""
+        keep = set(self.chain) | set(self._before)
         for path in self.directory.glob("server-*.pt"):
             try:
                 saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -4,6 +4,7 @@ table's rows, frozen parameters), from the last checkpoints or a consistent cut.
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -144,3 +145,56 @@ def test_export_of_another_model_says_so_in_one_line(serve, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "is --model the run's?" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _files(directory) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")}
+
+
+def test_a_server_refuses_the_rows_of_another_table_layout_and_writes_nothing(serve, tmp_path):
+    """The same dense part, a table of more rows: the server does not start, naming the row
+    folder, and the checkpoint folder is left as it was."""
+    _train(serve, tmp_path, 1)
+    before = _files(tmp_path)
+    with pytest.raises(ConfigError, match="another table layout") as err:
+        serve(
+            "tests.sparse_models:MixedMoreRows",
+            seed=SEED,
+            optimizer="adam",
+            lr=0.05,
+            workers=1,
+            checkpoint_dir=str(tmp_path),
+        )
+    assert "rows-shard0of1-" in str(err.value)
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_torn_row_file_is_refused_by_name_by_export_and_by_the_server(serve, tmp_path, shards):
+    """A row file cut short (a disk that lost its tail): export and a restarted server both
+    refuse it, naming the file; export writes nothing."""
+    _train(serve, tmp_path, shards)
+    shard = shards - 1
+    last = checkpoint.load(tmp_path / checkpoint.server_file(shard, shards))
+    # the oldest folder that holds rows: the newest cut's chain, which a shard resumes from,
+    # has it too (a shard's base, written as it starts, holds none)
+    files = [tmp_path / name / "emb.values.bin" for name in last["row_chain"]]
+    torn = next(f for f in files if f.stat().st_size)
+    os.truncate(torn, torn.stat().st_size // 2)
+    with pytest.raises(ConfigError, match="torn or truncated") as err:
+        export(tmp_path, MODEL, SEED, tmp_path / "x.pt")
+    assert str(torn) in str(err.value) and not (tmp_path / "x.pt").exists()
+    with pytest.raises(ConfigError, match="torn or truncated") as err:
+        serve(
+            MODEL,
+            seed=SEED,
+            optimizer="adam",
+            lr=0.05,
+            policy="sync",
+            workers=1,
+            shard=shard,
+            shards=shards,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every="5",
+        )
+    assert str(torn) in str(err.value)
