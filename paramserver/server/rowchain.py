@@ -2,7 +2,7 @@
 ``Folder`` checks a folder's files against its manifest and maps its arrays; ``RowChain``
 is the chain a checkpoint names, base first: ``restore`` puts it into a server's tables,
 ``merged`` reads one table's rows as the chain's last folder holds them. Both read
-``CHUNK`` rows of a folder at a time, never a whole table.
+a chunk of a folder at a time (``rowfiles.chunk_rows``), never a whole table.
 """
 
 from __future__ import annotations
@@ -155,18 +155,19 @@ class RowChain:
 
     def restore(self, tables: Any) -> None:
         """Put the chain's rows into ``tables`` (a ``TableSet``): each emptied, then the base
-        and every delta in order, ``rowfiles.CHUNK`` rows at a time."""
+        and every delta in order, a chunk at a time."""
         self.check_layouts(tables.layouts(), "this server's model")
         for table in tables.tables.values():
             tablestate.clear(table)
         for folder in self.folders():
             for name, table in tables.tables.items():
                 removed = folder.removed(name)
+                step = rowfiles.chunk_rows(folder.manifest["tables"][name])
                 for lo in range(0, len(removed), rowfiles.CHUNK):
                     tablestate.drop_rows(table, np.array(removed[lo : lo + rowfiles.CHUNK]))
-                for lo in range(0, folder.count(name), rowfiles.CHUNK):
+                for lo in range(0, folder.count(name), step):
                     try:
-                        tablestate.put_rows(table, folder.block(name, lo, lo + rowfiles.CHUNK))
+                        tablestate.put_rows(table, folder.block(name, lo, lo + step))
                     except Exception as exc:  # noqa: BLE001 - any bad row names the folder
                         raise ConfigError(f"{folder.path}: table {name!r}: {exc}") from exc
         head = self.folders()[-1] if self.names else None
@@ -191,17 +192,17 @@ class RowChain:
 
     def merged(self, table: str) -> Iterator[RowBlock]:
         """Table ``table``'s rows as the chain's last folder holds them, ids ascending, at
-        most ``rowfiles.CHUNK`` rows of each folder at a time: of an id's writes and evictions along
+        most a chunk (``rowfiles.chunk_rows``) of each folder at a time: of an id's writes and evictions along
         the chain, the last one counts."""
         folders = self.folders()
-        chunk = rowfiles.CHUNK
+        chunk = rowfiles.chunk_rows(folders[-1].manifest["tables"][table]) if folders else 1
         ids = [f.array(table, "ids") for f in folders]
         gone = [f.removed(table) for f in folders]
         pos = [0] * len(folders)
         gpos = [0] * len(folders)
         big = np.iinfo(np.int64).max
         while any(p < len(a) for p, a in zip(pos, ids, strict=True)):
-            # the range [lo, hi) holds at most ``CHUNK`` ids of each folder
+            # the range [lo, hi) holds at most ``chunk`` ids of each folder
             hi = min(
                 int(a[p + chunk]) if p + chunk < len(a) else big
                 for p, a in zip(pos, ids, strict=True)
@@ -233,8 +234,11 @@ class RowChain:
                 if len(mine):
                     # positions within folder k's slice [p, end)
                     local = np.searchsorted(ids[k][p : ends[k]], all_ids[mine])
-                    blocks.append(f.block(table, p, ends[k]).take(local))
+                    read = f.block(table, p, ends[k])
+                    blocks.append(read if len(local) == len(read) else read.take(local))
             pos = ends
-            if blocks:
+            if len(blocks) == 1:  # one folder's rows: in id order already
+                yield blocks[0]
+            elif blocks:
                 block = RowBlock.cat(blocks)
                 yield block.take(np.argsort(block.ids, kind="stable"))

@@ -14,7 +14,8 @@ changed later fails its size or checksum and is never read as good (``ConfigErro
 naming the file).
 
 Memory: a delta is written from the rows its snapshot copied (the rows changed in one
-interval); merging, restoring and reading stream ``CHUNK`` rows of each folder at a time,
+interval); merging, restoring and reading stream a chunk of each folder at a time
+(``chunk_rows``: about ``CHUNK_BYTES`` of rows),
 never a whole table.
 """
 
@@ -36,7 +37,23 @@ from paramserver.sparse.tablestate import RowBlock, TableChanges
 
 log = logging.getLogger(__name__)
 FORMAT = "paramserver-rows-v1"
-CHUNK = 1 << 16  # rows read or merged at a time
+CHUNK = 1 << 16  # rows read or merged at a time, at most
+CHUNK_BYTES = 4 << 20  # ... and about this many bytes of rows (values, state, counters)
+
+
+def chunk_rows(entry: dict[str, Any]) -> int:
+    """The rows of a chunk of one table (its manifest ``entry``): ``CHUNK_BYTES`` of them,
+    at most ``CHUNK``."""
+    files = entry["files"]
+    row = sum(
+        int(np.prod(f["shape"][1:], dtype=np.int64))
+        * torch.empty(0, dtype=_torch_dtype(f["dtype"])).element_size()
+        for key, f in files.items()
+        if key in ("ids", "values", "hits", "last") or key.startswith("state")
+    )
+    return int(max(1, min(CHUNK, CHUNK_BYTES // max(row, 1))))
+
+
 HASH_READ = 1 << 20
 
 
@@ -77,7 +94,7 @@ class _Array:
 
     def add(self, part: np.ndarray | torch.Tensor) -> None:
         arr = _np(part) if isinstance(part, torch.Tensor) else np.ascontiguousarray(part)
-        data = arr.tobytes()
+        data = memoryview(arr).cast("B")  # no copy
         self.f.write(data)
         self.h.update(data)
         self.rows += len(arr)
