@@ -94,7 +94,7 @@ class _Array:
 
     def add(self, part: np.ndarray | torch.Tensor) -> None:
         arr = _np(part) if isinstance(part, torch.Tensor) else np.ascontiguousarray(part)
-        data = memoryview(arr).cast("B")  # no copy
+        data = arr.reshape(-1).view(np.uint8).data  # its bytes, no copy
         self.f.write(data)
         self.h.update(data)
         self.rows += len(arr)
