@@ -56,6 +56,13 @@ class Folder:
             for key, f in entry["files"].items():
                 path = self._file(table, key)
                 size = path.stat().st_size if path.exists() else -1
+                itemsize = torch.empty(0, dtype=_torch_dtype(f["dtype"])).element_size()
+                if f["bytes"] != int(np.prod(f["shape"], dtype=np.int64)) * itemsize:
+                    raise ConfigError(
+                        f"{self.path / 'manifest.json'}: {path.name} is said to hold "
+                        f"{f['bytes']} bytes of {f['dtype']} {f['shape']}: the manifest is "
+                        "not one paramserver wrote."
+                    )
                 if size != f["bytes"]:
                     raise ConfigError(
                         f"{path} holds {max(size, 0)} bytes, not the {f['bytes']} its manifest "

@@ -51,6 +51,7 @@ class RowLog:
         self._written: tuple[Any, list[str], dict[str, str]] | None = None
         self._before: list[str] = []  # the chain before the last write: kept one write more
         self.merges = 0
+        self.merge_failures = 0
 
     def follow(self, chain: list[str], sums: dict[str, str]) -> None:
         """Go on from ``chain`` (a rewind to a cut that names it)."""
@@ -70,9 +71,22 @@ class RowLog:
         self.seq += 1
         self.chain = [*self.chain, name]
         self.sums = {**{n: self.sums[n] for n in self.chain[:-1] if n in self.sums}, name: sha}
-        if len(self.chain) > max(self.full_every, 1):
-            self._merge()
         self._written = (changes, list(self.chain), dict(self.sums))
+        if len(self.chain) > max(self.full_every, 1):
+            try:
+                self._merge()
+            except Exception as exc:  # noqa: BLE001 - the deltas stay good: merge next time
+                self.merge_failures += 1
+                log.warning(
+                    "merging %d row folders in %s failed (%s: %s); the checkpoint names them "
+                    "all, and the next one merges again",
+                    len(self.chain),
+                    self.directory,
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                self._written = (changes, list(self.chain), dict(self.sums))
         return list(self.chain), dict(self.sums)
 
     def _merge(self) -> None:

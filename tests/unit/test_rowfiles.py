@@ -200,3 +200,28 @@ def test_a_folder_left_half_written_by_a_killed_writer_is_ignored_and_removed(tm
     rowfiles.collect(tmp_path, 0, 1, set(chain.names))
     assert not torn.exists()
     assert sorted(rowfiles.existing(tmp_path, 0, 1).values()) == chain.names
+
+
+def test_a_merge_that_fails_leaves_the_deltas_named_and_is_tried_again(tmp_path, monkeypatch):
+    live, rng = _tables(), np.random.default_rng(2)
+    log = RowLog(tmp_path, 0, 1, None, full_every=2)
+    compact = rowfiles.compact
+    calls = []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return compact(*args, **kwargs)
+
+    monkeypatch.setattr(rowfiles, "compact", full_disk)
+    lengths = []
+    for step in range(1, 5):
+        _step(live, step, rng)
+        names, sums = log.write(live.take_changes(), live.layouts())
+        lengths.append(len(names))
+        back = _tables()
+        RowChain(tmp_path, names, sums).restore(back)
+        _same(live, back)
+    assert log.merge_failures == 1 and log.merges == 1
+    assert lengths == [1, 2, 3, 1]  # the failed merge's chain goes on, the next one merges
