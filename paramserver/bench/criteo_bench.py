@@ -7,11 +7,12 @@ features), batch 1024, against a server in this process (async, Adam lr 0.01), w
     epoch. The server checkpoints at its stop; ``paramserver export --snapshot`` (the
     command line, a subprocess) writes a serving snapshot, and a fresh process times
     ``paramserver.serving.load`` to its first answer and measures the served model's test
-    AUC: the sparse run's AUC;
+    AUC: the sparse run's AUC. Then the same with one worker (no staleness): its rate and
+    AUC the same way;
 (i) dense: the same 26 tables as dense parameters (2 GiB each way a step) under ONE worker
     (two workers' segments beside the server's Adam state do not fit this machine's 24
     GiB: the first try was killed for memory), ``dense_steps`` steps: its rate, and its AUC
-    after those steps; against (h) with one worker for ``probe_steps`` steps;
+    after those steps; against (h) with one worker;
 (j) small dense DLRM: the same shape (26 tables of 16, the same MLPs, batch, samples and
     WORLD workers) with each table cut to ``SMALL_ROWS`` rows (ids modulo its size), dense
     parameters: what a dense parameter server runs at this shape, one epoch; rate and AUC;
@@ -46,8 +47,8 @@ ROW_BYTES = DIM * 4 + 8  # a row's values and its id on the wire
 
 def ps_run(case: CriteoCase, mode: str, steps: int, logs: Path, world: int) -> dict[str, Any]:
     """A server in this process and ``world`` worker processes, at most ``steps`` steps a
-    worker (0: the epoch). The sparse run of WORLD workers checkpoints at its stop into
-    ``logs/checkpoints``; the dense ones answer their AUC (read after the server stops,
+    worker (0: the epoch). A sparse epoch checkpoints at its stop into
+    ``logs/checkpoints-WORLD``; the dense ones answer their AUC (read after the server stops,
     so that its memory is free for the model's)."""
     from paramserver.api import serve
 
@@ -56,8 +57,9 @@ def ps_run(case: CriteoCase, mode: str, steps: int, logs: Path, world: int) -> d
     if not saved.exists():
         torch.save(data(case.name)[:2], saved)
     checkpoints: dict[str, Any] = {}
-    if mode == "declared" and world == WORLD and not steps:
-        checkpoints = {"checkpoint_dir": str(logs / "checkpoints"), "checkpoint_every": "1000000"}
+    if mode == "declared" and not steps:
+        folder = str(logs / f"checkpoints-{world}")
+        checkpoints = {"checkpoint_dir": folder, "checkpoint_every": "1000000"}
     server = serve(
         build(case.cards, mode),
         optimizer="adam",
@@ -105,13 +107,13 @@ def ps_run(case: CriteoCase, mode: str, steps: int, logs: Path, world: int) -> d
     return out
 
 
-def export_and_serve(case: CriteoCase, logs: Path) -> dict[str, Any]:
+def export_and_serve(case: CriteoCase, logs: Path, world: int) -> dict[str, Any]:
     """``paramserver export --snapshot`` of the sparse run's checkpoints (timed, as a user
     runs it: the command's whole wall time), its size, and a fresh serving process."""
-    snapshot = logs / "snapshot"
+    snapshot = logs / f"snapshot-{world}"
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "paramserver", "export", str(logs / "checkpoints")]
+        [sys.executable, "-m", "paramserver", "export", str(logs / f"checkpoints-{world}")]
         + ["--model", case.factory, "--snapshot", str(snapshot)],
         capture_output=True,
         text=True,
@@ -121,7 +123,7 @@ def export_and_serve(case: CriteoCase, logs: Path) -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"paramserver export failed ({done.returncode}): {done.stderr[-3000:]}")
     size = sum(f.stat().st_size for f in snapshot.rglob("*") if f.is_file())
-    out = logs / "serve.json"
+    out = logs / f"serve-{world}.json"
     subprocess.run(
         [sys.executable, "-m", RANKS, "serve", case.name, str(snapshot), str(out)],
         check=True,
@@ -143,9 +145,10 @@ def run(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]
     case = CASES["quick-criteo" if quick else "criteo"]
     local = local_run(case)
     sparse = ps_run(case, "declared", 0, logs, WORLD)
-    exported = export_and_serve(case, logs)
+    exported = export_and_serve(case, logs, WORLD)
     small = ps_run(case, "small", 0, logs, WORLD)
-    sparse_one = ps_run(case, "declared", case.probe_steps, logs, 1)
+    sparse_one = ps_run(case, "declared", 0, logs, 1)
+    served_one = export_and_serve(case, logs, 1)
     dense = ps_run(case, "dense", case.dense_steps, logs, 1)
     local_rate = local["samples"] / local["seconds"]
     figures = {
@@ -168,6 +171,8 @@ def run(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]
         "criteo_auc": exported["auc"],
         "criteo_auc_local": local["auc"],
         "criteo_auc_delta": exported["auc"] - local["auc"],
+        "criteo_auc_1_worker": served_one["auc"],
+        "criteo_auc_delta_1_worker": served_one["auc"] - local["auc"],
         "auc_dense_b1024": dense["auc"],
         "dense_b1024_samples": dense["samples"],
         "auc_local_at_dense_samples": local["auc_at_dense_steps"],
@@ -205,7 +210,7 @@ def rows_of(case: CriteoCase, f: dict[str, Any]) -> list[tuple[str, str]]:
             f"{rate['sparse']:,.0f} samples/s, {moved['sparse'] / mb:.2f} MB/step "
             f"({f['criteo_rows_per_step']:,.0f} rows), {f['criteo_rows_held']:,} rows held, "
             f"AUC {f['criteo_auc']:.4f} (served from its snapshot); one worker "
-            f"{rate['sparse_1_worker']:,.0f} samples/s ({case.probe_steps} steps)",
+            f"{rate['sparse_1_worker']:,.0f} samples/s, AUC {f['criteo_auc_1_worker']:.4f}",
         ),
         (
             "(i) dense tables",
@@ -228,7 +233,8 @@ def rows_of(case: CriteoCase, f: dict[str, Any]) -> list[tuple[str, str]]:
         ("sparse_vs_dense_dlrm", f"{f['sparse_vs_dense_dlrm']:.2f}x (target >= 0.8)"),
         (
             "criteo AUC - local",
-            f"{f['criteo_auc_delta']:+.4f} (target within 0.003)",
+            f"{f['criteo_auc_delta']:+.4f} with {WORLD} workers async, "
+            f"{f['criteo_auc_delta_1_worker']:+.4f} with one (target within 0.003)",
         ),
         (
             "export, serve",

@@ -38,8 +38,7 @@ from paramserver.training.evaluation import evaluate
 @dataclass(frozen=True)
 class CriteoCase:
     """One epoch of ``train`` samples of the stream at ``cards``' cardinalities, batch
-    ``batch``; the same tables dense for ``dense_steps`` steps of one worker, against the
-    sparse tables for ``probe_steps`` steps of one worker."""
+    ``batch``; the same tables dense for ``dense_steps`` steps of one worker."""
 
     name: str
     divisor: int  # the cardinalities divided by this
@@ -47,7 +46,6 @@ class CriteoCase:
     test: int
     batch: int
     dense_steps: int
-    probe_steps: int
     factory: str = "paramserver.bench.criteo_model:full"  # for paramserver export --model
 
     @property
@@ -62,7 +60,7 @@ CASES = {
         # step each way, one worker (two do not fit this machine's 24 GiB beside the
         # server's Adam), about 7 s a step here: 24 steps (24,576 samples, 3 minutes) for
         # its rate and its AUC
-        CriteoCase("criteo", 1, 1_000_000, 100_000, 1024, dense_steps=24, probe_steps=100),
+        CriteoCase("criteo", 1, 1_000_000, 100_000, 1024, dense_steps=24),
         CriteoCase(
             "quick-criteo",
             QUICK_DIVISOR,
@@ -70,7 +68,6 @@ CASES = {
             8_192,
             1024,
             dense_steps=4,
-            probe_steps=8,
             factory="paramserver.bench.criteo_model:quick",
         ),
     )

@@ -111,6 +111,7 @@ KEYS = {
         "criteo_samples_per_s",
         "criteo_auc",
         "criteo_auc_local",
+        "criteo_auc_1_worker",
         "auc_dense_b1024",
         "auc_small_dlrm",
         "criteo_bytes_per_step",
@@ -180,6 +181,8 @@ def test_bench_quick_json(name):
             assert 0.5 < figures[key] < 1, (key, figures[key])
         delta = figures["criteo_auc"] - figures["criteo_auc_local"]
         assert figures["criteo_auc_delta"] == pytest.approx(delta)
+        delta = figures["criteo_auc_1_worker"] - figures["criteo_auc_local"]
+        assert figures["criteo_auc_delta_1_worker"] == pytest.approx(delta)
         # rows came to exist only where pushed; the snapshot holds them and was served
         assert 0 < figures["criteo_rows_held"] < figures["criteo_table_rows"]
         assert figures["export_mb"] > figures["criteo_rows_held"] * 16 * 4 / 2**20
