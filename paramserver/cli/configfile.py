@@ -178,8 +178,8 @@ def source(ctx: click.Context, param: click.Parameter, file: Values | None) -> s
 def group_setting(ctx: click.Context, file: Values | None, name: str) -> tuple[Any, str] | None:
     """The group's setting ``name`` (``paramserver --log-level ...``) and its source: the
     file's where the command line and the variable left it at its default."""
-    parent = ctx.parent
-    if parent is None or name not in parent.params:
+    parent = ctx.find_root()  # the paramserver group, above ``checkpoint`` too
+    if parent is ctx or name not in parent.params:
         return None
     param = next(p for p in parent.command.params if p.name == name)
     value, where = parent.params[name], source(parent, param, None)
@@ -218,7 +218,7 @@ def render(ctx: click.Context, file: Values | None, sources: dict[str, str]) -> 
     comments."""
     rows: list[tuple[str, str]] = []
     if ctx.parent is not None:
-        for key, param in options(ctx.parent.command).items():
+        for key, param in options(ctx.find_root().command).items():
             found = group_setting(ctx, file, str(param.name))
             if found is not None:
                 rows.append((_line(key, found[0], param.setting.secret), found[1]))

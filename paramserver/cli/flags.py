@@ -143,6 +143,33 @@ class Export:
 
 
 @dataclass(frozen=True)
+class Reshard:
+    model: str = setting(REQUIRED, "--model", "The run's --model.", required=True)
+    shards: int = setting(
+        REQUIRED,
+        "--shards",
+        "The shard count to write the checkpoints for.",
+        type=int,
+        required=True,
+    )
+    seed: int = setting(0, "--seed", "The run's --seed (frozen parameters).")
+    out: str | None = setting(
+        None,
+        "--out",
+        "A new folder to write them into [default: CHECKPOINT_DIR, beside the old ones].",
+        env="RESHARD_OUT",
+    )
+    round: int | None = setting(
+        None,
+        "--round",
+        "Re-partition the cuts of this round [default: the last checkpoints, if they agree].",
+        dest="round_",
+        env="RESHARD_ROUND",
+        type=int,
+    )
+
+
+@dataclass(frozen=True)
 class Bench:
     json: bool = setting(
         False,

@@ -1,4 +1,4 @@
-"""``paramserver status | health | plot | export | bench``: the commands that look at a
+"""``paramserver status | health | plot | export | checkpoint reshard | bench``: the commands that look at a
 server, a run or the code. Their options are the settings of ``cli/flags.py`` (and the
 TLS and token settings of ``Security``). ``status`` and ``health`` never import torch.
 """
@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from paramserver import settings
-from paramserver.cli.flags import Bench, Export, Health, Plot, Query, Status
+from paramserver.cli.flags import Bench, Export, Health, Plot, Query, Reshard, Status
 from paramserver.cli.options import command, printed
 from paramserver.cli.run import security_config
 from paramserver.config import Security
@@ -140,6 +140,32 @@ def export(checkpoint_dir: str, **kw: Any) -> None:
 
     path, version, which = write(checkpoint_dir, opts.model, opts.seed, opts.out, opts.round)
     click.echo(f"{path}: version {version}, from {which}")
+
+
+@click.group()
+def checkpoint() -> None:
+    """Work on a run's server checkpoints with no server running."""
+
+
+@command(Reshard)
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
+def reshard(checkpoint_dir: str, **kw: Any) -> None:
+    """Re-partition the server checkpoints in CHECKPOINT_DIR for another shard count
+    (--shards): dense ranges, optimizer state and every table's rows, written as the new
+    shards' checkpoints that servers started with that --shards resume from. Servers
+    started with another --shards on a checkpoint folder do this by themselves."""
+    opts: Reshard = settings.build(Reshard, kw)
+    if printed():
+        return
+    from paramserver.server.reshard import reshard as write
+
+    paths, which = write(checkpoint_dir, opts.model, opts.seed, opts.shards, opts.out, opts.round)
+    for path in paths:
+        click.echo(str(path))
+    click.echo(f"re-partitioned for {opts.shards} shard(s), from {which}")
+
+
+checkpoint.add_command(reshard)
 
 
 @command(Bench)

@@ -35,6 +35,7 @@ for _command in (
     inspect.health,
     inspect.plot,
     inspect.export,
+    inspect.checkpoint,
     inspect.bench,
 ):
     cli.add_command(_command)

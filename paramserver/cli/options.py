@@ -73,8 +73,8 @@ def _set_log_level(ctx: click.Context, param: click.Parameter, level: str | None
     ):
         return
     logging.getLogger().setLevel(level.upper())
-    parent = ctx.parent
-    if parent is not None and "log_level" in parent.params:
+    parent = ctx.find_root()  # the paramserver group, above ``checkpoint`` too
+    if parent is not ctx and "log_level" in parent.params:
         parent.params["log_level"] = level
         parent.set_parameter_source("log_level", ParameterSource.COMMANDLINE)
 

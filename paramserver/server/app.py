@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ from paramserver.codec import layout
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig, parse_table_optimizers
 from paramserver.errors import ConfigError
+from paramserver.server import reshard
 from paramserver.server.checkpointer import Checkpointer, saved_state
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.dataport import data_port
@@ -92,6 +94,11 @@ def build_coordinator(
         snapshot = saved_state(
             config.checkpoint_dir, manifest, config.shard, config.shards, config.cuts
         )
+        directory = Path(config.checkpoint_dir)
+        if snapshot is None and reshard.resume_other(
+            directory, whole, frozen, config.shard, config.shards
+        ):  # another --shards wrote them: this shard's part, re-partitioned
+            snapshot = saved_state(directory, manifest, config.shard, config.shards, config.cuts)
     store = ParameterStore(manifest, flat, config.optimizer)
     return Coordinator(
         config,

@@ -30,18 +30,33 @@ from paramserver.sparse.tableset import whole_tables
 _SHARDED = re.compile(r"server-(?:checkpoint|cut)-shard\d+of(\d+)[.-]")
 
 
-def shard_count(directory: Path) -> int:
-    """S, from the shards' files in ``directory`` (1: a single server's)."""
-    counts = {int(m[1]) for p in directory.glob("server-*.pt") if (m := _SHARDED.match(p.name))}
-    if (directory / checkpoint.SERVER_FILE).exists():
-        counts.add(1)
-    if len(counts) != 1:
-        found = "none" if not counts else f"shard counts {sorted(counts)}"
+def shard_counts(directory: Path) -> dict[int, float]:
+    """The shard counts whose server files are in ``directory`` (1: a single server's), each
+    with the time its newest file was written."""
+    counts: dict[int, float] = {}
+    for path in directory.glob("server-*.pt"):
+        m = _SHARDED.match(path.name)
+        n = int(m[1]) if m else 1 if path.name == checkpoint.SERVER_FILE else None
+        if n is not None:
+            counts[n] = max(counts.get(n, 0.0), path.stat().st_mtime)
+    return counts
+
+
+def shard_count(directory: Path, exclude: int | None = None) -> int:
+    """S, from the shards' files in ``directory`` (1: a single server's); where a run was
+    re-partitioned (``reshard``) and files of several counts are there, the count whose
+    files were written last. ``exclude``: a count not to choose.
+
+    Raises:
+        ConfigError: no server files (of another count than ``exclude``).
+    """
+    counts = {n: t for n, t in shard_counts(directory).items() if n != exclude}
+    if not counts:
         raise ConfigError(
-            f"{directory} should hold the server checkpoints of one run; it "
-            f"holds {found}: give the --checkpoint-dir of one run's servers."
+            f"{directory} holds no server checkpoints: give the --checkpoint-dir of a run's "
+            "servers."
         )
-    return counts.pop()
+    return max(counts, key=lambda n: counts[n])
 
 
 @dataclass(frozen=True)
@@ -102,10 +117,13 @@ def _disagree(finals: list[Final | None]) -> str:
     )
 
 
-def files(directory: str | Path, round_: int | None = None) -> tuple[list[Path], str]:
-    """Each shard's file to read, shard 0 first, and which they are, in words."""
+def files(
+    directory: str | Path, round_: int | None = None, shards: int | None = None
+) -> tuple[list[Path], str]:
+    """Each shard's file to read, shard 0 first, and which they are, in words (``shards``:
+    of that shard count; by default ``shard_count``'s)."""
     directory = Path(directory)
-    shards = shard_count(directory)
+    shards = shard_count(directory) if shards is None else shards
     names = [checkpoint.server_file(i, shards) for i in range(shards)]
     finals = [_final(directory / n) for n in names]
     cuts = [set(checkpoint.list_cuts(directory, i, shards)) for i in range(shards)]
@@ -125,8 +143,10 @@ def _read(path: Path) -> dict[str, Any]:
 def _final(path: Path) -> Final | None:
     if not path.exists():
         return None
-    # mapped, not read: a shard's checkpoint may hold gigabytes of rows
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # mapped, not read
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
+        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
     clocks = {str(m["worker_id"]): int(m["clock"]) for m in saved.get("members", [])}
     return Final(int(saved["version"]), clocks)
 

@@ -27,6 +27,8 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -182,26 +184,85 @@ class _Folder:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _table_entry(layout: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    tally = {k: int(v) for k, v in meta["tally"].items() if k != "evicted_ids"}
-    return {
-        "layout": {k: layout[k] for k in ("rows", "dim", "dtype", "key")},
-        "steps": int(meta["steps"]),
-        "swept": int(meta["swept"]),
-        "tally": tally,
-    }
+@dataclass(frozen=True)
+class TableSource:
+    """One table of a folder to write: its layout (rows, dim, dtype, key), its optimizer
+    state's widths and dtypes, its rows (``blocks``, ids ascending, a chunk at a time), the
+    ids gone since the parent folder, and its counters and lifecycle arrays."""
+
+    layout: dict[str, Any]
+    widths: list[tuple[int, str]]
+    blocks: Iterable[RowBlock]
+    removed: np.ndarray
+    steps: int
+    swept: int
+    tally: dict[str, int]
+    evicted: np.ndarray | None  # the lifecycle's bitset of evicted ids (packed)
+    sketch: np.ndarray | None  # the admission sketch's counters
 
 
-def _meta_files(
-    root: Path, name: str, meta: dict[str, Any], sketch: np.ndarray | None
-) -> dict[str, Any]:
-    files = {}
-    bits = meta["tally"].get("evicted_ids")
-    if bits is not None:
-        files["evicted"] = _one(root, f"{name}.evicted.bin", np.asarray(bits), "uint8")
-    if sketch is not None:
-        files["sketch"] = _one(root, f"{name}.sketch.bin", sketch, str(sketch.dtype))
-    return files
+def from_changes(ch: TableChanges, layout: dict[str, Any]) -> TableSource:
+    """A table's changes (``tablestate.take_changes``) as a folder holds them."""
+    bits = ch.meta["tally"].get("evicted_ids")
+    return TableSource(
+        layout,
+        [(s.shape[1], str(s.dtype).removeprefix("torch.")) for s in ch.rows.state],
+        [ch.rows],
+        ch.removed,
+        int(ch.meta["steps"]),
+        int(ch.meta["swept"]),
+        {k: int(v) for k, v in ch.meta["tally"].items() if k != "evicted_ids"},
+        None if bits is None else np.asarray(bits),
+        ch.sketch,
+    )
+
+
+def write_folder(
+    directory: Path,
+    shard: int,
+    shards: int,
+    seq: int,
+    parent: str | None,
+    tables: dict[str, TableSource],
+) -> tuple[str, str]:
+    """Write a folder of ``tables`` (a base when ``parent`` is None), each table's rows
+    streamed; returns its name and its manifest's SHA-256."""
+    name = folder_name(shard, shards, seq)
+    folder = _Folder(directory, name)
+    try:
+        entries = {}
+        for table, src in tables.items():
+            writer = _TableWriter(folder.root, table, src.layout, src.widths)
+            for block in src.blocks:
+                writer.add(block)
+            files = writer.close()
+            files["removed"] = _one(folder.root, f"{table}.removed.bin", src.removed, "int64")
+            if src.evicted is not None:
+                files["evicted"] = _one(folder.root, f"{table}.evicted.bin", src.evicted, "uint8")
+            if src.sketch is not None:
+                files["sketch"] = _one(
+                    folder.root, f"{table}.sketch.bin", src.sketch, str(src.sketch.dtype)
+                )
+            entries[table] = {
+                "layout": {k: src.layout[k] for k in ("rows", "dim", "dtype", "key")},
+                "steps": src.steps,
+                "swept": src.swept,
+                "tally": dict(src.tally),
+                "files": files,
+            }
+        manifest = {
+            "format": FORMAT,
+            "shard": shard,
+            "shards": shards,
+            "seq": seq,
+            "parent": parent,
+            "tables": entries,
+        }
+        path = folder.commit(manifest)
+    except BaseException:
+        folder.abandon()
+        raise
+    return name, _sha256(path / "manifest.json")
 
 
 def write_changes(
@@ -213,79 +274,39 @@ def write_changes(
     changes: dict[str, TableChanges],
     layouts: dict[str, dict[str, Any]],
 ) -> tuple[str, str]:
-    """Write a delta folder of ``changes`` (a base when ``parent`` is None); returns its
-    name and its manifest's SHA-256."""
-    name = folder_name(shard, shards, seq)
-    folder = _Folder(directory, name)
-    try:
-        tables = {}
-        for table, ch in changes.items():
-            widths = [(s.shape[1], str(s.dtype).removeprefix("torch.")) for s in ch.rows.state]
-            writer = _TableWriter(folder.root, table, layouts[table], widths)
-            writer.add(ch.rows)
-            files = writer.close()
-            files["removed"] = _one(folder.root, f"{table}.removed.bin", ch.removed, "int64")
-            files.update(_meta_files(folder.root, table, ch.meta, ch.sketch))
-            tables[table] = {**_table_entry(layouts[table], ch.meta), "files": files}
-        manifest = {
-            "format": FORMAT,
-            "shard": shard,
-            "shards": shards,
-            "seq": seq,
-            "parent": parent,
-            "tables": tables,
-        }
-        path = folder.commit(manifest)
-    except BaseException:
-        folder.abandon()
-        raise
-    return name, _sha256(path / "manifest.json")
+    """Write a delta folder of ``changes`` (a base when ``parent`` is None)."""
+    tables = {t: from_changes(ch, layouts[t]) for t, ch in changes.items()}
+    return write_folder(directory, shard, shards, seq, parent, tables)
 
 
 def compact(directory: Path, chain: Any, shard: int, shards: int, seq: int) -> tuple[str, str]:
     """A base folder holding what ``chain`` (a ``rowchain.RowChain``) holds, merged on disk a
     chunk at a time; returns its name and manifest's SHA-256."""
-    name = folder_name(shard, shards, seq)
-    folder = _Folder(directory, name)
     head = chain.folders()[-1]
-    try:
-        tables = {}
-        for table, entry in head.manifest["tables"].items():
-            layout = entry["layout"]
-            widths = [
-                (
-                    int(head.manifest["tables"][table]["files"][f"state{i}"]["shape"][1]),
-                    head.manifest["tables"][table]["files"][f"state{i}"]["dtype"],
-                )
-                for i in range(head.states(table))
-            ]
-            writer = _TableWriter(folder.root, table, layout, widths)
-            for block in chain.merged(table):
-                writer.add(block)
-            files = writer.close()
-            files["removed"] = _one(
-                folder.root, f"{table}.removed.bin", np.empty(0, np.int64), "int64"
-            )
-            for key in ("evicted", "sketch"):
-                if key in entry["files"]:
-                    arr = np.array(head.array(table, key))
-                    files[key] = _one(
-                        folder.root, f"{table}.{key}.bin", arr, entry["files"][key]["dtype"]
-                    )
-            tables[table] = {k: v for k, v in entry.items() if k != "files"} | {"files": files}
-        manifest = {
-            "format": FORMAT,
-            "shard": shard,
-            "shards": shards,
-            "seq": seq,
-            "parent": None,
-            "tables": tables,
-        }
-        path = folder.commit(manifest)
-    except BaseException:
-        folder.abandon()
-        raise
-    return name, _sha256(path / "manifest.json")
+    tables = {}
+    for table, entry in head.manifest["tables"].items():
+        files = entry["files"]
+        tables[table] = TableSource(
+            entry["layout"],
+            widths(entry),
+            chain.merged(table),
+            np.empty(0, np.int64),
+            int(entry["steps"]),
+            int(entry["swept"]),
+            dict(entry["tally"]),
+            np.array(head.array(table, "evicted")) if "evicted" in files else None,
+            np.array(head.array(table, "sketch")) if "sketch" in files else None,
+        )
+    return write_folder(directory, shard, shards, seq, None, tables)
+
+
+def widths(entry: dict[str, Any]) -> list[tuple[int, str]]:
+    """The widths and dtypes of a table's optimizer state, from its manifest ``entry``."""
+    files = entry["files"]
+    count = sum(1 for k in files if k.startswith("state"))
+    return [
+        (int(files[f"state{i}"]["shape"][1]), files[f"state{i}"]["dtype"]) for i in range(count)
+    ]
 
 
 def existing(directory: Path, shard: int, shards: int) -> dict[int, str]:

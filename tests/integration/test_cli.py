@@ -88,7 +88,7 @@ def test_every_option_has_help_and_an_environment_variable():
             "No parameter server answered",
         ),
         (["plot", "/"], "holds no metrics.jsonl"),
-        (["export", "/", "--model", "mlp"], "should hold the server checkpoints of one run"),
+        (["export", "/", "--model", "mlp"], "holds no server checkpoints"),
     ],
 )
 def test_bad_arguments_give_one_clear_line_and_a_non_zero_exit(args, message):

@@ -77,6 +77,7 @@ def test_the_log_level_works_after_the_command(capsys, command):
     args = {
         "plot": ["."],
         "export": [".", "--model", "mlp"],
+        "checkpoint": ["reshard", ".", "--model", "mlp", "--shards", "2"],
         "bench": ["transport"],
         "worker": ["--server", "127.0.0.1:1"],
     }
