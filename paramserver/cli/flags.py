@@ -170,6 +170,44 @@ class Reshard:
 
 
 @dataclass(frozen=True)
+class Chaos:
+    faults: int = setting(30, "--faults", "Faults to inject, one at a time.", env="CHAOS_FAULTS")
+    seed: int = setting(0, "--seed", "Seeds the schedule (kinds, targets) and the run.")
+    policy: str = setting(
+        "sync", "--policy", "The run's policy: sync, delay-1, ssp:K or async.", env="CHAOS_POLICY"
+    )
+    kinds: str = setting(
+        "all",
+        "--kinds",
+        "Fault kinds, comma-separated: kill-worker, stop-worker, kill-shard, kill-all-shards, stop-shard, disk-full; all; or server (the server-side ones).",
+        env="CHAOS_KINDS",
+    )
+    lease: float = setting(
+        3.0, "--lease", "The servers' --lease-timeout, in seconds.", env="CHAOS_LEASE"
+    )
+    recover_within: float = setting(
+        60.0,
+        "--recover-within",
+        "Seconds each recovery may take before the run fails the no-hang check.",
+        env="CHAOS_RECOVER_WITHIN",
+    )
+    workdir: str | None = setting(
+        None,
+        "--workdir",
+        "Folder for the runs' logs and checkpoints [default: a new temporary one].",
+        env="CHAOS_WORKDIR",
+    )
+    json: bool = setting(
+        False,
+        "--json",
+        "Print one JSON line: the schedule, recoveries and checks.",
+        dest="as_json",
+        env="CHAOS_JSON",
+        is_flag=True,
+    )
+
+
+@dataclass(frozen=True)
 class Bench:
     json: bool = setting(
         False,

@@ -31,6 +31,7 @@ for _command in (
     run.server,
     run.worker,
     run.launch,
+    run.chaos,
     inspect.status,
     inspect.health,
     inspect.plot,

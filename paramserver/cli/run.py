@@ -1,4 +1,4 @@
-"""``paramserver server | worker | launch``: the commands that train. Their options are the
+"""``paramserver server | worker | launch | chaos``: the commands that train. Their options are the
 parts of ``cluster/commands.py``; each builds its configs from what they gave, then runs
 (or with ``--print-config`` prints them). Torch is imported only to run.
 """
@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from paramserver import settings
+from paramserver.cli.flags import Chaos
 from paramserver.cli.options import command, derived, fill_defaults, printed
 from paramserver.cluster import commands, roles
 from paramserver.config import MODEL_DEFAULTS, LaunchConfig, Security, ServerConfig, WorkerConfig
@@ -151,3 +152,34 @@ def launch(**kw: Any) -> None:
         raise ParamServerError(
             f"Workers failed: {', '.join(summary['failed_workers'])}; see their logs in {summary['run_dir']}."
         )
+
+
+@command(Chaos)
+def chaos(**kw: Any) -> None:
+    """Run a local cluster (2 shards, 3 workers, a sparse table and BatchNorm) while faults
+    of mixed kinds are injected from a seeded schedule; then the same run uninterrupted, and
+    the invariants: every batch once, every recovery bounded, the same result, every
+    checkpoint readable. Exits 1 when one fails (see docs/RESULTS.md)."""
+    opts: Chaos = settings.build(Chaos, kw)
+    if printed():
+        return
+    from paramserver.cluster import chaos as soak
+    from paramserver.cluster.faults import parse_kinds
+
+    try:
+        kinds = parse_kinds(opts.kinds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if opts.faults < 0:
+        raise ConfigError(f"--faults must be 0 or more; got {opts.faults}.")
+    cfg = soak.ChaosConfig(
+        faults=opts.faults,
+        seed=opts.seed,
+        policy=opts.policy,
+        kinds=kinds,
+        lease=opts.lease,
+        recover_within=opts.recover_within,
+        workdir=opts.workdir,
+    )
+    if not soak.main(cfg, opts.json):
+        sys.exit(1)

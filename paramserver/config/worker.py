@@ -55,6 +55,11 @@ class WorkerConfig:
     name: str | None = setting(
         None, "--name", "Name shown in the server's status [default: host:pid]."
     )
+    batch_log: str | None = setting(
+        None,
+        "--batch-log",
+        "Append the batches of each step the servers acknowledged to this file, one line a step (an audit of which batches this worker trained; paramserver chaos reads it).",
+    )
     overlap: str = setting(
         "auto",
         "--overlap",

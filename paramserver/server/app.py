@@ -326,9 +326,14 @@ class ServerApp:
         """Drop workers whose lease ran out, and end health watches past their time; a
         failure is logged and counted, and the loop goes on."""
         interval = max(self.config.lease_seconds / 4, 0.05)
+        last = time.monotonic()
         while not self._stopped.wait(interval):
+            now = time.monotonic()
+            gap, last = now - last, now
+            # a look later than half a lease past its time: the process was not running
+            paused = gap - interval if gap > interval + self.config.lease_seconds / 2 else 0.0
             try:
-                for member in self.coordinator.expire_leases():
+                for member in self.coordinator.expire_leases(paused):
                     self.shared.detach(member.worker_id)
                 self.health.expire()
             except Exception:  # noqa: BLE001 - leases must keep expiring: say it, go on

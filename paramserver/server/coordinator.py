@@ -188,9 +188,19 @@ class Coordinator:
         with self._cond:
             self._after_leaving(self.members.leave(worker_id))
 
-    def expire_leases(self) -> list[Member]:
-        """Drop workers whose lease ran out, so that no barrier waits on them."""
+    def expire_leases(self, paused: float = 0.0) -> list[Member]:
+        """Drop workers whose lease ran out, so that no barrier waits on them. ``paused``:
+        seconds this server itself did not run (a SIGSTOP, a long pause of the host) since
+        the last look; then every lease starts again instead, for no worker could renew
+        its lease while the server could not answer."""
         with self._cond:
+            if paused > 0:
+                log.warning(
+                    "this server did not run for %.1fs (paused, or starved); every worker's "
+                    "lease starts again",
+                    paused,
+                )
+                self.membership.renew_all()
             dead = self.members.expire()
             self._after_leaving(dead)
             return dead

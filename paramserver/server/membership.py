@@ -114,6 +114,13 @@ class Membership:
         self.min_clock()
         return self.members.pop(worker_id, None)
 
+    def renew_all(self) -> None:
+        """Every lease starts again now: the server itself was not running (paused, or
+        starved), so no worker could renew its lease meanwhile."""
+        now = self.now()
+        for m in self.members.values():
+            m.last_seen = max(m.last_seen, now)
+
     def expire(self) -> list[Member]:
         """Remove every worker whose lease has run out; returns them."""
         self.min_clock()

@@ -195,12 +195,22 @@ def _train(
         taken, loss = _compute(worker, order, device, fetch_first)
         if cfg.step_delay:
             time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
+        batches = list(worker.batches or [worker.batch])
         worker.step(samples=taken, loss=loss)
+        if cfg.batch_log:
+            _audit(cfg.batch_log, batches)
         if prefetch:
             worker.prefetch_next(prefetch)
         steps += 1
         samples += taken
     return steps, samples, empty
+
+
+def _audit(path: str, batches: list[int]) -> None:
+    """One line of the batches a step pushed and the servers acknowledged (``--batch-log``),
+    written through at once: a process killed after it loses no line."""
+    with open(path, "a") as f:
+        f.write(" ".join(map(str, batches)) + "\n")
 
 
 def _compute(

@@ -140,6 +140,21 @@ def test_sync_dead_worker_is_expired_and_round_completes(clock: FakeClock) -> No
         c.push(dead.worker_id, 0, full(1.0), 1, 0.0)
 
 
+def test_a_server_that_did_not_run_expires_no_lease_and_starts_them_again(clock: FakeClock) -> None:
+    """A shard paused (SIGSTOP, a swapped host) longer than the lease heard no heartbeat
+    meanwhile: on waking it drops nobody (it once dropped every worker, and its sync rounds
+    then ran one behind the other shard's); the leases start again from then."""
+    c = make("sync", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    clock.advance(LEASE * 3)  # the server itself was stopped
+    assert c.expire_leases(paused=LEASE * 3) == []
+    assert sorted(c.membership.live_ids()) == sorted([a.worker_id, b.worker_id])
+    clock.advance(LEASE - 0.5)
+    c.heartbeat(a.worker_id)
+    clock.advance(1.0)  # b silent for a whole lease since the server woke: it goes
+    assert [m.worker_id for m in c.expire_leases()] == [b.worker_id]
+
+
 def test_sync_leave_completes_round(clock: FakeClock) -> None:
     c = make("sync", 2, clock)
     a, b = c.join("a"), c.join("b")

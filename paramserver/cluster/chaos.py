@@ -1,0 +1,288 @@
+"""``paramserver chaos``: many faults in one run, then invariants checked.
+
+A local cluster (2 server shards with consistent cuts, 3 worker daemons; a model with a
+sparse table and BatchNorm on a click log: ``chaos_cluster.py``) trains while faults of
+mixed kinds (``faults.py``) are injected from a seeded schedule, one at a time at evenly
+spaced points of the run's progress. After each, the time until the run is back past where
+it was is its recovery. A reader loads the newest checkpoint of every shard again and
+again meanwhile. Then the same run without faults, and the checks:
+
+- exactly once: on every shard, every batch of the run applied once (the server's ledger
+  and batch plan), and every batch in the workers' own logs (``--batch-log``);
+- no hang: every recovery within ``recover_within`` seconds, and the run ends;
+- equal result: under ``sync`` with only server-side faults, the final weights and table
+  rows equal the uninterrupted run's to float precision; with worker faults, the test
+  accuracy within 1 point of it;
+- readable: no checkpoint on disk was ever unreadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from paramserver.cluster import faults as fault_kinds
+from paramserver.cluster.chaos_cluster import DATA, MODEL, Cluster, Reader, data, model, wait_until
+from paramserver.cluster.faults import WORKER_KINDS, Fault
+from paramserver.cluster.procs import stop_all
+from paramserver.cluster.reading import model_state_dict
+from paramserver.errors import ParamServerError
+
+log = logging.getLogger(__name__)
+BATCH, SHARDS, WORKERS = 64, 2, 3
+PER_EPOCH = 3072 // BATCH
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    faults: int = 30
+    seed: int = 0
+    policy: str = "sync"
+    kinds: tuple[str, ...] = fault_kinds.KINDS
+    lease: float = 3.0
+    cut_every: int = 5
+    rounds_between: int = 10  # the run's progress between two faults (optimizer steps)
+    step_delay: float = 0.04
+    recover_within: float = 60.0
+    start_timeout: float = 120.0
+    workdir: str | None = None
+
+    @property
+    def steps(self) -> int:
+        """The run's optimizer steps: enough for every fault at its own point, a cut past the
+        last recovery at least (``rounds_between``, and ``cut_every`` more after a rewind),
+        and two cuts' worth after the last (a shard killed after the workers are gone
+        would resume from its last cut with nobody left to redo the rounds after it)."""
+        return (self.faults + 1) * self.spacing + 2 * self.cut_every
+
+    @property
+    def spacing(self) -> int:
+        """Steps from one fault to the next: ``rounds_between``, a cut's worth more for a
+        rewind, and as much again for the run's progress while a fault holds."""
+        return 2 * (self.rounds_between + self.cut_every + 1)
+
+    @property
+    def epochs(self) -> int:
+        batches = self.steps * (WORKERS if self.policy == "sync" else 1)
+        return max(2, -(-batches // PER_EPOCH))
+
+    @property
+    def last_fault_at(self) -> int:
+        """No fault is injected past this step."""
+        return self.epochs * PER_EPOCH // (WORKERS if self.policy == "sync" else 1) - (
+            2 * self.cut_every
+        )
+
+
+@dataclass
+class Recovery:
+    fault: str
+    at_version: int
+    seconds: float
+    recovered: bool
+
+
+@dataclass
+class Outcome:
+    recoveries: list[Recovery] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    logged_batches: set[int] = field(default_factory=set)
+    reads: int = 0
+    unreadable: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
+    server = [
+        "--policy", cfg.policy, "--workers", str(WORKERS), "--model", MODEL, "--dataset", DATA,
+        "--batch-size", str(BATCH), "--epochs", str(cfg.epochs), "--optimizer", "adam",
+        "--lr", "0.01", "--seed", str(cfg.seed), "--lease-timeout", str(cfg.lease),
+        "--checkpoint-dir", str(root / "checkpoints"), "--checkpoint-every", str(cfg.cut_every),
+        "--data-port", "off",
+    ]  # fmt: skip
+    worker = [
+        "--device", "cpu", "--threads", "1", "--step-delay", str(cfg.step_delay),
+        "--server-timeout", "300", "--rpc-timeout", "30",
+    ]  # fmt: skip
+    return server, worker
+
+
+def _run(cfg: ChaosConfig, root: Path, schedule: list[Fault]) -> Outcome:
+    """One run of the cluster in ``root``, hurt by ``schedule`` (none: the uninterrupted
+    run)."""
+    root.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(root, SHARDS, WORKERS, *_args(cfg, root))
+    out = Outcome()
+    started = time.monotonic()
+    reader = Reader(root / "checkpoints", SHARDS)
+    try:
+        for i in range(SHARDS):
+            cluster.start_server(i, cfg.start_timeout)
+        for j in range(WORKERS):
+            cluster.start_worker(j)
+        reader.start()
+        last = 0  # where the run was back to after the last fault
+        for n, fault in enumerate(schedule, start=1):
+            # at its point of the run, and a cut past the last recovery at least
+            trigger = max(n * cfg.spacing, last + cfg.cut_every + 1)
+            if not wait_until(
+                lambda t=trigger: (cluster.progress() or 0) >= t or cluster.workers_done(),
+                cfg.recover_within * 4,
+            ):
+                raise ParamServerError(f"the run did not reach step {trigger} to inject {fault}")
+            if cluster.workers_done() or (cluster.progress() or 0) > cfg.last_fault_at:
+                log.warning("the run is at its end before fault %d (%s)", n, fault)
+                break
+            out.recoveries.append(_inject(cluster, fault, cfg))
+            last = cluster.progress() or last
+            log.info("fault %d of %d: %s", n, len(schedule), out.recoveries[-1])
+        if not wait_until(cluster.workers_done, cfg.recover_within * 10, every=0.5):
+            raise ParamServerError("the run did not end: a worker is still running")
+        failed = [w for w in cluster.worker_procs if w is not None and w.poll() != 0]
+        if failed:
+            raise ParamServerError(f"{failed[0].name} failed: {failed[0].tail(3)}")
+        state = model_state_dict(cluster.addresses, model())
+        out.state = {k: v.detach().numpy().copy() for k, v in state.items()}
+        for i in range(SHARDS):
+            st = cluster.status(i)
+            out.statuses.append(_status(st) if st is not None else {})
+    finally:
+        reader.stop()
+        stop_all(cluster.procs)
+    out.reads, out.unreadable = reader.reads, list(reader.failures)
+    for path in root.glob("batches-*.log"):
+        for line in path.read_text().splitlines():
+            out.logged_batches.update(int(b) for b in line.split())
+    out.seconds = time.monotonic() - started
+    return out
+
+
+def _status(st: Any) -> dict[str, Any]:
+    keys = ("version", "rounds", "batches_done", "batches_applied", "pushes_repeated", "rows_held")
+    return {k: int(getattr(st, k)) for k in keys}
+
+
+def _inject(cluster: Cluster, fault: Fault, cfg: ChaosConfig) -> Recovery:
+    """Carry out ``fault``, and wait until the run is back past where it was."""
+    before = cluster.progress() or 0
+    t0 = time.monotonic()
+    if fault.kind == "kill-worker":
+        cluster.signal_worker(fault.target, signal.SIGKILL)
+        cluster.start_worker(fault.target)
+    elif fault.kind == "stop-worker":
+        cluster.signal_worker(fault.target, signal.SIGSTOP)
+        time.sleep(fault.hold)  # the fault itself: a process paused this long
+        cluster.signal_worker(fault.target, signal.SIGCONT)
+    elif fault.kind in ("kill-shard", "kill-all-shards"):
+        targets = range(SHARDS) if fault.target < 0 else [fault.target]
+        for i in targets:
+            cluster.signal_server(i, signal.SIGKILL)
+        for i in targets:
+            cluster.start_server(i, cfg.start_timeout)
+    elif fault.kind == "stop-shard":
+        cluster.signal_server(fault.target, signal.SIGSTOP)
+        time.sleep(fault.hold)
+        cluster.signal_server(fault.target, signal.SIGCONT)
+    elif fault.kind == "disk-full":
+        cluster.file_limit(fault.target, 4096)
+        time.sleep(fault.hold)
+        cluster.file_limit(fault.target, None)
+    back = wait_until(
+        lambda: (cluster.progress() or -1) > before or cluster.workers_done(),
+        cfg.recover_within,
+    )
+    return Recovery(str(fault), before, round(time.monotonic() - t0, 2), back)
+
+
+def _accuracy(state: dict[str, np.ndarray]) -> float:
+    made = model()
+    made.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    made.eval()
+    _, test = data()
+    x, y = test.tensors
+    with torch.no_grad():
+        return float((made(x).argmax(1) == y).float().mean())
+
+
+def soak(cfg: ChaosConfig) -> dict[str, Any]:
+    """Run the schedule and the uninterrupted run; the report, with ``ok`` whether every
+    invariant held."""
+    schedule = fault_kinds.schedule(cfg.seed, cfg.faults, cfg.kinds, SHARDS, WORKERS, cfg.lease)
+    root = Path(cfg.workdir or tempfile.mkdtemp(prefix="paramserver-chaos-"))
+    hurt = _run(cfg, root / "chaos", schedule)
+    clean = _run(cfg, root / "uninterrupted", [])
+    total = cfg.epochs * PER_EPOCH
+    checks: dict[str, Any] = {}
+    checks["exactly_once"] = (
+        all(s.get("batches_applied") == total for s in hurt.statuses)
+        and hurt.statuses[0].get("batches_done") == total
+    )
+    checks["workers_logged_every_batch"] = hurt.logged_batches == set(range(total))
+    checks["recovered_within"] = all(
+        r.recovered and r.seconds <= cfg.recover_within for r in hurt.recoveries
+    )
+    checks["every_fault_injected"] = len(hurt.recoveries) == len(schedule)
+    checks["checkpoints_readable"] = not hurt.unreadable and hurt.reads > 0
+    worker_faults = any(f.kind in WORKER_KINDS for f in schedule)
+    diff = max(float(np.abs(hurt.state[k] - clean.state[k]).max()) for k in clean.state)
+    acc, acc_clean = _accuracy(hurt.state), _accuracy(clean.state)
+    if cfg.policy == "sync" and not worker_faults:
+        checks["equal_to_uninterrupted"] = all(
+            np.allclose(hurt.state[k], clean.state[k], rtol=1e-5, atol=1e-6) for k in clean.state
+        )
+    else:
+        checks["accuracy_within_1_point"] = abs(acc - acc_clean) <= 0.01
+    return {
+        "ok": all(checks.values()),
+        "checks": checks,
+        "config": {**asdict(cfg), "epochs": cfg.epochs, "batches": total},
+        "faults": [asdict(r) for r in hurt.recoveries],
+        "by_kind": {k: sum(1 for f in schedule if f.kind == k) for k in cfg.kinds},
+        "max_recovery_s": max((r.seconds for r in hurt.recoveries), default=0.0),
+        "largest_weight_difference": diff,
+        "accuracy": acc,
+        "accuracy_uninterrupted": acc_clean,
+        "checkpoint_reads": hurt.reads,
+        "unreadable": hurt.unreadable,
+        "statuses": hurt.statuses,
+        "seconds": round(hurt.seconds, 1),
+        "seconds_uninterrupted": round(clean.seconds, 1),
+        "workdir": str(root),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report in words: the schedule with each recovery, then the checks."""
+    lines = [
+        f"{len(report['faults'])} faults in {report['seconds']}s (uninterrupted: "
+        f"{report['seconds_uninterrupted']}s; {report['workdir']}):"
+    ]
+    for n, r in enumerate(report["faults"], start=1):
+        lines.append(
+            f"  {n:3d}. {r['fault']:<40} at step {r['at_version']:5d}: "
+            f"{'back in' if r['recovered'] else 'NOT back after'} {r['seconds']:.1f}s"
+        )
+    lines.append(
+        f"accuracy {report['accuracy']:.4f} (uninterrupted {report['accuracy_uninterrupted']:.4f}); "
+        f"largest weight difference {report['largest_weight_difference']:.3g}; "
+        f"{report['checkpoint_reads']} checkpoint reads"
+    )
+    for name, held in report["checks"].items():
+        lines.append(f"  {'ok ' if held else 'FAILED'} {name}")
+    return "\n".join(lines)
+
+
+def main(cfg: ChaosConfig, as_json: bool) -> bool:
+    report = soak(cfg)
+    print(json.dumps(report) if as_json else render(report))
+    return bool(report["ok"])

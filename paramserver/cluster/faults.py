@@ -1,0 +1,98 @@
+"""The faults ``paramserver chaos`` injects, and their seeded schedule: pure decisions, no
+processes (``cluster/chaos.py`` carries them out).
+
+Kinds:
+    kill-worker      kill -9 of a worker, which starts again (a new process joins);
+    stop-worker      SIGSTOP of a worker for longer than its lease, then SIGCONT (it was
+                     dropped, and joins again);
+    kill-shard       kill -9 of one server shard, which starts again from its newest cut
+                     (the other shard rewinds to it);
+    kill-all-shards  kill -9 of every shard at once, all started again;
+    stop-shard       SIGSTOP of one shard for a few seconds (a long GC pause, a swapped
+                     host), then SIGCONT;
+    disk-full        one shard's checkpoint writes fail for a few seconds (a file-size limit
+                     set on the running process, as a full disk), then succeed again.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+KINDS = (
+    "kill-worker",
+    "stop-worker",
+    "kill-shard",
+    "kill-all-shards",
+    "stop-shard",
+    "disk-full",
+)
+WORKER_KINDS = frozenset({"kill-worker", "stop-worker"})  # faults of the workers' side
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: its kind, which process (a worker's or a shard's index; -1: every
+    shard) and how long it holds (SIGSTOP, a failing disk), in seconds."""
+
+    kind: str
+    target: int
+    hold: float = 0.0
+
+    def __str__(self) -> str:
+        who = (
+            "every shard"
+            if self.target < 0
+            else f"{'worker' if self.kind in WORKER_KINDS else 'shard'} {self.target}"
+        )
+        held = f" for {self.hold:.1f}s" if self.hold else ""
+        return f"{self.kind} of {who}{held}"
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``--kinds``: comma-separated kinds, or "all"; "server" for the server-side ones.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    out: list[str] = []
+    for word in words or ["all"]:
+        if word == "all":
+            out += KINDS
+        elif word == "server":
+            out += [k for k in KINDS if k not in WORKER_KINDS]
+        elif word in KINDS:
+            out.append(word)
+        else:
+            raise ValueError(
+                f"Unknown fault kind {word!r}: choose among {', '.join(KINDS)}, all or server."
+            )
+    return tuple(dict.fromkeys(out))
+
+
+def schedule(
+    seed: int, count: int, kinds: tuple[str, ...], shards: int, workers: int, lease: float
+) -> list[Fault]:
+    """``count`` faults drawn from ``kinds`` with ``seed``: every kind once before any
+    twice (in a seeded order), each on a seeded target; stops outlast a worker's ``lease``
+    by half of it, and a shard's pause or failing disk holds 2 to 4 seconds."""
+    rng = random.Random(seed)
+    out: list[Fault] = []
+    while len(out) < count:
+        order = list(kinds)
+        rng.shuffle(order)
+        for kind in order[: count - len(out)]:
+            if kind in WORKER_KINDS:
+                target = rng.randrange(workers)
+            elif kind == "kill-all-shards":
+                target = -1
+            else:
+                target = rng.randrange(shards)
+            hold = 0.0
+            if kind == "stop-worker":
+                hold = round(lease * 1.5, 1)
+            elif kind in ("stop-shard", "disk-full"):
+                hold = round(rng.uniform(2.0, 4.0), 1)
+            out.append(Fault(kind, target, hold))
+    return out
