@@ -59,6 +59,12 @@ class CriteoDLRM(nn.Module):
             nn.Linear(64, 2),
         )
 
+    def table_ids(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ids each table looks up for input ``x`` (``Worker.prefetch`` fetches every
+        table's rows in one request per shard, as the worker daemon does)."""
+        ids = x[:, DENSE:] % self._rows
+        return {f"tables.{f}": ids[:, f] for f in range(len(self.tables))}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dense = self.bottom(torch.log1p(x[:, :DENSE].float()))
         ids = x[:, DENSE:] % self._rows

@@ -4,7 +4,9 @@ training or serving its DLRM (``criteo_model.py``).
 - ``python -m paramserver.bench.criteo_ranks RANK WORLD PORT CASE MODE ADDRESS STEPS DATA
   OUT`` (PORT unused; DATA: the case's training samples, saved by the bench): a paramserver
   worker (``ps.Worker``) that trains batches RANK, RANK+WORLD, ... of one epoch (at most
-  STEPS of them; 0: all) of the model with its tables as MODE says, and writes its figures
+  STEPS of them; 0: all) of the model with its tables as MODE says (declared: each batch's
+  rows of all 26 tables prefetched in one request, ``Worker.prefetch``, as the worker
+  daemon does for a model with ``table_ids``), and writes its figures
   to OUT: samples, seconds, rows fetched and pushed, the flat buffer's size, peak RSS.
 - ``python -m paramserver.bench.criteo_ranks serve CASE SNAPSHOT OUT``: a fresh process that
   loads a serving snapshot (``paramserver.serving.load``) and answers one batch, timed from
@@ -131,6 +133,8 @@ def ps_main(argv: list[str]) -> None:
     with Worker(address, model, name=f"criteo-{rank}") as worker:
         started = time.perf_counter()
         for part in mine:
+            if mode == "declared":  # every table's rows in one request, not one a table
+                worker.prefetch(model.table_ids(train_x[part]))
             F.cross_entropy(model(train_x[part]), train_y[part]).backward()
             worker.step(samples=case.batch)
         worker.flush()
