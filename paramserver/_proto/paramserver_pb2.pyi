@@ -123,7 +123,7 @@ class TrainingPlan(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("name", "worker_id", "train_samples", "shm_name", "shm_nonce", "shm_slots", "shm_rows_bytes", "join_id")
+    __slots__ = ("name", "worker_id", "train_samples", "shm_name", "shm_nonce", "shm_slots", "shm_rows_bytes", "join_id", "past_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class JoinRequest(_message.Message):
     SHM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SHM_ROWS_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOIN_ID_FIELD_NUMBER: _ClassVar[int]
+    PAST_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     worker_id: str
     train_samples: int
@@ -140,10 +141,11 @@ class JoinRequest(_message.Message):
     shm_slots: int
     shm_rows_bytes: int
     join_id: str
-    def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ..., shm_rows_bytes: _Optional[int] = ..., join_id: _Optional[str] = ...) -> None: ...
+    past_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ..., shm_rows_bytes: _Optional[int] = ..., join_id: _Optional[str] = ..., past_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce")
+    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce", "origin")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +163,7 @@ class JoinResponse(_message.Message):
     SHM_CONTROL_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     clock: int
@@ -178,7 +181,8 @@ class JoinResponse(_message.Message):
     shm_control: str
     data_port: int
     data_nonce: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ...) -> None: ...
+    origin: str
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut", "dtype", "exact")
@@ -311,14 +315,16 @@ class PushPullResponse(_message.Message):
     def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
 
 class RewindRequest(_message.Message):
-    __slots__ = ("round", "incarnation", "worker_id")
+    __slots__ = ("round", "incarnation", "worker_id", "cause")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     round: int
     incarnation: str
     worker_id: str
-    def __init__(self, round: _Optional[int] = ..., incarnation: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    cause: str
+    def __init__(self, round: _Optional[int] = ..., incarnation: _Optional[str] = ..., worker_id: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class RewindResponse(_message.Message):
     __slots__ = ("version", "incarnation")

@@ -176,7 +176,49 @@ def render(records: list[dict[str, Any]]) -> str:
         "defaults: batch 64 per worker, Adam lr 0.002 with cosine decay over 10 epochs.",
         resnet,
     )
+    for soak in [r for r in records if r["section"] == "chaos"]:
+        lines += _chaos(soak)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _chaos(r: dict[str, Any]) -> list[str]:
+    """A ``paramserver chaos`` report (its ``--json`` line, with ``command`` and ``date``)."""
+    recoveries: dict[str, list[float]] = {}
+    for f in r["faults"]:
+        recoveries.setdefault(f["fault"].split(" ")[0], []).append(f["seconds"])
+    lines = [
+        f"## Faults together: {r['name']}",
+        "",
+        f"Measured {r['date'][:16].replace('T', ' ')} UTC, one run (then the same run "
+        "uninterrupted):",
+        "",
+        "```",
+        r["command"],
+        "```",
+        "",
+        f"{len(r['faults'])} faults over {r['config']['batches']} batches "
+        f"({r['config']['epochs']} epochs, policy {r['config']['policy']}); the run took "
+        f"{r['seconds']} s, uninterrupted {r['seconds_uninterrupted']} s; "
+        f"{r['checkpoint_reads']} checkpoint reads meanwhile.",
+        "",
+        "| fault | count | recovery s (mean) | recovery s (max) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for kind, times in sorted(recoveries.items()):
+        mean = sum(times) / len(times)
+        lines.append(f"| {kind} | {len(times)} | {mean:.1f} | {max(times):.1f} |")
+    lines += ["", "| check | held |", "| --- | --- |"]
+    lines += [f"| {name} | {'yes' if held else '**no**'} |" for name, held in r["checks"].items()]
+    lines += [
+        "",
+        f"Test accuracy {r['accuracy']:.4f} against {r['accuracy_uninterrupted']:.4f} "
+        f"uninterrupted; largest difference of a weight, float buffer or table row "
+        f"{r['largest_weight_difference']:.3g}; final shard statuses {r['statuses']}.",
+        "",
+    ]
+    if r.get("notes"):
+        lines += [r["notes"], ""]
+    return lines
 
 
 def load(folder: Path) -> list[dict[str, Any]]:

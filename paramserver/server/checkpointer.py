@@ -254,10 +254,12 @@ class Checkpointer:
             self.rows.collect()
         return state.version
 
-    def rewind(self, round_: int, incarnation: str) -> None:
-        """Go back to this shard's cut at sync round ``round_`` (another shard restarted
-        from it), as a new incarnation, read from disk (a cut taken and not yet written is
-        written first, with those before it: its rows are a delta of theirs).
+    def rewind(self, round_: int, incarnation: str, cause: str = "") -> bool:
+        """Go back to this shard's cut at sync round ``round_`` (another shard, of origin
+        ``cause``, restarted from it), as a new incarnation, read from disk (a cut taken and
+        not yet written is written first, with those before it: its rows are a delta of
+        theirs). Nothing is done (False) when this shard's origin is ``cause`` already: it
+        was rewound for that restart before (and went on since), or it is that shard.
 
         Raises:
             WrongIncarnation: ``incarnation`` is not the current one: a rewind (or a restart)
@@ -265,6 +267,14 @@ class Checkpointer:
             OutOfOrder: this shard keeps no cut at that round.
         """
         with self._lock:
+            if cause and self.coordinator.origin == cause:
+                log.info(
+                    "a rewind to round %d for the restart of %s: this shard is at that cut's "
+                    "origin already; nothing to do",
+                    round_,
+                    cause,
+                )
+                return False
             self.coordinator.check_incarnation(incarnation)
             if self.coordinator.saving.pending_cut(round_) is not None:
                 self.write_cuts()  # its rows are on disk only with the cuts before it
@@ -285,7 +295,7 @@ class Checkpointer:
             was = self.coordinator.membership.min_clock()
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
                 cuts.pop(later).unlink(missing_ok=True)
-            self.coordinator.rewind(saved, on_disk=cuts)
+            self.coordinator.rewind(saved, on_disk=cuts, cause=cause)
             if self.rows is not None:
                 self.rows.follow(saved.row_chain or [], saved.row_sums or {})
                 self.rows.collect()
@@ -295,6 +305,7 @@ class Checkpointer:
                 round_,
                 self.coordinator.incarnation,
             )
+            return True
 
     def abandon(self) -> None:
         """Stop the thread without writing anything more, as a killed process would."""

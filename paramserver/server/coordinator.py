@@ -84,6 +84,9 @@ class Coordinator:
         self.model_numel = store.manifest.numel if model_numel is None else model_numel
         self.shard_offset = shard_offset
         self.incarnation = uuid.uuid4().hex[:12]
+        # the restart this state goes back to (JoinResponse.origin): this process's own,
+        # until a rewind for another shard's restart
+        self.origin = self.incarnation
         self.started_at = now()
         self._now, self._wall = now, wall
         self._cond = threading.Condition()
@@ -164,10 +167,16 @@ class Coordinator:
     # --- membership -------------------------------------------------------------------
 
     def join(
-        self, name: str, worker_id: str = "", train_samples: int = 0, join_id: str = ""
+        self,
+        name: str,
+        worker_id: str = "",
+        train_samples: int = 0,
+        join_id: str = "",
+        past_ids: Sequence[str] = (),
     ) -> Member:
-        """Admit a worker, or take back one that knows its id (a retry, or after a restart);
-        a retry of a join attempt (``join_id``) whose reply was lost gets the same member.
+        """Admit a worker, or take back one that knows its id (a retry, or after a restart;
+        ``past_ids``: the ids it held here before, which a rewound shard may hold); a retry
+        of a join attempt (``join_id``) whose reply was lost gets the same member.
 
         Raises:
             ClusterFull: ``--workers`` workers are live.
@@ -175,7 +184,7 @@ class Coordinator:
         """
         with self._cond:
             start = self.arrival.start_clock()
-            member = self.members.join(name, worker_id, train_samples, join_id, start)
+            member = self.members.join(name, worker_id, train_samples, join_id, start, past_ids)
             self._cond.notify_all()
             return member
 
@@ -390,11 +399,15 @@ class Coordinator:
             **self.arrival.state(),
         )
 
-    def rewind(self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int]) -> None:
-        """Go back to a cut, as a new incarnation: every call of the old one is refused
-        (ABORTED, waiting pulls too), so workers join again at the cut's clocks."""
+    def rewind(
+        self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int], cause: str = ""
+    ) -> None:
+        """Go back to a cut, as a new incarnation whose origin is ``cause`` (the restarted
+        shard's): every call of the old one is refused (ABORTED, waiting pulls too), so
+        workers join again at the cut's clocks."""
         with self.applies.lock, self._cond:
             self.incarnation = uuid.uuid4().hex[:12]
+            self.origin = cause or self.incarnation
             self.applies.discard(WrongIncarnation("The server rewound before applying this push."))
             self.saving.rewound(snapshot.cut, on_disk)
             self._take_over(snapshot)

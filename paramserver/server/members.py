@@ -26,6 +26,9 @@ from paramserver.server.state import CoordinatorSnapshot
 log = logging.getLogger("paramserver.server.coordinator")
 
 
+# Leases a worker restored from a checkpoint (or a cut) has to come back.
+RETURN_LEASES = 3
+
 class Members:
     """The live workers, their batches, and whether training has started."""
 
@@ -48,15 +51,21 @@ class Members:
     def restored(
         cls, config: ServerConfig, now: Callable[[], float], snapshot: CoordinatorSnapshot
     ) -> Members:
-        """The snapshot's workers, back as live members with a fresh lease: a worker that
-        rejoins with its id goes on from its clock; one that does not come back within the
-        lease is dropped, and the batches it held go to the others."""
+        """The snapshot's workers, back as live members with a lease of ``RETURN_LEASES``
+        leases (a restarted shard of several comes back one after another, and its workers
+        notice at their next call): a worker that rejoins with its id goes on from its
+        clock; one that does not come back by then is dropped, and the batches it held go to
+        the others. (With one lease, a shard whose restart took longer than it dropped the
+        workers it knew, and its sync round went on without them while the other shard's
+        waited: ``paramserver chaos`` found it.)"""
         membership = Membership.from_state(
             {"members": snapshot.members, **snapshot.membership},
             config.workers,
             config.lease_seconds,
             now,
         )
+        for m in membership.members.values():  # the lease runs out RETURN_LEASES later
+            m.last_seen = now() + (RETURN_LEASES - 1) * config.lease_seconds
         queue = BatchQueue.from_state(snapshot.queue) if snapshot.queue is not None else None
         started = bool(membership.members) or snapshot.version > 0
         if queue is not None and queue.finished:
@@ -80,10 +89,18 @@ class Members:
         }
 
     def join(
-        self, name: str, worker_id: str, train_samples: int, join_id: str, start: int | None
+        self,
+        name: str,
+        worker_id: str,
+        train_samples: int,
+        join_id: str,
+        start: int | None,
+        past_ids: Sequence[str] = (),
     ) -> Member:
         """Admit a worker (at clock ``start`` when none is live), or take back one that
-        knows its id; a retry of a join attempt (``join_id``) gets the same member.
+        knows its id, or one of its ``past_ids`` (the state it rejoins was saved while it
+        held that id: a shard rewound to a cut); a retry of a join attempt (``join_id``)
+        gets the same member.
 
         Raises:
             ClusterFull: ``--workers`` workers are live.
@@ -92,6 +109,12 @@ class Members:
         cfg = self.config
         self.queue = BatchQueue.plan(self.queue, train_samples, cfg.batch_size, cfg.epochs)
         member = self.membership.members.get(worker_id) if worker_id else None
+        for past in past_ids if member is None else ():
+            member = self.membership.members.get(past)
+            if member is not None:
+                log.info("worker %s (%s) is member %s of this state again", worker_id, name, past)
+                worker_id = past
+                break
         if member is not None:  # its start-up's second Join (its payload path), or a rejoin
             self.membership.touch(worker_id)
             if worker_id in self.returning:

@@ -62,7 +62,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
         self,
         coordinator: Coordinator,
         shared: Attachments,
-        rewind: Callable[[int, str], None] | None = None,
+        rewind: Callable[[int, str, str], bool] | None = None,
         control: str = "",
     ):
         self.c = coordinator
@@ -79,6 +79,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             request.worker_id,
             request.train_samples,
             request.join_id,
+            list(request.past_ids),
         )
         shm = self.shared.attach(
             member.worker_id,
@@ -105,6 +106,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             lease_seconds=cfg.lease_seconds,
             chunk_bytes=cfg.chunk_bytes,
             incarnation=self.c.incarnation,
+            origin=self.c.origin,
             shm=shm,
             shm_control=self.control if shm else "",
             data_port=self.data.port if self.data and not shm else 0,
@@ -153,7 +155,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
                 "--checkpoint-dir on every shard."
             )
         log.warning("worker %s asks to rewind to round %d", request.worker_id, request.round)
-        self.rewind(request.round, request.incarnation)
+        self.rewind(request.round, request.incarnation, request.cause)
         return pb.RewindResponse(version=self.c.store.version, incarnation=self.c.incarnation)
 
     @_rpc

@@ -83,9 +83,11 @@ class Session:
         self._sleep = sleep or stop.wait
         self.state = SessionState.JOINING
         self.worker_id = ""
+        self.past_ids: list[str] = []  # ids held on this server before, newest first
         self.rank = 0
         self.clock = 0
         self.incarnation = ""
+        self.origin = ""  # the restart the server's state goes back to (JoinResponse.origin)
         self.lease_seconds = 0.0
         self.reply = pb.JoinResponse()
         self.rejoins = 0
@@ -160,6 +162,8 @@ class Session:
         """Join (or, with our id in ``request``, join again); LIVE once answered."""
         request.name = self.name
         request.worker_id = self.worker_id
+        del request.past_ids[:]
+        request.past_ids.extend(self.past_ids)
         # one id for this attempt and its retries: a retry whose first reply was lost gets
         # the member that reply named, not a second one
         request.join_id = uuid.uuid4().hex
@@ -173,11 +177,14 @@ class Session:
             also=(ClusterFull, Timeout),
         )
         was = (self.worker_id, self.incarnation, self.clock)
+        if was[0] and was[0] != reply.worker_id:  # remembered: a rewind may bring it back
+            self.past_ids = [was[0], *[i for i in self.past_ids if i != reply.worker_id]][:8]
         self.reply = reply
         self.worker_id = reply.worker_id
         self.rank = reply.rank
         self.clock = reply.clock
         self.incarnation = reply.incarnation
+        self.origin = reply.origin or reply.incarnation  # servers before origins: their own
         self.lease_seconds = reply.lease_seconds
         self.common_cut = 0  # what the shards said before may not hold after a rewind
         if self.state is SessionState.LOST:
@@ -317,13 +324,19 @@ class Session:
 
 
 class Heartbeats:
-    """A thread that renews every session's lease, each a third of the shortest lease;
-    ``once`` is its loop's body."""
+    """Threads that renew every session's lease, each a third of the shortest lease; one
+    a session, so that a server that does not answer (paused, or cut off: each call waits
+    out its timeout) holds back no other server's heartbeats, which would let their leases
+    run out (``paramserver chaos`` found it: a shard paused for 3.7 s made the other drop
+    two workers). ``once`` is a round of every session's, the loops' body."""
 
     def __init__(self, sessions: list[Session], stop: threading.Event):
         self.sessions = sessions
         self._stop = stop
-        self._thread = threading.Thread(target=self._loop, name="ps-heartbeat", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._loop, args=(s,), name=f"ps-heartbeat-{i}", daemon=True)
+            for i, s in enumerate(sessions)
+        ]
         self.failures = 0  # rounds that raised (each logged with its traceback)
 
     def interval(self) -> float:
@@ -331,26 +344,30 @@ class Heartbeats:
 
     def once(self) -> None:
         for s in self.sessions:
-            s.heartbeat_once(2 * self.interval())
-        for s in self.sessions:
-            s.report_waits(2 * self.interval())
+            self._beat(s)
 
-    def _loop(self) -> None:
+    def _beat(self, s: Session) -> None:
+        s.heartbeat_once(2 * self.interval())
+        s.report_waits(2 * self.interval())
+
+    def _loop(self, s: Session) -> None:
         while not self._stop.wait(self.interval()):
             try:
-                self.once()
+                self._beat(s)
             except Exception:  # noqa: BLE001 - the thread must live on: logged, counted
                 self.failures += 1
                 if self.failures == 1 or self.failures % 100 == 0:  # loud, not a flood
                     log.exception("heartbeat round failed (%d so far); retrying", self.failures)
 
     def start(self) -> Heartbeats:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return any(t.is_alive() for t in self._threads)

@@ -91,8 +91,12 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
     every batch after the cut is computed again. A shard that restarted as well (every
     shard was killed) answers as a new incarnation: it is joined again and rewound then."""
     low = min(s.clock for s in sessions)
+    # the restart to rewind for: the origin of a shard at the cut (a shard rewound for it
+    # already, or the restarted one itself, is of that origin and is left as it is, even
+    # where this worker's own push of the cut's round took it a step past the cut)
+    cause = next(s.origin for s in sessions if s.clock == low)
     for s in sessions:
-        if s.clock == low:
+        if s.clock == low or s.origin == cause:
             continue
         log.warning(
             "shard at %s is at clock %d, another restarted at clock %d: rewinding it to that cut",
@@ -100,7 +104,9 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
             s.clock,
             low,
         )
-        request = pb.RewindRequest(round=low, incarnation=s.incarnation, worker_id=s.worker_id)
+        request = pb.RewindRequest(
+            round=low, incarnation=s.incarnation, worker_id=s.worker_id, cause=cause
+        )
         # another worker rewound it first, or it restarted too (every shard was killed):
         # either way it is lost, joined again next, and brought back to the cut then; a
         # shard still restarting is waited for, as any call is

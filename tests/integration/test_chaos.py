@@ -1,7 +1,8 @@
 """``paramserver chaos``, short: a real cluster (2 shards, 3 workers, a sparse table and
-BatchNorm) hurt by 3 seeded server-side faults (a shard paused past the workers' lease, a
-shard's checkpoint writes failing), then the same run uninterrupted: every batch once, each
-recovery bounded, every checkpoint readable throughout, and the same weights and rows."""
+BatchNorm) hurt by 4 seeded server-side faults (kill -9 of every shard at once, of one
+shard, a shard paused past the workers' lease, a shard's checkpoint writes failing), then
+the same run uninterrupted: every batch once, each recovery bounded, every checkpoint
+readable throughout, and the same weights and rows."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
             *paramserver_cmd(),
             "chaos",
             "--faults",
-            "3",
+            "4",
             "--seed",
-            "0",
+            "2",
             "--kinds",
-            "stop-shard,disk-full",
+            "server",
             "--workdir",
             str(tmp_path),
             "--json",
@@ -41,5 +42,11 @@ def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
         "checkpoints_readable": True,
         "equal_to_uninterrupted": True,
     }, report
-    assert len(report["faults"]) == 3 and report["checkpoint_reads"] > 0
+    assert len(report["faults"]) == 4 and report["checkpoint_reads"] > 0
+    assert {f["fault"].split(" ")[0] for f in report["faults"]} == {
+        "kill-all-shards",
+        "stop-shard",
+        "disk-full",
+        "kill-shard",
+    }
     assert report["largest_weight_difference"] < 1e-4

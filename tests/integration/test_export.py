@@ -21,24 +21,27 @@ from tests.conftest import DEADLINE, paramserver_cmd
 MODEL, SEED, STEPS = "tests.sparse_models:Mixed", 3, 12
 
 
+def mixed_server(serve, directory, shard: int, shards: int) -> ps.ServerApp:
+    """Shard ``shard`` of ``shards`` of a sync run of MODEL (one worker) that checkpoints
+    into ``directory``, cutting every 5 rounds."""
+    return serve(
+        MODEL,
+        seed=SEED,
+        optimizer="adam",
+        lr=0.05,
+        policy="sync",
+        workers=1,
+        shard=shard,
+        shards=shards,
+        checkpoint_dir=str(directory),
+        checkpoint_every="5",
+    )
+
+
 def _train(serve, directory, shards: int) -> dict[str, torch.Tensor] | None:
     """A sync run of STEPS batches over ``shards`` servers that cut every 5 rounds; the
     single server's whole model (its ``model_state_dict()``), None for shards."""
-    servers = [
-        serve(
-            MODEL,
-            seed=SEED,
-            optimizer="adam",
-            lr=0.05,
-            policy="sync",
-            workers=1,
-            shard=i,
-            shards=shards,
-            checkpoint_dir=str(directory),
-            checkpoint_every="5",
-        )
-        for i in range(shards)
-    ]
+    servers = [mixed_server(serve, directory, i, shards) for i in range(shards)]
     model = models.build(MODEL, seed=SEED)
     g = torch.Generator().manual_seed(0)
     with ps.Worker([s.address for s in servers], model) as worker:
@@ -185,16 +188,5 @@ def test_a_torn_row_file_is_refused_by_name_by_export_and_by_the_server(serve, t
         export(tmp_path, MODEL, SEED, tmp_path / "x.pt")
     assert str(torn) in str(err.value) and not (tmp_path / "x.pt").exists()
     with pytest.raises(ConfigError, match="torn or truncated") as err:
-        serve(
-            MODEL,
-            seed=SEED,
-            optimizer="adam",
-            lr=0.05,
-            policy="sync",
-            workers=1,
-            shard=shard,
-            shards=shards,
-            checkpoint_dir=str(tmp_path),
-            checkpoint_every="5",
-        )
+        mixed_server(serve, tmp_path, shard, shards)
     assert str(torn) in str(err.value)

@@ -19,27 +19,14 @@ from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
 from paramserver.server.reshard import reshard
 from tests.conftest import DEADLINE, paramserver_cmd
+from tests.integration.test_export import MODEL, SEED, mixed_server
 
-MODEL, SEED = "tests.sparse_models:Mixed", 3  # a table, BatchNorm, a frozen parameter
+# MODEL: a table, BatchNorm, a frozen parameter
 FIRST, THEN = 10, 8  # batches before the checkpoint (a cut: shards resume from cuts), and after
 
 
 def _servers(serve, directory, shards: int) -> list[ps.ServerApp]:
-    return [
-        serve(
-            MODEL,
-            seed=SEED,
-            optimizer="adam",
-            lr=0.05,
-            policy="sync",
-            workers=1,
-            shard=i,
-            shards=shards,
-            checkpoint_dir=str(directory),
-            checkpoint_every="5",
-        )
-        for i in range(shards)
-    ]
+    return [mixed_server(serve, directory, i, shards) for i in range(shards)]
 
 
 def _train(servers: list[ps.ServerApp], first: int, steps: int) -> None:
