@@ -29,6 +29,7 @@ log = logging.getLogger("paramserver.server.coordinator")
 # Leases a worker restored from a checkpoint (or a cut) has to come back.
 RETURN_LEASES = 3
 
+
 class Members:
     """The live workers, their batches, and whether training has started."""
 
