@@ -2,13 +2,14 @@
 
 The shape of the Criteo Kaggle Display Advertising Challenge set, which cannot be had here:
 
-- **26 categorical features** with its public cardinalities (``CARDINALITIES``: the counts of
-  the Kaggle set's day-0 preprocessing in facebookresearch/dlrm, as its Kaggle runs pass to
-  ``--arch-embedding-size``; the largest 10,131,227, 33.8M ids in all). Each feature's ids
-  are Zipf(``ZIPF``)-distributed over its cardinality: rank r drawn with probability about
-  proportional to ``1 / r**ZIPF`` (the continuous inverse CDF, so a 10M-id feature needs no
-  table of 10M probabilities), mapped to an id by a bijection of [0, cardinality)
-  (``clicks.ids_of_ranks``), so popular ids spread over the table and its shards;
+- **26 categorical features** with its public cardinalities (``CARDINALITIES``: the counts
+  DLRM implementations size its tables by, TorchRec's ``KAGGLE_NUM_EMBEDDINGS_PER_FEATURE``
+  and the MLPerf DLRM reference's Kaggle ``ln_emb``; the largest 10,131,227, 33.8M ids in
+  all). Each feature's ids are Zipf(``ZIPF``)-distributed over its cardinality: rank r
+  drawn with probability about proportional to ``1 / r**ZIPF`` (the continuous inverse
+  CDF, so a 10M-id feature needs no table of 10M probabilities), mapped to an id by a
+  bijection of [0, cardinality) (``clicks.ids_of_ranks``), so popular ids spread over the
+  table and its shards;
 - **13 dense features**: integer counts, as Criteo's I1..I13, ``floor(exp(mu + sigma * z))``
   of a latent normal ``z`` (a model reads them as ``log1p``);
 - **labels from a hidden model**: the logit is a bias, plus a weight per (feature, id),
@@ -31,8 +32,8 @@ import torch
 from paramserver.sparse.rows import initial_rows, table_key
 from paramserver.training.clicks import ids_of_ranks
 
-# Criteo Kaggle (Display Advertising Challenge), C1..C26: facebookresearch/dlrm's day-0
-# preprocessing counts (its README's Kaggle --arch-embedding-size)
+# Criteo Kaggle (Display Advertising Challenge), C1..C26: the ids per feature that DLRM
+# implementations size its tables by (TorchRec's KAGGLE_NUM_EMBEDDINGS_PER_FEATURE)
 CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
