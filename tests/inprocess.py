@@ -17,7 +17,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import wire
 from paramserver.codec.records import ControlError
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.server.app import build_coordinator
+from paramserver.server.build import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.servicer import Servicer

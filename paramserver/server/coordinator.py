@@ -104,21 +104,10 @@ class Coordinator:
     def _take_over(self, s: CoordinatorSnapshot) -> None:
         """Go on from snapshot ``s``: its workers come back with a fresh lease (``Members``),
         the model and its rounds as they were (``arrival``)."""
-        if s.policy != self.policy.name:
-            log.warning(
-                "the checkpoint was written under %s; going on under %s", s.policy, self.policy.name
-            )
-        self.members = Members.restored(self.config, self._now, s)
+        self.members = Members.restored(self.config, self._now, s)  # logs it
         self.arrival = self._arrival(s)
-        rows = (list(s.row_chain), dict(s.row_sums or {})) if s.row_chain is not None else None
-        self.saving.resumed(s.cut, s.version, rows)
+        self.saving.resumed(s)
         self.counters.load(s.counters)
-        log.info(
-            "resumed from incarnation %s at version %d with %d workers",
-            s.incarnation,
-            self.store.version,
-            len(self.membership.members),
-        )
 
     def _arrival(self, s: CoordinatorSnapshot | None) -> Arrival:
         """The policy's strategy over the model, going on from ``s`` if given."""
@@ -174,9 +163,8 @@ class Coordinator:
         join_id: str = "",
         past_ids: Sequence[str] = (),
     ) -> Member:
-        """Admit a worker, or take back one that knows its id (a retry, or after a restart;
-        ``past_ids``: the ids it held here before, which a rewound shard may hold); a retry
-        of a join attempt (``join_id``) whose reply was lost gets the same member.
+        """Admit a worker, or take back one that knows its id (or one of its ``past_ids``), or
+        a retry of a join attempt (``join_id``): ``Members.join``.
 
         Raises:
             ClusterFull: ``--workers`` workers are live.
@@ -198,19 +186,10 @@ class Coordinator:
             self._after_leaving(self.members.leave(worker_id))
 
     def expire_leases(self, paused: float = 0.0) -> list[Member]:
-        """Drop workers whose lease ran out, so that no barrier waits on them. ``paused``:
-        seconds this server itself did not run (a SIGSTOP, a long pause of the host) since
-        the last look; then every lease starts again instead, for no worker could renew
-        its lease while the server could not answer."""
+        """Drop workers whose lease ran out, so that no barrier waits on them (``paused``:
+        ``Members.expire``'s)."""
         with self._cond:
-            if paused > 0:
-                log.warning(
-                    "this server did not run for %.1fs (paused, or starved); every worker's "
-                    "lease starts again",
-                    paused,
-                )
-                self.membership.renew_all()
-            dead = self.members.expire()
+            dead = self.members.expire(paused)
             self._after_leaving(dead)
             return dead
 
@@ -304,11 +283,6 @@ class Coordinator:
         if cut is not None:
             self.saving.take(cut, self._snapshot(cut))
 
-    def _tables(self, what: str) -> TableSet:
-        if self.tables is None:
-            raise InvalidRequest(f"{what} names sparse tables, but this model has none.")
-        return self.tables
-
     # --- pull -------------------------------------------------------------------------
 
     def pull_rows(
@@ -319,7 +293,9 @@ class Coordinator:
         it; no row is created. An empty id observes (evaluation, checkpoints). With them
         the slowest live clock when they were read (-1: none live): rows are applied as
         their push arrives, so they hold every push below it."""
-        tables = self._tables("A row pull")
+        tables = self.tables
+        if tables is None:
+            raise InvalidRequest("A row pull names sparse tables, but this model has none.")
         with self._cond:
             self.check_incarnation(incarnation)
             if worker_id:
@@ -339,14 +315,8 @@ class Coordinator:
         sink: Callable[[np.ndarray], None] | None = None,
     ) -> PullResult:
         """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
-        the policy allows; an empty id observes.
-
-        Under ``ssp:K`` and ``async`` a worker that finds no batch left waits for one (a
-        batch given back by a dead worker) or for the end of the run, unless it holds an
-        earlier batch not pushed yet (a prefetch: the end would wait for it); then, as under
-        ``sync``, it gets batch -1 and pushes an empty gradient.
-
-        The weights are the last published version's (never waiting for an apply:
+        the policy allows (``pulls.Pull``: when no batch is left, and batch -1); an empty id
+        observes. The weights are the last published version's (never waiting for an apply:
         ``server/applies.py``), handed to ``sink`` (a writer into a worker's shared segment)
         under the lock, or a snapshot shared by the pulls of one version.
 
@@ -370,22 +340,18 @@ class Coordinator:
 
     # --- checkpoints ------------------------------------------------------------------
 
-    def checkpoint_state(self) -> CoordinatorSnapshot:
+    def checkpoint_state(self, whole: bool = False) -> Any:
         """A consistent copy of everything a resumed server needs (see ``checkpoint``): the
-        gradients accepted and not yet applied are applied first."""
+        gradients accepted and not yet applied are applied first. ``whole``: instead, the
+        flat weights and every table whole (``TableSet.state_dict``), copied, leaving what a
+        checkpoint takes (the tables' changes) as it is."""
         with self.applies.lock, self._cond:
             if self.applies.drain():
                 self._published()  # a cut may fall now: it is taken before this state
+            if whole:
+                tables = self.tables.state_dict() if self.tables is not None else None
+                return self.store.weights.copy(), tables
             return self._snapshot(self.cuts.last)
-
-    def model_state(self) -> tuple[np.ndarray, dict[str, Any] | None]:
-        """The flat weights and every table whole (``TableSet.state_dict``), copied; what a
-        checkpoint takes (the tables' changes) is left as it is."""
-        with self.applies.lock, self._cond:
-            if self.applies.drain():
-                self._published()
-            tables = self.tables.state_dict() if self.tables is not None else None
-            return self.store.weights.copy(), tables
 
     def _snapshot(self, cut: int) -> CoordinatorSnapshot:
         """Everything a resumed server needs, copied; the caller holds the lock."""

@@ -67,6 +67,18 @@ class Members:
         )
         for m in membership.members.values():  # the lease runs out RETURN_LEASES later
             m.last_seen = now() + (RETURN_LEASES - 1) * config.lease_seconds
+        if snapshot.policy != config.parsed_policy.name:
+            log.warning(
+                "the checkpoint was written under %s; going on under %s",
+                snapshot.policy,
+                config.parsed_policy.name,
+            )
+        log.info(
+            "resumed from incarnation %s at version %d with %d workers",
+            snapshot.incarnation,
+            snapshot.version,
+            len(membership.members),
+        )
         queue = BatchQueue.from_state(snapshot.queue) if snapshot.queue is not None else None
         started = bool(membership.members) or snapshot.version > 0
         if queue is not None and queue.finished:
@@ -153,8 +165,18 @@ class Members:
         log.info("worker %s (rank %d) left at clock %d", worker_id, member.rank, member.clock)
         return [member]
 
-    def expire(self) -> list[Member]:
-        """Drop the workers whose lease ran out; returns them."""
+    def expire(self, paused: float = 0.0) -> list[Member]:
+        """Drop the workers whose lease ran out; returns them. ``paused``: seconds this
+        server itself did not run (a SIGSTOP, a long pause of the host) since the last look;
+        then every lease starts again instead, for no worker could renew its lease while
+        the server could not answer."""
+        if paused > 0:
+            log.warning(
+                "this server did not run for %.1fs (paused, or starved); every worker's "
+                "lease starts again",
+                paused,
+            )
+            self.membership.renew_all()
         dead = self.membership.expire()
         for m in dead:
             log.warning(

@@ -51,6 +51,11 @@ class Pull:
     server incarnation ``incarnation``; ``sink`` (a writer into the worker's shared
     segment) takes the weights, or the answer holds a snapshot.
 
+    Under ``ssp:K`` and ``async`` a worker that finds no batch left waits for one (a batch
+    given back by a dead worker) or for the end of the run, unless it holds an earlier batch
+    not pushed yet (a prefetch: the end would wait for it); then, as under ``sync``, it gets
+    batch -1 and pushes an empty gradient.
+
     Raises:
         InvalidRequest: ``batches`` is not within 1 to ``MAX_PUSH_EVERY``.
     """

@@ -43,14 +43,12 @@ class Saving:
         """Keep the state taken at ``cut`` until it is on disk (the caller holds the lock)."""
         self.cuts.take(cut, snapshot)
 
-    def resumed(
-        self, cut: int, version: int, rows: tuple[list[str], dict[str, str]] | None = None
-    ) -> None:
-        """The coordinator took over a snapshot of ``version``, whose last cut was ``cut``
-        (``rows``: the row folders its tables came from, and their checksums)."""
-        self.cuts.last = cut
-        self.saves.version = version
-        self.rows = rows
+    def resumed(self, s: CoordinatorSnapshot) -> None:
+        """The coordinator took over snapshot ``s``: its last cut, its version, and the row
+        folders its tables came from (and their checksums)."""
+        self.cuts.last = s.cut
+        self.saves.version = s.version
+        self.rows = (list(s.row_chain), dict(s.row_sums or {})) if s.row_chain is not None else None
 
     def rewound(self, cut: int, on_disk: Iterable[int]) -> None:
         """Back at the cut at ``cut``: the cuts after it are abandoned (``on_disk``: those

@@ -12,7 +12,7 @@ from torch import nn
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import ConfigError, OutOfOrder, Timeout, WrongIncarnation
 from paramserver.server import checkpoint
-from paramserver.server.app import build_coordinator
+from paramserver.server.build import build_coordinator
 from paramserver.server.checkpointer import Checkpointer
 from tests.conftest import DEADLINE, FakeClock
 
