@@ -36,7 +36,7 @@ def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
     assert result.returncode == (0 if report["ok"] else 1)
     assert report["checks"] == {
         "exactly_once": True,
-        "workers_logged_every_batch": True,
+        "workers_logs_agree": True,
         "recovered_within": True,
         "every_fault_injected": True,
         "checkpoints_readable": True,
