@@ -194,7 +194,7 @@ class Chaos:
     workdir: str | None = setting(
         None,
         "--workdir",
-        "Folder for the runs' logs and checkpoints [default: a new temporary one].",
+        "A new or empty folder for the runs' logs and checkpoints [default: a new temporary one].",
         env="CHAOS_WORKDIR",
     )
     json: bool = setting(

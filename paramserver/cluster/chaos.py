@@ -36,7 +36,7 @@ from paramserver.cluster.chaos_cluster import DATA, MODEL, Cluster, Reader, data
 from paramserver.cluster.faults import WORKER_KINDS, Fault
 from paramserver.cluster.procs import stop_all
 from paramserver.cluster.reading import model_state_dict
-from paramserver.errors import ParamServerError
+from paramserver.errors import ConfigError, ParamServerError
 
 log = logging.getLogger(__name__)
 BATCH, SHARDS, WORKERS = 64, 2, 3
@@ -220,6 +220,8 @@ def soak(cfg: ChaosConfig) -> dict[str, Any]:
     invariant held."""
     schedule = fault_kinds.schedule(cfg.seed, cfg.faults, cfg.kinds, SHARDS, WORKERS, cfg.lease)
     root = Path(cfg.workdir or tempfile.mkdtemp(prefix="paramserver-chaos-"))
+    if root.exists() and any(root.iterdir()):  # its servers would resume another run's files
+        raise ConfigError(f"{root} is not empty: give --workdir a new or empty folder.")
     hurt = _run(cfg, root / "chaos", schedule)
     clean = _run(cfg, root / "uninterrupted", [])
     total = cfg.epochs * PER_EPOCH
