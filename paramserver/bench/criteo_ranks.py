@@ -32,7 +32,7 @@ from torch import nn
 from paramserver.bench import criteo
 from paramserver.bench.criteo_model import LR, QUICK_DIVISOR, build
 from paramserver.bench.ddp import write_result
-from paramserver.bench.sparse_ranks import peak_rss_mb
+from paramserver.bench.sparse_ranks import peak_rss_mb, worker_figures
 from paramserver.sparse import name_tables
 from paramserver.training.evaluation import evaluate
 
@@ -138,22 +138,8 @@ def ps_main(argv: list[str]) -> None:
             F.cross_entropy(model(train_x[part]), train_y[part]).backward()
             worker.step(samples=case.batch)
         worker.flush()
-        seconds = time.perf_counter() - started
-        counters = worker.tables.counters
-        numel = worker.manifest.numel
-    write_result(
-        out,
-        {
-            "rank": rank,
-            "steps": len(mine),
-            "samples": len(mine) * case.batch,
-            "seconds": seconds,
-            "rows_fetched": counters.fetched,
-            "rows_pushed": counters.pushed,
-            "dense_numel": numel,
-            "peak_rss_mb": peak_rss_mb(),
-        },
-    )
+        figures = worker_figures(worker, rank, len(mine), case.batch, started)
+    write_result(out, {**figures, "peak_rss_mb": peak_rss_mb()})
 
 
 def serve_main(argv: list[str]) -> None:

@@ -132,6 +132,23 @@ def build_model(case: Case, mode: str) -> nn.Module:
     return model
 
 
+def worker_figures(
+    worker: Any, rank: int, steps: int, batch: int, started: float
+) -> dict[str, Any]:
+    """A bench worker's result once its steps are flushed: steps, samples, seconds since
+    ``started`` and the rows it fetched and pushed (its peak memory is added after it left)."""
+    counters = worker.tables.counters
+    return {
+        "rank": rank,
+        "steps": steps,
+        "samples": steps * batch,
+        "seconds": time.perf_counter() - started,
+        "rows_fetched": counters.fetched,
+        "rows_pushed": counters.pushed,
+        "dense_numel": worker.manifest.numel,
+    }
+
+
 def peak_rss_mb(field: str = "VmHWM") -> float:
     """This process's peak resident memory (VmHWM; "VmRSS": now), in MiB."""
     found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
@@ -195,22 +212,8 @@ def ps_main(argv: list[str]) -> None:
             F.cross_entropy(model(train_x[part]), train_y[part]).backward()
             worker.step(samples=case.batch)
         worker.flush()
-        seconds = time.perf_counter() - started
-        counters = worker.tables.counters
-        numel = worker.manifest.numel
-    write_result(
-        out,
-        {
-            "rank": rank,
-            "steps": len(mine),
-            "samples": len(mine) * case.batch,
-            "seconds": seconds,
-            "rows_fetched": counters.fetched,
-            "rows_pushed": counters.pushed,
-            "dense_numel": numel,
-            "peak_rss_mb": peak_rss_mb(),
-        },
-    )
+        figures = worker_figures(worker, rank, len(mine), case.batch, started)
+    write_result(out, {**figures, "peak_rss_mb": peak_rss_mb()})
 
 
 def ddp_main(argv: list[str]) -> None:
