@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from paramserver import models
-from paramserver.training import clicks
 from paramserver.sparse.client import LocalTables
 from paramserver.sparse.embedding import attach_tables, table_specs
 from paramserver.sparse.table import ShardTable
 from paramserver.sparse.tableset import row_optimizer
+from paramserver.training import clicks
 
 
 def main() -> None:

@@ -213,6 +213,11 @@ class Pipeline:
             also=(Timeout,),
         )
 
+    def push_empty(self, s: Session, iteration: int) -> pb.PushResponse:
+        """An empty push of ``iteration`` to ``s`` now (no gradient, no batch: it counts for
+        the worker's clock there), as ``shards.align_clocks`` sends."""
+        return self._push(s, StagedPush(0, (iteration,), empty=True), iteration)
+
     def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:
         request = s.pull_request(iteration, batches)
         channel = s.channel

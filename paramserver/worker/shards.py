@@ -1,19 +1,29 @@
 """A worker's view of the shards: their addresses, which range of the model's flat buffer
 each server holds (read from its JoinResponse: ``shard``, ``shards``, ``shard_offset``, its
 manifest; checked against the addresses the worker was given and the local model; the
-servers cut the ranges with ``codec.layout.shard_range``), and bringing every shard back to
-one cut after one of them restarted."""
+servers cut the ranges with ``codec.layout.shard_range``), bringing every shard back to
+one cut after one of them restarted, and keeping a worker's clock the same on every shard.
+
+Why the clocks must agree: a shard's cut at clock c holds the pushes of iterations below c,
+so a gradient must be the same iteration on every shard, or two shards' cuts at c hold
+different batches. A worker that joins (or joins again under a new id) starts at each
+shard's own round, and shards finish a round at different moments (shard 0 gets every
+push last), so it may start one round apart: ``align_clocks`` then pushes empty pushes to
+the shards behind (an empty push counts for the round and applies nothing) until every
+clock is the highest. Without it, a shard that restarts from such a cut makes the others
+rewind to a cut that lacks a batch shard 0 counts done: that batch is never trained
+there."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec.layout import Manifest
-from paramserver.errors import ConfigError, WrongIncarnation
+from paramserver.errors import ConfigError, RejoinRequired, WrongIncarnation
 from paramserver.worker.session import Session
 
 log = logging.getLogger(__name__)
@@ -113,3 +123,26 @@ def rewind_ahead(sessions: Sequence[Session]) -> None:
         with contextlib.suppress(WrongIncarnation):
             s.retrying("rewind", functools.partial(s.channel.rewind, request, s.rpc_timeout))
         s.lose(WrongIncarnation(f"The server at {s.address} rewound to round {low}."))
+
+
+def align_clocks(sessions: Sequence[Session], push_empty: Callable[[Session, int], object]) -> None:
+    """Bring this worker's clock on every shard to the highest, with empty pushes
+    (``push_empty(session, iteration)``) to the shards behind (see the module's docstring).
+    A session lost meanwhile stops it: the worker joins it again, then aligns again."""
+    top = max(s.clock for s in sessions)
+    for s in sessions:
+        if s.clock < top and not s.lost:
+            log.warning(
+                "joined the shard at %s at clock %d, another at clock %d: %d empty push(es) "
+                "there, so that each gradient is the same iteration on every shard",
+                s.address,
+                s.clock,
+                top,
+                top - s.clock,
+            )
+        while s.clock < top and not s.lost:
+            try:
+                push_empty(s, s.clock)
+            except RejoinRequired:
+                return  # marked lost: joined again, then aligned again
+            s.clock += 1

@@ -42,7 +42,7 @@ from paramserver.worker.pipeline import Pipeline
 from paramserver.worker.retry import Backoff
 from paramserver.worker.rows import IdsByTable
 from paramserver.worker.session import Heartbeats, Session
-from paramserver.worker.shards import addresses_of
+from paramserver.worker.shards import addresses_of, align_clocks
 from paramserver.worker.stages import Stager
 from paramserver.worker.view import WorkerView
 
@@ -230,8 +230,13 @@ class Worker(WorkerView):
         self._drop_step = True
 
     def _rejoin_lost(self) -> None:
-        """Join every lost session again, once the pushes in flight have ended."""
-        self._attacher.rejoin_lost(settle=self.flush, reopened=self._reopened)
+        """Join every lost session again, once the pushes in flight have ended; then make
+        this worker's clock the same on every shard (``shards.align_clocks``)."""
+        while True:
+            self._attacher.rejoin_lost(settle=self.flush, reopened=self._reopened)
+            align_clocks(self.sessions, self._pipe.push_empty)
+            if not any(s.lost for s in self.sessions):
+                return
 
     # --- steps ------------------------------------------------------------------------
 

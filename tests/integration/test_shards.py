@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import paramserver as ps
 from paramserver.codec import layout
 from paramserver.server import checkpoint
 from paramserver.training import data
-from tests.conftest import replica, tiny_model
+from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 from tests.integration.test_cli import run_cli
 
 
@@ -172,3 +173,45 @@ def test_shards_carry_buffers_and_float64_like_one_server(serve, dtype):
     flat = np.concatenate([s.coordinator.store.weights for s in servers])
     assert flat.dtype == np.dtype(str(dtype)[6:])
     np.testing.assert_array_equal(flat, one.coordinator.store.weights)
+
+
+def test_a_worker_joining_while_the_shards_are_a_round_apart_starts_at_one_clock(serve):
+    """Shard 1 finished round 0 (every push reaches it before shard 0); shard 0 has not. A
+    worker joining then starts at round 0 on shard 0 and round 1 on shard 1: it pushes an
+    empty push to shard 0, so that its gradients are the same iteration on both (else two
+    shards' cuts at one round hold different batches, and a rewind loses one)."""
+    start = tiny_model()
+    servers = [
+        serve(replica(start), policy="sync", workers=2, min_workers=1, shard=i, shards=2)
+        for i in range(2)
+    ]
+    c0, c1 = (s.coordinator for s in servers)
+    first = ps.Worker([s.address for s in servers], replica(start))
+    try:
+        a0, a1 = first.sessions
+        zero = np.zeros(c1.store.n_params, np.float32)
+        c1.push(a1.worker_id, 0, zero, 32, 0.0, a1.incarnation)  # round 0 ends on shard 1
+        assert (c0.rounds, c1.rounds) == (0, 1)
+        joined: list[ps.Worker] = []
+        second = WorkerThread(
+            lambda: joined.append(ps.Worker([s.address for s in servers], replica(start)))
+        )
+        second.start()
+
+        # its empty push of iteration 0 on shard 0: its clock is 1 there, as on shard 1
+        def aligned(c) -> bool:
+            return any(w != a0.worker_id and m.clock == 1 for w, m in c.membership.members.items())
+
+        deadline = time.monotonic() + DEADLINE
+        while second.is_alive() and time.monotonic() < deadline:  # its end notifies nobody
+            if c0.wait_for(aligned, 0.1):
+                break
+        assert aligned(c0), [s.clock for s in joined[0].sessions]
+        zero0 = np.zeros(c0.store.n_params, np.float32)
+        c0.push(a0.worker_id, 0, zero0, 32, 0.0, a0.incarnation)  # round 0 ends on shard 0
+        second.result()
+        late = joined[0]
+        assert [s.clock for s in late.sessions] == [1, 1]
+        late.close()
+    finally:
+        first.close()
