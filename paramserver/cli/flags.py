@@ -179,7 +179,7 @@ class Chaos:
     kinds: str = setting(
         "all",
         "--kinds",
-        "Fault kinds, comma-separated: kill-worker, stop-worker, kill-shard, kill-all-shards, stop-shard, disk-full; all; or server (the server-side ones).",
+        "Fault kinds, comma-separated: kill-worker, stop-worker, kill-shard, kill-all-shards, stop-shard, disk-full, link-down (needs network namespaces: root and iproute2; all leaves it out where they cannot be made); all; or server (the server-side ones).",
         env="CHAOS_KINDS",
     )
     lease: float = setting(

@@ -170,6 +170,7 @@ def chaos(**kw: Any) -> None:
         kinds = parse_kinds(opts.kinds)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    kinds = soak.linkable(kinds, asked="link-down" in opts.kinds)
     if opts.faults < 0:
         raise ConfigError(f"--faults must be 0 or more; got {opts.faults}.")
     cfg = soak.ChaosConfig(

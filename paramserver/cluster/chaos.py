@@ -32,8 +32,10 @@ import numpy as np
 import torch
 
 from paramserver.cluster import faults as fault_kinds
+from paramserver.cluster import netns
 from paramserver.cluster.chaos_cluster import DATA, MODEL, Cluster, Reader, data, model, wait_until
 from paramserver.cluster.faults import WORKER_KINDS, Fault
+from paramserver.cluster.netns import Network
 from paramserver.cluster.procs import stop_all
 from paramserver.cluster.reading import model_state_dict
 from paramserver.errors import ConfigError, ParamServerError
@@ -118,11 +120,35 @@ def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
     return server, worker
 
 
+def linkable(kinds: tuple[str, ...], asked: bool) -> tuple[str, ...]:
+    """``kinds``, less link-down where network namespaces cannot be made here (said once).
+
+    Raises:
+        ConfigError: link-down was asked for by name, and namespaces cannot be made.
+    """
+    if "link-down" not in kinds:
+        return kinds
+    why = netns.unavailable()
+    if why is None:
+        return kinds
+    if asked:
+        raise ConfigError(f"--kinds link-down needs network namespaces: {why}.")
+    log.warning("no link-down faults: %s", why)
+    return tuple(k for k in kinds if k != "link-down")
+
+
 def _run(cfg: ChaosConfig, root: Path, schedule: list[Fault]) -> Outcome:
     """One run of the cluster in ``root``, hurt by ``schedule`` (none: the uninterrupted
-    run)."""
+    run); its workers in network namespaces when it takes a link down."""
     root.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(root, SHARDS, WORKERS, *_args(cfg, root))
+    if not any(f.kind == "link-down" for f in schedule):
+        return _run_in(cfg, root, schedule, None)
+    with Network([f"w{j}" for j in range(WORKERS)]) as net:
+        return _run_in(cfg, root, schedule, net)
+
+
+def _run_in(cfg: ChaosConfig, root: Path, schedule: list[Fault], net: Network | None) -> Outcome:
+    cluster = Cluster(root, SHARDS, WORKERS, *_args(cfg, root), net=net)
     out = Outcome()
     started = time.monotonic()
     reader = Reader(root / "checkpoints", SHARDS)
@@ -194,6 +220,12 @@ def _inject(cluster: Cluster, fault: Fault, cfg: ChaosConfig) -> Recovery:
         cluster.signal_server(fault.target, signal.SIGSTOP)
         time.sleep(fault.hold)
         cluster.signal_server(fault.target, signal.SIGCONT)
+    elif fault.kind == "link-down":
+        cluster.link(fault.target, up=False)
+        try:
+            time.sleep(fault.hold)  # the fault itself: the link down this long
+        finally:
+            cluster.link(fault.target, up=True)
     elif fault.kind == "disk-full":
         cluster.file_limit(fault.target, 4096)
         time.sleep(fault.hold)

@@ -1,7 +1,12 @@
 """The local cluster ``paramserver chaos`` runs and hurts: server shards and worker daemons
 as child processes, started, killed, stopped and started again on the same ports; its
 progress read from the shards' Status; and a reader that loads the newest checkpoint of
-every shard over and over while the run goes on (``Reader``)."""
+every shard over and over while the run goes on (``Reader``).
+
+With a ``Network`` (for link faults) every worker runs in a namespace of its own, host
+``wJ``, and reaches the servers over its link at the root namespace's bridge address,
+where they listen; its payloads go over gRPC then (``--shm off``: a shared segment and its
+same-host socket would not cross a cut link)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster.netns import Network
 from paramserver.cluster.procs import READY_MARKER, Child
 from paramserver.errors import ConfigError
 from paramserver.server import checkpoint
@@ -64,10 +70,18 @@ class Cluster:
     """``shards`` server processes and ``workers`` worker daemons of one run in ``root``."""
 
     def __init__(
-        self, root: Path, shards: int, workers: int, server_args: list[str], worker_args: list[str]
+        self,
+        root: Path,
+        shards: int,
+        workers: int,
+        server_args: list[str],
+        worker_args: list[str],
+        net: Network | None = None,
     ):
         self.root, self.shards, self.workers = root, shards, workers
         self.server_args, self.worker_args = server_args, worker_args
+        self.net = net
+        self.host = net.reach_root() if net is not None else "127.0.0.1"
         self.ports = [0] * shards
         self.servers: list[Child | None] = [None] * shards
         self.procs: list[Child] = []  # every child ever started, to stop at the end
@@ -76,7 +90,7 @@ class Cluster:
 
     @property
     def addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.ports]
+        return [f"{self.host}:{p}" for p in self.ports]
 
     def start_server(self, i: int, timeout: float) -> None:
         self.starts += 1
@@ -85,7 +99,7 @@ class Cluster:
             [
                 "server",
                 "--host",
-                "127.0.0.1",
+                self.host,
                 "--port",
                 str(self.ports[i]),
                 "--shard",
@@ -113,8 +127,10 @@ class Cluster:
                 "--batch-log",
                 str(self.root / f"batches-w{j}-{self.starts}.log"),
                 *self.worker_args,
+                *(["--shm", "off"] if self.net is not None else []),
             ],
             self.root / f"worker{j}-{self.starts}.log",
+            prefix=self.net.argv(f"w{j}", []) if self.net is not None else (),
         )
         self.procs.append(child)
         self.worker_procs[j] = child
@@ -133,6 +149,11 @@ class Cluster:
             os.kill(child.proc.pid, sig)
             if sig == signal.SIGKILL:
                 child.proc.wait(30)
+
+    def link(self, j: int, up: bool) -> None:
+        """Take worker ``j``'s link down, or up again (a ``Network`` is needed)."""
+        assert self.net is not None, "link faults need the workers in namespaces"
+        (self.net.restore if up else self.net.cut)(f"w{j}")
 
     def file_limit(self, i: int, limit: int | None) -> None:
         """Make shard ``i``'s writes fail past ``limit`` bytes (a full disk); None: lift it."""

@@ -11,7 +11,11 @@ Kinds:
     stop-shard       SIGSTOP of one shard for a few seconds (a long GC pause, a swapped
                      host), then SIGCONT;
     disk-full        one shard's checkpoint writes fail for a few seconds (a file-size limit
-                     set on the running process, as a full disk), then succeed again.
+                     set on the running process, as a full disk), then succeed again;
+    link-down        a worker's network link down for half its lease to twice it, then up
+                     again (its calls time out or fail; past its lease it is dropped and
+                     joins again); the chaos run then puts every worker in a network
+                     namespace of its own (root and iproute2: ``cluster/netns.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ KINDS = (
     "kill-all-shards",
     "stop-shard",
     "disk-full",
+    "link-down",
 )
-WORKER_KINDS = frozenset({"kill-worker", "stop-worker"})  # faults of the workers' side
+WORKER_KINDS = frozenset({"kill-worker", "stop-worker", "link-down"})  # the workers' side
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,8 @@ def schedule(
 ) -> list[Fault]:
     """``count`` faults drawn from ``kinds`` with ``seed``: every kind once before any
     twice (in a seeded order), each on a seeded target; stops outlast a worker's ``lease``
-    by half of it, and a shard's pause or failing disk holds 2 to 4 seconds."""
+    by half of it, a shard's pause or failing disk holds 2 to 4 seconds, and a link is
+    down for half the lease to twice it (either side of the lease)."""
     rng = random.Random(seed)
     out: list[Fault] = []
     while len(out) < count:
@@ -94,5 +100,7 @@ def schedule(
                 hold = round(lease * 1.5, 1)
             elif kind in ("stop-shard", "disk-full"):
                 hold = round(rng.uniform(2.0, 4.0), 1)
+            elif kind == "link-down":
+                hold = round(rng.uniform(0.5, 2.0) * lease, 1)
             out.append(Fault(kind, target, hold))
     return out

@@ -22,6 +22,7 @@ from types import TracebackType
 from paramserver.errors import ConfigError
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+ROOT_ADDRESS = "10.213.0.254"  # the root namespace's, on the bridge (``Network.reach_root``)
 
 
 def unavailable() -> str | None:
@@ -128,6 +129,12 @@ class Network:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def reach_root(self) -> str:
+        """Give the root namespace an address on the bridge: a process there (a server)
+        listening at it serves the namespaces' hosts; gone with the bridge in ``close``."""
+        _ip("addr", "add", f"{ROOT_ADDRESS}/24", "dev", self.bridge)
+        return ROOT_ADDRESS
 
     def link(self, host: str) -> str:
         """The root namespace's end of ``host``'s veth pair (on the bridge)."""

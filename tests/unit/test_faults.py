@@ -26,6 +26,8 @@ def test_a_schedule_is_seeded_and_takes_every_kind_before_repeating_one():
             assert f.hold > 3.0  # past the lease
         if f.kind in ("stop-shard", "disk-full"):
             assert 2.0 <= f.hold <= 4.0
+        if f.kind == "link-down":
+            assert 1.5 <= f.hold <= 6.0
 
 
 def test_kinds_are_named_or_refused():
