@@ -2,27 +2,32 @@
 BatchNorm) hurt by 4 seeded server-side faults (kill -9 of every shard at once, of one
 shard, a shard paused past the workers' lease, a shard's checkpoint writes failing), then
 the same run uninterrupted: every batch once, each recovery bounded, every checkpoint
-readable throughout, and the same weights and rows."""
+readable throughout, and the same weights and rows. And worker faults (a kill, a pause
+past the lease, a link down where namespaces can be made) among shard kills: every batch
+once still, and the accuracy of the uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+from typing import Any
 
+from paramserver.cluster import netns
 from tests.conftest import paramserver_cmd
 
 
-def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
+def _soak(tmp_path, faults: int, seed: int, kinds: str) -> dict[str, Any]:
     result = subprocess.run(
         [
             *paramserver_cmd(),
             "chaos",
             "--faults",
-            "4",
+            str(faults),
             "--seed",
-            "2",
+            str(seed),
             "--kinds",
-            "server",
+            kinds,
             "--workdir",
             str(tmp_path),
             "--json",
@@ -32,8 +37,13 @@ def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
         timeout=600,
     )
     assert result.stdout.strip(), result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     assert result.returncode == (0 if report["ok"] else 1)
+    return report
+
+
+def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
+    report = _soak(tmp_path, 4, 2, "server")
     assert report["checks"] == {
         "exactly_once": True,
         "workers_logs_agree": True,
@@ -50,3 +60,31 @@ def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
         "kill-shard",
     }
     assert report["largest_weight_difference"] < 1e-4
+
+
+def test_worker_faults_among_shard_kills_lose_and_double_no_batch(tmp_path):
+    """A worker that joins again while the shards are a round apart used to make the two
+    shards' cuts hold different batches, and a shard's restart then lost one (the long
+    soak's failure): each kind once here, the link fault where namespaces can be made."""
+    kinds = ["kill-worker", "stop-worker", "kill-shard"]
+    if netns.unavailable() is None:
+        kinds.append("link-down")
+    before = _namespaces()
+    report = _soak(tmp_path, len(kinds), 1, ",".join(kinds))
+    assert report["checks"] == {
+        "exactly_once": True,
+        "workers_logs_agree": True,
+        "recovered_within": True,
+        "every_fault_injected": True,
+        "checkpoints_readable": True,
+        "accuracy_within_1_point": True,
+    }, report
+    assert sorted(f["fault"].split(" ")[0] for f in report["faults"]) == sorted(kinds)
+    assert _namespaces() <= before  # the workers' namespaces are gone
+
+
+def _namespaces() -> set[str]:
+    if shutil.which("ip") is None:
+        return set()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
