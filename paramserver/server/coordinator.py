@@ -184,6 +184,10 @@ class Coordinator:
     def leave(self, worker_id: str) -> None:
         with self._cond:
             self._after_leaving(self.members.leave(worker_id))
+            if not self.membership.members and not self.arrival.round.contributors:
+                end = self.cuts.at_end(self.rounds)  # the last one left: the run's end
+                if end is not None:
+                    self.saving.take(end, self._snapshot(end))
 
     def expire_leases(self, paused: float = 0.0) -> list[Member]:
         """Drop workers whose lease ran out, so that no barrier waits on them (``paused``:

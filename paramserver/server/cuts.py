@@ -57,6 +57,14 @@ class Cuts(Generic[S]):
             return rounds
         return None
 
+    def at_end(self, rounds: int) -> int | None:
+        """Under sync, when the last worker has left after round ``rounds`` (the run's end):
+        a cut there, if the last one is older, so that a shard restarted after the run
+        resumes at its end (no worker is left to train the rounds past an older cut)."""
+        if self.every and self.synchronous and rounds > self.last:
+            return rounds
+        return None
+
     @property
     def next(self) -> int | None:
         """Under ssp:K and async: the clock of the next cut."""

@@ -76,7 +76,8 @@ def test_export_puts_the_shards_back_together_as_the_single_servers_model(serve,
 
 def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tmp_path):
     _train(serve, tmp_path, 2)
-    assert set(checkpoint.list_cuts(tmp_path, 0, 2)) >= {5, 10}
+    # cuts every 5 rounds, and one at the run's end (round 12: the last worker left)
+    assert set(checkpoint.list_cuts(tmp_path, 0, 2)) >= {10, 12}
     (tmp_path / checkpoint.server_file(1, 2)).unlink()  # shard 1's last checkpoint is lost
     result = subprocess.run(
         [
@@ -96,13 +97,13 @@ def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tm
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (
-        f"{tmp_path / 'cut.pt'}: version 10, from the cuts of round 10, the newest on every "
+        f"{tmp_path / 'cut.pt'}: version 12, from the cuts of round 12, the newest on every "
         "shard (shard 1 has none)"
     )
     cut = torch.load(tmp_path / "cut.pt", weights_only=True)["model_state_dict"]
-    assert int(cut["norm.num_batches_tracked"]) == 10
-    path, version, which = export(tmp_path, MODEL, SEED, tmp_path / "five.pt", round_=5)
-    assert version == 5 and which == "the cuts of round 5, as asked"
+    assert int(cut["norm.num_batches_tracked"]) == 12
+    path, version, which = export(tmp_path, MODEL, SEED, tmp_path / "ten.pt", round_=10)
+    assert version == 10 and which == "the cuts of round 10, as asked"
     with pytest.raises(ConfigError, match="cut at round 7"):
         export(tmp_path, MODEL, SEED, tmp_path / "x.pt", round_=7)
     with pytest.raises(ConfigError, match="values; the model has"):

@@ -123,14 +123,15 @@ def test_export_writes_a_snapshot_from_the_command_line(serve, tmp_path):
 
 
 def test_deltas_apply_in_order_and_a_gap_or_a_foreign_base_is_refused(serve, tmp_path):
-    """A full snapshot of round 5's cuts, a delta of round 10's, a delta of the last
-    checkpoints: served together they equal a full snapshot of the last checkpoints; the
-    deltas hold only the rows that changed."""
+    """A full snapshot of round 10's cuts, a delta of round 12's (the cut the run's end
+    makes), a delta of the last checkpoints (the same state: no row): served together they
+    equal a full snapshot of the last checkpoints; the deltas hold only the rows that
+    changed."""
     _train(serve, tmp_path / "run", 2)
     run = tmp_path / "run"
-    full, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "full", round_=5)
-    one, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "d10", round_=10, bases=[full])
-    two, version, _ = snapshot.write(run, MODEL, SEED, tmp_path / "d12", bases=[full, one])
+    full, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "full", round_=10)
+    one, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "d12", round_=12, bases=[full])
+    two, version, _ = snapshot.write(run, MODEL, SEED, tmp_path / "end", bases=[full, one])
     last, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "last")
     assert version == 12
     chained, whole = ps.serving.load(full, [one, two]), ps.serving.load(last)
@@ -146,7 +147,7 @@ def test_deltas_apply_in_order_and_a_gap_or_a_foreign_base_is_refused(serve, tmp
         for t in json.loads((root / "manifest.json").read_text())["tables"].values()
         for s in t["shards"]
     )
-    assert 0 < rows(two) < rows(last)  # only the rows the last two rounds touched
+    assert 0 < rows(one) < rows(last) and rows(two) == 0  # only the rows changed since
     with pytest.raises(ConfigError, match="a gap, or a foreign base"):
         ps.serving.load(full, [two])
     with pytest.raises(ConfigError, match="a gap, or a foreign base"):

@@ -89,12 +89,20 @@ def _status(address: str) -> pb.StatusResponse | None:
 
 
 def _run(
-    tmp_path, tag: str, crash: bool, policy: str = "sync", what=MLP, kill=None, every=False
+    tmp_path,
+    tag: str,
+    crash: bool,
+    policy: str = "sync",
+    what=MLP,
+    kill=None,
+    every=False,
+    at_end=False,
 ) -> tuple[np.ndarray, list[pb.StatusResponse]]:
     """The run's flat weights (and its tables' rows after them), and each shard's status.
     ``crash``: kill -9 shard 1 mid-run (``kill(shard, its folder, the addresses)``,
     which returns shard 1's newest cut on disk) and start it again; ``every``: kill -9
-    every shard at once past round 13, and start them all again."""
+    every shard at once past round 13, and start them all again; ``at_end``: kill -9
+    shard 1 once the workers have left, and start it again."""
     procs: list[Child] = []
     try:
         shards = [_shard(tmp_path, tag, i, 0, 1, policy, what) for i in range(SHARDS)]
@@ -141,6 +149,16 @@ def _run(
             again.wait_for_line(READY_MARKER, DEADLINE)
         for w in workers:
             assert w.proc.wait(DEADLINE) == 0, w.tail(30)
+        if at_end:  # the last worker's leaving cuts at the run's end (round 96; cuts: 5s)
+            deadline = time.monotonic() + DEADLINE
+            while ROUNDS not in checkpoint.list_cuts(tmp_path / tag, 1, SHARDS):
+                assert time.monotonic() < deadline, "no cut at the run's end"
+                time.sleep(0.05)  # polling another process's writes; bounded
+            os.kill(shards[1].proc.pid, signal.SIGKILL)
+            shards[1].proc.wait(DEADLINE)
+            port = int(addresses[1].rsplit(":", 1)[1])
+            procs.append(_shard(tmp_path, tag, 1, port, 2, policy, what))
+            procs[-1].wait_for_line(READY_MARKER, DEADLINE)
         model = models.resolve(what[0])()
         manifest = layout.Manifest.from_tensors(models.parameters(model))
         parts, statuses = [], []
@@ -258,6 +276,15 @@ def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_pa
     assert statuses[0].batches_done == ROUNDS * WORKERS  # every batch, once
     print(f"largest difference from the uninterrupted run: {np.abs(crashed - clean).max():.3g}")
     np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
+
+
+def test_a_shard_killed_after_the_run_ended_resumes_at_its_end(tmp_path):
+    """Round 96 is past the last scheduled cut (95): the last worker's leaving cuts there,
+    so a shard killed after the run resumes at its end, with nobody left to train again."""
+    clean, _ = _run(tmp_path, "clean", crash=False)
+    ended, statuses = _run(tmp_path, "ended", crash=False, at_end=True)
+    assert ROUNDS % CUT_EVERY and [st.rounds for st in statuses] == [ROUNDS, ROUNDS]
+    np.testing.assert_array_equal(ended, clean)
 
 
 def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path):

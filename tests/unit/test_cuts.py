@@ -148,6 +148,10 @@ def test_the_cut_schedule_as_pure_decisions():
     free.take(5, {"cut": 5})
     assert free.next == 10 and not free.holds(7, 5) and free.oldest() == {"cut": 5}
     assert Cuts().next is None and not Cuts().holds(3, 0)  # a server that does not cut
+    # the run's end (the last worker left): a cut there unless one is (sync only)
+    sync.take(5, {"cut": 5})
+    assert sync.at_end(5) is None and sync.at_end(7) == 7
+    assert free.at_end(7) is None and Cuts(synchronous=True).at_end(7) is None
 
 
 def test_cuts_wait_in_memory_until_on_disk_a_bounded_few_and_disk_keeps_the_common_one():
