@@ -43,6 +43,7 @@ from paramserver.errors import ConfigError, ParamServerError
 log = logging.getLogger(__name__)
 BATCH, SHARDS, WORKERS = 64, 2, 3
 PER_EPOCH = 3072 // BATCH
+DRIFT = 4  # steps a fault: how much later than its point the next one may come, on average
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,10 @@ class ChaosConfig:
     def steps(self) -> int:
         """The run's optimizer steps: enough for every fault at its own point, a cut past the
         last recovery at least (``rounds_between``, and ``cut_every`` more after a rewind),
-        and two cuts' worth after the last (a shard killed after the workers are gone
-        would resume from its last cut with nobody left to redo the rounds after it)."""
-        return (self.faults + 1) * self.spacing + 2 * self.cut_every
+        ``DRIFT`` steps a fault for the points a recovery's progress pushes later (the
+        seed-2 soak ran out of run before its 30th fault without them), and two cuts' worth
+        after the last fault."""
+        return (self.faults + 1) * self.spacing + self.faults * DRIFT + 2 * self.cut_every
 
     @property
     def spacing(self) -> int:
