@@ -224,7 +224,7 @@ def _chaos(r: dict[str, Any]) -> list[str]:
 def load(folder: Path) -> list[dict[str, Any]]:
     order = {r.name: i for i, r in enumerate(runs(resnet=True))}
     records = [json.loads(p.read_text()) for p in folder.glob("*.json")]
-    return sorted(records, key=lambda r: order.get(r["name"], len(order)))
+    return sorted(records, key=lambda r: (order.get(r["name"], len(order)), r["name"]))
 
 
 @click.command()
