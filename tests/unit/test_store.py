@@ -153,3 +153,35 @@ def test_cosine_needs_total_steps() -> None:
         OptimizerConfig(schedule="cosine")
     with pytest.raises(ConfigError, match="Unknown learning-rate schedule"):
         OptimizerConfig(schedule="step")
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
+def test_the_bare_step_is_the_optimizer_s_step_and_hooks_still_run(name: str) -> None:
+    """The store steps its optimizer without torch's profiling wrapper: bit for bit the
+    same weights and state as ``optimizer.step()``; with a step hook registered (for every
+    optimizer, or for this one) it goes through the wrapper, so the hook runs."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    cfg = OptimizerConfig(name, lr=0.05, momentum=0.9, weight_decay=0.01)
+    bare, wrapped = (ParameterStore(MANIFEST, initial(), cfg) for _ in range(2))
+    assert bare._bare_step is not None
+    wrapped._bare_step = None
+    for g in grads(3, 4):
+        bare.apply(g)
+        wrapped.apply(g)
+    np.testing.assert_array_equal(bare.weights, wrapped.weights)
+    mine, theirs = (list(s.optimizer.state.values()) for s in (bare, wrapped))
+    assert len(mine) == len(theirs) == (0 if name == "sgd" else 1)  # plain SGD keeps none
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    seen: list[str] = []
+    handle = register_optimizer_step_post_hook(lambda opt, *_: seen.append("global"))
+    try:
+        bare.apply(grads(4, 1)[0])
+    finally:
+        handle.remove()
+    own = bare.optimizer.register_step_post_hook(lambda opt, *_: seen.append("own"))
+    bare.apply(grads(5, 1)[0])
+    own.remove()
+    bare.apply(grads(6, 1)[0])
+    assert seen == ["global", "own"]
