@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
@@ -52,11 +53,9 @@ def bare_step(opt: torch.optim.Optimizer) -> Callable[[], Any] | None:
 
 def _hooked(opt: torch.optim.Optimizer) -> bool:
     """Whether a step hook is registered, for every optimizer or for ``opt``."""
-    from torch.optim import optimizer as module
-
     return bool(
-        getattr(module, "_global_optimizer_pre_hooks", None)
-        or getattr(module, "_global_optimizer_post_hooks", None)
+        getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
+        or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None)
         or getattr(opt, "_optimizer_step_pre_hooks", None)
         or getattr(opt, "_optimizer_step_post_hooks", None)
     )
@@ -80,6 +79,7 @@ class ParameterStore:
         self.manifest = manifest
         self.config = optimizer
         self.flat = torch.from_numpy(initial.copy())
+        self._weights = self.flat.numpy()  # the same memory: ``flat`` is only written in place
         self.n_params = manifest.section("param")[1]
         # A view: the optimizer's steps land in the flat buffer that pulls read.
         self.param = torch.nn.Parameter(self.flat[: self.n_params])
@@ -97,7 +97,7 @@ class ParameterStore:
     @property
     def weights(self) -> np.ndarray:
         """A live numpy view of the weights and buffers (changes with every step)."""
-        return self.flat.numpy()
+        return self._weights
 
     def apply(self, grad: np.ndarray) -> None:
         """One optimizer step with ``grad``, the gradient of the parameters' section: the

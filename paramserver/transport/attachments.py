@@ -356,6 +356,8 @@ class Attachments:
 
     @staticmethod
     def _check_size(worker_id: str, seg: _Attached) -> None:
+        if seg.mapping is not None:  # sealed: its size cannot change (no fstat a step)
+            return
         try:
             size = os.fstat(seg.fd).st_size
         except OSError as exc:
