@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from paramserver.bench.common import cluster_rate
-from paramserver.bench.step import local_step_seconds
+from paramserver.bench.step import local_compute_seconds, local_step_seconds
 
 BATCH = 64
 POLICIES = ("sync", "delay-1", "async")
@@ -25,6 +25,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     local_all = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
     torch.set_num_threads(1)
     local = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
+    compute_s = local_compute_seconds(BATCH, 50 if quick else 300)
     counts = (1, 2) if quick else (1, 2, 4)
     warmup, window = (0.5, 1.0) if quick else (2.0, 8.0)
     figures: dict[str, Any] = {
@@ -34,13 +35,16 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         "window_s": window,
         "cores": cores,
         "local_all_cores_samples_per_s": local_all,
+        "local_compute_ms": 1e3 * compute_s,
     }
     rows = [
         ("one local process", f"{local:.0f} samples/s (mlp, batch {BATCH}, Adam, 1 thread)"),
         (f"... with {cores} threads", f"{local_all:.0f} samples/s"),
     ]
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
-        policy_rates(counts, (warmup, window), Path(tmp), (local, local_all), figures, rows)
+        policy_rates(
+            counts, (warmup, window), Path(tmp), (local, local_all, compute_s), figures, rows
+        )
         # the server's optimizer on its own thread (--optimizer-thread), 2 workers
         rate = cluster_rate(
             "async", [0.0, 0.0], BATCH, warmup, window, Path(tmp), optimizer_thread=True
@@ -55,7 +59,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
 
 
 def _verdict(figures: dict[str, Any], rows: list[tuple[str, str]], two: int) -> None:
-    """The fastest policy's CPU a step and the target's verdict, at 2 workers (``two``:
+    """The fastest policy's CPU a step and the targets' verdicts, at 2 workers (``two``:
     their place in the counts), into ``figures`` and ``rows``."""
     best = max(figures[f"{p.replace('-', '')}_vs_local"][two] for p in POLICIES)
     fastest = max(POLICIES, key=lambda p: figures[f"{p.replace('-', '')}_vs_local"][two])
@@ -69,23 +73,26 @@ def _verdict(figures: dict[str, Any], rows: list[tuple[str, str]], two: int) -> 
             f"{split['worker_overhead']:.2f} ms, server {split['server']:.2f} ms",
         )
     )
+    best_all = max(figures[f"{p.replace('-', '')}_vs_local_all_cores"][two] for p in POLICIES)
     figures["target_2_workers_vs_local"] = 1.3
-    figures["target_met"] = best >= 1.3
-    rows.append(
-        (
-            "target",
-            f"2 workers >= 1.3 x local: best {best:.2f} x, " + ("met" if best >= 1.3 else "missed"),
-        )
-    )
+    figures["target_2_workers_vs_local_all_cores"] = 1.0
+    figures["target_met"] = best >= 1.3 and best_all >= 1.0
+    for what, got, target in (
+        ("one local process, 1 thread", best, 1.3),
+        ("one local process, a thread per core", best_all, 1.0),
+    ):
+        verdict = "met" if got >= target else "missed"
+        rows.append(("target", f"2 workers >= {target} x {what}: best {got:.2f} x, {verdict}"))
 
 
-def cpu_split(cpu: dict[str, float], local_step_s: float) -> dict[str, float]:
+def cpu_split(cpu: dict[str, float], compute_s: float) -> dict[str, float]:
     """CPU milliseconds a step of a cluster's run (``cluster_rate``'s ``cpu``) costs: the
-    worker's compute (a local one-thread step's time, which is its CPU), the worker's
-    overhead around it (the rest of the workers' CPU) and the server's."""
+    worker's compute (``compute_s``: a local one-thread forward and backward pass, which is
+    its CPU; the optimizer's step is the server's), the worker's overhead around it (the
+    rest of the workers' CPU) and the server's."""
     steps = max(cpu["steps"], 1.0)
     worker = 1e3 * cpu["workers_s"] / steps
-    compute = 1e3 * local_step_s
+    compute = 1e3 * compute_s
     return {
         "worker_compute": compute,
         "worker_overhead": worker - compute,
@@ -97,15 +104,16 @@ def policy_rates(
     counts: tuple[int, ...],
     timing: tuple[float, float],
     logs: Path,
-    locals_: tuple[float, float],
+    locals_: tuple[float, float, float],
     figures: dict[str, Any],
     rows: list[tuple[str, str]],
 ) -> None:
     """Samples/s of ``counts`` workers under each policy, over the control socket and over
     gRPC calls, measured after ``timing``'s warmup over its window, and each against the
-    local rates (1 thread, a thread per core): into ``figures`` and ``rows``."""
+    local rates (1 thread, a thread per core; then a local forward and backward's seconds,
+    for the CPU split): into ``figures`` and ``rows``."""
     warmup, window = timing
-    local, local_all = locals_
+    local, local_all, compute_s = locals_
     for policy in POLICIES:
         for shm, suffix in (("on", ""), ("payloads", "_grpc")):
             key = policy.replace("-", "") + suffix
@@ -116,7 +124,7 @@ def policy_rates(
                     cluster_rate(policy, [0.0] * n, BATCH, warmup, window, logs, shm, cpu=cpu)[0]
                 )
                 if n == 2:
-                    figures[f"{key}_cpu_ms_per_step"] = cpu_split(cpu, BATCH / local)
+                    figures[f"{key}_cpu_ms_per_step"] = cpu_split(cpu, compute_s)
             figures[f"{key}_samples_per_s"] = rates
             figures[f"{key}_vs_local"] = [r / local for r in rates]
             figures[f"{key}_vs_local_all_cores"] = [r / local_all for r in rates]

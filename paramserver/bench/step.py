@@ -32,6 +32,19 @@ def local_step_seconds(batch: int, reps: int) -> float:
     return median_seconds(step, reps, warmup=5)
 
 
+def local_compute_seconds(batch: int, reps: int) -> float:
+    """A local step's forward and backward passes alone: the compute a worker does (the
+    optimizer's step is the server's)."""
+    model = models.build("mlp", seed=0)
+    x, y = _batch(batch)
+
+    def compute() -> None:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+
+    return median_seconds(compute, reps, warmup=5)
+
+
 def worker_step_seconds(
     address: str, batch: int, reps: int, overlap: bool = False, control: bool = True
 ) -> float:
