@@ -69,7 +69,7 @@ class WorkerConfig:
     shm: str = setting(
         "on",
         "--shm",
-        "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise gRPC streams). on: each step's control also goes over the server's same-host socket; payloads: control over gRPC; off: no segment.",
+        "Offer the server a /dev/shm segment for the payloads; used only when the server shares this host (otherwise payloads go as --wire says: the server's data port, or gRPC streams). on: each step's control also goes over the server's same-host socket; payloads: control over gRPC; off: no segment.",
         choices=SHM_CHOICES,
     )
     wire: str = setting(

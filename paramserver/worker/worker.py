@@ -80,7 +80,7 @@ class Worker(WorkerView):
             models, off on CPU (``docs/api.md`` says why).
         shm: offer each server a shared-memory segment for the payloads (see
             ``paramserver.transport.shm``); used only if the server shares this host's /dev/shm,
-            otherwise payloads stream over gRPC. ``shm_active`` says which. ``shm_control``:
+            otherwise payloads go as ``wire`` says. ``shm_active`` says which. ``shm_control``:
             with shared memory, carry each step's control over the server's same-host
             control socket instead of a gRPC call (``control_active`` says if it does).
         wire: how payloads reach a server that does not share the segment: "auto"
@@ -91,7 +91,11 @@ class Worker(WorkerView):
             "none", "fp16" or "bf16": the element type of gradients pushed and weights
             pulled (16 bits halve their bytes on the wire; the server keeps float32 masters,
             widens what it receives and sends a rounded copy; integer buffers stay exact).
-            Through shared memory the values are rounded in place: the same numbers.
+            "topk:F" (optionally ":fp16" or ":bf16" after it): each push sends the largest
+            fraction F of its gradient's entries as (index, value) pairs and keeps the rest,
+            per shard, to add to the next push (error feedback; kept across reconnects,
+            dropped with a log line on a rejoin); pulls stay dense. Through shared memory
+            the values are rounded (sparsified) in place: the same numbers.
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.

@@ -265,3 +265,81 @@ def test_a_checkpoint_whose_drain_fails_still_publishes_and_leaves_nothing_runni
     assert state.version == 0 and c.applies.idle and not c.applies.unpublished
     assert c.status().apply_failures == 1
     assert c.pull(a, 0, 1.0).version == 0  # a pull still has its answer
+
+
+def _two_pending_behind_a_held_apply(c: Coordinator) -> tuple[list[str], Held, list]:
+    """Three workers: the first one's push held in its apply, the other two's pending
+    behind it (summed into one step once it is released, with --coalesce on)."""
+    ids = _joined(c, 3)
+    held = Held(c.store)
+    threads = [_in_thread(c.push, ids[0], 0, _grad(1.0), 1, 0.0)]
+    assert held.entered.wait(DEADLINE)
+    threads += [
+        _in_thread(c.push, w, 0, _grad(v), 1, 0.0) for w, v in zip(ids[1:], (2.0, 4.0), strict=True)
+    ]
+    assert c.wait_for(lambda c: len(c.applies.pending) == 2, DEADLINE)
+    return ids, held, threads
+
+
+def test_with_coalescing_a_retry_of_a_summed_push_is_a_duplicate_and_each_counts_once():
+    c = _coordinator(coalesce="on", workers=3)
+    ids, held, threads = _two_pending_behind_a_held_apply(c)
+    retry = _in_thread(c.push, ids[1], 0, _grad(2.0), 1, 0.0)  # its reply was lost
+    held.release.set()
+    for t, _ in [*threads, retry]:
+        t.join(DEADLINE)
+    assert retry[1]["result"].duplicate and all("error" not in out for _, out in threads)
+    assert held.steps == 2  # the first push alone, then the two pending summed
+    status = c.status()
+    assert status.version == 3 and status.pushes_applied == 3 and status.samples == 3
+    assert status.duplicates == 1 and status.pushes_coalesced == 2
+    assert [c.membership.get(w).clock for w in ids] == [1, 1, 1]
+    assert np.array_equal(c.store.weights, _grad(-7.0))
+
+
+def test_with_coalescing_a_checkpoint_state_holds_every_push_its_clocks_count():
+    c = _coordinator(coalesce="on", workers=3)
+    _, held, threads = _two_pending_behind_a_held_apply(c)
+    saving, out = _in_thread(c.checkpoint_state)
+    held.release.set()
+    for t, _ in [*threads, (saving, None)]:
+        t.join(DEADLINE)
+    state = out["result"]
+    assert state.version == 3 and sorted(m["clock"] for m in state.members) == [1, 1, 1]
+    assert np.array_equal(state.weights, _grad(-7.0))
+    assert c.status().pushes_coalesced == 2
+
+
+def test_with_coalescing_a_rewind_drops_the_summed_pushes_not_yet_applied():
+    c = _coordinator(coalesce="on", workers=3)
+    start = c.checkpoint_state()
+    _, held, threads = _two_pending_behind_a_held_apply(c)
+    rewinding, _ = _in_thread(c.rewind, start, [])
+    held.release.set()
+    for t, _ in [*threads, (rewinding, None)]:
+        t.join(DEADLINE)
+    for _, out in threads[1:]:  # refused (join again), or applied before the rewind
+        assert isinstance(out.get("error"), WrongIncarnation) or held.steps == 2
+    assert c.store.version == 0 and np.array_equal(c.store.weights, _grad(0.0))
+
+
+def test_with_coalescing_under_ssp_a_pull_waits_for_the_summed_pushes_its_bound_needs():
+    c = _coordinator("ssp:1", coalesce="on", workers=4)
+    a, b, d, e = _joined(c, 4)
+    c.push(d, 0, _grad(1.0), 1, 0.0)
+    c.pull(d, 1, 1.0)
+    c.push(d, 1, _grad(1.0), 1, 0.0)  # d's clock is 2, the others' 0
+    held = Held(c.store)
+    first, _ = _in_thread(c.push, e, 0, _grad(1.0), 1, 0.0)
+    assert held.entered.wait(DEADLINE)
+    others = [_in_thread(c.push, w, 0, _grad(1.0), 1, 0.0) for w in (a, b)]
+    assert c.wait_for(lambda c: len(c.applies.pending) == 2, DEADLINE)
+    assert c.membership.min_clock() == 1  # accepted: the bound would let d pull iteration 2
+    with pytest.raises(Timeout):
+        c.pull(d, 2, 0.05)  # but the weights do not hold those pushes yet
+    waiting, out = _in_thread(c.pull, d, 2, DEADLINE)
+    held.release.set()
+    for t, _ in [(first, None), *others, (waiting, None)]:
+        t.join(DEADLINE)
+    assert held.steps == 2 and c.status().pushes_coalesced == 2  # e's, then a's and b's
+    assert out["result"].version == 5 and out["result"].staleness == 1

@@ -8,7 +8,7 @@ import torch
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.server.store import ParameterStore
+from paramserver.server.store import ParameterStore, build_optimizer
 
 MANIFEST = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])
 
@@ -185,3 +185,11 @@ def test_the_bare_step_is_the_optimizer_s_step_and_hooks_still_run(name: str) ->
     own.remove()
     bare.apply(grads(6, 1)[0])
     assert seen == ["global", "own"]
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
+def test_the_server_steps_with_torchs_fused_kernel(name):
+    """One fused pass over the flat buffer (must 2 of the aggregator issue): torch 2.13, the
+    pinned one, has it on CPU for every optimizer the server offers."""
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(4))], OptimizerConfig(name))
+    assert opt.defaults.get("fused") is True

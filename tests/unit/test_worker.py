@@ -4,6 +4,7 @@ retries with backoff on a fake clock, rejoins after a restart (ABORTED) or a dro
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import grpc
@@ -187,9 +188,14 @@ def test_top_k_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(cl
     one_step(worker, model)
     held = codec.residual.clone()
     assert held.abs().sum() > 0  # 80% of the ones wait for the next push
-    channel.lose["Push"] = 1  # the reply is lost: the retry sends the same pairs
-    one_step(worker, model)
+    # what one selection of the next push's ones leaves: a retry must not select again
+    expected = copy.deepcopy(codec)
+    expected._select(torch.ones(codec.m + codec.exact))
+    channel.lose["Push"] = 1  # the reply is lost, as on a dropped connection: the retry
+    one_step(worker, model)  # sends the same pairs
     assert server.coordinator.status().as_dict()["duplicates"] == 1
+    assert worker._attacher.codecs[0] is codec  # the residual outlived the lost reply
+    assert torch.equal(codec.residual, expected.residual)
     server.coordinator.leave(worker.worker_id)
     with caplog.at_level(logging.INFO, logger="paramserver.worker.attach"):
         one_step(worker, model)
