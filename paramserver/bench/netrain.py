@@ -7,7 +7,9 @@ Each variant trains the MLP on Fashion-MNIST (``--quick``: the synthetic set) wi
 workers, batch 64 each, Adam 1e-3 with a cosine decay over the run, evaluated after each
 epoch (``paramserver launch``, run in ``server-0`` with each process placed on its host;
 ``--shm off``, since namespaces share /dev/shm): fp32 (one shard, and two on two hosts)
-and bf16 (``--compress bf16``: 16 bits both ways). DDP runs the accuracy bench's ranks on
+bf16 (``--compress bf16``: 16 bits both ways), and top-k (``--compress topk:0.01:bf16``:
+1% of each push's entries with error feedback, 16-bit pulls; one shard, and two on two
+hosts). DDP runs the accuracy bench's ranks on
 the same data order. Per variant: samples/s, wall time to the target accuracy (training
 time only, as the accuracy bench), bytes on the workers' links per batch (both
 directions, counted by the links themselves) and the share the workers sent, and the
@@ -179,7 +181,12 @@ def _report(
         if name != "ddp":
             speed = res["samples_per_s"] / ddp["samples_per_s"]
             time_ratio = seconds / ddp_time if seconds is not None and ddp_time else None
-            for key, value in (("samples_vs_ddp", speed), ("time_to_88_vs_ddp", time_ratio)):
+            for key, value in (
+                ("samples_vs_ddp", speed),
+                ("time_to_88_vs_ddp", time_ratio),
+                ("bytes_vs_ddp", res["bytes_per_batch"] / ddp["bytes_per_batch"]),
+                ("link_util_vs_ddp", res["link_util"] / ddp["link_util"]),
+            ):
                 figures[f"{name}_{key}_{r}"] = value
             text += f" ({speed:.2f} x DDP's samples/s" + (
                 f", {time_ratio:.2f} x its time)" if time_ratio is not None else ")"

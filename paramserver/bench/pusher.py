@@ -31,7 +31,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"{name}: the pushes took the wrong path (shm {shm} asked)")
     while True:
         model.w.grad = grad
-        worker.step(samples=1, pull=False)  # returns once the push is applied
+        # never pulls: returns once the push is applied (shared memory) or accepted (the
+        # data port answers a push alone before its apply)
+        worker.step(samples=1, pull=False)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ gradient over and over with no model compute) push to a server of a one-tensor m
 and through the data port (the network channel, on loopback); then to two shards, and to
 one shard with ``--coalesce on``.
 Pushes/s come from the server's own counter (``pushes_applied``) over a window once every
-pusher runs.
+pusher runs. The pushers never pull, so no apply copies the version it replaces for pulls
+(``server/applies.py``; with workers that pull, one more read and write of the model a
+push). Two shards: through shared memory, at 64 MiB (``--quick``: its larger size) only.
 
 The bound, measured in the same run: the in-place pass an apply cannot avoid, on tensors
 of the same size with one torch thread (the server's default ``--server-threads``): SGD

@@ -176,7 +176,10 @@ def bench(name: str, **kw: Any) -> None:
     transport: push and pull of a 64 MiB model against raw TCP and memcpy.
     step: one worker's step against a local training step (batch 64 and 256).
     straggler: 2 workers, one 3x slower, under async and delay-1, against PyTorch DDP.
-    scaling: samples/s of 1, 2 and 4 workers under each policy, against one local process.
+    scaling: samples/s of 1, 2 and 4 workers under each policy (control over the same-host
+    socket, and over gRPC calls), against one local process with one torch thread and with a
+    thread per core; the CPU a 2-worker step costs, split into the worker's compute, its
+    overhead and the server's (cpu_ms_per_step).
     accuracy: wall time to 88% Fashion-MNIST test accuracy per policy, against one local
     process and DDP.
     wakeup: a round trip between two processes through each candidate for the same-host
@@ -190,10 +193,12 @@ def bench(name: str, **kw: Any) -> None:
     network: a worker and a server on two hosts (network namespaces) joined by links shaped
     to 100 Mbit/s, 1 and 10 Gbit/s (--rate): its push and pull over the data port and gRPC
     against raw TCP and the rate; then 2 workers training against DDP on the slowest link
-    (fp32, 2 shards, bf16: samples/s, bytes, time to 88%) (needs root).
+    (fp32, fp32 on 2 shards, bf16, top-k 1% and top-k on 2 shards: samples/s, bytes, time
+    to 88%) (needs root).
     server: pushes/s one server shard absorbs from pusher processes (no model compute;
     shared memory and the data port), models of 1, 64 and 256 MiB, SGD and Adam, one and
-    two shards, against the bare in-place optimizer pass on the same bytes.
+    two shards (shared memory, 64 MiB), and 4 pushers with --coalesce on and off, against
+    the bare in-place optimizer pass on the same bytes (--quick: 1 and 16 MiB).
     """
     opts: Bench = settings.build(Bench, kw)
     if printed():

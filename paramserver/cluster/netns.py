@@ -212,7 +212,8 @@ class Network:
 
 
 def leftovers(tag: int) -> list[str]:
-    """What networks with ``tag`` left behind: namespaces, links, /etc/netns folders."""
+    """What networks with ``tag`` left behind: namespaces, links, /etc/netns folders, and
+    the iptables rule for the bridge."""
     found = []
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found += [n.split()[0] for n in names.splitlines() if n.startswith(f"ps{tag}-")]
@@ -221,4 +222,7 @@ def leftovers(tag: int) -> list[str]:
     found += [ln.split(":")[1].strip() for ln in links.splitlines() if any(o in ln for o in ours)]
     etc = Path("/etc/netns")
     found += [str(p) for p in etc.glob(f"ps{tag}-*")] if etc.exists() else []
+    if shutil.which("iptables") is not None:
+        rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True)
+        found += [r for r in rules.stdout.splitlines() if f"-i psbr{tag} " in r]
     return found

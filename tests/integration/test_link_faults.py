@@ -103,6 +103,7 @@ def test_a_worker_cut_off_past_its_lease_is_dropped_and_rejoins(tmp_path):
         run.wait(lambda: "w1" in run.live(), "w1 to rejoin")
         status = run.finish()
         _exactly_once(status)
+        assert all("over the data port" in run.log(w) for w in ("w0", "w1"))  # the path cut
         assert status["workers_expired"] >= 1
         assert "rejoined" in run.log("w1")
 
@@ -127,4 +128,5 @@ def test_a_server_cut_off_for_a_few_seconds_loses_nothing(tmp_path):
         net.restore("server")
         status = run.finish()
         _exactly_once(status)
+        assert all("over the data port" in run.log(w) for w in ("w0", "w1"))  # the path cut
         assert status["workers_expired"] == 0  # nobody was dropped: they resumed
