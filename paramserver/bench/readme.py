@@ -44,8 +44,19 @@ FIGURES = (
         "same-host push of 64 MiB (shared memory) against raw loopback TCP",
         target="target_push_vs_tcp",
     ),
-    Figure("transport", "push_remote_vs_tcp", "push of 64 MiB over the data port (loopback)"),
+    Figure(
+        "transport",
+        "push_remote_vs_tcp",
+        "push of 64 MiB over the data port (loopback)",
+        target="target_push_remote_vs_tcp",
+    ),
     Figure("transport", "pull_remote_vs_tcp", "pull of 64 MiB over the data port (loopback)"),
+    Figure(
+        "step",
+        "step_vs_local_64",
+        "a worker's step at batch 64 against a local step (`--overlap off`, the CPU default)",
+        target="target_step_vs_local_64",
+    ),
     Figure(
         "step",
         "step_vs_local_overlap_256",
@@ -65,16 +76,24 @@ FIGURES = (
         target="target_2_workers_vs_local",
     ),
     Figure(
+        "scaling",
+        "delay1_vs_local_all_cores.1",
+        "the same against one local process with a thread per core",
+        target="target_2_workers_vs_local_all_cores",
+    ),
+    Figure(
         "server",
         "sgd_64mib_apply_vs_bound",
         "one shard's SGD apply of 64 MiB pushes against its memory bound",
         unit="",
+        target="target_apply_vs_bound",
     ),
     Figure(
         "server",
         "adam_64mib_apply_vs_bound",
         "one shard's Adam apply of 64 MiB pushes against its memory bound",
         unit="",
+        target="target_apply_vs_bound",
     ),
 )
 

@@ -172,6 +172,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             _record(figures, rows, f"{key}_2shards", rate, size * MIB, bound, "shm, 2 shards")
             figures[f"{key}_two_shards_vs_one"] = rate / figures[f"{key}_pushes_per_s"]
         figures["two_shards_vs_one"] = figures[f"adam_{size}mib_two_shards_vs_one"]
+        figures["target_apply_vs_bound"] = 0.5  # at 64 MiB, both optimizers
         _coalesced(figures, rows, size, warmup, window, logs)
     return rows, figures
 

@@ -168,6 +168,7 @@ def against_tcp(figures: dict[str, Any]) -> None:
     ):
         figures[f"{key}_vs_tcp"] = figures[f"{key}_gbps"] / tcp
     figures["target_push_vs_tcp"] = 0.6
+    figures["target_push_remote_vs_tcp"] = 0.8  # the network issue's, for the data port
     figures["target_met"] = figures["push_vs_tcp"] >= 0.6
 
 
