@@ -10,12 +10,11 @@ Run: .venv/bin/python docs/measure_grpc_options.py
 
 import concurrent.futures
 import multiprocessing
-import statistics
-import time
 
 import grpc
 import numpy as np
 
+from paramserver.bench.common import median_seconds
 from paramserver.bench.transport import MIB, tcp_gbps
 
 NBYTES, REPS = 64 * MIB, 5
@@ -70,16 +69,11 @@ def grpc_gbps(port: int, chunk: int, streams: int, channels: int) -> float:
     def send() -> None:
         assert sum(pool.map(one, range(streams))) == NBYTES
 
-    send()
-    took = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        send()
-        took.append(time.perf_counter() - t0)
+    seconds = median_seconds(send, REPS, warmup=1)
     pool.shutdown()
     for c in made:
         c.close()
-    return NBYTES / statistics.median(took) / 1e9
+    return NBYTES / seconds / 1e9
 
 
 def main() -> None:
