@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from paramserver.bench.common import cluster_rate
-from paramserver.bench.step import local_compute_seconds, local_step_seconds
+from paramserver.bench.step import local_step_seconds
 
 BATCH = 64
 POLICIES = ("sync", "delay-1", "async")
@@ -25,7 +25,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     local_all = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
     torch.set_num_threads(1)
     local = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
-    compute_s = local_compute_seconds(BATCH, 50 if quick else 300)
+    compute_s = local_step_seconds(BATCH, 50 if quick else 300, optimizer=False)
     counts = (1, 2) if quick else (1, 2, 4)
     warmup, window = (0.5, 1.0) if quick else (2.0, 8.0)
     figures: dict[str, Any] = {

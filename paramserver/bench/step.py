@@ -19,7 +19,10 @@ def _batch(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def local_step_seconds(batch: int, reps: int) -> float:
+def local_step_seconds(batch: int, reps: int, optimizer: bool = True) -> float:
+    """A local training step of the MLP (Adam); without ``optimizer``, its forward and
+    backward passes alone: the compute a worker does (the optimizer's step is the
+    server's)."""
     model = models.build("mlp", seed=0)
     opt = build_optimizer(list(model.parameters()), OptimizerConfig("adam"))
     x, y = _batch(batch)
@@ -27,22 +30,10 @@ def local_step_seconds(batch: int, reps: int) -> float:
     def step() -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        opt.step()
+        if optimizer:
+            opt.step()
 
     return median_seconds(step, reps, warmup=5)
-
-
-def local_compute_seconds(batch: int, reps: int) -> float:
-    """A local step's forward and backward passes alone: the compute a worker does (the
-    optimizer's step is the server's)."""
-    model = models.build("mlp", seed=0)
-    x, y = _batch(batch)
-
-    def compute() -> None:
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-
-    return median_seconds(compute, reps, warmup=5)
 
 
 def worker_step_seconds(

@@ -10,6 +10,7 @@ from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
 from paramserver.server.store import ParameterStore, build_optimizer
 
+OPTIMIZERS = ["sgd", "momentum", "adam", "adamw"]  # every one the server offers
 MANIFEST = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])
 
 
@@ -155,7 +156,7 @@ def test_cosine_needs_total_steps() -> None:
         OptimizerConfig(schedule="step")
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_bare_step_is_the_optimizer_s_step_and_hooks_still_run(name: str) -> None:
     """The store steps its optimizer without torch's profiling wrapper: bit for bit the
     same weights and state as ``optimizer.step()``; with a step hook registered (for every
@@ -187,7 +188,7 @@ def test_the_bare_step_is_the_optimizer_s_step_and_hooks_still_run(name: str) ->
     assert seen == ["global", "own"]
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_server_steps_with_torchs_fused_kernel(name):
     """One fused pass over the flat buffer (must 2 of the aggregator issue): torch 2.13, the
     pinned one, has it on CPU for every optimizer the server offers."""
