@@ -59,7 +59,7 @@ run: install
 # RESULTS_ARGS=--resnet adds the ResNet (about 30 min), --render only rewrites the pages.
 RESULTS_ARGS ?=
 results: install
-	$(PY) -m paramserver.bench.results $(RESULTS_ARGS)
+	$(PY) -m paramserver.bench.report.results $(RESULTS_ARGS)
 
 # The Docker image (deploy/build-image.sh): needs a running Docker daemon, and works offline
 # (a wheelhouse made here; a Debian base made with debootstrap when no registry answers).

@@ -12,9 +12,9 @@ import torch
 
 from paramserver.codec import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.server.checkpointer import Checkpointer
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.store import ParameterStore
+from paramserver.server.disk.checkpoint_writer import Checkpointer
+from paramserver.server.engine.coordinator import Coordinator
+from paramserver.server.bookkeeping.store import ParameterStore
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from paramserver.bench.criteo import CARDINALITIES, DENSE, make
+from paramserver.bench.criteo.stream import CARDINALITIES, DENSE, make
 from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.sparse.tableset import TableSet, row_optimizer
 

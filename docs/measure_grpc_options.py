@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from paramserver.bench.common import median_seconds
-from paramserver.bench.transport import MIB, tcp_gbps
+from paramserver.bench.wire.transport import MIB, tcp_gbps
 
 NBYTES, REPS = 64 * MIB, 5
 OPTIONS = [

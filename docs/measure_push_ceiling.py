@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from paramserver.bench.common import server_process
-from paramserver.bench.transport import MIB, worker_gbps
+from paramserver.bench.wire.transport import MIB, worker_gbps
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.server.checks import all_finite
+from paramserver.server.engine.checks import all_finite
 
 NBYTES, REPS, WARMUP = 64 * MIB, 10, 3
 torch.set_num_threads(1)
@@ -91,7 +91,7 @@ def tcp_gbps(work: bool) -> float:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = ServerConfig(
-        model="paramserver.bench.transport:blob_64mib",
+        model="paramserver.bench.wire.transport:blob_64mib",
         optimizer=OptimizerConfig("sgd", lr=1e-9),
         policy="async",
         workers=1,

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from paramserver import models
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.server.checks import Scan
-from paramserver.server.store import ParameterStore, build_optimizer
+from paramserver.server.engine.checks import Scan
+from paramserver.server.bookkeeping.store import ParameterStore, build_optimizer
 from paramserver.transport.segment_io import copy_split
 
 torch.set_num_threads(1)

@@ -15,7 +15,7 @@ import torch
 from paramserver import models
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.server.store import ParameterStore
+from paramserver.server.bookkeeping.store import ParameterStore
 
 torch.set_num_threads(1)
 model = models.resolve("mlp")()

@@ -7,7 +7,7 @@ cache, not the process's) against the table's own bytes:
 
 - ``base``: the first checkpoint, every row changed (a copy of the rows, then written);
 - ``delta``: after pushes that touch 1% of the rows, a checkpoint of those rows only;
-- ``merge``: the base and 7 deltas merged on disk into a new base (``rowfiles.compact``);
+- ``merge``: the base and 7 deltas merged on disk into a new base (``row_format.compact``);
 - ``restore``: a fresh shard's table rebuilt from the chain (the table itself is what a
   restore must hold: its growth is the table, the rest is the chunk buffers).
 
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from paramserver.codec.rows import RowGradients, TableSpec
-from paramserver.server import rowfiles
-from paramserver.server.rowchain import RowChain
-from paramserver.server.rowlog import RowLog
+from paramserver.server.disk import row_format
+from paramserver.server.disk.row_reader import RowChain
+from paramserver.server.disk.row_writer import RowLog
 from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold
 from paramserver.sparse.tableset import TableSet, row_optimizer
 
@@ -106,7 +106,7 @@ with tempfile.TemporaryDirectory() as tmp:
     )
     chain = RowChain(Path(tmp), names, sums)
     with Peak() as p:
-        rowfiles.compact(Path(tmp), chain, 0, 1, 999)
+        row_format.compact(Path(tmp), chain, 0, 1, 999)
     out.update(merge_peak_mb=round(p.peak, 1), merge_s=round(p.seconds, 2))
     del live
     back = tables()

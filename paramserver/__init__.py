@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 # The public names, loaded on first use: `paramserver status` and `health` never import torch.
 _LAZY = {
     "serve": "paramserver.api",
-    "load_checkpoint": ("paramserver.server.checkpoint", "load"),
+    "load_checkpoint": ("paramserver.server.disk.checkpoint", "load"),
     "model_state_dict": "paramserver.cluster.reading",
     "LaunchConfig": "paramserver.config",
     "OptimizerConfig": "paramserver.config",
@@ -49,7 +49,7 @@ _LAZY = {
 _SUBMODULES = {
     "models": "paramserver.models",
     "data": "paramserver.training.data",
-    "checkpoint": "paramserver.server.checkpoint",
+    "checkpoint": "paramserver.server.disk.checkpoint",
     "codec": "paramserver.codec",
     "settings": "paramserver.settings",
     "serving": "paramserver.serving",
@@ -59,14 +59,14 @@ _SUBMODULES = {
 # Where the modules of the flat layout went: ``import paramserver.launch`` (users' scripts,
 # notebooks, pickles of our classes) still works and gives the module in its new home.
 MOVED = {
-    "paramserver.checkpoint": "paramserver.server.checkpoint",
+    "paramserver.checkpoint": "paramserver.server.disk.checkpoint",
     "paramserver.clicks": "paramserver.training.clicks",
     "paramserver.data": "paramserver.training.data",
-    "paramserver.dataplan": "paramserver.server.dataplan",
+    "paramserver.dataplan": "paramserver.server.bookkeeping.batch_queue",
     "paramserver.evaluation": "paramserver.training.evaluation",
-    "paramserver.export": "paramserver.server.export",
+    "paramserver.export": "paramserver.server.disk.export",
     "paramserver.launch": "paramserver.cluster.launch",
-    "paramserver.membership": "paramserver.server.membership",
+    "paramserver.membership": "paramserver.server.bookkeeping.leases",
     "paramserver.procs": "paramserver.cluster.procs",
     "paramserver.roles": "paramserver.cluster.roles",
     "paramserver.rundir": "paramserver.cluster.rundir",
@@ -76,11 +76,52 @@ MOVED = {
     "paramserver.sparse.wire": "paramserver.codec.rows",
     "paramserver.staleness": "paramserver.policy.staleness",
     "paramserver.statusview": "paramserver.cli.statusview",
-    "paramserver.store": "paramserver.server.store",
+    "paramserver.store": "paramserver.server.bookkeeping.store",
     "paramserver.stub": "paramserver.transport.stub",
     "paramserver.worker.channel": "paramserver.transport.channels",
     "paramserver.worker.trainer": "paramserver.training.trainer",
 }
+
+# The server folder's modules before it was split into rooms (stage 4): checkpoints
+# pickled or scripts written against ``paramserver.server.checkpoint`` and the like still load.
+_SERVER_ROOMS = {
+    "answers": "engine.answers",
+    "applier": "doors.optimizer_thread",
+    "applies": "engine.dense_apply",
+    "arrival": "engine.arrival",
+    "buffers": "bookkeeping.buffers",
+    "checkpoint": "disk.checkpoint",
+    "checkpointer": "disk.checkpoint_writer",
+    "checks": "engine.checks",
+    "coordinator": "engine.coordinator",
+    "cuts": "bookkeeping.cuts",
+    "dataplan": "bookkeeping.batch_queue",
+    "dataport": "doors.dataport",
+    "doorbell": "doors.doorbell",
+    "export": "disk.export",
+    "ledger": "bookkeeping.ledger",
+    "listener": "doors.listener",
+    "members": "engine.members",
+    "membership": "bookkeeping.leases",
+    "payloads": "doors.payloads",
+    "pulls": "engine.pulls",
+    "repartition": "disk.reshard_plan",
+    "reshard": "disk.reshard",
+    "rounds": "bookkeeping.sync_round",
+    "rowchain": "disk.row_reader",
+    "rowfiles": "disk.row_format",
+    "rowlog": "disk.row_writer",
+    "saves": "bookkeeping.write_record",
+    "saving": "engine.saving",
+    "servicer": "doors.servicer",
+    "state": "bookkeeping.snapshot",
+    "status": "bookkeeping.status",
+    "steps": "doors.steps",
+    "store": "bookkeeping.store",
+}
+MOVED.update(
+    {f"paramserver.server.{old}": f"paramserver.server.{new}" for old, new in _SERVER_ROOMS.items()}
+)
 
 
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -132,7 +173,7 @@ if TYPE_CHECKING:
     )
     from paramserver.policy.staleness import Policy
     from paramserver.server.app import ServerApp
-    from paramserver.server.checkpoint import load as load_checkpoint
+    from paramserver.server.disk.checkpoint import load as load_checkpoint
     from paramserver.worker.worker import ShardedWorker, Worker
 
 

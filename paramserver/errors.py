@@ -61,7 +61,7 @@ class DataUnavailable(ParamServerError):
 
 class BrokenSegment(InvalidRequest):
     """A worker's segment changed size since Join (truncated or grown) or cannot be read or
-    written: the call is refused, and the server drops the worker (``server/steps.py``; raised by ``paramserver.transport.shm``)."""
+    written: the call is refused, and the server drops the worker (``server/doors/steps.py``; raised by ``paramserver.transport.shm``)."""
 
     def __init__(self, worker_id: str, why: str):
         super().__init__(
@@ -75,7 +75,7 @@ class SegmentUnusable(UnknownWorker):
     """The server cannot read or write a worker's segment for a reason of its own (a full
     ``/dev/shm``, a file-size limit, an I/O error): it lets go of the segment, keeps the
     worker, and answers NOT_FOUND, so that the worker joins again under its id, offering a
-    segment the server declines from then on: its payloads go over gRPC (``server/steps.py``)."""
+    segment the server declines from then on: its payloads go over gRPC (``server/doors/steps.py``)."""
 
     def __init__(self, worker_id: str, why: str):
         super().__init__(

@@ -18,9 +18,9 @@ from paramserver.codec import wire
 from paramserver.codec.records import ControlError
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.build import build_coordinator
-from paramserver.server.checkpointer import Checkpointer
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.servicer import Servicer
+from paramserver.server.disk.checkpoint_writer import Checkpointer
+from paramserver.server.doors.servicer import Servicer
+from paramserver.server.engine.coordinator import Coordinator
 from paramserver.transport.attachments import Attachments
 from paramserver.transport.channels import encode, new_segment
 from paramserver.transport.client import Channel, PayloadSpec

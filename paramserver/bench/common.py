@@ -164,7 +164,7 @@ def report(name: str, rows: list[tuple[str, str]], figures: dict[str, Any], as_j
     """A readable table, or with ``--json`` one JSON line of the figures, with the date and
     the machine they were measured on (README quotes a line's figures only with them)."""
     if as_json:
-        from paramserver.bench.results import machine
+        from paramserver.bench.report.results import machine
 
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         line = {"bench": name, **figures, "date": when, "machine": machine()}

@@ -6,7 +6,8 @@ straggler), and
 writing {"rank", "steps", "samples", "seconds"} as JSON to OUT.
 
 `run_ranks` starts the ranks of such a baseline (this one or the accuracy bench's) and
-collects what they wrote. Every rank writes its result before it tears the process group
+collects what they wrote; `write_result`, `worker_figures` and `peak_rss_mb` are what every
+bench's rank processes (the tables' and the Criteo case's too) report with. Every rank writes its result before it tears the process group
 down, after a barrier: gloo's teardown can abort a process ("terminate called without an
 active exception") once in a while on a loaded machine, and a rank that finished its
 measurement should not lose it to that. A rank that exits non-zero without its result fails
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paramserver import models
 from paramserver.config import OptimizerConfig
-from paramserver.server.store import build_optimizer
+from paramserver.server.bookkeeping.store import build_optimizer
 
 MASTER_ENV = "PARAMSERVER_DDP_MASTER"
 LOCAL_MASTER = "127.0.0.1"
@@ -76,6 +78,29 @@ def write_result(out: str | Path, result: Any) -> None:
     tmp = Path(f"{out}.tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)
+
+
+def worker_figures(
+    worker: Any, rank: int, steps: int, batch: int, started: float
+) -> dict[str, Any]:
+    """A bench worker's result once its steps are flushed: steps, samples, seconds since
+    ``started`` and the rows it fetched and pushed (its peak memory is added after it left)."""
+    counters = worker.tables.counters
+    return {
+        "rank": rank,
+        "steps": steps,
+        "samples": steps * batch,
+        "seconds": time.perf_counter() - started,
+        "rows_fetched": counters.fetched,
+        "rows_pushed": counters.pushed,
+        "dense_numel": worker.manifest.numel,
+    }
+
+
+def peak_rss_mb(field: str = "VmHWM") -> float:
+    """This process's peak resident memory (VmHWM; "VmRSS": now), in MiB."""
+    found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(found.group(1)) / 1024 if found else float("nan")
 
 
 def finish() -> None:

@@ -11,23 +11,12 @@ from typing import Any
 import click
 
 from paramserver import settings
+from paramserver.bench import BENCHMARKS
 from paramserver.cli.flags import Bench, Export, Health, Plot, Query, Reshard, Status
 from paramserver.cli.options import command, printed
 from paramserver.cli.run import security_config
 from paramserver.config import Security
 from paramserver.errors import ServerUnavailable
-
-BENCHMARKS = (
-    "transport",
-    "step",
-    "straggler",
-    "scaling",
-    "accuracy",
-    "wakeup",
-    "sparse",
-    "network",
-    "server",
-)
 
 
 def _connect(address: str, timeout: float, security: Security) -> Any:
@@ -136,7 +125,7 @@ def export(checkpoint_dir: str, **kw: Any) -> None:
         kind = f"a delta of {bases[-1]}" if bases else "a snapshot"
         click.echo(f"{out[0]}: {kind}, version {out[1]}, from {out[2]}")
         return
-    from paramserver.server.export import export as write
+    from paramserver.server.disk.export import export as write
 
     path, version, which = write(checkpoint_dir, opts.model, opts.seed, opts.out, opts.round)
     click.echo(f"{path}: version {version}, from {which}")
@@ -157,7 +146,7 @@ def reshard(checkpoint_dir: str, **kw: Any) -> None:
     opts: Reshard = settings.build(Reshard, kw)
     if printed():
         return
-    from paramserver.server.reshard import reshard as write
+    from paramserver.server.disk.reshard import reshard as write
 
     paths, which = write(checkpoint_dir, opts.model, opts.seed, opts.shards, opts.out, opts.round)
     for path in paths:
@@ -169,7 +158,7 @@ checkpoint.add_command(reshard)
 
 
 @command(Bench)
-@click.argument("name", type=click.Choice(BENCHMARKS))
+@click.argument("name", type=click.Choice(list(BENCHMARKS)))
 def bench(name: str, **kw: Any) -> None:
     """Measure NAME against its baseline, side by side in one run; see docs/BENCHMARKS.md.
 
@@ -207,7 +196,7 @@ def bench(name: str, **kw: Any) -> None:
 
     from paramserver.bench.common import report
 
-    module = importlib.import_module(f"paramserver.bench.{name}")
+    module = importlib.import_module(BENCHMARKS[name])
     if opts.rate and name != "network":
         raise click.UsageError("--rate is for bench network.")
     if opts.only and name != "sparse":

@@ -10,7 +10,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.server.status import TABLE_COUNTS
+from paramserver.server.bookkeeping.status import TABLE_COUNTS
 
 _INTEGERS = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
 _FLOATS = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT}

@@ -27,8 +27,8 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster.netns import Network
 from paramserver.cluster.procs import READY_MARKER, Child
 from paramserver.errors import ConfigError
-from paramserver.server import checkpoint
-from paramserver.server.rowchain import RowChain
+from paramserver.server.disk import checkpoint
+from paramserver.server.disk.row_reader import RowChain
 from paramserver.training import clicks
 from paramserver.transport.stub import Stub, connect
 

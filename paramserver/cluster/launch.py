@@ -31,7 +31,7 @@ from paramserver.codec.rows import TableSpec
 from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.policy.staleness import Policy
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from paramserver.sparse.embedding import TableEmbedding, make_tables
 from paramserver.sparse.remote import RemoteTables
 from paramserver.training import data

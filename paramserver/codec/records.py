@@ -1,5 +1,5 @@
 """Records of the socket paths: length-prefixed frames on the same-host Unix socket
-(``server/doorbell.py``) and on the data port other hosts use (``server/dataport.py``).
+(``server/doors/doorbell.py``) and on the data port other hosts use (``server/doors/dataport.py``).
 
 A frame is a 24-byte header, then ``length`` payload bytes, then ``bulk`` bytes::
 

@@ -18,11 +18,11 @@ from paramserver.codec import layout
 from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server.build import build_coordinator
-from paramserver.server.checkpointer import Checkpointer
-from paramserver.server.dataport import data_port
-from paramserver.server.doorbell import Doorbell
+from paramserver.server.disk.checkpoint_writer import Checkpointer
+from paramserver.server.doors.dataport import data_port
+from paramserver.server.doors.doorbell import Doorbell
+from paramserver.server.doors.servicer import Servicer
 from paramserver.server.metrics import DATA_METHOD, SOCKET_METHOD, Metrics
-from paramserver.server.servicer import Servicer
 from paramserver.sparse.tableset import whole_tables
 from paramserver.transport import ports, security, stub
 from paramserver.transport.attachments import Attachments

@@ -18,11 +18,11 @@ from paramserver import models
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig, parse_table_optimizers
 from paramserver.errors import ConfigError
-from paramserver.server import reshard
-from paramserver.server.checkpointer import saved_state
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.state import CoordinatorSnapshot
-from paramserver.server.store import ParameterStore
+from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.disk import reshard
+from paramserver.server.disk.checkpoint_writer import saved_state
+from paramserver.server.engine.coordinator import Coordinator
 from paramserver.sparse.declared import declared_choices
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold

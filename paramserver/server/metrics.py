@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from paramserver.server.status import ServerStatus
+from paramserver.server.bookkeeping.status import ServerStatus
 from paramserver.transport.handlers import Behavior, wrap_handler
 from paramserver.transport.security import HEALTH_PREFIX
 

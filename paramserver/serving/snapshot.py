@@ -15,7 +15,7 @@ each table only the rows that changed since the chain's last snapshot, and the i
 that the run no longer holds (``I.evicted.npy``); its manifest names its base (the last
 snapshot's version and the SHA-256 of its manifest). ``served.load`` applies them in order.
 
-Streamed: a shard's rows are read from its row files (``server/rowfiles.py``) a chunk at a
+Streamed: a shard's rows are read from its row files (``server/disk/row_format.py``) a chunk at a
 time, merged in id order, and written so, so a table larger than memory is exported with
 memory for a few chunks (a delta also keeps the ids held, 8 bytes a row, to find those
 gone). The manifest is written last, atomically: a
@@ -36,8 +36,8 @@ import torch
 
 from paramserver import models
 from paramserver.errors import ConfigError
-from paramserver.server import checkpoint
-from paramserver.server import export as exporting
+from paramserver.server.disk import checkpoint
+from paramserver.server.disk import export as exporting
 from paramserver.serving.layers import (
     FORMAT,
     MANIFEST,
@@ -61,7 +61,7 @@ def _entry(root: Path, path: Path) -> dict[str, Any]:
 
 def _blocks(state: dict[str, Any], name: str) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
     """A shard's rows of table ``name``, ids ascending, a chunk at a time: from its row
-    files (``rowchain.RowChain.merged``), or an older checkpoint's mapped ``tables``."""
+    files (``row_reader.RowChain.merged``), or an older checkpoint's mapped ``tables``."""
     tables = state["tables"]
     if hasattr(tables, "merged"):
         for block in tables.merged(name):

@@ -9,7 +9,7 @@ large blocks go back to the system when freed. Elsewhere than glibc it does noth
 A server with tables fixes it too, at ``SERVER_MMAP_THRESHOLD`` (4 MiB): a table's arrays
 grow by replacing them, and with glibc's raising the old ones' memory stayed in the heap
 (341 bytes of resident memory per row held, 2M rows, lazy adam, dim 16; 239 with the
-threshold fixed: ``python -m paramserver.bench.sparse_rows 2000000``). At 128 KiB every
+threshold fixed: ``python -m paramserver.bench.tables.row_memory 2000000``). At 128 KiB every
 push's temporaries (a few hundred KB) were mapped and unmapped each time, and the server
 of ``bench sparse`` (a) served 13% fewer samples/s; at 4 MiB they stay in the heap.
 """

@@ -11,7 +11,7 @@ Storage: the rows, their optimizer state and their counters (pushes, last step p
 in arrays indexed by slot (``index.RowIndex``); an evicted row's slot is reused. The
 arrays double when full, and only the slots handed out are ever written, so resident
 memory follows the most rows held at once (241 bytes a row for lazy Adam at dim 16,
-``bench/sparse_rows.py``).
+``bench/tables/row_memory.py``).
 
 Every request is checked whole before anything changes: ids must be integers in
 [0, rows) (any int64 for an unbounded table), held by this shard, and a push's ids

@@ -6,7 +6,7 @@ bookkeeping only, no I/O.
   push with one bad table, or a bad dense part, changes nothing.
 - ``RowRound``: under ``sync``, the round's row gradients summed per table and id; at the
   round's end the mean is their sum over the ``n`` non-empty pushes, as for the dense
-  part (``server/rounds.py``), so sync stays large-batch SGD for the tables too.
+  part (``server/bookkeeping/sync_round.py``), so sync stays large-batch SGD for the tables too.
 - ``row_optimizer``: the tables' optimizer for the server's ``--optimizer``: adam and
   adamw give lazy adam (weight decay is not applied to rows), sgd and momentum give sgd,
   at the same learning rate and schedule (the coordinator passes each step's rate to
@@ -311,7 +311,7 @@ def whole_tables(
     limit: int | None = WHOLE_TABLE_BYTES,
 ) -> dict[str, torch.Tensor]:
     """``{"NAME.weight": the whole table}`` from every shard's rows (``saved``, one a shard:
-    a ``state_dict``, or row files read a chunk at a time, ``rowchain.RowChain``): their
+    a ``state_dict``, or row files read a chunk at a time, ``row_reader.RowChain``): their
     rows where touched, the seeded initial values elsewhere. Empty
     when ``saved`` lacks a shard (a shard of several holds a part of each table), and for
     tables over ``limit`` bytes (None: no limit), and unbounded tables (rows 0)."""

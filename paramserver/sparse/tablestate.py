@@ -1,7 +1,7 @@
 """A shard's table as checkpoints see it: what changed since the last checkpoint took it
 (``take_changes``), rows put back one block at a time (``put_rows``, ``drop_rows``,
 ``set_meta``), and the whole table as one state dict (``state_dict``, the older
-checkpoints' form, still read). No I/O: ``server/rowfiles.py`` writes and reads the files.
+checkpoints' form, still read). No I/O: ``server/disk/row_format.py`` writes and reads the files.
 
 Changes: every row a push, a creation or a load wrote is marked in ``ShardTable.changed``
 (by slot); an evicted row is unmarked and its id kept in ``ShardTable.removed``.

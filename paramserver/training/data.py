@@ -235,7 +235,7 @@ def epoch_permutation(n_samples: int, epoch: int, seed: int) -> torch.Tensor:
 
 
 def batch_indices(n_samples: int, seed: int, batch_size: int, batch: int) -> torch.Tensor:
-    """Sample indices of the run's global batch ``batch`` (see ``paramserver.server.dataplan``)."""
+    """Sample indices of the run's global batch ``batch`` (see ``paramserver.server.bookkeeping.batch_queue``)."""
     epoch, position = divmod(batch, batches_per_epoch(n_samples, batch_size))
     perm = epoch_permutation(n_samples, epoch, seed)
     return perm[position * batch_size : (position + 1) * batch_size]

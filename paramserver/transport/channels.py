@@ -164,7 +164,7 @@ def received(header: pb.PullHeader, codec: compression.Codec, weights: torch.Ten
 
 
 class ControlSocket:
-    """The worker's end of a server's same-host control socket (``server/doorbell.py``):
+    """The worker's end of a server's same-host control socket (``server/doors/doorbell.py``):
     one PushPull a frame (``codec/records.py``), answered or failed as a gRPC call is."""
 
     MARGIN = 5.0  # seconds past the call's deadline before the server is deemed stuck

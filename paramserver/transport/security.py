@@ -4,7 +4,7 @@ The token travels as ``authorization: Bearer <token>`` metadata on every call; t
 interceptor refuses a call without it (UNAUTHENTICATED) before any servicer code runs, and
 before its request is read: the refusal takes the request as a stream it never reads, and
 runs on the health service's side pool (``transport/health.py``), not the workers' threads.
-The data port (``server/dataport.py``, ``transport/tcp.py``) carries the same: TLS from the
+The data port (``server/doors/dataport.py``, ``transport/tcp.py``) carries the same: TLS from the
 same files (``server_ssl_context``, ``client_ssl_context``), the token in its hello
 (``token_matches``).
 """

@@ -1,4 +1,4 @@
-"""The worker's end of a server's data port (``server/dataport.py``): each step one frame
+"""The worker's end of a server's data port (``server/doors/dataport.py``): each step one frame
 (``codec/records.py``), the gradient's raw bytes sent from the codec's buffer and the
 weights' raw bytes read straight into the receive buffer, on one TCP connection per shard.
 

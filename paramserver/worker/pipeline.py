@@ -18,7 +18,7 @@ lease) only marks the session, and the worker joins again before its next pull.
 A push of server-handed batches to several shards reaches shard 0 last (``Landing``):
 shard 0 counts the batches done, so a batch it counts is on every shard, and one it hands
 out again (its worker died between the calls) is found applied where it landed
-(``server/ledger.py``). When a shard did not take the push (it restarted, or dropped the
+(``server/bookkeeping/ledger.py``). When a shard did not take the push (it restarted, or dropped the
 lease), shard 0 gets an empty push, which gives the batches back to the queue.
 """
 

@@ -1,4 +1,4 @@
-"""The same-host control socket (server/doorbell.py) against hostile and broken local peers:
+"""The same-host control socket (server/doors/doorbell.py) against hostile and broken local peers:
 silent connections hold no threads and are closed after the hello deadline, every malformed
 hello is refused with a reply and no traceback, a worker holds one authenticated connection
 at most, and a peer of another user is refused even with the right worker id and nonce. A

@@ -19,7 +19,7 @@ import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import wire
-from paramserver.server import checks as checks_module
+from paramserver.server.engine import checks as checks_module
 from paramserver.transport import attachments, shm
 from paramserver.transport.channels import ControlSocket
 from paramserver.transport.stub import Stub, connect

@@ -105,7 +105,7 @@ def test_bad_policy_is_refused_before_anything_starts():
 def test_checkpoint_of_a_launch_loads_into_the_model(serve, tmp_path):
     from paramserver import models
     from paramserver.codec import layout
-    from paramserver.server import checkpoint
+    from paramserver.server.disk import checkpoint
 
     server = serve("resnet", seed=5)
     c = server.coordinator

@@ -21,7 +21,7 @@ import paramserver as ps
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, wire
 from paramserver.config import MAX_PUSH_EVERY
-from paramserver.server import steps
+from paramserver.server.doors import steps
 from paramserver.transport.stub import Stub
 from tests.conftest import tiny_model
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import paramserver as ps
 from paramserver.codec import layout
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from paramserver.training import data
 from tests.conftest import large_batch_reference, replica, sync_workers
 

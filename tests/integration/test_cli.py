@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from paramserver import models
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from tests.conftest import DEADLINE, paramserver_cmd
 
 

@@ -1,4 +1,4 @@
-"""The data port (server/dataport.py, transport/tcp.py): what workers on other hosts step
+"""The data port (server/doors/dataport.py, transport/tcp.py): what workers on other hosts step
 over. It computes what gRPC streams compute, it is offered and taken only as the settings
 say, and a peer without the token, the Join's nonce or honest sizes is refused before
 anything it sends is read or applied. TLS on it is in test_security.py."""
@@ -196,7 +196,7 @@ def _bn() -> torch.nn.Module:
 def test_16_bit_pulls_carry_rounded_weights_and_exact_counts(serve, wire, compress, monkeypatch):
     """With --compress, a pull carries a 16-bit copy of the server's float32 masters (half
     the bytes), its integer buffers exact, over gRPC streams and the data port alike."""
-    from paramserver.server.payloads import Payloads
+    from paramserver.server.doors.payloads import Payloads
 
     sent: list[int] = []
     weights = Payloads.weights

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from paramserver.server.metrics import StatusCollector
 from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
 from paramserver.sparse.declared import name_tables

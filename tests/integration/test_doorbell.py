@@ -1,4 +1,4 @@
-"""The same-host control socket (server/doorbell.py): who may use it, what it refuses
+"""The same-host control socket (server/doors/doorbell.py): who may use it, what it refuses
 without changing anything, exactly once through it, and what happens when either side goes.
 That its steps compute what gRPC's compute is in test_shm.py."""
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver import models
 from paramserver.errors import ConfigError
-from paramserver.server import checkpoint
-from paramserver.server.export import Final, choose, export
+from paramserver.server.disk import checkpoint
+from paramserver.server.disk.export import Final, choose, export
 from tests.conftest import DEADLINE, paramserver_cmd
 
 MODEL, SEED, STEPS = "tests.sparse_models:Mixed", 3, 12

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver import models
 from paramserver.errors import ConfigError
-from paramserver.server import checkpoint
-from paramserver.server.reshard import reshard
+from paramserver.server.disk import checkpoint
+from paramserver.server.disk.reshard import reshard
 from tests.conftest import DEADLINE, paramserver_cmd
 from tests.integration.test_export import MODEL, SEED, mixed_server
 

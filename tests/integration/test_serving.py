@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import paramserver as ps
 from paramserver import models
 from paramserver.errors import ConfigError
-from paramserver.server.export import export
+from paramserver.server.disk.export import export
 from paramserver.serving import snapshot
 from paramserver.serving.served import ServedTable
 from paramserver.sparse.rows import shard_of

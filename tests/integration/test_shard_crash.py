@@ -19,7 +19,7 @@ from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec import layout
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from paramserver.sparse.remote import Observer, RemoteTables
 from paramserver.training import data
 from paramserver.transport.channels import observe
@@ -325,7 +325,7 @@ def test_a_sharded_async_run_whose_shard_is_killed_applies_every_batch_once_on_b
 def test_a_sharded_run_with_tables_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_path):
     """The cuts hold each shard's rows of the tables and their sync round: after the crash
     and the rewind, the dense part and every table end as in the uninterrupted run. The
-    rows come back from a base and the deltas after it (``server/rowfiles.py``): the
+    rows come back from a base and the deltas after it (``server/disk/row_format.py``): the
     restarted shard read at least one delta, and so did shard 0's rewind."""
     clean, _ = _run(tmp_path, "tables-clean", crash=False, what=TABLES)
     crashed, statuses = _run(tmp_path, "tables-crash", crash=True, what=TABLES)

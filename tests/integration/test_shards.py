@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import paramserver as ps
 from paramserver.codec import layout
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from paramserver.training import data
 from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
 from tests.integration.test_cli import run_cli

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from tests import slurm
 
 SBATCH = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "paramserver.sbatch"

@@ -16,7 +16,7 @@ from torch import nn
 
 import paramserver as ps
 from paramserver.codec import rows as sparse_wire
-from paramserver.server import checkpoint
+from paramserver.server.disk import checkpoint
 from paramserver.sparse import tablestate
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of

@@ -189,7 +189,7 @@ def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, mo
     alone holds the dense part, its tables are in the row folders beside it); a shard of
     several says it holds a part. Row pulls larger than a request's share (here 3 rows) go
     as several requests."""
-    from paramserver.server import checkpoint, export
+    from paramserver.server.disk import checkpoint, export
 
     monkeypatch.setattr(remote, "PULL_BYTES", 3 * 8 * 4)  # 3 rows of DIM 8 float32
     torch.manual_seed(6)

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from paramserver.errors import InvalidRequest
-from paramserver.server.applier import Applier, call
+from paramserver.server.doors.optimizer_thread import Applier, call
 
 
 def test_jobs_run_on_the_applier_thread_in_order_and_return_their_results():

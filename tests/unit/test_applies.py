@@ -1,4 +1,4 @@
-"""The dense apply runs off the coordinator's lock (server/applies.py): a pull is answered
+"""The dense apply runs off the coordinator's lock (server/engine/dense_apply.py): a pull is answered
 from the last published version while an apply is held, and reports that version exactly;
 under ssp:K it waits for the pushes its bound needs to be applied, not merely accepted;
 gradients that arrive during an apply are summed into one step with --coalesce on (each
@@ -17,8 +17,8 @@ import torch
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import ParamServerError, Timeout, WrongIncarnation
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.store import ParameterStore
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.engine.coordinator import Coordinator
 
 N = 8
 DEADLINE = 10.0

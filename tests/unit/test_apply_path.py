@@ -17,10 +17,10 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.payloads import Payloads
-from paramserver.server.steps import Steps
-from paramserver.server.store import ParameterStore
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.doors.payloads import Payloads
+from paramserver.server.doors.steps import Steps
+from paramserver.server.engine.coordinator import Coordinator
 from paramserver.transport.attachments import Attachments
 
 N = 1 << 20  # 4 MiB of float32: any copy of the gradient or weights shows

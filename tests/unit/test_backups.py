@@ -14,9 +14,9 @@ from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import ConfigError, Timeout
 from paramserver.policy import staleness
-from paramserver.server.coordinator import Coordinator
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.engine.coordinator import Coordinator
 from paramserver.server.metrics import Metrics
-from paramserver.server.store import ParameterStore
 from tests.conftest import FakeClock
 
 N = 4

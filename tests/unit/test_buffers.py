@@ -1,4 +1,4 @@
-"""The model's buffers on the server (``server/buffers.py``): float buffers hold the mean of
+"""The model's buffers on the server (``server/bookkeeping/buffers.py``): float buffers hold the mean of
 the latest values of the live workers (under sync, of the round's contributors), integer
 buffers the largest; checkpoints keep them. Driven directly, with a fake clock."""
 
@@ -12,9 +12,9 @@ from torch import nn
 from paramserver import models
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.state import CoordinatorSnapshot
-from paramserver.server.store import ParameterStore
+from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.engine.coordinator import Coordinator
 from tests.conftest import FakeClock
 
 P, B = 2, 2  # parameters, float buffer elements; then one count

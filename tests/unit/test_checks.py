@@ -1,4 +1,4 @@
-"""The finiteness test every push's gradient passes (server/checks.py): its fast path (a
+"""The finiteness test every push's gradient passes (server/engine/checks.py): its fast path (a
 sum of squares) never calls a non-finite gradient finite, nor a finite one non-finite."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paramserver.server.checks import Scan, all_finite
+from paramserver.server.engine.checks import Scan, all_finite
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

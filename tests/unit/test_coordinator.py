@@ -12,10 +12,10 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import InvalidRequest, OutOfOrder, Timeout, UnknownWorker, WrongIncarnation
-from paramserver.server.coordinator import Coordinator
-from paramserver.server.servicer import Servicer
-from paramserver.server.state import CoordinatorSnapshot
-from paramserver.server.store import ParameterStore
+from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.doors.servicer import Servicer
+from paramserver.server.engine.coordinator import Coordinator
 from paramserver.transport.attachments import Attachments
 from tests.conftest import FakeClock
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.errors import ConfigError, OutOfOrder, Timeout, WrongIncarnation
-from paramserver.server import checkpoint
 from paramserver.server.build import build_coordinator
-from paramserver.server.checkpointer import Checkpointer
+from paramserver.server.disk import checkpoint
+from paramserver.server.disk.checkpoint_writer import Checkpointer
 from tests.conftest import DEADLINE, FakeClock
 
 
@@ -137,7 +137,7 @@ def test_under_async_every_worker_meets_at_the_cut_and_it_is_taken_there(tmp_pat
 
 
 def test_the_cut_schedule_as_pure_decisions():
-    from paramserver.server.cuts import Cuts
+    from paramserver.server.bookkeeping.cuts import Cuts
 
     sync = Cuts(every=5, synchronous=True)
     assert [sync.after_round(r) for r in (4, 5, 6, 10)] == [None, 5, None, 10]
@@ -155,7 +155,7 @@ def test_the_cut_schedule_as_pure_decisions():
 
 
 def test_cuts_wait_in_memory_until_on_disk_a_bounded_few_and_disk_keeps_the_common_one():
-    from paramserver.server.cuts import MAX_PENDING, Cuts
+    from paramserver.server.bookkeeping.cuts import MAX_PENDING, Cuts
 
     cuts = Cuts(every=1, synchronous=True)
     for r in range(1, MAX_PENDING + 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.server.dataplan import BatchQueue
+from paramserver.server.bookkeeping.batch_queue import BatchQueue
 
 
 def test_batches_go_out_in_order_and_a_retry_gets_the_same_one() -> None:

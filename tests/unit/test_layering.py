@@ -120,7 +120,7 @@ def test_old_module_paths_still_import() -> None:
         assert importlib.import_module(old) is importlib.import_module(new), old
     assert paramserver.data is importlib.import_module("paramserver.training.data")
     assert paramserver.checkpoint.load is paramserver.load_checkpoint
-    assert paramserver.store is importlib.import_module("paramserver.server.store")
+    assert paramserver.store is importlib.import_module("paramserver.server.bookkeeping.store")
     assert paramserver.launch is importlib.import_module("paramserver.cluster.launch")
 
 
@@ -188,3 +188,109 @@ def test_the_architecture_page_shows_this_layering_and_every_package() -> None:
     for package in {p.parent.name for p in PACKAGE.glob("*/__init__.py")}:
         if package != "_proto":
             assert f"paramserver/{package}/" in page or f"  {package}/" in page, package
+
+
+# The rooms inside a package, lowest first: a module may import its own room and those
+# below it, never one above, and two rooms of one level never import each other. ``""``
+# is the package's own top-level modules.
+ROOMS: dict[str, list[set[str]]] = {
+    "server": [{"bookkeeping"}, {"engine"}, {"disk", "doors"}, {""}],
+    "bench": [{"report"}, {""}, {"criteo"}, {"tables"}, {"throughput"}, {"wire"}],
+}
+MAX_MODULES_A_FOLDER = 15
+
+
+def room_of(dotted: str, package: str) -> str | None:
+    """``paramserver.server.engine.pulls`` -> ``engine``; ``paramserver.server.app`` -> ``""``;
+    None outside ``package``."""
+    parts = dotted.split(".")
+    if parts[:2] != ["paramserver", package]:
+        return None
+    rooms = {room for level in ROOMS[package] for room in level}
+    if len(parts) > 2 and parts[2] in rooms:
+        return parts[2]
+    return ""
+
+
+def test_every_room_is_ranked_and_says_what_it_may_import() -> None:
+    for package, levels in ROOMS.items():
+        ranked = {room for level in levels for room in level} - {""}
+        found = {p.parent.name for p in (PACKAGE / package).glob("*/__init__.py")}
+        assert found == ranked, (package, found ^ ranked)
+        for room in found:
+            doc = ast.get_docstring(
+                ast.parse((PACKAGE / package / room / "__init__.py").read_text())
+            )
+            assert doc and re.search(r"\bmay import\b", doc, re.IGNORECASE), (package, room)
+
+
+def arrow_is_wrong(package: str, here: str, target: str, in_init: bool = False) -> bool:
+    """Whether module ``here`` of ``package`` may not import ``target``: ``target`` is in a
+    room above ``here``'s, or in another room of the same level. The package's own
+    ``__init__`` (its docstring and nothing else) may name any room."""
+    rank = {room: i for i, level in enumerate(ROOMS[package]) for room in level}
+    mine, there = room_of(here, package), room_of(target, package)
+    if mine is None or there is None or there == mine:
+        return False
+    if target == f"paramserver.{package}":
+        return False  # ``from paramserver.server import x``: x is checked on its own
+    if mine == "" and in_init:
+        return False
+    return rank[there] >= rank[mine]
+
+
+def test_no_import_points_up_the_rooms() -> None:
+    wrong = []
+    for package in ROOMS:
+        for path in (PACKAGE / package).rglob("*.py"):
+            here = module_name(path)
+            in_init = path.name == "__init__.py" and path.parent == PACKAGE / package
+            wrong += [
+                f"{here} -> {t}" for t in imports(path) if arrow_is_wrong(package, here, t, in_init)
+            ]
+    assert wrong == [], "imports that point up (or across) the rooms:\n" + "\n".join(wrong)
+
+
+def test_the_room_checker_sees_an_upward_arrow() -> None:
+    """The rule above can fail: up a level, across a level, and to the process modules."""
+    server = "paramserver.server"
+    assert arrow_is_wrong("server", f"{server}.engine.coordinator", f"{server}.doors.steps")
+    assert arrow_is_wrong("server", f"{server}.bookkeeping.store", f"{server}.engine.members")
+    assert arrow_is_wrong("server", f"{server}.disk.export", f"{server}.doors.payloads")
+    assert arrow_is_wrong("server", f"{server}.doors.steps", f"{server}.build")
+    assert arrow_is_wrong(
+        "bench", "paramserver.bench.criteo.ranks", "paramserver.bench.tables.ranks"
+    )
+    assert not arrow_is_wrong("server", f"{server}.app", f"{server}.disk.checkpoint_writer")
+    assert not arrow_is_wrong("server", f"{server}.doors.steps", f"{server}.engine.coordinator")
+    assert not arrow_is_wrong("server", f"{server}.engine.pulls", "paramserver.codec.wire")
+
+
+def test_no_folder_holds_more_than_about_fifteen_modules() -> None:
+    crowded = {}
+    for folder in {p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE / "_proto"}:
+        count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+        if count > MAX_MODULES_A_FOLDER:
+            crowded[str(folder.relative_to(PACKAGE.parent))] = count
+    assert crowded == {}
+
+
+def test_no_module_is_longer_than_400_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in sources()
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert long == {}
+
+
+def test_the_server_folder_s_old_module_paths_give_the_new_modules() -> None:
+    """``paramserver.server.checkpoint`` (and every module the flat server folder had)
+    imports, and is the module in its room."""
+    import importlib
+
+    old = importlib.import_module("paramserver.server.checkpointer")
+    assert old is importlib.import_module("paramserver.server.disk.checkpoint_writer")
+    from paramserver.server import membership  # type: ignore[attr-defined]
+
+    assert membership is importlib.import_module("paramserver.server.bookkeeping.leases")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paramserver.errors import ClusterFull, UnknownWorker
-from paramserver.server.membership import Membership
+from paramserver.server.bookkeeping.leases import Membership
 from tests.conftest import FakeClock
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import pytest
 
-from paramserver.bench import readme
+from paramserver.bench.report import readme
 from tests.unit.test_results import MACHINE, results
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def test_the_readme_block_is_what_the_kept_records_render() -> None:
     records = results.load(ROOT / "docs" / "results")
     bench = readme.load_bench(ROOT / "docs" / "bench")
     assert readme.split(text)[1] == readme.block(records, bench), (
-        "README's results block is stale: python -m paramserver.bench.results --render"
+        "README's results block is stale: python -m paramserver.bench.report.results --render"
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import pytest
 
-from paramserver.bench import results
+from paramserver.bench.report import results
 
 # what results.machine() records, for the records the tests make
 MACHINE = {

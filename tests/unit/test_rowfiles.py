@@ -1,4 +1,4 @@
-"""The tables' row files (``server/rowfiles.py``, ``server/rowlog.py``): each checkpoint
+"""The tables' row files (``server/disk/row_format.py``, ``server/disk/row_writer.py``): each checkpoint
 writes the rows changed since the previous one, the chain is merged on disk now and then,
 and a restore gives back every table row for row (values, optimizer state, counters,
 lifecycle), reading a bounded chunk at a time. A torn, damaged, replaced or foreign file
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from paramserver.errors import ConfigError
-from paramserver.server import rowfiles
-from paramserver.server.rowchain import Folder, RowChain
-from paramserver.server.rowlog import RowLog
+from paramserver.server.disk import row_format
+from paramserver.server.disk.row_reader import Folder, RowChain
+from paramserver.server.disk.row_writer import RowLog
 from paramserver.sparse import tablestate
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.table import TableSpec
@@ -113,7 +113,7 @@ def test_a_take_copies_only_the_rows_changed_since_the_last_one():
 
 
 def test_merging_and_restoring_read_a_bounded_chunk_of_each_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(rowfiles, "CHUNK", 64)
+    monkeypatch.setattr(row_format, "CHUNK", 64)
     read = []
     block = Folder.block
 
@@ -193,19 +193,19 @@ def test_rows_of_another_model_or_table_layout_are_refused(tmp_path, made, says)
 
 def test_a_folder_left_half_written_by_a_killed_writer_is_ignored_and_removed(tmp_path):
     chain = _chain(tmp_path)
-    torn = tmp_path / f".{rowfiles.folder_name(0, 1, 99)}.tmp-{2**22 + 7}"  # no such process
+    torn = tmp_path / f".{row_format.folder_name(0, 1, 99)}.tmp-{2**22 + 7}"  # no such process
     torn.mkdir()
     (torn / "t.values.bin").write_bytes(b"\0" * 100)
-    assert 99 not in rowfiles.existing(tmp_path, 0, 1)
-    rowfiles.collect(tmp_path, 0, 1, set(chain.names))
+    assert 99 not in row_format.existing(tmp_path, 0, 1)
+    row_format.collect(tmp_path, 0, 1, set(chain.names))
     assert not torn.exists()
-    assert sorted(rowfiles.existing(tmp_path, 0, 1).values()) == chain.names
+    assert sorted(row_format.existing(tmp_path, 0, 1).values()) == chain.names
 
 
 def test_a_merge_that_fails_leaves_the_deltas_named_and_is_tried_again(tmp_path, monkeypatch):
     live, rng = _tables(), np.random.default_rng(2)
     log = RowLog(tmp_path, 0, 1, None, full_every=2)
-    compact = rowfiles.compact
+    compact = row_format.compact
     calls = []
 
     def full_disk(*args, **kwargs):
@@ -214,7 +214,7 @@ def test_a_merge_that_fails_leaves_the_deltas_named_and_is_tried_again(tmp_path,
             raise OSError(28, "No space left on device")
         return compact(*args, **kwargs)
 
-    monkeypatch.setattr(rowfiles, "compact", full_disk)
+    monkeypatch.setattr(row_format, "compact", full_disk)
     lengths = []
     for step in range(1, 5):
         _step(live, step, rng)

@@ -8,7 +8,7 @@ import torch
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.server.store import ParameterStore, build_optimizer
+from paramserver.server.bookkeeping.store import ParameterStore, build_optimizer
 
 OPTIMIZERS = ["sgd", "momentum", "adam", "adamw"]  # every one the server offers
 MANIFEST = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])

@@ -1,0 +1,166 @@
+"""2 workers, one slowed 3x by an injected per-step delay: a parameter server under async and
+delay-1 against PyTorch DDP (gloo on CPU, nccl on GPU) with the same model, batch and delay.
+Then 3 workers, one slowed 3x: sync with a backup worker (``--backup-workers 1``: each
+round closes on the 2 fastest pushes) and plain sync, against DDP with 3 ranks, one slowed
+the same (``sync_backup_samples_vs_ddp``); and the test accuracy of whole runs of both
+after the same epochs (``sync_backup_accuracy_gap_points``: plain sync's minus the
+backup's)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver import models
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.bench.common import cluster_rate, server_process, worker_children
+from paramserver.bench.ddp import run_ranks
+from paramserver.bench.throughput.step import local_step_seconds
+from paramserver.cluster.procs import stop_all
+from paramserver.codec.layout import Manifest, unflatten_into
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.training import data
+from paramserver.training.evaluation import evaluate
+from paramserver.transport.channels import observe
+from paramserver.transport.stub import Stub, connect
+
+BATCH = 64
+
+
+def ddp_rate(delay: float, steps: int, logs: Path, world: int = 2) -> float:
+    """Total samples/s of ``world`` DDP processes, the last rank with the delay."""
+    args = [str(steps), str(BATCH), repr(delay)]
+    results = run_ranks("paramserver.bench.ddp", args, world, logs, f"ddp{world}", timeout=600)
+    return sum(r["samples"] for r in results) / max(r["seconds"] for r in results)
+
+
+def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    torch.set_num_threads(1)
+    compute = local_step_seconds(BATCH, 50)
+    # The slow worker's step takes 3x: compute + 2 x compute of sleep. Floors keep the delay
+    # meaningful against the per-step communication on a loaded 2-core machine.
+    delay = max(2 * compute, 0.01)
+    warmup, window = (0.5, 1.5) if quick else (3.0, 15.0)
+    figures: dict[str, Any] = {
+        "batch": BATCH,
+        "delay_s": delay,
+        "window_s": window,
+        "local_step_ms": 1000 * compute,
+    }
+    rows = [
+        (
+            "setup",
+            f"mlp, batch {BATCH}, 2 workers, worker 1 sleeps {1000 * delay:.1f} ms a step "
+            f"(local step {1000 * compute:.1f} ms); {window:.0f} s window",
+        )
+    ]
+    with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
+        logs = Path(tmp)
+        ddp_steps = max(10, int((warmup + window) / (compute + delay)))
+        figures["ddp_samples_per_s"] = ddp = ddp_rate(delay, ddp_steps, logs)
+        rows.append(("DDP (gloo)", f"{ddp:.0f} samples/s"))
+        figures["ps_vs_ddp"] = {}
+        for policy in ("async", "delay-1"):
+            total, per_worker = cluster_rate(policy, [0.0, delay], BATCH, warmup, window, logs)
+            key = policy.replace("-", "")
+            figures[f"{key}_samples_per_s"] = total
+            figures[f"{key}_per_worker"] = per_worker
+            figures["ps_vs_ddp"][policy] = total / ddp
+            rows.append(
+                (
+                    f"paramserver {policy}",
+                    f"{total:.0f} samples/s (fast {per_worker[0]:.0f}, "
+                    f"slow {per_worker[-1]:.0f}): {total / ddp:.2f} x DDP",
+                )
+            )
+        rows += _backups(figures, delay, ddp_steps, warmup, window, logs)
+        rows += _accuracies(figures, delay, quick, logs)
+    figures["target_ps_vs_ddp"] = 1.5
+    rows.append(("target", ">= 1.5 x DDP"))
+    return rows, figures
+
+
+def _backups(
+    figures: dict[str, Any], delay: float, steps: int, warmup: float, window: float, logs: Path
+) -> list[tuple[str, str]]:
+    """3 workers, the last slowed: sync with one backup worker and plain sync, against 3
+    DDP ranks, the last slowed."""
+    figures["ddp3_samples_per_s"] = ddp = ddp_rate(delay, steps, logs, world=3)
+    rows = [("DDP (gloo), 3 ranks, 1 slowed", f"{ddp:.0f} samples/s")]
+    delays = [0.0, 0.0, delay]
+    for key, backups in (("sync_backup", 1), ("sync3", 0)):
+        total, per_worker = cluster_rate(
+            "sync", delays, BATCH, warmup, window, logs, "on", False, backups
+        )
+        figures[f"{key}_samples_per_s"] = total
+        figures[f"{key}_per_worker"] = per_worker
+        figures[f"{key}_samples_vs_ddp"] = total / ddp
+        label = "sync, 3 workers, --backup-workers 1" if backups else "sync, 3 workers"
+        rows.append(
+            (
+                f"paramserver {label}",
+                f"{total:.0f} samples/s (slow worker's applied: {per_worker[-1]:.0f}): "
+                f"{total / ddp:.2f} x DDP",
+            )
+        )
+    return rows
+
+
+def _accuracies(
+    figures: dict[str, Any], delay: float, quick: bool, logs: Path
+) -> list[tuple[str, str]]:
+    """Whole sync runs with and without a backup worker: their test accuracy."""
+    dataset, epochs = ("synthetic", 1) if quick else ("fashion-mnist", 3)
+    for key, backups in (("sync_backup", 1), ("sync3", 0)):
+        acc, seconds = accuracy_after(backups, delay, dataset, epochs, logs)
+        figures[f"{key}_accuracy"], figures[f"{key}_train_s"] = acc, seconds
+    gap = 100 * (figures["sync3_accuracy"] - figures["sync_backup_accuracy"])
+    figures["sync_backup_accuracy_gap_points"] = gap
+    text = (
+        f"sync with a backup {100 * figures['sync_backup_accuracy']:.2f}% in "
+        f"{figures['sync_backup_train_s']:.1f} s, plain sync "
+        f"{100 * figures['sync3_accuracy']:.2f}% in {figures['sync3_train_s']:.1f} s "
+        f"({gap:+.2f} points)"
+    )
+    return [(f"test accuracy after {epochs} epochs of {dataset}", text)]
+
+
+def accuracy_after(
+    backups: int, delay: float, dataset: str, epochs: int, logs: Path
+) -> tuple[float, float]:
+    """Test accuracy of a whole sync run (3 workers, the last slowed by ``delay``, Adam
+    1e-3) with ``backups`` backup workers, and its training seconds."""
+    cfg = ServerConfig(
+        model="mlp",
+        optimizer=OptimizerConfig("adam"),
+        policy="sync",
+        workers=3,
+        dataset=dataset,
+        batch_size=BATCH,
+        epochs=epochs,
+        lease_seconds=30,
+        backup_workers=backups,
+    )
+    model = models.build("mlp", seed=0)
+    tensors = [p.data for p in model.parameters()]
+    manifest = Manifest.from_tensors([(n, p) for n, p in model.named_parameters()])
+    with server_process(cfg) as address:
+        children = worker_children(address, [0.0, 0.0, delay], "on", logs, f"acc-{backups}")
+        try:
+            for child in children:
+                if child.proc.wait(timeout=1800) != 0:
+                    raise RuntimeError(f"{child.name} failed: {child.tail()}")
+            channel = connect(address, 60)
+            try:
+                seconds = Stub(channel).Status(pb.StatusRequest(), timeout=30).train_seconds
+                _, flat = observe(channel, manifest.total_bytes)
+            finally:
+                channel.close()
+        finally:
+            stop_all(children)
+    unflatten_into(manifest, torch.from_numpy(flat), tensors)
+    ds = data.load_builtin(dataset)
+    return evaluate(model, ds.test_x, ds.test_y).accuracy, seconds

@@ -1,0 +1,236 @@
+"""Training across shaped links against DDP on the same links: ``bench network``'s second
+half. Four hosts (network namespaces on one bridge, each link shaped to the rate both
+ways): ``server-0`` and ``server-1`` for the shards, ``worker-0`` and ``worker-1`` for the
+workers, or for DDP's two ranks (gloo, rank 0 on ``worker-0``).
+
+Each variant trains the MLP on Fashion-MNIST (``--quick``: the synthetic set) with 2
+workers, batch 64 each, Adam 1e-3 with a cosine decay over the run, evaluated after each
+epoch (``paramserver launch``, run in ``server-0`` with each process placed on its host;
+``--shm off``, since namespaces share /dev/shm): fp32 (one shard, and two on two hosts)
+bf16 (``--compress bf16``: 16 bits both ways), and top-k (``--compress topk:0.01:bf16``:
+1% of each push's entries with error feedback, 16-bit pulls; one shard, and two on two
+hosts). DDP runs the accuracy bench's ranks on
+the same data order. Per variant: samples/s, wall time to the target accuracy (training
+time only, as the accuracy bench), bytes on the workers' links per batch (both
+directions, counted by the links themselves) and the share the workers sent, and the
+busiest link's use (its busier direction's bytes/s over the rate), each against DDP's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from paramserver.bench.ddp import run_ranks
+from paramserver.bench.throughput.accuracy import BATCH, time_to
+from paramserver.cluster import netns
+from paramserver.cluster.commands import CHILD_ENV
+from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig
+from paramserver.training import data
+
+HOSTS = ["server-0", "server-1", "worker-0", "worker-1"]
+WORKERS = ["worker-0", "worker-1"]
+# name: (servers, --compress)
+VARIANTS: dict[str, tuple[int, str]] = {"fp32": (1, "none"), "fp32_2shards": (2, "none")}
+VARIANTS["bf16"] = (1, "bf16")
+# top-k: 1% of each push's entries, bf16 values and pulls
+VARIANTS["topk"] = (1, "topk:0.01:bf16")
+VARIANTS["topk_2shards"] = (2, "topk:0.01:bf16")
+POLICY = "delay-1"  # the project's default
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    rate: str
+    dataset: str
+    epochs: int
+    target: float
+
+    @classmethod
+    def of(cls, rate: str, quick: bool) -> Plan:
+        if quick:
+            return cls(rate, "synthetic", 2, 0.6)
+        return cls(rate, "fashion-mnist", 6, 0.88)
+
+
+def run(plan: Plan) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Every variant and DDP on links of ``plan.rate``: rows and figures (keys end in
+    ``_R``, the rate, and the variants' ratios to DDP have the issue's names too)."""
+    results: dict[str, dict[str, Any]] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="paramserver-netrain-") as tmp,
+        netns.Network(HOSTS, plan.rate) as net,
+    ):
+        results["ddp"] = _ddp(net, plan, Path(tmp))
+        for name, (servers, compress) in VARIANTS.items():
+            results[name] = _paramserver(net, plan, Path(tmp), servers, compress)
+    return _report(plan, results)
+
+
+def _bytes(net: netns.Network) -> dict[str, tuple[int, int]]:
+    return {h: net.wire_bytes(h) for h in HOSTS}
+
+
+def _traffic(
+    net: netns.Network, before: dict[str, tuple[int, int]], seconds: float, batches: int
+) -> dict[str, float]:
+    """Bytes on the workers' links per batch, the share of them the workers sent (pushes;
+    the rest is pulls), and the busiest link's use of the rate."""
+    after = _bytes(net)
+    moved = {h: [a - b for a, b in zip(after[h], before[h], strict=True)] for h in HOSTS}
+    on_workers = sum(sum(moved[h]) for h in WORKERS)
+    sent = sum(moved[h][1] for h in WORKERS)
+    busiest = max(max(moved[h]) for h in HOSTS)
+    rate = netns.rate_bits(net.rate or "1gbit")
+    return {
+        "bytes_per_batch": on_workers / max(batches, 1),
+        "push_share": sent / max(on_workers, 1),
+        "link_util": busiest * 8 / max(seconds, 1e-9) / rate,
+    }
+
+
+def _ddp(net: netns.Network, plan: Plan, logs: Path) -> dict[str, Any]:
+    def place(rank: int) -> tuple[list[str], dict[str, str]]:
+        host = WORKERS[rank]
+        return net.argv(host, []), {"GLOO_SOCKET_IFNAME": net.ifname(host)}
+
+    before = _bytes(net)
+    ranks = run_ranks(
+        "paramserver.bench.throughput.accuracy",
+        [str(plan.epochs), plan.dataset],
+        2,
+        logs,
+        "ddp-net",
+        timeout=7200,
+        place=place,
+        master=net.addr[WORKERS[0]],
+    )
+    curve = [(float(s), float(a)) for s, a in ranks[0]]
+    usable = data.batches_per_epoch(data.train_size(plan.dataset), BATCH) // 2 * 2
+    batches = usable * plan.epochs
+    seconds = curve[-1][0]
+    return {
+        "curve": curve,
+        "samples_per_s": batches * BATCH / seconds,
+        **_traffic(net, before, seconds, batches),
+    }
+
+
+def _paramserver(
+    net: netns.Network, plan: Plan, logs: Path, servers: int, compress: str
+) -> dict[str, Any]:
+    """A launch run in ``server-0``, its children on their hosts (``probe``)."""
+    run_dir = logs / f"run-{servers}-{compress}"
+    spec = {
+        "plan": dataclasses.asdict(plan),
+        "servers": servers,
+        "compress": compress,
+        "run_dir": str(run_dir),
+        "ns": net.ns,
+        "addr": net.addr,
+    }
+    before = _bytes(net)
+    argv = [sys.executable, "-m", "paramserver.bench.wire.network_training", json.dumps(spec)]
+    env = {**os.environ, **CHILD_ENV}
+    done = net.call("server-0", argv, env, timeout=7200)
+    if done.returncode != 0:
+        raise click.ClickException(f"the {compress} run failed: {done.stderr.strip()[-1500:]}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    curve = [(r["train_s"], r["test_accuracy"]) for r in map(json.loads, lines)]
+    batches = summary["samples"] // BATCH
+    return {
+        "curve": curve,
+        "samples_per_s": summary["samples_per_s"],
+        **_traffic(net, before, summary["train_s"], batches),
+    }
+
+
+def _report(
+    plan: Plan, results: dict[str, dict[str, Any]]
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    r, ddp = plan.rate, results["ddp"]
+    ddp_time = time_to(ddp["curve"], plan.target)
+    figures: dict[str, Any] = {f"train_target_{r}": plan.target, f"train_dataset_{r}": plan.dataset}
+    rows = [
+        (
+            f"{r}: training",
+            f"mlp, {plan.dataset}, 2 workers (DDP: 2 ranks), batch {BATCH} each, {plan.epochs} "
+            f"epochs, Adam cosine, {POLICY}; time to {100 * plan.target:.0f}% test accuracy",
+        )
+    ]
+    for name, res in results.items():
+        seconds = time_to(res["curve"], plan.target)
+        for key in ("samples_per_s", "bytes_per_batch", "push_share", "link_util"):
+            figures[f"{name}_{key}_{r}"] = res[key]
+        figures[f"{name}_time_to_target_s_{r}"] = seconds
+        figures[f"{name}_curve_{r}"] = res["curve"]
+        text = (
+            f"{res['samples_per_s']:,.0f} samples/s, {res['bytes_per_batch'] / 1e6:.2f} MB/batch "
+            f"on the workers' links ({100 * res['push_share']:.0f}% sent), busiest link "
+            f"{res['link_util']:.2f} x rate, "
+            + (f"{seconds:.1f} s to target" if seconds is not None else "target not reached")
+        )
+        if name != "ddp":
+            speed = res["samples_per_s"] / ddp["samples_per_s"]
+            time_ratio = seconds / ddp_time if seconds is not None and ddp_time else None
+            for key, value in (
+                ("samples_vs_ddp", speed),
+                ("time_to_88_vs_ddp", time_ratio),
+                ("bytes_vs_ddp", res["bytes_per_batch"] / ddp["bytes_per_batch"]),
+                ("link_util_vs_ddp", res["link_util"] / ddp["link_util"]),
+            ):
+                figures[f"{name}_{key}_{r}"] = value
+            text += f" ({speed:.2f} x DDP's samples/s" + (
+                f", {time_ratio:.2f} x its time)" if time_ratio is not None else ")"
+            )
+        rows.append((f"{r}: {name}", text))
+    return rows, figures
+
+
+def probe(spec: dict[str, Any]) -> None:
+    """Inside ``server-0``: one launch whose children run on their hosts; prints its
+    summary as a JSON line."""
+    from paramserver.cluster.launch import Placement, launch, planned_optimizer_steps
+
+    plan = Plan(**spec["plan"])
+    ns, addr = spec["ns"], spec["addr"]
+    server = ServerConfig(
+        model="mlp",
+        policy=POLICY,
+        workers=2,
+        dataset=plan.dataset,
+        epochs=plan.epochs,
+        batch_size=BATCH,
+        port=0,
+    )
+    steps = planned_optimizer_steps(server, data.train_size(plan.dataset))
+    optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
+    cfg = LaunchConfig(
+        server=dataclasses.replace(server, optimizer=optimizer),
+        servers=spec["servers"],
+        compress=spec["compress"],
+        shm="off",  # the namespaces share /dev/shm: a segment would skip the link
+        run_dir=spec["run_dir"],
+        progress=False,
+    )
+
+    def host_of(name: str) -> str:
+        return "server-0" if name == "server" else name
+
+    place = Placement(
+        host=lambda i: addr[f"server-{i}"],
+        prefix=lambda name: ["ip", "netns", "exec", ns[host_of(name)]],
+    )
+    print(json.dumps(launch(cfg, place)))
+
+
+if __name__ == "__main__":
+    probe(json.loads(sys.argv[1]))

@@ -1,0 +1,242 @@
+"""How many pushes one server shard absorbs, against what its memory allows.
+
+Load generators (``pusher.py``: a Worker each, in its own process, pushing one prepared
+gradient over and over with no model compute) push to a server of a one-tensor model of 1,
+64 or 256 MiB under ``async``, with SGD and with Adam, through a shared segment (same host)
+and through the data port (the network channel, on loopback); then to two shards, and to
+one shard with ``--coalesce on``.
+Pushes/s come from the server's own counter (``pushes_applied``) over a window once every
+pusher runs. The pushers never pull, so no apply copies the version it replaces for pulls
+(``server/engine/dense_apply.py``; with workers that pull, one more read and write of the model a
+push). Two shards: through shared memory, at 64 MiB (``--quick``: its larger size) only.
+
+The bound, measured in the same run: the in-place pass an apply cannot avoid, on tensors
+of the same size with one torch thread (the server's default ``--server-threads``): SGD
+``param.add_(grad, alpha=-lr)`` (reads the gradient and the parameters, writes the
+parameters) and torch's fused Adam step (reads the gradient, reads and writes the
+parameters and both moments). ``apply_vs_bound`` is the gradient bytes a shard applies a
+second over the bytes that pass covers a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from contextlib import ExitStack, closing
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.bench.common import median_seconds, server_process
+from paramserver.bench.ddp import start_rank
+from paramserver.bench.wire.transport import MIB, Blob
+from paramserver.cluster.procs import _PARENT_ENV
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.server.bookkeeping.store import build_optimizer
+from paramserver.transport.stub import Stub, connect
+
+PUSHERS = 2
+COALESCE_PUSHERS = 4  # more pushers than cores: pushes arrive during applies
+
+
+def blob_1mib() -> Blob:
+    return Blob(1 * MIB)
+
+
+def blob_16mib() -> Blob:
+    return Blob(16 * MIB)
+
+
+def blob_64mib() -> Blob:
+    return Blob(64 * MIB)
+
+
+def blob_256mib() -> Blob:
+    return Blob(256 * MIB)
+
+
+def bound_gbps(nbytes: int, optimizer: str, reps: int) -> float:
+    """GB/s of gradient the bare in-place step covers: torch's own kernel for ``optimizer``
+    on a flat float32 tensor of ``nbytes``, one thread, no I/O, no checks, no Python around
+    it but the optimizer's ``step``; the fastest of ``reps`` (what the memory allows)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        param = torch.nn.Parameter(torch.zeros(nbytes // 4))
+        param.grad = torch.full_like(param, 1e-3)
+        opt = build_optimizer([param], OptimizerConfig(optimizer, lr=1e-9))
+        opt.step()  # the moments' first touch
+        seconds = min(median_seconds(opt.step, 1, warmup=0) for _ in range(reps))
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / seconds / 1e9
+
+
+def pushes_per_second(
+    cfg: ServerConfig,
+    shards: int,
+    nbytes: int,
+    shm: bool,
+    warmup: float,
+    window: float,
+    logs: Path,
+    pushers_n: int = PUSHERS,
+    coalesced: list[float] | None = None,
+) -> float:
+    """Pushes a second that ``shards`` shards of ``cfg`` apply (the slowest shard's: every
+    push reaches each) while ``pushers_n`` pushers push to them, shared memory or not;
+    ``coalesced`` gets the share of shard 0's pushes applied with others in the window."""
+    with ExitStack() as stack:
+        addresses = [
+            stack.enter_context(server_process(dataclasses.replace(cfg, shard=i, shards=shards)))
+            for i in range(shards)
+        ]
+        channel = connect(addresses[0], 60)
+        stack.callback(channel.close)
+        pushers = []
+        try:
+            for i in range(pushers_n):
+                argv = [",".join(addresses), str(nbytes), "on" if shm else "off", f"p{i}"]
+                env = {_PARENT_ENV: str(os.getpid()), "PARAMSERVER_CONFIG": ""}
+                log = logs / f"pusher-{nbytes // MIB}-{i}.log"
+                pushers.append(
+                    (start_rank("paramserver.bench.wire.pusher", argv, log, env=env), log)
+                )
+            stubs = [Stub(channel)] + [
+                Stub(stack.enter_context(closing(connect(a, 60)))) for a in addresses[1:]
+            ]
+            _wait_until_all_push(stubs[0], pushers)
+            time.sleep(warmup)
+            t1, before = time.perf_counter(), [_status(s) for s in stubs]
+            time.sleep(window)
+            t2, after = time.perf_counter(), [_status(s) for s in stubs]
+        finally:
+            for p, _ in pushers:
+                p.kill()
+                p.wait()
+    applied = [b.pushes_applied - a.pushes_applied for a, b in zip(before, after, strict=True)]
+    if coalesced is not None:
+        together = after[0].pushes_coalesced - before[0].pushes_coalesced
+        coalesced.append(together / max(applied[0], 1))
+    return min(applied) / (t2 - t1)
+
+
+def _status(stub: Stub) -> pb.StatusResponse:
+    return stub.Status(pb.StatusRequest(), timeout=30)
+
+
+def _wait_until_all_push(stub: Stub, pushers: list[tuple[Any, Path]]) -> None:
+    """Until every pusher has joined and pushes are being applied (120 s at most)."""
+    deadline = time.monotonic() + 120
+    while True:
+        status = stub.Status(pb.StatusRequest(), timeout=30)
+        if len(status.workers) == len(pushers) and status.pushes_applied > len(pushers):
+            return
+        for p, log in pushers:
+            if p.poll() is not None:
+                raise RuntimeError(f"a pusher exited: {log.read_text(errors='replace')[-800:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the pushers did not all start: {status.workers}")
+        time.sleep(0.1)
+
+
+def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    sizes = (1, 16) if quick else (1, 64, 256)
+    warmup, window = (0.5, 1.5) if quick else (1.0, 4.0)
+    figures: dict[str, Any] = {"pushers": PUSHERS, "window_s": window, "sizes_mib": list(sizes)}
+    rows: list[tuple[str, str]] = [
+        ("load", f"{PUSHERS} pusher processes, async, window {window:g} s after {warmup:g} s"),
+    ]
+    with tempfile.TemporaryDirectory(prefix="paramserver-bench-server-") as tmp:
+        logs = Path(tmp)
+        for size in sizes:
+            nbytes = size * MIB
+            for optimizer in ("sgd", "adam"):
+                bound = bound_gbps(nbytes, optimizer, 5 if quick else 20)
+                key = f"{optimizer}_{size}mib"
+                figures[f"{key}_bound_gbps"] = bound
+                cfg = _config(size, optimizer)
+                for channel, shm in (("shm", True), ("net", False)):
+                    rate = pushes_per_second(cfg, 1, nbytes, shm, warmup, window, logs)
+                    name = key if shm else f"{key}_net"
+                    _record(figures, rows, name, rate, nbytes, bound, channel)
+        # Two shards, each a process holding half the model, on the middle size.
+        size = sizes[-1] if quick else 64
+        for optimizer in ("sgd", "adam"):
+            key = f"{optimizer}_{size}mib"
+            cfg = _config(size, optimizer)
+            rate = pushes_per_second(cfg, 2, size * MIB, True, warmup, window, logs)
+            bound = figures[f"{key}_bound_gbps"]
+            _record(figures, rows, f"{key}_2shards", rate, size * MIB, bound, "shm, 2 shards")
+            figures[f"{key}_two_shards_vs_one"] = rate / figures[f"{key}_pushes_per_s"]
+        figures["two_shards_vs_one"] = figures[f"adam_{size}mib_two_shards_vs_one"]
+        figures["target_apply_vs_bound"] = 0.5  # at 64 MiB, both optimizers
+        _coalesced(figures, rows, size, warmup, window, logs)
+    return rows, figures
+
+
+def _coalesced(
+    figures: dict[str, Any],
+    rows: list[tuple[str, str]],
+    size: int,
+    warmup: float,
+    window: float,
+    logs: Path,
+) -> None:
+    """One shard with ``--coalesce on`` (pushes that arrive during an apply summed into
+    one step) against off, ``COALESCE_PUSHERS`` pushers through shared memory
+    (``coalesce_vs_off``; ``coalesced_share``: the pushes applied with others)."""
+    for optimizer in ("sgd", "adam"):
+        key = f"{optimizer}_{size}mib"
+        bound = figures[f"{key}_bound_gbps"]
+        rates = {}
+        for coalesce in ("off", "on"):
+            cfg = dataclasses.replace(_config(size, optimizer), coalesce=coalesce)
+            cfg = dataclasses.replace(cfg, workers=COALESCE_PUSHERS)
+            share: list[float] = []
+            rates[coalesce] = pushes_per_second(
+                cfg, 1, size * MIB, True, warmup, window, logs, COALESCE_PUSHERS, share
+            )
+            name = f"{key}_{COALESCE_PUSHERS}p" + ("_coalesce" if coalesce == "on" else "")
+            channel = f"shm, {COALESCE_PUSHERS} pushers, --coalesce {coalesce}"
+            _record(figures, rows, name, rates[coalesce], size * MIB, bound, channel)
+            figures[f"{name}_coalesced_share"] = share[0]
+        figures[f"{key}_coalesce_vs_off"] = rates["on"] / rates["off"]
+
+
+def _config(size: int, optimizer: str) -> ServerConfig:
+    return ServerConfig(
+        model=f"paramserver.bench.wire.server:blob_{size}mib",
+        optimizer=OptimizerConfig(optimizer, lr=1e-9),
+        policy="async",
+        workers=PUSHERS,
+        dataset="synthetic",
+        epochs=1_000_000,
+        lease_seconds=60,
+    )
+
+
+def _record(
+    figures: dict[str, Any],
+    rows: list[tuple[str, str]],
+    name: str,
+    rate: float,
+    nbytes: int,
+    bound: float,
+    channel: str,
+) -> None:
+    applied = rate * nbytes / 1e9
+    figures[f"{name}_pushes_per_s"] = rate
+    figures[f"{name}_applied_gbps"] = applied
+    figures[f"{name}_apply_vs_bound"] = applied / bound
+    rows.append(
+        (
+            f"{name} ({channel})",
+            f"{rate:8.1f} pushes/s  {applied:6.2f} GB/s applied  bound {bound:6.2f} GB/s  "
+            f"apply_vs_bound {applied / bound:.2f}",
+        )
+    )

@@ -1,0 +1,400 @@
+"""The server's state machine: membership, staleness policy and store behind one lock.
+
+No gRPC here: the servicer decodes requests, calls these methods and encodes replies.
+Waiting (for a barrier) happens on a condition variable that every state change notifies;
+whether a waiting pull may have its answer, and the answer, are ``pulls``'s (``Pull``).
+
+Its parts own their state (only this module assigns the coordinator's fields): ``members``
+(who is in the run, their clocks and batches), ``arrival`` (what of a push reaches the model
+and when: a sync round or on arrival, chosen once from the policy) and ``saving`` (the cuts
+waiting for the disk, the checkpointer's writes). It is built from a ``CoordinatorSnapshot``
+(``snapshot=``), takes one (``checkpoint_state``, cuts), and a rewind takes one over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paramserver.codec.layout import Manifest
+from paramserver.codec.rows import RowGradients
+from paramserver.config import ServerConfig
+from paramserver.errors import InvalidRequest, WrongIncarnation
+from paramserver.policy.staleness import Policy
+from paramserver.server.bookkeeping.batch_queue import BatchQueue
+from paramserver.server.bookkeeping.buffers import SharedBuffers
+from paramserver.server.bookkeeping.cuts import Cuts
+from paramserver.server.bookkeeping.leases import Member, Membership
+from paramserver.server.bookkeeping.ledger import Ledger
+from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
+from paramserver.server.bookkeeping.status import Counters, ServerStatus, server_status
+from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.bookkeeping.write_record import Saves
+from paramserver.server.engine.answers import PullResult, PushResult, answer
+from paramserver.server.engine.arrival import Arrival, arrival
+from paramserver.server.engine.checks import check_push
+from paramserver.server.engine.dense_apply import Applies
+from paramserver.server.engine.members import Members
+from paramserver.server.engine.pulls import Pull
+from paramserver.server.engine.saving import Saving
+from paramserver.sparse.tableset import TableSet
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Serialises every decision of the server; thread-safe.
+
+    Args:
+        store: the flat model (this shard's range) and its optimizer.
+        tables: this shard's rows of the model's sparse tables; None: the model has none.
+        frozen: the frozen parameters, constants a checkpoint holds beside the run's state.
+        model_numel: the whole model's size (default: the store's); ``shard_offset``:
+            where this server's range starts (``--shard I/S``).
+        snapshot: a state to go on from (a checkpoint's, or a cut's): the server resumes
+            where it was taken, as a new incarnation.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: ParameterStore,
+        now: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        *,
+        tables: TableSet | None = None,
+        frozen: dict[str, Any] | None = None,
+        model_numel: int | None = None,
+        shard_offset: int = 0,
+        snapshot: CoordinatorSnapshot | None = None,
+    ):
+        self.config = config
+        self.policy: Policy = config.parsed_policy
+        self.store = store
+        self.manifest: Manifest = store.manifest
+        self.tables = tables
+        self.frozen: dict[str, Any] = frozen or {}
+        self.model_numel = store.manifest.numel if model_numel is None else model_numel
+        self.shard_offset = shard_offset
+        self.incarnation = uuid.uuid4().hex[:12]
+        # the restart this state goes back to (JoinResponse.origin): this process's own,
+        # until a rewind for another shard's restart
+        self.origin = self.incarnation
+        self.started_at = now()
+        self._now, self._wall = now, wall
+        self._cond = threading.Condition()
+        self.counters = Counters()
+        self.buffers = SharedBuffers(self.manifest)
+        self.members = Members(config, now)
+        coalesce = config.coalesce == "on"
+        self.applies = Applies(store, self.counters, self._cond, now, coalesce)
+        self.applies.published = self._published
+        self.arrival: Arrival = self._arrival(None)
+        self.saving = Saving(self._cond, self.arrival.in_rounds)
+        if snapshot is not None:
+            self._take_over(snapshot)
+
+    def _take_over(self, s: CoordinatorSnapshot) -> None:
+        """Go on from snapshot ``s``: its workers come back with a fresh lease (``Members``),
+        the model and its rounds as they were (``arrival``)."""
+        self.members = Members.restored(self.config, self._now, s)  # logs it
+        self.arrival = self._arrival(s)
+        self.saving.resumed(s)
+        self.counters.load(s.counters)
+
+    def _arrival(self, s: CoordinatorSnapshot | None) -> Arrival:
+        """The policy's strategy over the model, going on from ``s`` if given."""
+        live = self.membership.live_ids()
+        c = self.config
+        parts = (self.policy, self.store, self.tables, self.buffers, self.counters)
+        return arrival(*parts, s, live, c.backup_workers, self.applies)
+
+    # --- its parts, as status and the tests read them -----------------------------------
+
+    @property
+    def membership(self) -> Membership:
+        return self.members.membership
+
+    @property
+    def queue(self) -> BatchQueue | None:
+        return self.members.queue
+
+    @property
+    def rounds(self) -> int:
+        """Sync rounds completed."""
+        return self.arrival.rounds
+
+    @property
+    def ledger(self) -> Ledger:
+        """The server-handed batches this shard applied."""
+        return self.arrival.ledger
+
+    @property
+    def cuts(self) -> Cuts[CoordinatorSnapshot]:
+        return self.saving.cuts
+
+    @property
+    def saves(self) -> Saves:
+        return self.saving.saves
+
+    def check_incarnation(self, incarnation: str) -> None:
+        """A call meant for an earlier incarnation of the server (a restart, or a rewind to
+        a cut) is refused (ABORTED)."""
+        if incarnation and incarnation != self.incarnation:
+            raise WrongIncarnation(
+                f"This server is incarnation {self.incarnation}, not {incarnation}: it restarted "
+                "since the worker joined. Join again."
+            )
+
+    # --- membership -------------------------------------------------------------------
+
+    def join(
+        self,
+        name: str,
+        worker_id: str = "",
+        train_samples: int = 0,
+        join_id: str = "",
+        past_ids: Sequence[str] = (),
+    ) -> Member:
+        """Admit a worker, or take back one that knows its id (or one of its ``past_ids``), or
+        a retry of a join attempt (``join_id``): ``Members.join``.
+
+        Raises:
+            ClusterFull: ``--workers`` workers are live.
+            InvalidRequest: its data set does not match the one the run's batches come from.
+        """
+        with self._cond:
+            start = self.arrival.start_clock()
+            member = self.members.join(name, worker_id, train_samples, join_id, start, past_ids)
+            self._cond.notify_all()
+            return member
+
+    def heartbeat(self, worker_id: str) -> int:
+        with self._cond:
+            self.membership.touch(worker_id)
+            return self.store.version
+
+    def leave(self, worker_id: str) -> None:
+        with self._cond:
+            self._after_leaving(self.members.leave(worker_id))
+            if not self.membership.members and not self.arrival.round.contributors:
+                end = self.cuts.at_end(self.rounds)  # the last one left: the run's end
+                if end is not None:
+                    self.saving.take(end, self._snapshot(end))
+
+    def expire_leases(self, paused: float = 0.0) -> list[Member]:
+        """Drop workers whose lease ran out, so that no barrier waits on them (``paused``:
+        ``Members.expire``'s)."""
+        with self._cond:
+            dead = self.members.expire(paused)
+            self._after_leaving(dead)
+            return dead
+
+    def _after_leaving(self, gone: list[Member]) -> None:
+        # The batches they took and did not push go back to the queue for someone else.
+        if not gone:
+            return
+        self.members.release(gone)
+        live = self.membership.live_ids()
+        self.buffers.keep_only(live)
+        self._settled(self.arrival.left(live))
+        self._cond.notify_all()
+
+    # --- push -------------------------------------------------------------------------
+
+    def accept_header(self, worker_id: str, row_cache: tuple[int, int] = (0, 0)) -> None:
+        """A push header the servicer found well-formed renews the lease before its payload
+        is read (a large payload takes a while), and notes the worker's row cache.
+
+        Raises:
+            UnknownWorker: ``worker_id`` holds no lease.
+        """
+        with self._cond:
+            self.membership.touch(worker_id).row_cache = row_cache
+
+    def push(
+        self,
+        worker_id: str,
+        iteration: int,
+        grad: np.ndarray | None,
+        samples: int,
+        loss: float,
+        incarnation: str = "",
+        rows: Iterable[RowGradients] = (),
+        batches: Sequence[int] = (),
+        finite: bool | None = None,
+        keep: Callable[[], Callable[[], None]] | None = None,
+    ) -> PushResult:
+        """Apply (under sync, accumulate) a gradient and its tables' ``rows``, once per
+        (worker, iteration) and per server-handed batch (``batches``; on the shard handing
+        them out, those it handed): a repeated batch counts for the clock only. ``grad``
+        None: an empty push (the clock moves on, its batches go back). ``finite``: as found
+        while copied (None: check here). ``keep``: ``Applies.answer_early``."""
+        what = f"The gradient of worker {worker_id} for iteration {iteration}"
+        skip = self.config.skip_nonfinite
+        checked, finite = check_push(
+            self.tables, self.manifest, grad, rows, samples, skip, what, finite
+        )
+        with self._cond:
+            self.check_incarnation(incarnation)  # again under the lock: a rewind may have run
+            window = max(1, self.policy.max_inflight_pushes())
+            member, new = self.members.admit(worker_id, iteration, window)
+            if not new:
+                self.counters.duplicates += 1
+                return PushResult(self.store.version, member.clock, True)
+            if self.arrival.late(worker_id, iteration):  # its round closed without it
+                member = self.members.dropped(worker_id, iteration)
+                self._cond.notify_all()
+                return PushResult(self.store.version, member.clock, False)
+            batches = self.members.batches_of(worker_id, iteration, batches)
+            live = self.membership.live_ids()
+            applied, waiting = self.arrival.take(
+                worker_id, iteration, grad, checked, finite, batches, live
+            )
+            self.members.pushed(worker_id, iteration, empty=grad is None)
+            self.membership.advance(worker_id, samples if applied else 0)
+            if applied:
+                self.counters.push(samples, loss, self._now())
+            self._settled(self.arrival.settle(self.membership.live_ids()))
+            self._cond.notify_all()
+            clock = member.clock
+            early = self.applies.answer_early(waiting, keep)
+        if waiting is not None and not early:
+            self.applies.apply(waiting, self._published)
+        return PushResult(self.store.version, clock, False)
+
+    def _published(self) -> None:
+        """After an apply published its gradients (under the lock): a cut may fall now."""
+        self._settled(False)
+        self._cond.notify_all()
+
+    def _settled(self, round_ended: bool) -> None:
+        """After a push or a departure: take the cut that falls now, if any (at the end of
+        a sync round; otherwise once every live clock reaches it)."""
+        if round_ended:
+            cut = self.cuts.after_round(self.rounds)
+        elif not self.applies.idle:
+            return  # the cut waits until the weights hold every clock counted
+        else:
+            cut = self.cuts.reached(self.membership.min_clock())
+        if cut is not None:
+            self.saving.take(cut, self._snapshot(cut))
+
+    # --- pull -------------------------------------------------------------------------
+
+    def pull_rows(
+        self, worker_id: str, incarnation: str, wanted: list[tuple[str, Any]]
+    ) -> tuple[list[Any], int]:
+        """The rows of each ``(table, ids)`` (this shard's; none if any is bad): the rows
+        held, copied under the lock, and the initial values of the rest, computed after
+        it; no row is created. An empty id observes (evaluation, checkpoints). With them
+        the slowest live clock when they were read (-1: none live): rows are applied as
+        their push arrives, so they hold every push below it."""
+        tables = self.tables
+        if tables is None:
+            raise InvalidRequest("A row pull names sparse tables, but this model has none.")
+        with self._cond:
+            self.check_incarnation(incarnation)
+            if worker_id:
+                self.membership.touch(worker_id)
+            found = tables.lookup_many(wanted, counted=bool(worker_id))
+            low = self.membership.min_clock()
+        return [f.complete() for f in found], -1 if low is None else low
+
+    def pull(
+        self,
+        worker_id: str,
+        iteration: int,
+        timeout: float,
+        is_active: Callable[[], bool] = lambda: True,
+        batches: int = 1,
+        incarnation: str = "",
+        sink: Callable[[np.ndarray], None] | None = None,
+    ) -> PullResult:
+        """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
+        the policy allows (``pulls.Pull``: when no batch is left, and batch -1); an empty id
+        observes. The weights are the last published version's (never waiting for an apply:
+        ``server/engine/dense_apply.py``), handed to ``sink`` (a writer into a worker's shared segment)
+        under the lock, or a snapshot shared by the pulls of one version.
+
+        Raises:
+            Timeout: the policy did not allow the pull within ``timeout`` seconds.
+            Whatever ``sink`` raises (``BrokenSegment``): the batches taken stay the
+                worker's until it leaves.
+        """
+        deadline = self._now() + timeout
+        with self._cond:
+            if not worker_id:
+                while (view := self.applies.view()) is None:
+                    self._cond.wait()
+                return answer(view, self.counters, None, None, sink=sink)
+            if self.config.backup_workers:  # a late worker: to the round in progress
+                iteration = self.members.caught_up(worker_id, iteration, self.rounds)
+            self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
+            pull = Pull(worker_id, iteration, batches, incarnation, sink)
+            result = pull.wait(self, self._cond, self._now, deadline, is_active)
+            return dataclasses.replace(result, iteration=iteration)
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def checkpoint_state(self, whole: bool = False) -> Any:
+        """A consistent copy of everything a resumed server needs (see ``checkpoint``): the
+        gradients accepted and not yet applied are applied first. ``whole``: instead, the
+        flat weights and every table whole (``TableSet.state_dict``), copied, leaving what a
+        checkpoint takes (the tables' changes) as it is."""
+        with self.applies.lock, self._cond:
+            if self.applies.drain():
+                self._published()  # a cut may fall now: it is taken before this state
+            if whole:
+                tables = self.tables.state_dict() if self.tables is not None else None
+                return self.store.weights.copy(), tables
+            return self._snapshot(self.cuts.last)
+
+    def _snapshot(self, cut: int) -> CoordinatorSnapshot:
+        """Everything a resumed server needs, copied; the caller holds the lock."""
+        return CoordinatorSnapshot(
+            cut=cut,
+            policy=self.policy.name,
+            incarnation=self.incarnation,
+            counters=self.counters.state(),
+            frozen=self.frozen,  # constants: not copied
+            **self.members.state(),
+            **self.arrival.state(),
+        )
+
+    def rewind(
+        self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int], cause: str = ""
+    ) -> None:
+        """Go back to a cut, as a new incarnation whose origin is ``cause`` (the restarted
+        shard's): every call of the old one is refused (ABORTED, waiting pulls too), so
+        workers join again at the cut's clocks."""
+        with self.applies.lock, self._cond:
+            self.incarnation = uuid.uuid4().hex[:12]
+            self.origin = cause or self.incarnation
+            self.applies.discard(WrongIncarnation("The server rewound before applying this push."))
+            self.saving.rewound(snapshot.cut, on_disk)
+            self._take_over(snapshot)
+            self._cond.notify_all()
+
+    # --- waiting and status -----------------------------------------------------------
+
+    def wait_for(self, predicate: Callable[[Coordinator], bool], timeout: float) -> bool:
+        """Block until ``predicate(self)`` holds (checked after every state change)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self), timeout)
+
+    def notify(self) -> None:
+        """Wake every waiting pull (a client went away)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def status(self) -> ServerStatus:
+        with self._cond:
+            return server_status(self, self._now(), self._wall())
