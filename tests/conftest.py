@@ -179,3 +179,11 @@ def launch_clicks(runs_dir: Path, model: str) -> subprocess.CompletedProcess[str
         text=True,
         timeout=DEADLINE,
     )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """A CA, a server and a client certificate it signed, and a client it did not sign."""
+    from tests.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

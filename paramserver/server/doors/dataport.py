@@ -67,6 +67,7 @@ class DataPort(Listener):
         self.steps = steps
         self.token = security.token
         self.tls = server_ssl_context(security)
+        self.speaks_tls = self.tls is not None
         self.host, self.port = host, port
         self.observe = observe  # each step's time to serve (the metrics' histogram)
         self._nonces: dict[str, bytes] = {}

@@ -8,7 +8,13 @@ What a peer may do before it has authenticated is bounded the same way on both d
 - a connection must finish its handshake (TLS, on the data port) and send its whole hello
   within ``hello_seconds`` (``HELLO_SECONDS``);
 - at most ``max_pending`` (``MAX_PENDING``) connections may be waiting for their hello, each
-  with its thread; the next is refused at once, without a thread;
+  with its thread; the next is refused at once, without a thread. A connection counts as
+  waiting from its accept until its hello is over, however it ends: a failed TLS handshake,
+  a peer that closed, a refusal (a port scanner's 16 probes once shut the TLS data port
+  for the server's life);
+- a refusal on a door that speaks TLS goes out inside TLS, so the worker reads why: one
+  thread (``ps-<door>-refuser``) shakes hands with at most ``REFUSING`` refused peers at
+  a time, ``REPLY_SECONDS`` each; past that, a refused connection is just closed;
 - a hello is at most ``HELLO_BYTES`` long; nothing it says is acted on before it is checked;
 - an authenticated connection is its worker's only one (a worker that says hello again
   replaces its earlier connection), so there are no more of them than workers.
@@ -29,6 +35,7 @@ import collections
 import contextlib
 import errno
 import logging
+import queue
 import socket
 import threading
 import time
@@ -48,6 +55,7 @@ REPLY_SECONDS = 1.0  # how long writing a refusal may take before the connection
 SEND_SECONDS = 60.0  # how long writing an answer may take before the worker is deemed stuck
 RETRY_SECONDS = 0.05  # after accept() failed (out of file descriptors): wait, then accept again
 LOG_EVERY = 60.0  # seconds between two log lines about refusals of one reason
+REFUSING = 16  # refused connections waiting for a TLS handshake to be told why; more: closed
 
 
 class Refusals:
@@ -90,6 +98,7 @@ class Listener(abc.ABC):
     """Accepts on its own thread once started; ``close()`` ends every connection."""
 
     door = "socket"  # how the log names it
+    speaks_tls = False  # whether ``_handshake`` wraps the connection in TLS
 
     def __init__(self, hello_seconds: float = HELLO_SECONDS, max_pending: int = MAX_PENDING):
         self.hello_seconds = hello_seconds
@@ -101,6 +110,7 @@ class Listener(abc.ABC):
         self._pending = 0  # connections whose hello is awaited (each has a thread)
         self._workers: dict[str, socket.socket] = {}  # the authenticated, by worker id
         self._closed = False
+        self._refusing: queue.Queue[tuple[socket.socket, Refusal] | None] = queue.Queue(REFUSING)
 
     # --- what a door says -----------------------------------------------------------------
 
@@ -138,6 +148,10 @@ class Listener(abc.ABC):
             log.warning("no %s (%s)", self.door, exc)
             return False
         threading.Thread(target=self._accept, name=f"ps-{self.door}", daemon=True).start()
+        if self.speaks_tls:
+            threading.Thread(
+                target=self._refuser, name=f"ps-{self.door}-refuser", daemon=True
+            ).start()
         return True
 
     def _accept(self) -> None:
@@ -187,20 +201,49 @@ class Listener(abc.ABC):
 
     def _refuse_now(self, conn: socket.socket, refusal: Refusal) -> None:
         """Refuse from the accept thread: a reply that never blocks (a fresh connection's
-        buffer is empty), then close."""
+        buffer is empty), then close. Under TLS the refuser thread says it, in TLS."""
         self.refusals.note(refusal.reason, refusal.detail)
+        if self.speaks_tls:
+            try:
+                self._refusing.put_nowait((conn, refusal))
+            except queue.Full:
+                self.refusals.note("refused unanswered", "the refuser is busy")
+                conn.close()
+            return
         with contextlib.suppress(OSError):
             conn.setblocking(False)
             conn.send(records.encode(records.failure(refusal.code, refusal.why)))
         conn.close()
 
+    def _refuser(self) -> None:
+        """Tells refused peers why, inside TLS, one at a time and briefly each."""
+        while True:
+            item = self._refusing.get()
+            if item is None:
+                return
+            conn, refusal = item
+            try:
+                conn.settimeout(REPLY_SECONDS)
+                wrapped = self._handshake(conn)
+                wrapped.settimeout(REPLY_SECONDS)
+                records.send(wrapped, records.failure(refusal.code, refusal.why))
+                wrapped.close()
+            except OSError as exc:  # a peer that is no worker (a scanner): nothing to tell
+                log.debug("%s: a refused peer's handshake failed: %s", self.door, exc)
+            except Exception:  # a bug: the refuser must go on
+                log.exception("%s: telling a refused peer why failed", self.door)
+            finally:
+                conn.close()
+
     # --- one connection -------------------------------------------------------------------
 
     def _serve(self, conn: socket.socket) -> None:
         worker_id = ""
+        waiting = True  # counted in ``_pending`` until the hello is over (``_authenticated``)
         try:
             conn.settimeout(self.hello_seconds)
             conn = self._handshaken(conn)
+            waiting = False  # ``_hello`` gives the count back, however it ends
             worker_id = self._hello(conn)
             if worker_id:
                 self._steps(conn, worker_id)
@@ -209,7 +252,7 @@ class Listener(abc.ABC):
         except Exception:  # a bug: logged with its context, and the connection ends
             log.exception("%s of worker %s failed; closing it", self.door, worker_id or "?")
         finally:
-            self._forget(conn, worker_id)
+            self._forget(conn, worker_id, pending=waiting)
             conn.close()
 
     def _handshaken(self, conn: socket.socket) -> socket.socket:
@@ -292,11 +335,27 @@ class Listener(abc.ABC):
     def _open(self) -> bool:
         return not self._closed
 
+    @property
+    def pending(self) -> int:
+        """Connections waiting for their hello now."""
+        with self._lock:
+            return self._pending
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
             self._workers.clear()
+        if self.speaks_tls:
+            while True:  # the refuser's queue: closed unanswered, then the refuser ends
+                try:
+                    item = self._refusing.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].close()
+            with contextlib.suppress(queue.Full):
+                self._refusing.put_nowait(None)
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
