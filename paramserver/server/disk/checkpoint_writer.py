@@ -162,13 +162,23 @@ class Checkpointer:
                 log.exception("the checkpoint loop failed; it goes on in 1s")
                 self._stop.wait(1.0)
 
+    def checkpoint_due(self) -> bool:
+        """Whether a checkpoint is due (not in a shard that cuts): ``--checkpoint-every N``
+        steps, N optimizer steps past the last one written; ``Ns``, any newer version (the
+        loop wakes every N seconds). The loop wakes at least once a second whatever N is,
+        and wrote a checkpoint on every wake whose version had changed."""
+        version = self.coordinator.store.version
+        if self.cuts or version == self._last_version:
+            return False
+        return self.steps is None or version >= self._last_version + self.steps
+
     def write_due(self) -> bool:
-        """Write what is due: the cuts taken, or a checkpoint of a newer version. Returns
+        """Write what is due: the cuts taken, or a checkpoint (``checkpoint_due``). Returns
         False when a write failed (logged, counted, retried by the loop); never raises."""
         with self._lock:
             try:
                 self.write_cuts()
-                if not self.cuts and self.coordinator.store.version != self._last_version:
+                if self.checkpoint_due():
                     self.save()
             except Exception as exc:  # noqa: BLE001 - any failure is logged, counted, retried
                 self._failed(exc, f"retrying in {retry_delay(self._failures + 1):.1f}s")
@@ -317,7 +327,8 @@ class Checkpointer:
         logged and counted, not raised)."""
         self._stop.set()
         self.coordinator.notify()
-        self._thread.join(timeout=60)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=60)
         try:
             self.write_cuts()
             self.save()
