@@ -19,7 +19,9 @@ Streamed: a shard's rows are read from its row files (``server/disk/row_format.p
 time, merged in id order, and written so, so a table larger than memory is exported with
 memory for a few chunks (a delta also keeps the ids held, 8 bytes a row, to find those
 gone). The manifest is written last, atomically: a
-folder without one, or whose files do not match it, is not a snapshot.
+folder without one, or whose files do not match it, is not a snapshot. Every file is
+written into a hidden folder beside DIR that is renamed to DIR once whole, so a refused
+or failed export leaves DIR as it was (absent or empty).
 """
 
 from __future__ import annotations
@@ -156,13 +158,43 @@ def write(
     for name in layouts:
         dense.pop(f"{name}.weight", None)
     _check_loads(built, dense, layouts, directory, model)  # before anything is written
-    root.mkdir(parents=True, exist_ok=True)
-    torch.save(dense, root / "dense.pt")
     if chain and (chain[-1][1]["model"], chain[-1][1]["shards"]) != (model, len(states)):
         raise ConfigError(
             f"{chain[-1][0]} is a snapshot of {chain[-1][1]['model']!r} on "
             f"{chain[-1][1]['shards']} shards, not of this run's {model!r} on {len(states)}."
         )
+    for name in layouts if chain else ():
+        if any(name not in m["tables"] for _, m in chain):
+            raise ConfigError(f"The base snapshots hold no table {name!r}: not this run's model.")
+    # Written beside ``root`` and renamed into place whole: a refusal or a failure on the
+    # way (a full disk, a kill) leaves no partial snapshot in the way of the retry.
+    root.parent.mkdir(parents=True, exist_ok=True)
+    work = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        version = _write_all(work, model, seed, which, dense, layouts, states, chain)
+        if root.exists():
+            root.rmdir()  # empty (checked above): rename(2) puts the folder in its place
+        os.rename(work, root)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return root, version, which
+
+
+def _write_all(
+    root: Path,
+    model: str,
+    seed: int,
+    which: str,
+    dense: dict[str, torch.Tensor],
+    layouts: dict[str, Any],
+    states: list[dict[str, Any]],
+    chain: list[tuple[Path, dict[str, Any]]],
+) -> int:
+    """Every file of the snapshot into ``root``, the manifest last; returns its version."""
+    torch.save(dense, root / "dense.pt")
     tables = {}
     for name, lay in layouts.items():
         shards = []
@@ -191,7 +223,7 @@ def write(
     tmp = root / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, root / MANIFEST)
-    return root, version, which
+    return version
 
 
 def _check_loads(

@@ -168,3 +168,40 @@ def test_a_newer_layer_s_eviction_hides_an_older_layer_s_row():
     assert found.tolist() == [True, False, True, True, False]
     assert values[:, 0].tolist() == [1.0, 0.0, 5.0, 5.0, 0.0]
     assert rows.held().tolist() == [1, 3, 9]
+
+
+def test_a_refused_or_failed_snapshot_writes_nothing_and_the_retry_succeeds(
+    serve, tmp_path, monkeypatch
+):
+    """A base of another model is refused before a file is written (it left ``dense.pt``,
+    and the retry with the right base was refused: "not an empty folder"); a write that
+    fails on the way (a full disk) leaves nothing either."""
+    _train(serve, tmp_path / "run", 2)
+    run, out = tmp_path / "run", tmp_path / "delta"
+    full, _, _ = snapshot.write(run, MODEL, SEED, tmp_path / "full", round_=10)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for f in full.iterdir():
+        (foreign / f.name).symlink_to(f)
+    manifest = json.loads((full / "manifest.json").read_text())
+    (foreign / "manifest.json").unlink()
+    (foreign / "manifest.json").write_text(json.dumps({**manifest, "model": "mlp"}))
+    with pytest.raises(ConfigError, match="is a snapshot of 'mlp'"):
+        snapshot.write(run, MODEL, SEED, out, bases=[foreign])
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["run", "full", "foreign"]
+    )
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(snapshot, "_write_rows", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            snapshot.write(run, MODEL, SEED, out, bases=[full])
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["run", "full", "foreign"]
+    )
+    out.mkdir()  # an empty folder is fine
+    root, version, _ = snapshot.write(run, MODEL, SEED, out, bases=[full])
+    assert root == out and version == 12 and (out / "manifest.json").is_file()
