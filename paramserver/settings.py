@@ -10,6 +10,7 @@ one place and a child's argv parses back into the config it came from. Torch-fre
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +129,22 @@ class Part:
         return default
 
 
+class FiniteFloat(click.types.FloatParamType):
+    """A float option that refuses ``inf`` and ``nan`` (click's FLOAT takes both): a
+    learning rate or a timeout of ``inf`` is a mistake the run finds much later."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+FINITE_FLOAT = FiniteFloat()
+
+
 def option(
     f: dataclasses.Field[Any], flag: Flag, name: str, default: Any, **extra: Any
 ) -> Callable[[F], F]:
@@ -138,9 +155,9 @@ def option(
     elif flag.choices:
         kwargs["type"] = click.Choice(flag.choices)
     elif flag.type is not None:
-        kwargs["type"] = flag.type
+        kwargs["type"] = FINITE_FLOAT if flag.type is float else flag.type
     elif default is not None and "/" not in name:
-        kwargs["type"] = type(default)
+        kwargs["type"] = FINITE_FLOAT if isinstance(default, float) else type(default)
     if flag.required:
         kwargs["required"] = True
     return click.option(

@@ -59,8 +59,23 @@ def toml(value: Any) -> str:
     return json.dumps(str(value), ensure_ascii=False)
 
 
+MAX_BYTES = 1 << 20  # the largest config file read: settings are a few hundred bytes
+SHOWN = 80  # characters of a value an error message quotes
+
+
+def cut(text: str, limit: int = SHOWN) -> str:
+    """``text``, or its first ``limit`` characters and how long it was: an error quotes
+    what it names, never a whole 20 MiB string."""
+    return text if len(text) <= limit else f"{text[: limit - 10]}... ({len(text)} characters)"
+
+
+def shown(value: Any) -> str:
+    """``value`` as TOML for a message, cut to ``SHOWN`` characters."""
+    return cut(toml(value))
+
+
 def _fail(path: str, message: str) -> click.UsageError:
-    return click.UsageError(f"{path}: {message}")
+    return click.UsageError(f"{path}: {cut(message, 8 * SHOWN)}")  # click's quote values whole
 
 
 def read(path: str) -> dict[str, Any]:
@@ -79,11 +94,23 @@ def read(path: str) -> dict[str, Any]:
         raise _fail(path, "a config file needs Python 3.11 or later (tomllib), or tomli.")
     try:
         with open(path, "rb") as f:
-            doc: dict[str, Any] = parser.load(f)
+            raw = f.read(MAX_BYTES + 1)
     except OSError as exc:
         raise _fail(path, f"cannot be read: {exc.strerror}.") from None
+    if len(raw) > MAX_BYTES:
+        raise _fail(path, f"is larger than {MAX_BYTES >> 20} MiB: not a config file.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(
+            path, f"is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})."
+        ) from None
+    try:
+        doc: dict[str, Any] = parser.loads(text)
     except parser.TOMLDecodeError as exc:
         raise _fail(path, f"is not TOML: {exc}.") from None
+    except RecursionError:
+        raise _fail(path, "is not TOML a config can be: its values nest too deep.") from None
     return doc
 
 
@@ -113,7 +140,7 @@ def load(path: str, ctx: click.Context, group: click.Group) -> Values:
         else:
             known = ", ".join(f"[{name}]" for name in sorted(group.commands))
             raise _fail(
-                path, f"[{key}] = {toml(value)}: unknown table; a table is a command's: {known}."
+                path, f"[{key}] = {shown(value)}: unknown table; a table is a command's: {known}."
             )
     name = str(ctx.command.name)
     return Values(path, name, _check(path, "", top, group, ctx), tables.get(name, {}))
@@ -133,10 +160,11 @@ def _check(
             else:
                 why = "before the first table go only paramserver's own options (log-level)"
             hint = f"; did you mean {close[0]}?" if close else "."
-            raise _fail(path, f"{where}{key} = {toml(raw)}: unknown key: {why}{hint}")
+            raise _fail(path, f"{where}{cut(key)} = {shown(raw)}: unknown key: {why}{hint}")
         if param.name in out:
             raise _fail(
-                path, f"{where}{key} = {toml(raw)}: given twice, as {out[str(param.name)].key} too."
+                path,
+                f"{where}{key} = {shown(raw)}: given twice, as {out[str(param.name)].key} too.",
             )
         out[str(param.name)] = Entry(key, raw, _convert(path, where, key, raw, param, ctx))
     return out
@@ -149,7 +177,7 @@ def _convert(
     types kept apart (a switch takes true or false, a whole number no fraction)."""
 
     def bad(why: str) -> click.UsageError:
-        return _fail(path, f"{where}{key} = {toml(raw)}: {why}")
+        return _fail(path, f"{where}{key} = {shown(raw)}: {why}")
 
     if isinstance(raw, dict | list | datetime.date | datetime.time):
         raise bad("takes one value: a string, a number, or true or false.")
@@ -200,7 +228,8 @@ def blame(
         if name in sources or ctx.get_parameter_source(name) is not ParameterSource.DEFAULT_MAP:
             continue
         if re.search(re.escape(param.opts[0]) + r"(?![\w-])", message):
-            return f"{file.path}: [{file.table}] {entry.key} = {toml(entry.raw)}: {message}"
+            why = cut(message, 8 * SHOWN)
+            return f"{file.path}: [{file.table}] {entry.key} = {shown(entry.raw)}: {why}"
     return None
 
 

@@ -36,8 +36,8 @@ MODEL_DEFAULTS["dlrm-sparse"] = MODEL_DEFAULTS["dlrm"]
 
 
 def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{name} must be positive; got {value!r}.")
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be a positive, finite number; got {value!r}.")
 
 
 def parse_table_optimizers(text: str) -> dict[str, tuple[str, float | None]]:
@@ -79,8 +79,8 @@ def parse_table_optimizers(text: str) -> dict[str, tuple[str, float | None]]:
 
 
 def _non_negative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise ConfigError(f"{name} must be zero or more; got {value!r}.")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be zero or more, and finite; got {value!r}.")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ trainable parameters in order, its sparse tables, its state buffers and their ro
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,15 @@ def import_function(spec: str, what: str) -> Callable[[], Any]:
         raise ConfigError(
             f"Module {module_name!r} has no function {func_name!r} ({what} {spec!r})."
         )
+    try:
+        inspect.signature(func).bind()
+    except TypeError as exc:  # os:system and the like: not a factory
+        raise ConfigError(
+            f"--{what} {spec!r} is not a {what} factory: it cannot be called without "
+            f"arguments ({exc})."
+        ) from None
+    except ValueError:  # no signature to read (some builtins): calling it will tell
+        pass
     return func
 
 

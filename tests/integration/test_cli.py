@@ -49,7 +49,7 @@ def test_every_option_has_help_and_an_environment_variable():
             "Unknown staleness policy (--policy) 'sometimes'",
         ),
         (["server", "--workers", "0", "--port", "0"], "--workers must be at least 1; got 0"),
-        (["server", "--lr", "-1", "--port", "0"], "learning rate (--lr) must be positive"),
+        (["server", "--lr", "-1", "--port", "0"], "learning rate (--lr) must be a positive"),
         (["server", "--optimizer", "lbfgs"], "'lbfgs' is not one of"),
         (
             ["server", "--lr-schedule", "cosine", "--port", "0"],

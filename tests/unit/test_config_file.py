@@ -304,7 +304,7 @@ def test_a_refusal_names_the_file_only_where_it_names_a_value_from_the_file(caps
     assert err.startswith(f"paramserver: error: {path}: [server] workers = 3: --min-workers")
     # the command line's --lr alone is refused: the file is not to blame
     code, _, err = run(capsys, "server", "--config", path, "--lr", "-1", "--print-config")
-    assert code == 2 and path not in err and "learning rate (--lr) must be positive" in err
+    assert code == 2 and path not in err and "learning rate (--lr) must be a positive" in err
 
 
 def test_the_files_log_level_applies_unless_given(capsys, tmp_path):
@@ -350,3 +350,49 @@ def tomllib_load(path: str) -> dict:
 
     with open(path, "rb") as f:
         return tomllib.load(f)
+
+
+HOSTILE = [
+    (b'[server]\nmodel = "\xff\xfe"\n', "is not UTF-8 text (byte 0xff at offset 18)"),
+    (b"[server]\nlr = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "nest too deep"),
+    (b"# " + b"x" * ((1 << 20) + 1) + b"\n", "is larger than 1 MiB"),
+    (b'[server]\npolicy = "' + b"a" * 500_000 + b'"\n', "... (500002 characters)"),
+    (b"[server]\n" + b"k" * 500_000 + b" = 1\n", "characters)"),
+    (b"[server]\nlr = inf\n", "lr = inf: inf is not a finite number"),
+    (b"[server]\nlr = nan\n", "lr = nan: nan is not a finite number"),
+    (
+        b'[server]\nmodel = "os:system"\n',
+        "model = \"os:system\": --model 'os:system' is not a model factory",
+    ),
+]
+
+
+@pytest.mark.parametrize("content,why", HOSTILE, ids=lambda v: repr(v)[:30])
+def test_a_hostile_file_is_refused_in_one_short_line(capsys, tmp_path, content, why):
+    """Not UTF-8, nested 100,000 deep, over 1 MiB, a value or key of 500 kB, inf, a
+    function that is no model factory: one line of at most a few hundred characters,
+    exit 2, no traceback (they gave a 39-line traceback, a RecursionError of 3,000 lines,
+    the 20 MiB value echoed whole, inf accepted, a TypeError)."""
+    path = tmp_path / "paramserver.toml"
+    path.write_bytes(content)
+    printing = [] if b"os:system" in content else ["--print-config"]  # it builds the model
+    code, out, err = run(capsys, "server", "--config", str(path), *printing)
+    assert code == 2, out + err
+    assert err.count("\n") == 1 and "Traceback" not in err and len(err) < 1000, err[:2000]
+    assert str(path) in err and why in err, err
+
+
+@pytest.mark.parametrize(
+    "args,why",
+    [
+        (["--lr", "inf"], "'inf' is not a finite number"),
+        (["--lr", "-inf"], "'-inf' is not a finite number"),
+        (["--lease-timeout", "inf"], "'inf' is not a finite number"),
+        (["--model", "os:system"], "'os:system' is not a model factory"),
+    ],
+)
+def test_the_command_line_refuses_the_same_values(capsys, args, why):
+    printing = [] if "os:system" in args else ["--print-config"]  # it builds the model
+    code, out, err = run(capsys, "server", "--port", "0", *args, *printing)
+    assert code == 2, out + err
+    assert err.count("\n") == 1 and "Traceback" not in err and why in err, err
