@@ -34,6 +34,7 @@ from paramserver.policy.staleness import Policy
 from paramserver.server.disk import checkpoint
 from paramserver.sparse.embedding import TableEmbedding, make_tables
 from paramserver.sparse.remote import RemoteTables
+from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole
 from paramserver.training import data
 from paramserver.training.evaluation import evaluate_batches
 from paramserver.transport.stub import Stub, connect
@@ -161,6 +162,8 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     scfg = cfg.server
     job = _Job.prepare(scfg, cfg.data_dir)
     run = RunDir(cfg.runs_root, scfg.policy.strip().lower().replace(":", ""), cfg.run_dir)
+    cfg = _keep_rows(cfg, job.specs, run)
+    scfg = cfg.server
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})
     log.info("run folder %s", run.path)
     cluster = _Cluster(cfg, run, place)
@@ -173,7 +176,8 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
         # The checkpoint holds exactly the weights the last evaluation saw.
         st, header = _record_epoch(run, cluster, job, evaluated + 1, t0, cfg.progress)
         state = job.model.state_dict()
-        state.update(cluster.reader.whole_tables(tables, "checkpoint.pt"))  # read whole
+        kept = f"in the servers' checkpoints in {scfg.checkpoint_dir}"
+        state.update(cluster.reader.whole_tables(tables, "checkpoint.pt", kept))
         checkpoint.save(
             run.file("checkpoint.pt"),
             state,
@@ -187,6 +191,31 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     summary = _summary(scfg, st, run, failed, time.perf_counter() - t0)
     run.write_json("summary.json", summary)
     return summary
+
+
+def _keep_rows(cfg: LaunchConfig, specs: list[TableSpec], run: RunDir) -> LaunchConfig:
+    """``cfg``, with the servers checkpointing into the run folder (``servers/``) when a
+    table is not written whole into checkpoint.pt (unbounded, or over 1 GiB) and no
+    --checkpoint-dir was given: else its rows would end with the servers. Said before the
+    run starts."""
+    left_out = {
+        s.name: why
+        for s in specs
+        if (why := too_large_for_whole(s.rows, s.dim, s.dtype, WHOLE_TABLE_BYTES))
+    }
+    if not left_out or cfg.server.checkpoint_dir:
+        return cfg
+    folder = str(run.path / "servers")
+    log.warning(
+        "table(s) %s are not written whole into checkpoint.pt (%s): the servers checkpoint "
+        "their rows into %s (no --checkpoint-dir was given), which paramserver export "
+        "--snapshot reads",
+        ", ".join(repr(name) for name in left_out),
+        "; ".join(left_out.values()),
+        folder,
+    )
+    server = dataclasses.replace(cfg.server, checkpoint_dir=folder)
+    return dataclasses.replace(cfg, server=server)
 
 
 def _train(

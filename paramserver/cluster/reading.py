@@ -26,7 +26,12 @@ from paramserver.codec.rows import TableSpec
 from paramserver.config import Security
 from paramserver.sparse.embedding import attach_tables, make_tables
 from paramserver.sparse.remote import Observer, RemoteTables
-from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole
+from paramserver.sparse.tableset import (
+    KEPT_ON_SERVERS,
+    WHOLE_TABLE_BYTES,
+    say_left_out,
+    too_large_for_whole,
+)
 from paramserver.transport.channels import observe
 from paramserver.transport.stub import Stub, connect
 
@@ -73,20 +78,17 @@ class ShardReader:
         attach_tables(model, remote)
         return remote
 
-    def whole_tables(self, tables: RemoteTables | None, where: str) -> dict[str, torch.Tensor]:
+    def whole_tables(
+        self, tables: RemoteTables | None, where: str, kept: str = KEPT_ON_SERVERS
+    ) -> dict[str, torch.Tensor]:
         """``{"NAME.weight": the table}`` of each table small enough to read whole; the
-        others are said in the log (``where``: what they are left out of)."""
+        others are said in the log (``where``: what they are left out of; ``kept``: where
+        their rows are)."""
         out: dict[str, torch.Tensor] = {}
         for spec in tables.specs.values() if tables is not None else ():
             why = too_large_for_whole(spec.rows, spec.dim, spec.dtype, WHOLE_TABLE_BYTES)
             if why:
-                log.warning(
-                    "table %r is not written whole into %s (%s): its rows are in the "
-                    "servers' checkpoints (--checkpoint-dir)",
-                    spec.name,
-                    where,
-                    why,
-                )
+                say_left_out(spec.name, where, why, kept)
                 continue
             assert tables is not None
             out[f"{spec.name}.weight"] = tables.read_all(spec.name)

@@ -233,7 +233,10 @@ class ServerApp:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers as this server holds them now, with its sparse
         tables whole (untouched rows at their seeded initial values), for
-        ``model.load_state_dict``.
+        ``model.load_state_dict``. A table that is unbounded or over 1 GiB whole is left
+        out, with a warning, as ``ps.model_state_dict`` leaves it out (a declared 10^12-row
+        table tried to allocate 64 TB): its rows are in the checkpoints, and ``paramserver
+        export --snapshot`` serves it.
 
         Raises:
             ConfigError: this server is one shard of several (it holds a part of the model;
@@ -252,7 +255,7 @@ class ServerApp:
         return {
             **layout.state_dict(c.manifest, weights),
             **c.frozen,
-            **whole_tables(layouts, [tables or {}], limit=None),
+            **whole_tables(layouts, [tables or {}], where="the state dict"),
         }
 
     def status(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ bookkeeping only, no I/O.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows
 from paramserver.sparse.table import Lookup, Prepared, ShardTable
 from paramserver.sparse.tablestate import TableChanges
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -305,20 +308,42 @@ def too_large_for_whole(rows: int, dim: int, dtype: str, limit: int | None) -> s
     return None
 
 
+KEPT_ON_SERVERS = "they stay on the servers, and in their checkpoints where --checkpoint-dir is set"
+
+
+def say_left_out(name: str, where: str, why: str, kept: str) -> None:
+    """Log that table ``name`` is left out of ``where`` (``why``), and where its rows are."""
+    log.warning(
+        "table %r is not written whole into %s (%s); its rows: %s (paramserver export "
+        "--snapshot serves them from checkpoints)",
+        name,
+        where,
+        why,
+        kept,
+    )
+
+
 def whole_tables(
     layouts: dict[str, dict[str, Any]],
     saved: Sequence[Any],
     limit: int | None = WHOLE_TABLE_BYTES,
+    where: str = "",
 ) -> dict[str, torch.Tensor]:
     """``{"NAME.weight": the whole table}`` from every shard's rows (``saved``, one a shard:
     a ``state_dict``, or row files read a chunk at a time, ``row_reader.RowChain``): their
     rows where touched, the seeded initial values elsewhere. Empty
     when ``saved`` lacks a shard (a shard of several holds a part of each table), and for
-    tables over ``limit`` bytes (None: no limit), and unbounded tables (rows 0)."""
+    tables over ``limit`` bytes (None: no limit), and unbounded tables (rows 0); with
+    ``where`` (what they are left out of), each table left out is logged."""
     out = {}
     for name, lay in layouts.items():
         rows, dim = lay["rows"], lay["dim"]
-        if lay["shards"] != len(saved) or too_large_for_whole(rows, dim, lay["dtype"], limit):
+        if lay["shards"] != len(saved):
+            continue
+        why = too_large_for_whole(rows, dim, lay["dtype"], limit)
+        if why:
+            if where:
+                say_left_out(name, where, why, KEPT_ON_SERVERS)
             continue
         init = Init.parse(lay.get("init", "normal"))
         table = torch.empty((rows, dim), dtype=getattr(torch, lay["dtype"]))

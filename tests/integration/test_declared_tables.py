@@ -144,7 +144,10 @@ def test_launch_trains_declared_unbounded_tables_and_says_what_its_checkpoint_le
 ):
     """``launch`` of a model whose tables are declared unbounded: the workers train them,
     the evaluation reads the servers' rows, and checkpoint.pt (which cannot hold an
-    unbounded table whole) says so in the log and still loads strictly into the model."""
+    unbounded table whole) says so in the log and still loads strictly into the model.
+    With no --checkpoint-dir the rows are not lost: the servers checkpoint them into the
+    run folder, as the log says before the run starts (checkpoint.pt held only the dense
+    part, and its warning named a --checkpoint-dir that was never set)."""
     out = launch_clicks(tmp_path, "tests.sparse_models:dlrm_declared")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -152,6 +155,31 @@ def test_launch_trains_declared_unbounded_tables_and_says_what_its_checkpoint_le
     assert "table 'tables.0' is not written whole into checkpoint.pt (it is unbounded)" in (
         out.stderr
     )
-    state = checkpoint.load(tmp_path / os.path.basename(summary["run_dir"]) / "checkpoint.pt")
+    run = tmp_path / os.path.basename(summary["run_dir"])
+    state = checkpoint.load(run / "checkpoint.pt")
     assert not [k for k in state["model_state_dict"] if k.startswith("tables.")]
     dlrm_declared().load_state_dict(state["model_state_dict"], strict=True)
+    said = out.stderr.index(f"the servers checkpoint their rows into {run / 'servers'}")
+    assert said < out.stderr.index("workers started")  # before the run starts
+    assert f"its rows: in the servers' checkpoints in {run / 'servers'}" in out.stderr
+    kept = checkpoint.load(run / "servers" / checkpoint.server_file(0, 1))
+    assert kept["row_chain"] and kept["version"] == state["version"]
+
+
+def test_a_servers_state_dict_leaves_out_a_table_too_large_to_hold_whole(serve, caplog):
+    """A declared 10^12-row table: ``ServerApp.model_state_dict`` tried to allocate it
+    whole (64 TB); it leaves it out and says so, as ``ps.model_state_dict`` does."""
+
+    class Huge(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t = ps.sparse.Embedding(10**12, 16)
+            self.l = nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.l(self.t(x))
+
+    server = serve(Huge(), policy="async")
+    state = server.model_state_dict()
+    assert sorted(state) == ["l.bias", "l.weight"]
+    assert "table 't' is not written whole into the state dict (it is 59604.6 GiB" in caplog.text
