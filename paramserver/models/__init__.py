@@ -15,6 +15,7 @@ from paramserver.models.catalogue import (
     parameters,
     resolve,
     state,
+    state_difference,
     table_specs,
 )
 from paramserver.models.zoo import (
@@ -47,5 +48,6 @@ __all__ = [
     "resnet",
     "resolve",
     "state",
+    "state_difference",
     "table_specs",
 ]

@@ -130,3 +130,32 @@ def state(model: nn.Module) -> tuple[Manifest, list[torch.Tensor]]:
     named = [(n, p, "param") for n, p in parameters(model)] + buffers(model)
     manifest = Manifest.from_tensors([(n, t) for n, t, _ in named], [r for _, _, r in named])
     return manifest, [t for _, t, _ in named]
+
+
+def state_difference(model: nn.Module, state: dict[str, Any]) -> str:
+    """How ``state`` fails to load into ``model`` (``load_state_dict(strict=True)``), in one
+    line, at most three names of each kind; "" when it loads (torch's own message is many
+    lines, every key)."""
+    own, given = model.state_dict(), state
+
+    def some(names: list[str]) -> str:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return ", ".join(repr(n) for n in names[:3]) + more
+
+    parts = []
+    if missing := [k for k in own if k not in given]:
+        parts.append(f"missing {some(missing)}")
+    if unexpected := [k for k in given if k not in own]:
+        parts.append(f"unexpected {some(unexpected)}")
+    shapes = [
+        f"{k!r} is {list(given[k].shape)} there, {list(own[k].shape)} in the model"
+        for k in own
+        if k in given
+        and hasattr(given[k], "shape")
+        and tuple(given[k].shape) != tuple(own[k].shape)
+    ]
+    if shapes:
+        parts.append(
+            "; ".join(shapes[:3]) + (f" and {len(shapes) - 3} more" if len(shapes) > 3 else "")
+        )
+    return "; ".join(parts)

@@ -107,6 +107,9 @@ class ServerApp:
         self.health = BoundedHealth()
         for service in HEALTH_SERVICES:
             self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.absent[CHECKPOINT_HEALTH] = (
+            "this server writes no checkpoints (no --checkpoint-dir)"
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.port = 0
         self._stopped = threading.Event()

@@ -63,13 +63,20 @@ def build_coordinator(
     tables, frozen = _tables_and_frozen(config, model)
     if resume and snapshot is None and config.checkpoint_dir:
         snapshot = saved_state(
-            config.checkpoint_dir, manifest, config.shard, config.shards, config.cuts
+            config.checkpoint_dir,
+            manifest,
+            config.shard,
+            config.shards,
+            config.cuts,
+            config.model,
         )
         directory = Path(config.checkpoint_dir)
         if snapshot is None and reshard.resume_other(
             directory, whole, frozen, config.shard, config.shards
         ):  # another --shards wrote them: this shard's part, re-partitioned
-            snapshot = saved_state(directory, manifest, config.shard, config.shards, config.cuts)
+            snapshot = saved_state(
+                directory, manifest, config.shard, config.shards, config.cuts, config.model
+            )
     store = ParameterStore(manifest, flat, config.optimizer)
     return Coordinator(
         config,

@@ -104,12 +104,19 @@ def load(
             raise ValueError(f"the model's table {name!r} is not in the snapshot")
         return ServedTable(name, chain, bag)
 
+    into = (
+        f"the model given ({type(model).__name__})"
+        if model is not None
+        else f"its model {manifest['model']!r}"
+    )
+    refusal = f"The snapshot in {root} (of model {manifest['model']!r}) does not load into {into}"
     try:
         replace_tables(built, served)
-        dense = torch.load(root / manifest["dense"]["file"], map_location="cpu", weights_only=True)
-        built.load_state_dict(dense, strict=True)
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise ConfigError(
-            f"The snapshot in {root} does not load into its model {manifest['model']!r}: {exc}"
-        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"{refusal}: {exc}.") from None
+    dense = torch.load(root / manifest["dense"]["file"], map_location="cpu", weights_only=True)
+    differs = models.state_difference(built, dense)
+    if differs:
+        raise ConfigError(f"{refusal}: {differs}.")
+    built.load_state_dict(dense, strict=True)
     return built.eval()

@@ -235,18 +235,12 @@ def _check_loads(
 ) -> None:
     """The dense part loads into ``built`` (its tables aside), or ConfigError: the
     checkpoints are another model's."""
-    try:
-        result = built.load_state_dict(dense, strict=False)
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"The checkpoints in {directory} do not load into --model {model}: {exc}"
-        ) from None
     tables = {f"{name}.weight" for name in layouts}
-    missing = [k for k in result.missing_keys if k not in tables]
-    if missing or result.unexpected_keys:
+    own = {k: v for k, v in built.state_dict().items() if k in tables}  # not in the dense part
+    differs = models.state_difference(built, {**own, **dense})
+    if differs:
         raise ConfigError(
-            f"The checkpoints in {directory} do not load into --model {model}: missing "
-            f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}."
+            f"The checkpoints in {directory} do not load into --model {model}: {differs}."
         )
 
 
@@ -261,8 +255,8 @@ def _base_rows(
 
 
 def _mapped(path: Path) -> dict[str, Any]:
+    state = checkpoint.read(path, mmap=True)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return checkpoint.with_rows(state, path)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
-        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - its row files: the same sentence
+        raise checkpoint.unreadable(path, exc) from None

@@ -75,9 +75,24 @@ class BoundedHealth(health.HealthServicer):
         self._next = 0
         self._watch_lock = threading.Lock()
         self.refused_watches = 0
+        self._known: set[str] = set()
+        self.absent: dict[str, str] = {}  # a service this server lacks: why, for NOT_FOUND
+
+    def set(self, service: str, status: Any) -> None:
+        self._known.add(service)
+        super().set(service, status)
+
+    def unknown(self, service: str) -> str:
+        """Why ``service`` has no health here, in words (grpc_health answers NOT_FOUND with
+        an empty text)."""
+        known = ", ".join(repr(s) for s in sorted(self._known)) or "none"
+        why = self.absent.get(service, "")
+        return f"No health service {service!r} here{': ' + why if why else ''}; it has {known}."
 
     @on_side_pool
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        if request.service not in self._known:
+            context.abort(grpc.StatusCode.NOT_FOUND, self.unknown(request.service))
         return super().Check(request, context)
 
     def Watch(  # noqa: N802
@@ -101,7 +116,7 @@ class BoundedHealth(health.HealthServicer):
             self._watches[key] = (self._now(), send_response_callback)
         if not context.add_callback(lambda: self._forget(key)):
             self._forget(key)
-        return super().Watch(request, context, send_response_callback)
+        return super().Watch(request, context, send_response_callback)  # an unknown one: waits
 
     def _forget(self, key: int) -> None:
         with self._watch_lock:

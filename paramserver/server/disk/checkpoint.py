@@ -34,6 +34,8 @@ server needs to go on exactly where it stopped:
     ledger            {below, above, applied, repeated}: the server-handed batches this
                       server applied a gradient of (``server/bookkeeping/ledger.py``)
     saved_at          wall-clock time of writing (seconds since the epoch)
+    model             the --model of the server that wrote it ("" for a model given in
+                      Python; absent from older checkpoints), named when it does not match
 
 A sharded run also keeps consistent cuts (``cut_file``, ``server/bookkeeping/cuts.py``): every shard
 writes its state at the same points, so that when one shard restarts from its newest cut,
@@ -94,6 +96,32 @@ def load(path: str | Path) -> dict[str, Any]:
     return torch.load(path, weights_only=True)
 
 
+def read(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """``load``, its tensors mapped with ``mmap``; whatever fails is a ConfigError naming
+    the file, its size and the likely cause (a torn file gave "[Errno 22] Invalid
+    argument", no more)."""
+    try:
+        if mmap:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return load(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same sentence
+        raise unreadable(Path(path), exc) from None
+
+
+def unreadable(path: Path, exc: BaseException) -> ConfigError:
+    """The refusal of a checkpoint file that cannot be read."""
+    try:
+        size = f"{path.stat().st_size} bytes"
+    except OSError as err:
+        return ConfigError(f"Cannot read the checkpoint {path}: {err.strerror or err}.")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConfigError(
+        f"Cannot read the checkpoint {path} ({size}): it is cut short or corrupt, or not a "
+        "checkpoint (servers write theirs whole, by rename: was it copied, or its disk "
+        f"full?): {type(exc).__name__}: {first}"
+    )
+
+
 def server_file(shard: int = 0, shards: int = 1) -> str:
     """The checkpoint's name in ``--checkpoint-dir``: ``SERVER_FILE``, or for shard I of S
     ``server-checkpoint-shardIofS.pt`` (its weights: one tensor, ``flat``)."""
@@ -129,10 +157,27 @@ def save_server(
     return save(Path(directory) / name, model_state_dict, frozen=sorted(frozen), **state)
 
 
+def _named(model: str | None) -> str:
+    if model is None:
+        return "a model it does not name (an older checkpoint)"
+    return f"--model {model}" if model else "a model given in Python"
+
+
+def mismatch(path: Path, written_by: str | None, loading: str | None) -> str:
+    """The sentence that a checkpoint at ``path`` (written by a server of ``written_by``)
+    does not match the model of ``loading`` (None: unknown): the file, and both models."""
+    against = "the model it is read for" if loading is None else _named(loading)
+    return f"{path} was written by a server of {_named(written_by)} and does not match {against}"
+
+
 def load_server(
-    directory: str | Path, manifest: layout.Manifest, name: str = SERVER_FILE
+    directory: str | Path,
+    manifest: layout.Manifest,
+    name: str = SERVER_FILE,
+    model: str | None = None,
 ) -> tuple[dict[str, Any], np.ndarray] | None:
     """The server state in ``directory`` and its flat weights; None when there is none.
+    ``model``: the --model of the server loading it, for the message of a mismatch.
 
     Raises:
         ConfigError: the file is not a server checkpoint of this model.
@@ -140,10 +185,7 @@ def load_server(
     path = Path(directory) / name
     if not path.exists():
         return None
-    try:
-        state = load(path)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
-        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
+    state = read(path)
     if state.get("format") != FORMAT or "optimizer_state" not in state:
         raise ConfigError(f"{path} is not a paramserver server checkpoint.")
     tables = set(state.get("tables") or {}) | set(state.get("table_layouts") or {})
@@ -153,9 +195,9 @@ def load_server(
     named = sorted(weights.items(), key=lambda kv: layout.ROLES.index(roles.get(kv[0], "param")))
     try:
         saved = layout.Manifest.from_tensors(named, [roles.get(n, "param") for n, _ in named])
+        manifest.check_compatible(saved, "the checkpoint")
     except ConfigError as exc:
-        raise ConfigError(f"The checkpoint {path} does not match the model: {exc}") from exc
-    manifest.check_compatible(saved, f"the checkpoint {path}")
+        raise ConfigError(f"{mismatch(path, state.get('model'), model)}: {exc}") from None
     flat = torch.empty(manifest.numel, dtype=manifest.torch_dtype)
     layout.flatten_into(manifest, [weights[s.name] for s in manifest.tensors], flat)
     return with_rows(state, path), flat.numpy()

@@ -56,7 +56,12 @@ def room(directory: Path) -> str:
 
 
 def saved_state(
-    directory: str | Path, manifest: Manifest, shard: int, shards: int, cuts: bool
+    directory: str | Path,
+    manifest: Manifest,
+    shard: int,
+    shards: int,
+    cuts: bool,
+    model: str | None = None,
 ) -> CoordinatorSnapshot | None:
     """The newest state saved in ``directory`` for a server of ``manifest``: the newest
     cut for a shard that ``cuts``, else the checkpoint file; None when there is none.
@@ -70,7 +75,7 @@ def saved_state(
         if not found:
             return None
         name = found[max(found)].name
-    saved = checkpoint.load_server(directory, manifest, name)
+    saved = checkpoint.load_server(directory, manifest, name, model)
     return CoordinatorSnapshot.from_dict(*saved) if saved is not None else None
 
 
@@ -222,7 +227,7 @@ class Checkpointer:
         with self._lock:
             started = time.perf_counter()
             path = self._writing = self.directory / name
-            saved = state.as_dict()
+            saved = {**state.as_dict(), "model": self.coordinator.config.model}
             if self.rows is not None and state.tables is not None:
                 self._writing = self.directory / "rows"
                 chain, sums = self.rows.write(state.tables, state.table_layouts or {})
@@ -292,7 +297,10 @@ class Checkpointer:
             saved = None
             if round_ in cuts:
                 loaded = checkpoint.load_server(
-                    self.directory, self.coordinator.manifest, cuts[round_].name
+                    self.directory,
+                    self.coordinator.manifest,
+                    cuts[round_].name,
+                    self.coordinator.config.model,
                 )
                 saved = CoordinatorSnapshot.from_dict(*loaded) if loaded is not None else None
             else:

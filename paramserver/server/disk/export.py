@@ -134,19 +134,17 @@ def files(
 
 
 def _read(path: Path) -> dict[str, Any]:
+    state = checkpoint.read(path)
     try:
-        return checkpoint.with_rows(checkpoint.load(path), path)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
-        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
+        return checkpoint.with_rows(state, path)
+    except Exception as exc:  # noqa: BLE001 - its row files: the same sentence
+        raise checkpoint.unreadable(path, exc) from None
 
 
 def _final(path: Path) -> Final | None:
     if not path.exists():
         return None
-    try:  # mapped, not read
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
-        raise ConfigError(f"Cannot read the checkpoint {path}: {exc}") from exc
+    saved = checkpoint.read(path, mmap=True)  # mapped, not read
     clocks = {str(m["worker_id"]): int(m["clock"]) for m in saved.get("members", [])}
     return Final(int(saved["version"]), clocks)
 

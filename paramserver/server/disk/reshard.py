@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from paramserver import models
 from paramserver.codec.layout import Manifest
@@ -43,7 +42,11 @@ log = logging.getLogger(__name__)
 
 
 def read(
-    directory: Path, whole: Manifest, round_: int | None = None, shards: int | None = None
+    directory: Path,
+    whole: Manifest,
+    round_: int | None = None,
+    shards: int | None = None,
+    model: str | None = None,
 ) -> Source:
     """The consistent set of shard states in ``directory`` for the model of ``whole``, every
     row file verified.
@@ -56,7 +59,8 @@ def read(
     shards = len(paths)
     states, flats = [], []
     for i, path in enumerate(paths):
-        loaded = checkpoint.load_server(path.parent, shard_manifest(whole, i, shards), path.name)
+        manifest = shard_manifest(whole, i, shards)
+        loaded = checkpoint.load_server(path.parent, manifest, path.name, model)
         if loaded is None:
             raise ConfigError(f"{path} is missing.")
         state, flat = loaded
@@ -231,9 +235,9 @@ def reshard(
     if old == shards:
         raise ConfigError(f"The checkpoints in {directory} are of {shards} shards already.")
     paths, _ = export.files(directory, round_, old)
-    peek = torch.load(paths[0], map_location="cpu", weights_only=True, mmap=True)
+    peek = checkpoint.read(paths[0], mmap=True)
     whole, frozen = built(model, seed, peek.get("table_layouts") or {})
-    source = read(directory, whole, round_, old)
+    source = read(directory, whole, round_, old, model)
     target.mkdir(parents=True, exist_ok=True)
     return [write_shard(source, whole, target, j, shards, frozen) for j in range(shards)], (
         source.which
