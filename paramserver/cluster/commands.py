@@ -48,8 +48,18 @@ class LaunchOutput:
     )
 
 
-# A server's own place: where it listens, its threads and its shard (launch picks them).
-LOCAL = ("host", "port", "data_port", "threads", "metrics_port", "metrics_host", "shard")
+# A server's own place: where it listens, its threads, its shard and whether the workers it
+# resumes with are gone (launch picks them).
+LOCAL = (
+    "host",
+    "port",
+    "data_port",
+    "threads",
+    "metrics_port",
+    "metrics_host",
+    "shard",
+    "forget_workers",
+)
 # What `server` and `launch` share: the run and its optimizer.
 RUN = (Part(ServerConfig, exclude=LOCAL), Part(OptimizerConfig, exclude=("schedule",)))
 SERVER = (

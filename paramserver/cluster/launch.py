@@ -77,7 +77,9 @@ class _Cluster:
         addresses = []
         for i in range(shards):
             host = self.place.host(i) if self.place.host else self.cfg.server.host
-            scfg = dataclasses.replace(self.cfg.server, shard=i, shards=shards, host=host)
+            scfg = dataclasses.replace(  # a resumed run's old workers are gone: launch knows
+                self.cfg.server, shard=i, shards=shards, host=host, forget_workers=True
+            )
             name = "server" if shards == 1 else f"server-{i}"
             log_path = self.run.file(f"{name}.log")
             prefix = self.place.prefix(name)
@@ -229,7 +231,7 @@ def _train(
     bar = tqdm(
         total=total, unit="sample", unit_scale=True, disable=not cfg.progress, dynamic_ncols=True
     )
-    evaluated = 0
+    evaluated = _resumed_epochs(cfg, job, cluster.status())
     try:
         while True:
             finished = all(w.poll() is not None for w in cluster.workers)
@@ -258,6 +260,24 @@ def _train(
             time.sleep(0.5)  # progress refresh period
     finally:
         bar.close()
+
+
+def _resumed_epochs(cfg: LaunchConfig, job: _Job, st: pb.StatusResponse) -> int:
+    """The epochs a resumed run (--checkpoint-dir) had completed, said once: they are not
+    evaluated again (the console said "epoch 1" of a run far past it)."""
+    total = cfg.server.epochs * job.per_epoch
+    if not st.batches_done:
+        return 0
+    done = st.batches_done // job.per_epoch
+    log.info(
+        "resumed from %s: %d of %d batches done, in epoch %d of %d",
+        cfg.server.checkpoint_dir,
+        st.batches_done,
+        total,
+        min(done + 1, cfg.server.epochs),
+        cfg.server.epochs,
+    )
+    return min(done, cfg.server.epochs - 1)
 
 
 def _check_children(cluster: _Cluster, failed: list[Child]) -> None:

@@ -84,6 +84,12 @@ class ServerConfig:
         "--checkpoint-dir",
         "Save the server's state here (and on SIGTERM); resume from it at start-up when it holds one.",
     )
+    forget_workers: bool = setting(
+        False,
+        "--forget-workers",
+        "On resuming from --checkpoint-dir, drop at once the workers the checkpoint names (their batches go back to the queue) instead of waiting three leases for them to come back: for a launcher that started them and knows they are gone (launch sets it on the servers it starts).",
+        is_flag=True,
+    )
     checkpoint_every: str = setting(
         "60s",
         "--checkpoint-every",

@@ -6,9 +6,9 @@ whether a waiting pull may have its answer, and the answer, are ``pulls``'s (``P
 
 Its parts own their state (only this module assigns the coordinator's fields): ``members``
 (who is in the run, their clocks and batches), ``arrival`` (what of a push reaches the model
-and when: a sync round or on arrival, chosen once from the policy) and ``saving`` (the cuts
+and when: a sync round or on arrival, chosen once from the policy) and ``saving`` (cuts
 waiting for the disk, the checkpointer's writes). It is built from a ``CoordinatorSnapshot``
-(``snapshot=``), takes one (``checkpoint_state``, cuts), and a rewind takes one over.
+(``snapshot=``), takes one (``checkpoint_state``, cuts); a rewind takes one over.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ class Coordinator:
         self.saving = Saving(self._cond, self.arrival.in_rounds)
         if snapshot is not None:
             self._take_over(snapshot)
+            with self._cond:  # --forget-workers
+                self._after_leaving(self.members.forgotten())
 
     def _take_over(self, s: CoordinatorSnapshot) -> None:
         """Go on from snapshot ``s``: its workers come back with a fresh lease (``Members``),
@@ -127,13 +129,11 @@ class Coordinator:
         return self.members.queue
 
     @property
-    def rounds(self) -> int:
-        """Sync rounds completed."""
+    def rounds(self) -> int:  # sync rounds completed
         return self.arrival.rounds
 
     @property
-    def ledger(self) -> Ledger:
-        """The server-handed batches this shard applied."""
+    def ledger(self) -> Ledger:  # the server-handed batches this shard applied
         return self.arrival.ledger
 
     @property

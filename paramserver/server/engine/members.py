@@ -190,6 +190,23 @@ class Members:
             )
         return dead
 
+    def forgotten(self) -> list[Member]:
+        """With ``--forget-workers``, the workers a checkpoint brought back, dropped now:
+        their launcher knows they are gone (they held a resumed launch's new workers off
+        as a full run for three leases). Else none."""
+        if not self.config.forget_workers or not self.returning:
+            return []
+        gone = [self.membership.members[w] for w in sorted(self.returning)]
+        for m in gone:
+            self.membership.leave(m.worker_id)
+        self.returning.clear()
+        log.info(
+            "dropped the %d workers the checkpoint names (--forget-workers): their batches "
+            "go to the workers that join",
+            len(gone),
+        )
+        return gone
+
     def release(self, gone: list[Member]) -> None:
         """The batches the ``gone`` workers took and did not push go back to the queue."""
         if self.queue is None:
