@@ -9,7 +9,8 @@ again meanwhile. Then the same run without faults, and the checks:
 
 - exactly once: on every shard, every batch of the run applied once (the server's ledger
   and batch plan), and the workers' own logs (``--batch-log``) agree: no batch outside the
-  run, and none missing but the line a killed worker had not written yet (one a kill);
+  run, none missing but the line a killed worker had not written yet (one a kill), and
+  none in two logs unless a shard fault rewound the run past it (its first push undone);
 - no hang: every recovery within ``recover_within`` seconds, and the run ends;
 - equal result: under ``sync`` with only server-side faults, the final weights and table
   rows equal the uninterrupted run's to float precision; with worker faults, the test
@@ -19,6 +20,7 @@ again meanwhile. Then the same run without faults, and the checks:
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import signal
@@ -101,7 +103,7 @@ class Outcome:
     recoveries: list[Recovery] = field(default_factory=list)
     statuses: list[dict[str, Any]] = field(default_factory=list)
     state: dict[str, np.ndarray] = field(default_factory=dict)
-    logged_batches: set[int] = field(default_factory=set)
+    logged_batches: collections.Counter[int] = field(default_factory=collections.Counter)
     reads: int = 0
     unreadable: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -266,10 +268,14 @@ def soak(cfg: ChaosConfig) -> dict[str, Any]:
     )
     # a worker killed after its push was acknowledged and before it wrote the line loses
     # that line: at most one a kill-worker fault
-    unlogged = set(range(total)) - hurt.logged_batches
+    unlogged = set(range(total)) - set(hurt.logged_batches)
     kills = sum(1 for f in schedule if f.kind == "kill-worker")
-    checks["workers_logs_agree"] = hurt.logged_batches <= set(range(total)) and (
-        len(unlogged) <= kills
+    twice = sorted(b for b, n in hurt.logged_batches.items() if n > 1)
+    rewinds = any(f.kind not in WORKER_KINDS for f in schedule)
+    checks["workers_logs_agree"] = (
+        set(hurt.logged_batches) <= set(range(total))
+        and len(unlogged) <= kills
+        and (rewinds or not twice)
     )
     checks["recovered_within"] = all(
         r.recovered and r.seconds <= cfg.recover_within for r in hurt.recoveries
@@ -301,6 +307,7 @@ def soak(cfg: ChaosConfig) -> dict[str, Any]:
         "largest_weight_difference": diff,
         "integer_buffer_differences": counts,
         "unlogged_batches": sorted(unlogged),
+        "batches_logged_twice": twice,
         "accuracy": acc,
         "accuracy_uninterrupted": acc_clean,
         "checkpoint_reads": hurt.reads,

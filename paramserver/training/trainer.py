@@ -195,22 +195,27 @@ def _train(
         taken, loss = _compute(worker, order, device, fetch_first)
         if cfg.step_delay:
             time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
-        batches = list(worker.batches or [worker.batch])
         worker.step(samples=taken, loss=loss)
         if cfg.batch_log:
-            _audit(cfg.batch_log, batches)
+            _audit(cfg.batch_log, worker.landed_batches())
         if prefetch:
             worker.prefetch_next(prefetch)
         steps += 1
         samples += taken
+    if cfg.batch_log:
+        worker.flush()  # the pushes still in the background (overlap)
+        _audit(cfg.batch_log, worker.landed_batches())
     return steps, samples, empty
 
 
-def _audit(path: str, batches: list[int]) -> None:
-    """One line of the batches a step pushed and the servers acknowledged (``--batch-log``),
-    written through at once: a process killed after it loses no line."""
+def _audit(path: str, pushes: list[tuple[int, ...]]) -> None:
+    """A line for each push whose batches shard 0 took (``--batch-log``; a push the server
+    dropped, as after this worker was paused past its lease, has none: its batches went to
+    another worker), written through at once: a process killed after it loses no line."""
+    if not pushes:
+        return
     with open(path, "a") as f:
-        f.write(" ".join(map(str, batches)) + "\n")
+        f.write("".join(" ".join(map(str, batches)) + "\n" for batches in pushes))
 
 
 def _compute(

@@ -126,6 +126,11 @@ class Pipeline:
         self._ahead: list[Future[pb.PullHeader | None]] | None = None
         self.error: BaseException | None = None
         self._closed = threading.Event()
+        self.landed: deque[tuple[int, ...]] = deque()  # each push's batches shard 0 took
+
+    def _took(self, s: Session, staged: StagedPush) -> None:
+        if staged.batches and not staged.empty and s is self.sessions[0]:
+            self.landed.append(staged.batches)  # shard 0 counts them done: --batch-log's
 
     def _landing(self, staged: StagedPush | None) -> Landing | None:
         """A push of server-handed batches to several shards goes to shard 0 last."""
@@ -207,11 +212,13 @@ class Pipeline:
         channel = s.channel
         # A push past its deadline (a link down, a server stalled) is retried like one that
         # found no server: a repeat is acknowledged as a duplicate, never applied twice.
-        return s.retrying(
+        answered = s.retrying(
             f"push of iteration {iteration}",
             lambda: channel.push(header, staged.slot, self.rpc_timeout),
             also=(Timeout,),
         )
+        self._took(s, staged)
+        return answered
 
     def push_empty(self, s: Session, iteration: int) -> pb.PushResponse:
         """An empty push of ``iteration`` to ``s`` now (no gradient, no batch: it counts for
@@ -248,6 +255,7 @@ class Pipeline:
                 f"push of iteration {iteration} and pull of {pull}",
                 lambda: channel.push_pull(header, staged.slot, request, self.barrier_timeout),
             )
+        self._took(s, staged)
         s.catch_up(pull, answered)
         return answered
 
