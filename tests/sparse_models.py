@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paramserver import models
+from paramserver import models, sparse
 from paramserver.training import clicks, data
 
 dlrm_sparse = models.dlrm_sparse  # the built-in ``dlrm-sparse``, by its test-module name
@@ -86,3 +86,15 @@ class Unbounded(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.users(x).flatten(1))
+
+
+class Huge(nn.Module):
+    """A declared table of 10^12 rows of 16 (64 TB whole) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = sparse.Embedding(10**12, 16)
+        self.l = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(self.t(x))  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -21,8 +22,8 @@ from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
 from paramserver.sparse.declared import name_tables
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
-from tests.conftest import launch_clicks
-from tests.sparse_models import dlrm_declared
+from tests.conftest import DEADLINE, launch_clicks, paramserver_cmd
+from tests.sparse_models import Huge, dlrm_declared
 
 ITEMS = 10**12  # 16 TB of float32 rows declared
 USERS = np.array([-(2**62), -7, -1, 0, 3, 2**40, 2**62 + 5, 11, 12, 13], np.int64)
@@ -170,16 +171,26 @@ def test_a_servers_state_dict_leaves_out_a_table_too_large_to_hold_whole(serve, 
     """A declared 10^12-row table: ``ServerApp.model_state_dict`` tried to allocate it
     whole (64 TB); it leaves it out and says so, as ``ps.model_state_dict`` does."""
 
-    class Huge(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.t = ps.sparse.Embedding(10**12, 16)
-            self.l = nn.Linear(16, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.l(self.t(x))
-
     server = serve(Huge(), policy="async")
     state = server.model_state_dict()
     assert sorted(state) == ["l.bias", "l.weight"]
     assert "table 't' is not written whole into the state dict (it is 59604.6 GiB" in caplog.text
+
+
+def test_export_refuses_a_table_too_large_to_hold_before_allocating_it(serve, tmp_path):
+    """``paramserver export`` (not --snapshot) of a run with a declared 10^12-row table
+    tried to allocate it whole; it is refused in one line naming --snapshot."""
+    server = serve(Huge(), policy="async", checkpoint_dir=str(tmp_path / "run"))
+    server.stop()
+    out = subprocess.run(
+        paramserver_cmd(
+            *("export", str(tmp_path / "run"), "--model", "tests.sparse_models:Huge"),
+            *("--out", str(tmp_path / "whole.pt")),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "Table 't' is 59604.6 GiB whole" in out.stderr and "--snapshot" in out.stderr
+    assert not (tmp_path / "whole.pt").exists()

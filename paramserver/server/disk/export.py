@@ -13,11 +13,13 @@ Decisions (``choose``) are apart from the reading and the assembling.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from paramserver import models
@@ -184,8 +186,27 @@ def assemble(
     out = dict(model.state_dict())  # frozen parameters: as the model built with the seed
     out.update(layout.state_dict(manifest, flat.numpy()))
     if tables:
+        _fits_in_memory(layouts)
         out.update(whole_tables(layouts, [s.get("tables") or {} for s in states], limit=None))
     return out
+
+
+def _fits_in_memory(layouts: dict[str, dict[str, Any]]) -> None:
+    """Refuse, before allocating, a table that cannot be held whole here (a declared
+    10^12-row table would try 64 TB): half of this machine's memory at most. Unbounded
+    tables are not written whole (they have no whole)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    for name, lay in layouts.items():
+        size = lay["rows"] * lay["dim"] * np.dtype(lay["dtype"]).itemsize
+        if size > memory // 2:
+            raise ConfigError(
+                f"Table {name!r} is {size / 2**30:.1f} GiB whole, over half of this machine's "
+                f"{memory / 2**30:.0f} GiB: paramserver export --snapshot writes its rows "
+                "without holding it whole."
+            )
 
 
 def export(
@@ -203,12 +224,11 @@ def export(
     versions = {int(s["version"]) for s in states}
     built = models.build(model, seed=seed)
     state = assemble(built, states)
-    try:
-        built.load_state_dict(state, strict=True)  # it loads, or the model is not the run's
-    except RuntimeError as exc:
+    differs = models.state_difference(built, state)  # it loads, or the model is not the run's
+    if differs:
         raise ConfigError(
-            f"The checkpoints in {directory} do not load into --model {model}: {exc}"
-        ) from None
+            f"The checkpoints in {directory} do not load into --model {model}: {differs}."
+        )
     version = max(versions)
     meta = {
         "version": version,
