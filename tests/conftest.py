@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cli(*args: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess[str]:
+    """``paramserver ARGS`` in a child process, its output captured."""
+    return subprocess.run(paramserver_cmd(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    """Wait for ``check()`` with DEADLINE (a few checks a second no sooner than needed);
+    fail naming ``what``."""
+    ends, tick = time.monotonic() + DEADLINE, threading.Event()
+    while not check():
+        assert time.monotonic() < ends, f"still not {what} after {DEADLINE:g} s"
+        tick.wait(0.02)
 
 
 def paramserver_cmd(*args: str) -> list[str]:

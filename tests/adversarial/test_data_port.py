@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-import threading
-import time
 
 import pytest
 import torch
@@ -15,15 +13,7 @@ import paramserver as ps
 from paramserver.config import Security
 from paramserver.server.doors.listener import MAX_PENDING
 from paramserver.transport.tcp import DataSocket
-from tests.conftest import DEADLINE, replica, tiny_model
-
-
-def _until(check, what: str) -> None:
-    """Wait for ``check()`` with DEADLINE; fail naming ``what``."""
-    ends, tick = time.monotonic() + DEADLINE, threading.Event()
-    while not check():
-        assert time.monotonic() < ends, f"still not {what} after {DEADLINE:g} s"
-        tick.wait(0.02)
+from tests.conftest import DEADLINE, replica, tiny_model, wait_until
 
 
 def _tls_server(serve, pki):
@@ -54,7 +44,7 @@ def test_a_thousand_failed_handshakes_leave_the_tls_data_port_to_the_workers(ser
             elif i % 3 == 2:
                 with pytest.raises(OSError), stranger.wrap_socket(s, server_hostname="::1") as tls:
                     tls.recv(1)  # TLS 1.3: the server's refusal comes after the handshake
-    _until(lambda: server.data.pending == 0, "every failed handshake's slot given back")
+    wait_until(lambda: server.data.pending == 0, "every failed handshake's slot given back")
     failed = server.data.refusals.counts
     assert failed["handshake failed"] + failed["too many pending"] >= 1000 - MAX_PENDING
     mine = replica(model)
@@ -74,7 +64,7 @@ def test_a_worker_refused_by_a_full_tls_door_is_told_why_in_tls(serve, pki):
     port = server.data.port
     silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_PENDING)]
     try:
-        _until(lambda: server.data.pending == MAX_PENDING, "the door full")
+        wait_until(lambda: server.data.pending == MAX_PENDING, "the door full")
         with ps.Worker(server.address, replica(model), security=client, shm=False) as w:
             nonce = w.sessions[0].reply.data_nonce
             with pytest.raises(Exception, match="already waiting for their hello"):
@@ -82,6 +72,6 @@ def test_a_worker_refused_by_a_full_tls_door_is_told_why_in_tls(serve, pki):
     finally:
         for s in silent:
             s.close()
-    _until(lambda: server.data.pending == 0, "the silent connections' slots given back")
+    wait_until(lambda: server.data.pending == 0, "the silent connections' slots given back")
     with ps.Worker(server.address, replica(model), security=client, shm=False) as w:
         assert w.data_port_active

@@ -8,20 +8,11 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import threading
-import time
 
 from paramserver.cluster.procs import Child, stop_all
-from tests.conftest import DEADLINE
+from tests.conftest import DEADLINE, wait_until
 
 LEASE, BATCH, EPOCHS, TRAIN = 1.0, 64, 2, 4096
-
-
-def _until(check, what: str) -> None:
-    ends, tick = time.monotonic() + DEADLINE, threading.Event()
-    while not check():
-        assert time.monotonic() < ends, f"still not {what} after {DEADLINE:g} s"
-        tick.wait(0.02)
 
 
 def test_a_worker_paused_past_its_lease_logs_no_batch_another_worker_trained(serve, tmp_path):
@@ -51,11 +42,11 @@ def test_a_worker_paused_past_its_lease_logs_no_batch_another_worker_trained(ser
         for i in range(2)
     ]
     try:
-        _until(lambda: server.status()["batches_done"] >= 10, "10 batches done")
+        wait_until(lambda: server.status()["batches_done"] >= 10, "10 batches done")
         os.kill(workers[0].proc.pid, signal.SIGSTOP)  # paused in the middle of its step
-        _until(lambda: server.status()["workers_expired"] >= 1, "its lease lapsed")
+        wait_until(lambda: server.status()["workers_expired"] >= 1, "its lease lapsed")
         done = server.status()["batches_done"]
-        _until(lambda: server.status()["batches_done"] >= done + 5, "the other worker on")
+        wait_until(lambda: server.status()["batches_done"] >= done + 5, "the other worker on")
         os.kill(workers[0].proc.pid, signal.SIGCONT)
         for w in workers:
             assert w.proc.wait(DEADLINE) == 0, w.tail()

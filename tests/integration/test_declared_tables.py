@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from paramserver.sparse import Embedding, EmbeddingBag, Lifecycle
 from paramserver.sparse.declared import name_tables
 from paramserver.sparse.embedding import TableEmbedding
 from paramserver.sparse.rows import shard_of
-from tests.conftest import DEADLINE, launch_clicks, paramserver_cmd
+from tests.conftest import cli, launch_clicks
 from tests.sparse_models import Huge, dlrm_declared
 
 ITEMS = 10**12  # 16 TB of float32 rows declared
@@ -182,14 +181,9 @@ def test_export_refuses_a_table_too_large_to_hold_before_allocating_it(serve, tm
     tried to allocate it whole; it is refused in one line naming --snapshot."""
     server = serve(Huge(), policy="async", checkpoint_dir=str(tmp_path / "run"))
     server.stop()
-    out = subprocess.run(
-        paramserver_cmd(
-            *("export", str(tmp_path / "run"), "--model", "tests.sparse_models:Huge"),
-            *("--out", str(tmp_path / "whole.pt")),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
+    out = cli(
+        *("export", str(tmp_path / "run"), "--model", "tests.sparse_models:Huge"),
+        *("--out", str(tmp_path / "whole.pt")),
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "Table 't' is 59604.6 GiB whole" in out.stderr and "--snapshot" in out.stderr

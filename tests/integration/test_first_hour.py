@@ -18,16 +18,12 @@ from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.errors import ServerUnavailable
 from paramserver.transport import stub
 from paramserver.worker import waits
-from tests.conftest import DEADLINE, WorkerThread, free_port, paramserver_cmd, tiny_model
-
-
-def _cli(*args: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess:
-    return subprocess.run(paramserver_cmd(*args), capture_output=True, text=True, timeout=timeout)
+from tests.conftest import DEADLINE, WorkerThread, cli, free_port, paramserver_cmd, tiny_model
 
 
 def test_a_worker_at_a_wrong_port_says_whom_it_waits_for_and_until_when():
     port = free_port()
-    out = _cli("worker", "--server", f"127.0.0.1:{port}", "--rpc-timeout", "2.5")
+    out = cli("worker", "--server", f"127.0.0.1:{port}", "--rpc-timeout", "2.5")
     assert out.returncode == 1, out.stderr
     said = [line for line in out.stderr.splitlines() if "waiting for a parameter server" in line]
     assert said and f"at 127.0.0.1:{port}" in said[0], out.stderr
@@ -79,7 +75,7 @@ def finished_run(tmp_path_factory):
     """A launch of 2 epochs on the synthetic set, checkpointing into a folder: its stderr,
     its summary and the folder."""
     root = tmp_path_factory.mktemp("finished")
-    out = _cli(
+    out = cli(
         "launch",
         "--workers",
         "2",
@@ -132,12 +128,12 @@ def test_a_finished_run_says_so_at_the_server_the_worker_and_status(finished_run
         address = server.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
         said = (tmp_path / "server.log").read_text()
         assert "is over: all" in said and "--checkpoint-dir" in said, said[-2000:]
-        worker = _cli("worker", "--server", address, "--device", "cpu")
+        worker = cli("worker", "--server", address, "--device", "cpu")
         assert worker.returncode == 0, worker.stderr[-2000:]
         assert "was over before this worker computed a batch" in worker.stderr
-        table = _cli("status", "--server", address)
+        table = cli("status", "--server", address)
         assert "RUN FINISHED" in table.stdout, table.stdout
-        line = json.loads(_cli("status", "--server", address, "--json").stdout)
+        line = json.loads(cli("status", "--server", address, "--json").stdout)
         assert line["finished"] is True and line["batches_done"] == line["batches_total"] > 0
     finally:
         stop_all(procs)
@@ -170,7 +166,7 @@ def test_ctrl_c_ends_status_watch_quietly(serve):
 
 def test_a_port_in_use_is_one_sentence_of_ours(serve):
     server = serve("mlp", host="127.0.0.1")
-    out = _cli("server", "--host", "127.0.0.1", "--port", str(server.port))
+    out = cli("server", "--host", "127.0.0.1", "--port", str(server.port))
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert last == (
@@ -181,7 +177,7 @@ def test_a_port_in_use_is_one_sentence_of_ours(serve):
 
 
 def test_an_address_not_on_this_machine_is_named_as_such():
-    out = _cli("server", "--host", "192.0.2.1", "--port", str(free_port()))  # TEST-NET-1
+    out = cli("server", "--host", "192.0.2.1", "--port", str(free_port()))  # TEST-NET-1
     assert out.returncode == 2
     assert (
         out.stderr.strip().splitlines()[-1].endswith("this machine has no such address (--host).")
@@ -199,5 +195,5 @@ def test_status_and_health_take_the_workers_list_of_shards_and_ask_the_first(ser
             paramserver_cmd(*command), capture_output=True, text=True, timeout=DEADLINE, env=env
         )
         assert out.returncode == 0, out.stderr
-    line = json.loads(_cli("status", "--server", shards, "--json").stdout)
+    line = json.loads(cli("status", "--server", shards, "--json").stdout)
     assert line["incarnation"] == server.status()["incarnation"]

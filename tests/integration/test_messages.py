@@ -4,8 +4,6 @@ Each is one sentence (no traceback, no torch state-dict listing)."""
 
 from __future__ import annotations
 
-import subprocess
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,7 +15,7 @@ from paramserver.server.app import CHECKPOINT_HEALTH
 from paramserver.server.disk import checkpoint
 from paramserver.server.disk.reshard import reshard
 from paramserver.serving import snapshot
-from tests.conftest import DEADLINE, paramserver_cmd, tiny_model
+from tests.conftest import DEADLINE, cli, tiny_model
 from tests.integration.test_export import MODEL, SEED, _train
 
 
@@ -34,14 +32,9 @@ def test_a_cut_short_checkpoint_is_named_with_its_size_and_the_likely_cause(serv
     why = str(info.value)
     assert f"Cannot read the checkpoint {cut} ({size} bytes): it is cut short or corrupt" in why
     assert "\n" not in why and not (tmp_path / "three").exists()
-    out = subprocess.run(
-        paramserver_cmd(
-            *("checkpoint", "reshard", str(run), "--model", MODEL, "--seed", str(SEED)),
-            *("--shards", "3", "--round", "10", "--out", str(tmp_path / "three")),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
+    out = cli(
+        *("checkpoint", "reshard", str(run), "--model", MODEL, "--seed", str(SEED)),
+        *("--shards", "3", "--round", "10", "--out", str(tmp_path / "three")),
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "cut short or corrupt" in out.stderr and str(cut) in out.stderr
@@ -93,12 +86,7 @@ def test_a_health_service_the_server_lacks_is_named_with_why(serve):
         assert ok.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         channel.close()
-    out = subprocess.run(
-        paramserver_cmd("health", "--server", server.address, "--service", CHECKPOINT_HEALTH),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    out = cli("health", "--server", server.address, "--service", CHECKPOINT_HEALTH)
     assert out.returncode != 0 and "no --checkpoint-dir" in out.stderr, out.stderr
 
 
