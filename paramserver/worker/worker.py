@@ -174,6 +174,8 @@ class Worker(WorkerView):
             for a in self.addresses:
                 s = Session(channels, a, self.name, rpc_timeout, backoff, self._stop, sleep)
                 self.sessions.append(s)
+            # from each join on: building the model and loading the data may outlast a lease
+            self._heartbeats = Heartbeats(self.sessions, self._stop).start()
             joined = joining.join(
                 self.sessions,
                 model,
@@ -203,7 +205,6 @@ class Worker(WorkerView):
         self._stager = Stager(self.sessions, self.ranges, self._replica, self.tables, self._pipe)
         self._loader = stages.loader(self.mode, self._replica, self.sessions, self.ranges)
         self._reopened()
-        self._heartbeats = Heartbeats(self.sessions, self._stop).start()
         log.info(
             "joined %s as %s (rank %d of %d) at clock %d under %s; steps %s; payloads %s",
             self.address,

@@ -1,15 +1,20 @@
 """kill -9 one of 4 workers under sync: the stall is bounded by the lease, the run completes,
-and every batch of the run is applied exactly once (the dead worker's goes to the others)."""
+and every batch of the run is applied exactly once (the dead worker's goes to the others).
+And a live worker that is slow to start keeps its lease."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
 
+import torch
+
+import paramserver as ps
 from paramserver.training import data
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import DEADLINE, paramserver_cmd, tiny_model
 
 LEASE = 1.0
 
@@ -80,3 +85,26 @@ def test_sync_run_survives_a_killed_worker(serve, children, tmp_path):
     # The lease bounds the stall: the dead worker is dropped once it runs out (the reaper
     # checks every lease/4); the margin absorbs a loaded machine, not a missing bound.
     assert stall < LEASE + 5.0
+
+
+def test_a_worker_keeps_its_lease_while_it_loads_its_data_after_joining(serve):
+    """A worker joins (to learn the plan), then builds its model and loads its data: its
+    heartbeats run from the join on. They started after the load, so with a lease shorter
+    than the load every worker was dropped at the start of a run (``paramserver chaos`` at
+    a 2 s lease), and the first one back trained rounds alone."""
+    lease = 0.5
+    server = serve(tiny_model(), policy="sync", workers=1, lease_seconds=lease)
+    loading = threading.Event()
+
+    def slow_load(plan) -> int:
+        loading.wait(4 * lease)  # a data set that takes four leases to load
+        return 0
+
+    model = tiny_model()
+    with ps.Worker(server.address, model, train_samples=slow_load) as worker:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        worker.step(samples=1)
+        assert worker.rejoins == 0
+    status = server.status()
+    assert status["workers_expired"] == 0 and status["version"] == 1, status
