@@ -61,17 +61,18 @@ LOCAL = (
     "forget_workers",
 )
 # What `server` and `launch` share: the run and its optimizer.
-RUN = (Part(ServerConfig, exclude=LOCAL), Part(OptimizerConfig, exclude=("schedule",)))
+SCHEDULE = ("schedule", "by")  # a server's default and launch's differ
+RUN = (Part(ServerConfig, exclude=LOCAL), Part(OptimizerConfig, exclude=SCHEDULE))
 SERVER = (
     *RUN,
-    Part(OptimizerConfig, only=("schedule",)),
+    Part(OptimizerConfig, only=SCHEDULE),
     Part(ServerConfig, only=LOCAL),
     Part(Security),
 )
 WORKER = (Part(WorkerConfig), Part(Procs), Part(Security))
 LAUNCH = (
     *RUN,
-    Part(OptimizerConfig, only=("schedule",), defaults={"schedule": "cosine"}),
+    Part(OptimizerConfig, only=SCHEDULE, defaults={"schedule": "cosine", "by": "batches"}),
     Part(LaunchConfig, exclude=("progress",)),
     Part(ServerConfig, only=("threads",)),
     Part(LaunchOutput),

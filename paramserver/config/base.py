@@ -17,6 +17,7 @@ DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embe
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise-adagrad", "adam")  # a sparse table's (sparse/optim)
 LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULE_BY = ("steps", "batches")
 SHM_CHOICES = ("on", "payloads", "off")
 WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
 DATASETS = ("fashion-mnist", "synthetic", "clicks")
@@ -107,6 +108,13 @@ class OptimizerConfig:
         type=int,
         dest="lr_total_steps",
     )
+    by: str = setting(
+        "steps",
+        "--lr-schedule-by",
+        "What moves the schedule: steps, the optimizer steps taken; batches, the share of the run's batches done (a server that hands out batches; else steps), at --lr-total-steps for the whole run, so that a run that takes more optimizer steps than planned (rounds short of a worker after a fault) decays over all its batches instead of ending at rate 0. The default is steps on server, batches on launch.",
+        choices=LR_SCHEDULE_BY,
+        dest="lr_schedule_by",
+    )
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -121,11 +129,25 @@ class OptimizerConfig:
                 f"Unknown learning-rate schedule (--lr-schedule) {self.schedule!r}: choose one "
                 f"of {', '.join(LR_SCHEDULES)}."
             )
+        if self.by not in LR_SCHEDULE_BY:
+            raise ConfigError(
+                f"--lr-schedule-by must be one of {', '.join(LR_SCHEDULE_BY)}; got {self.by!r}."
+            )
         if self.schedule == "cosine" and (self.total_steps is None or self.total_steps < 1):
             raise ConfigError(
                 "--lr-schedule cosine needs --lr-total-steps, the number of optimizer steps "
                 f"it decays over (at least 1); got {self.total_steps!r}."
             )
+
+    def rate(self, step: int, done: tuple[int, int] | None) -> float:
+        """The learning rate of optimizer step ``step``; with ``--lr-schedule-by batches``,
+        of the step the run's plan has reached: ``done`` is (batches done, the run's
+        batches), the step's own counted (None: no batch plan). An uninterrupted run gets
+        the rate of each step as by steps (the plan's --lr-total-steps is its batches over
+        the batches a step takes); a run of more, smaller steps moves along its batches."""
+        if self.by != "batches" or done is None or self.total_steps is None or done[1] < 1:
+            return self.lr_at(step)
+        return self.lr_at(max(done[0] - 1, 0) * self.total_steps // done[1])
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based)."""

@@ -137,3 +137,43 @@ def test_a_late_worker_catches_up_with_the_round_in_progress() -> None:
     status = c.status().as_dict()
     assert status["batches_done"] == status["batches_total"] == 9, status
     assert status["batches_applied"] == 9
+
+
+def _schedule_run(by: str) -> list[float]:
+    """A sync run of 2 workers over 8 batches (the plan: 4 steps, cosine over them) whose
+    second worker leaves after the first round: the rate of each step it takes."""
+    clock = FakeClock(1000.0)
+    opt = OptimizerConfig("sgd", lr=1.0, schedule="cosine", total_steps=4, by=by)
+    manifest = Manifest.from_tensors([("w", torch.zeros(N))])
+    store = ParameterStore(manifest, np.zeros(N, np.float32), opt)
+    config = ServerConfig(policy="sync", workers=2, optimizer=opt, dataset="synthetic")
+    c = Coordinator(config, store, now=clock)
+    a, b = (c.join(n, train_samples=64 * 8) for n in ("a", "b"))
+    rates = []
+    for it in range(7):
+        pushers = (a, b) if it == 0 else (a,)
+        for w in pushers:
+            assert c.pull(w.worker_id, it, 0).batch >= 0
+        before = c.store.version
+        for w in pushers:
+            c.push(w.worker_id, it, full(1.0), 64, math.nan)
+        assert c.store.version == before + 1
+        rates.append(float(-c.store.weights[0]) - sum(rates))  # SGD: each step moves w by -lr
+        if it == 0:
+            c.leave(b.worker_id)
+    assert c.status().as_dict()["batches_done"] == 8
+    return rates
+
+
+def test_a_schedule_by_batches_decays_over_every_batch_when_steps_are_smaller() -> None:
+    """--lr-schedule-by batches (launch's): a run whose rounds lose a worker takes more
+    steps than planned; by steps its rate reached 0 with batches left (launch's cosine over
+    the planned steps: the rounds past them trained at rate 0); by batches it follows the
+    batches done, and the first round's rate is the plan's first."""
+    cosine = OptimizerConfig("sgd", lr=1.0, schedule="cosine", total_steps=4)
+    by_steps, by_batches = _schedule_run("steps"), _schedule_run("batches")
+    assert by_steps[:4] == pytest.approx([cosine.lr_at(i) for i in range(4)])
+    assert by_steps[4:] == [0.0, 0.0, 0.0]  # three batches trained at rate 0
+    # batches done before each step: 0, 2, 3, ..., 7 of 8 -> plan steps 0, 1, 1, 2, 2, 3, 3
+    assert by_batches == pytest.approx([cosine.lr_at(s) for s in (0, 1, 1, 2, 2, 3, 3)])
+    assert min(by_batches) > 0

@@ -86,13 +86,19 @@ class ParameterStore:
         self.optimizer = build_optimizer([self.param], optimizer)
         self._bare_step = bare_step(self.optimizer)
         self.version = 0
+        self.progress: Callable[[], tuple[int, int] | None] = lambda: None  # batches done
         self._snapshot: np.ndarray | None = None
         self._retired: list[np.ndarray] = []  # earlier versions' snapshots, for reuse
+
+    def rate(self, version: int) -> float:
+        """The learning rate of optimizer step ``version``: the schedule at that step, or
+        at the run's batches done (``progress``, set by the coordinator)."""
+        return self.config.rate(version, self.progress())
 
     @property
     def lr(self) -> float:
         """The learning rate the next step will use."""
-        return self.config.lr_at(self.version)
+        return self.rate(self.version)
 
     @property
     def weights(self) -> np.ndarray:
@@ -102,7 +108,7 @@ class ParameterStore:
     def apply(self, grad: np.ndarray) -> None:
         """One optimizer step with ``grad``, the gradient of the parameters' section: the
         next version."""
-        self.step(grad, self.config.lr_at(self.version))
+        self.step(grad, self.rate(self.version))
         self.version += 1
         self.retire()
 

@@ -188,7 +188,7 @@ class OnArrival(Arrival):
             return None
         if self.tables is not None:  # at this step's rate (--lr-schedule); no rows: the TTL
             step = self.applies.next_version
-            self.tables.apply(rows, self.store.config.lr_at(step), step)
+            self.tables.apply(rows, self.store.rate(step), step)
         waiting = self.applies.add(worker_id, grad)
         self.share(live)
         return waiting

@@ -84,8 +84,7 @@ class Coordinator:
         self.model_numel = store.manifest.numel if model_numel is None else model_numel
         self.shard_offset = shard_offset
         self.incarnation = uuid.uuid4().hex[:12]
-        # the restart this state goes back to (JoinResponse.origin): this process's own,
-        # until a rewind for another shard's restart
+        # the restart this state goes back to (JoinResponse.origin): its own, until a rewind
         self.origin = self.incarnation
         self.started_at = now()
         self._now, self._wall = now, wall
@@ -93,6 +92,7 @@ class Coordinator:
         self.counters = Counters()
         self.buffers = SharedBuffers(self.manifest)
         self.members = Members(config, now)
+        store.progress = lambda: self.members.progress()  # --lr-schedule-by batches
         coalesce = config.coalesce == "on"
         self.applies = Applies(store, self.counters, self._cond, now, coalesce)
         self.applies.published = self._published

@@ -268,11 +268,11 @@ class Applies:
         (``coalesce``), else one step each; ``stepped`` counts those in the weights."""
         if self.coalesce and len(taken) > 1:
             total = self._summed([item.grad for item in taken])
-            self.store.step(total, self.store.config.lr_at(version))
+            self.store.step(total, self.store.rate(version))
             self.stepped = len(taken)
             return
         for i, item in enumerate(taken):
-            self.store.step(item.grad, self.store.config.lr_at(version + i))
+            self.store.step(item.grad, self.store.rate(version + i))
             self.stepped = i + 1
 
     def _summed(self, grads: list[np.ndarray]) -> np.ndarray:

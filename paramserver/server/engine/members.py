@@ -190,6 +190,11 @@ class Members:
             )
         return dead
 
+    def progress(self) -> tuple[int, int] | None:
+        """(batches done, the run's batches); None without a batch plan."""
+        q = self.queue
+        return (q.done, q.total) if q is not None else None
+
     def forgotten(self) -> list[Member]:
         """With ``--forget-workers``, the workers a checkpoint brought back, dropped now:
         their launcher knows they are gone (they held a resumed launch's new workers off
