@@ -14,7 +14,8 @@ again meanwhile. Then the same run without faults, and the checks:
 - no hang: every recovery within ``recover_within`` seconds, and the run ends;
 - equal result: under ``sync`` with only server-side faults, the final weights and table
   rows equal the uninterrupted run's to float precision; with worker faults, the test
-  accuracy within 1 point of it;
+  accuracy within half a point of it (the click log's model learns its teacher: about 71%
+  against the majority class's 60%);
 - readable: no checkpoint on disk was ever unreadable.
 """
 
@@ -296,7 +297,7 @@ def soak(cfg: ChaosConfig) -> dict[str, Any]:
             np.allclose(hurt.state[k], clean.state[k], rtol=1e-5, atol=1e-6) for k in floats
         )
     else:
-        checks["accuracy_within_1_point"] = abs(acc - acc_clean) <= 0.01
+        checks["accuracy_within_half_a_point"] = abs(acc - acc_clean) <= 0.005
     return {
         "ok": all(checks.values()),
         "checks": checks,

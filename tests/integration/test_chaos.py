@@ -44,7 +44,7 @@ def _soak(tmp_path, faults: int, seed: int, kinds: str) -> dict[str, Any]:
 
 def _every_check_held(report: dict[str, Any], result: str) -> None:
     """Every invariant held, ``result`` the check of the run's result (which depends on
-    the faults: the same weights, or the same accuracy within a point)."""
+    the faults: the same weights, or the same accuracy within half a point)."""
     held = ["exactly_once", "workers_logs_agree", "recovered_within", "every_fault_injected"]
     assert report["checks"] == dict.fromkeys([*held, "checkpoints_readable", result], True), report
 
@@ -71,7 +71,8 @@ def test_worker_faults_among_shard_kills_lose_and_double_no_batch(tmp_path):
         kinds.append("link-down")
     before = _namespaces()
     report = _soak(tmp_path, len(kinds), 1, ",".join(kinds))
-    _every_check_held(report, "accuracy_within_1_point")
+    _every_check_held(report, "accuracy_within_half_a_point")
+    assert report["accuracy_uninterrupted"] > 0.68  # it learnt: the majority class is 60%
     assert sorted(f["fault"].split(" ")[0] for f in report["faults"]) == sorted(kinds)
     assert _namespaces() <= before  # the workers' namespaces are gone
 
