@@ -8,7 +8,8 @@ control socket and a data port. Four rooms, lowest first, and the process around
 - ``disk/``: checkpoints, row folders, resharding, export;
 - ``doors/``: gRPC, the control socket, the data port;
 - here, the process: ``build`` (what a coordinator starts from: model, store, saved
-  state), ``app`` (build -> doors -> start, ready, stop), ``metrics`` (Prometheus).
+  state), ``app`` (build -> doors -> start, ready, stop), ``metrics`` (Prometheus) and
+  ``metrics_http`` (its HTTP server, what a peer may hold of it bounded).
 
 A room may import the rooms below it; ``disk`` and ``doors`` never import each other;
 only the process modules here import ``disk`` and ``doors`` together

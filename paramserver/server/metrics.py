@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -21,6 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from paramserver.server import metrics_http
 from paramserver.server.bookkeeping.status import ServerStatus
 from paramserver.transport.handlers import Behavior, wrap_handler
 from paramserver.transport.security import HEALTH_PREFIX
@@ -241,7 +242,7 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on ``host:port`` (0: any free port); returns the port."""
-        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = metrics_http.serve(host, port, self.registry)
         self.port = self._http.server_port
         return self.port
 
