@@ -200,11 +200,17 @@ class Worker(WorkerView):
         self.tables.exact = self.policy.synchronous  # sync: rows exact, step for step
 
     def _start(self, rpc_timeout: float, barrier_timeout: float) -> None:
-        """The step's stages over the joined sessions, the heartbeats, and the first pull."""
-        self._pipe = Pipeline(self.sessions, self._slots, rpc_timeout, barrier_timeout)
-        self._stager = Stager(self.sessions, self.ranges, self._replica, self.tables, self._pipe)
-        self._loader = stages.loader(self.mode, self._replica, self.sessions, self.ranges)
-        self._reopened()
+        """The step's stages over the joined sessions, and the first pull; a failure closes
+        the sessions (their heartbeats, running since the joins, would keep a ghost live)."""
+        try:
+            sessions, ranges = self.sessions, self.ranges
+            self._pipe = Pipeline(sessions, self._slots, rpc_timeout, barrier_timeout)
+            self._stager = Stager(sessions, ranges, self._replica, self.tables, self._pipe)
+            self._loader = stages.loader(self.mode, self._replica, sessions, ranges)
+            self._reopened()
+        except BaseException:
+            self._close_sessions()
+            raise
         log.info(
             "joined %s as %s (rank %d of %d) at clock %d under %s; steps %s; payloads %s",
             self.address,
@@ -338,11 +344,8 @@ class Worker(WorkerView):
         return [self._pipe.landed.popleft() for _ in range(len(self._pipe.landed))]
 
     def flush(self) -> None:
-        """Wait until every push handed to the background has been answered.
-
-        Pushes dropped because a server restarted are not answered: the next pull joins
-        the new server and goes on from the clock it holds.
-        """
+        """Wait until every push handed to the background has been answered (one dropped
+        because its server restarted is not: the next pull joins the new server)."""
         self._pipe.flush()
         self._pipe.check()
 

@@ -14,7 +14,7 @@ import torch
 
 import paramserver as ps
 from paramserver.training import data
-from tests.conftest import DEADLINE, paramserver_cmd, tiny_model
+from tests.conftest import DEADLINE, paramserver_cmd, tiny_model, wait_until
 
 LEASE = 1.0
 
@@ -108,3 +108,26 @@ def test_a_worker_keeps_its_lease_while_it_loads_its_data_after_joining(serve):
         assert worker.rejoins == 0
     status = server.status()
     assert status["workers_expired"] == 0 and status["version"] == 1, status
+
+
+def test_a_worker_that_fails_to_start_after_joining_leaves_no_ghost(serve, monkeypatch):
+    """Its heartbeats run from the join on, so a failure between the join and the first
+    pull must end them and leave the run, or the server would keep a member that never
+    pushes (under sync, a round waiting for it for good)."""
+    from paramserver.worker import worker as worker_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no loader")
+
+    server = serve(tiny_model(), policy="sync", workers=2)
+    monkeypatch.setattr(worker_module.stages, "loader", broken)
+    try:
+        ps.Worker(server.address, tiny_model())
+    except RuntimeError as exc:
+        assert "no loader" in str(exc)
+    else:
+        raise AssertionError("the worker started")
+    status = server.status()
+    assert status["workers"] == [] and status["workers_joined"] == 1, status
+    beating = lambda: [t for t in threading.enumerate() if t.name.startswith("ps-heartbeat")]  # noqa: E731
+    wait_until(lambda: not beating(), "the heartbeats ended")
