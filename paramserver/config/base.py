@@ -141,13 +141,16 @@ class OptimizerConfig:
 
     def rate(self, step: int, done: tuple[int, int] | None) -> float:
         """The learning rate of optimizer step ``step``; with ``--lr-schedule-by batches``,
-        of the step the run's plan has reached: ``done`` is (batches done, the run's
-        batches), the step's own counted (None: no batch plan). An uninterrupted run gets
-        the rate of each step as by steps (the plan's --lr-total-steps is its batches over
-        the batches a step takes); a run of more, smaller steps moves along its batches."""
-        if self.by != "batches" or done is None or self.total_steps is None or done[1] < 1:
+        at most that of the step the run's plan has reached: ``done`` is (batches done, the
+        run's batches; None: no batch plan). A run on its plan gets each step's rate as by
+        steps (its batches done are those of its steps so far, or one step's more); a run
+        of more, smaller steps than planned moves along its batches instead, and its last
+        step is the plan's last, not rate 0."""
+        total = self.total_steps
+        if self.by != "batches" or done is None or total is None or done[1] < 1:
             return self.lr_at(step)
-        return self.lr_at(max(done[0] - 1, 0) * self.total_steps // done[1])
+        reached = min(done[0] * total // done[1], total - 1)
+        return self.lr_at(min(step, reached))
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based)."""

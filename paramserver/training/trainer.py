@@ -183,6 +183,8 @@ def _train(
     if prefetch:
         worker.prefetch_next(prefetch)
     steps = samples = empty = 0
+    if cfg.batch_log:
+        worker.landed_batches()  # from now on the worker keeps them (none taken yet)
     while not worker.finished:
         if cfg.max_steps is not None and steps >= cfg.max_steps:
             log.info("rank %d: --max-steps %d reached; leaving", worker.rank, cfg.max_steps)

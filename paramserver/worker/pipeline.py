@@ -24,18 +24,16 @@ lease), shard 0 gets an empty push, which gives the batches back to the queue.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import math
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import RejoinRequired, Timeout
+from paramserver.worker.pushes import Landed, Landing, StagedPush
 from paramserver.worker.session import Session
 
 T = TypeVar("T")
@@ -55,50 +53,6 @@ def step_mode(overlap: bool, shm: bool, synchronous: bool) -> StepMode:
     if shm and not synchronous:
         return StepMode.PREFETCHING
     return StepMode.OVERLAPPED
-
-
-@dataclass(frozen=True)
-class StagedPush:
-    """A gradient copied into push slot ``slot``, to be sent to every shard; shard i's copy
-    is its iteration ``iterations[i]`` (the shards' clocks differ after a shard rewinds)."""
-
-    slot: int
-    iterations: tuple[int, ...]
-    samples: int = 0
-    loss: float = math.nan
-    empty: bool = False
-    rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # per shard: its tables' rows
-    row_cache: tuple[int, int] = (0, 0)  # the tables' cache hits and misses so far
-    batches: tuple[int, ...] = ()  # the server-handed batches it was computed on
-
-    def emptied(self) -> StagedPush:
-        """The same push without its gradient (it gives its batches back)."""
-        return dataclasses.replace(self, empty=True, rows={}, batches=())
-
-
-class Landing:
-    """Which shards other than 0 took one push: shard 0's call waits for all of them.
-
-    Every ``mark`` comes from a ``finally`` of the call it reports, so the wait ends; it also
-    ends when the pipeline shuts down (``closed``)."""
-
-    def __init__(self, shards: int, closed: threading.Event):
-        self._done = [threading.Event() for _ in range(shards)]
-        self._took = [False] * shards
-        self._closed = closed
-
-    def mark(self, i: int, took: bool) -> None:
-        if not self._done[i].is_set():
-            self._took[i] = took
-            self._done[i].set()
-
-    def wait(self) -> bool:
-        """Whether every shard but 0 took the push."""
-        for done in self._done[1:]:
-            while not done.wait(1.0):
-                if self._closed.is_set():
-                    return False
-        return all(self._took[1:])
 
 
 class Pipeline:
@@ -126,11 +80,11 @@ class Pipeline:
         self._ahead: list[Future[pb.PullHeader | None]] | None = None
         self.error: BaseException | None = None
         self._closed = threading.Event()
-        self.landed: deque[tuple[int, ...]] = deque()  # each push's batches shard 0 took
+        self.landed = Landed()  # the batches of the pushes shard 0 took: --batch-log's
 
     def _took(self, s: Session, staged: StagedPush) -> None:
-        if staged.batches and not staged.empty and s is self.sessions[0]:
-            self.landed.append(staged.batches)  # shard 0 counts them done: --batch-log's
+        if s is self.sessions[0]:  # shard 0 counts the batches done
+            self.landed.took(staged)
 
     def _landing(self, staged: StagedPush | None) -> Landing | None:
         """A push of server-handed batches to several shards goes to shard 0 last."""

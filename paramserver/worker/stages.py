@@ -27,7 +27,8 @@ import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import RejoinRequired
-from paramserver.worker.pipeline import Pipeline, StagedPush, StepMode
+from paramserver.worker.pipeline import Pipeline, StepMode
+from paramserver.worker.pushes import StagedPush
 from paramserver.worker.replica import Replica
 from paramserver.worker.rows import WorkerTables
 from paramserver.worker.session import Session

@@ -338,10 +338,9 @@ class Worker(WorkerView):
         self.tables.prefetch_later(ids)
 
     def landed_batches(self) -> list[tuple[int, ...]]:
-        """The batches of each push shard 0 (which counts them done) took since the last
-        call, oldest first (``--batch-log``). A dropped push (its server restarted, or
-        dropped this worker's lease while it was paused) is not among them."""
-        return [self._pipe.landed.popleft() for _ in range(len(self._pipe.landed))]
+        """The batches of each push shard 0 took since the last call (``--batch-log``;
+        kept from the first call on): ``pushes.Landed``."""
+        return self._pipe.landed.take()
 
     def flush(self) -> None:
         """Wait until every push handed to the background has been answered (one dropped

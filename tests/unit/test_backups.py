@@ -174,6 +174,21 @@ def test_a_schedule_by_batches_decays_over_every_batch_when_steps_are_smaller() 
     by_steps, by_batches = _schedule_run("steps"), _schedule_run("batches")
     assert by_steps[:4] == pytest.approx([cosine.lr_at(i) for i in range(4)])
     assert by_steps[4:] == [0.0, 0.0, 0.0]  # three batches trained at rate 0
-    # batches done before each step: 0, 2, 3, ..., 7 of 8 -> plan steps 0, 1, 1, 2, 2, 3, 3
-    assert by_batches == pytest.approx([cosine.lr_at(s) for s in (0, 1, 1, 2, 2, 3, 3)])
+    # batches done at each step: 2, 3, ..., 8 of 8; the plan's step reached (2 a step),
+    # never past the step itself nor the plan's last: 0, 1, 2, 2, 3, 3, 3
+    assert by_batches == pytest.approx([cosine.lr_at(s) for s in (0, 1, 2, 2, 3, 3, 3)])
     assert min(by_batches) > 0
+
+
+@pytest.mark.parametrize("batches,workers", [(937, 3), (1874, 4), (937, 1), (100, 7)])
+def test_a_run_on_its_plan_gets_the_same_rates_by_batches_as_by_steps(batches, workers) -> None:
+    """Every step of a run on its plan (rounds of ``workers`` batches, the last one short),
+    its batches counted before its rate is read, or (tables under async) one push's not
+    yet: the rate by batches is the rate by steps."""
+    steps = -(-batches // workers)
+    by_steps = OptimizerConfig("sgd", lr=1.0, schedule="cosine", total_steps=steps)
+    by_batches = OptimizerConfig("sgd", 1.0, schedule="cosine", total_steps=steps, by="batches")
+    for step in range(steps):
+        done = min(batches, (step + 1) * workers)
+        for counted in (done, done - workers if workers == 1 else done):
+            assert by_batches.rate(step, (counted, batches)) == by_steps.lr_at(step), step
