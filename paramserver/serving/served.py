@@ -114,7 +114,11 @@ def load(
         replace_tables(built, served)
     except ValueError as exc:
         raise ConfigError(f"{refusal}: {exc}.") from None
-    dense = torch.load(root / manifest["dense"]["file"], map_location="cpu", weights_only=True)
+    path = root / manifest["dense"]["file"]
+    try:
+        dense = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unverified (verify=False) and torn: one line
+        raise ConfigError(f"{refusal}: cannot read {path}: {type(exc).__name__}: {exc}") from None
     differs = models.state_difference(built, dense)
     if differs:
         raise ConfigError(f"{refusal}: {differs}.")

@@ -87,7 +87,12 @@ class BoundedHealth(health.HealthServicer):
         an empty text)."""
         known = ", ".join(repr(s) for s in sorted(self._known)) or "none"
         why = self.absent.get(service, "")
-        return f"No health service {service!r} here{': ' + why if why else ''}; it has {known}."
+        named = (
+            repr(service)
+            if len(service) <= 80
+            else f"{service[:70]!r}... ({len(service)} characters)"
+        )
+        return f"No health service {named} here{': ' + why if why else ''}; it has {known}."
 
     @on_side_pool
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802

@@ -97,3 +97,27 @@ def test_a_checkpoint_names_the_model_of_the_server_that_wrote_it(serve, tmp_pat
     given = serve(tiny_model(), policy="async", checkpoint_dir=str(tmp_path / "given"))
     given.stop()
     assert checkpoint.load(tmp_path / "given" / checkpoint.SERVER_FILE)["model"] == ""
+
+
+def test_an_unverified_snapshot_with_a_torn_dense_file_is_one_line(serve, tmp_path):
+    _train(serve, tmp_path / "run", 1)
+    root, _, _ = snapshot.write(tmp_path / "run", MODEL, SEED, tmp_path / "snap")
+    dense = root / "dense.pt"
+    dense.write_bytes(dense.read_bytes()[:100])
+    with pytest.raises(ConfigError) as info:
+        ps.serving.load(root, verify=False)
+    assert f"cannot read {dense}" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_long_health_service_name_is_quoted_short(serve):
+    server = serve(tiny_model(), policy="async")
+    channel = grpc.insecure_channel(server.address)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="x" * 10_000), timeout=DEADLINE
+            )
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "(10000 characters)" in err.value.details() and len(err.value.details()) < 300
+    finally:
+        channel.close()

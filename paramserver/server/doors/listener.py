@@ -203,6 +203,9 @@ class Listener(abc.ABC):
         """Refuse from the accept thread: a reply that never blocks (a fresh connection's
         buffer is empty), then close. Under TLS the refuser thread says it, in TLS."""
         self.refusals.note(refusal.reason, refusal.detail)
+        if self._closed:
+            conn.close()
+            return
         if self.speaks_tls:
             try:
                 self._refusing.put_nowait((conn, refusal))
@@ -217,10 +220,13 @@ class Listener(abc.ABC):
 
     def _refuser(self) -> None:
         """Tells refused peers why, inside TLS, one at a time and briefly each."""
-        while True:
-            item = self._refusing.get()
+        while not self._closed:
+            try:
+                item = self._refusing.get(timeout=1.0)  # also ends when the stop word is lost
+            except queue.Empty:
+                continue
             if item is None:
-                return
+                break
             conn, refusal = item
             try:
                 conn.settimeout(REPLY_SECONDS)
@@ -234,6 +240,13 @@ class Listener(abc.ABC):
                 log.exception("%s: telling a refused peer why failed", self.door)
             finally:
                 conn.close()
+        while True:  # closed: what is left is closed unanswered
+            try:
+                left = self._refusing.get_nowait()
+            except queue.Empty:
+                return
+            if left is not None:
+                left[0].close()
 
     # --- one connection -------------------------------------------------------------------
 
