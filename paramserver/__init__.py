@@ -123,6 +123,32 @@ MOVED.update(
     {f"paramserver.server.{old}": f"paramserver.server.{new}" for old, new in _SERVER_ROOMS.items()}
 )
 
+# bench/ before its families (stage 4; ``paramserver.bench.criteo`` is a family now).
+_BENCH_FAMILIES = {
+    "accuracy": "throughput.accuracy",
+    "criteo_bench": "criteo.case",
+    "criteo_model": "criteo.model",
+    "criteo_ranks": "criteo.ranks",
+    "figures": "report.figures",
+    "netrain": "wire.network_training",
+    "network": "wire.network",
+    "pusher": "wire.pusher",
+    "readme": "report.readme",
+    "results": "report.results",
+    "scaling": "throughput.scaling",
+    "server": "wire.server",
+    "sparse": "tables.sparse",
+    "sparse_ranks": "tables.ranks",
+    "sparse_rows": "tables.row_memory",
+    "step": "throughput.step",
+    "straggler": "throughput.straggler",
+    "transport": "wire.transport",
+    "wakeup": "wire.wakeup",
+}
+MOVED.update(
+    {f"paramserver.bench.{old}": f"paramserver.bench.{new}" for old, new in _BENCH_FAMILIES.items()}
+)
+
 
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers an old module path with the module at its new one (the same object)."""

@@ -13,6 +13,8 @@ import shutil
 import subprocess
 from typing import Any
 
+import pytest
+
 from paramserver.cluster import netns
 from tests.conftest import paramserver_cmd
 
@@ -62,7 +64,8 @@ def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
     assert report["largest_weight_difference"] < 1e-4
 
 
-def test_worker_faults_among_shard_kills_lose_and_double_no_batch(tmp_path):
+@pytest.mark.parametrize("seed", [1, 2])
+def test_worker_faults_among_shard_kills_lose_and_double_no_batch(tmp_path, seed):
     """A worker that joins again while the shards are a round apart used to make the two
     shards' cuts hold different batches, and a shard's restart then lost one (the long
     soak's failure): each kind once here, the link fault where namespaces can be made."""
@@ -70,10 +73,10 @@ def test_worker_faults_among_shard_kills_lose_and_double_no_batch(tmp_path):
     if netns.unavailable() is None:
         kinds.append("link-down")
     before = _namespaces()
-    report = _soak(tmp_path, len(kinds), 1, ",".join(kinds))
+    report = _soak(tmp_path, len(kinds), seed, ",".join(kinds))
     _every_check_held(report, "accuracy_within_half_a_point")
     assert report["accuracy_uninterrupted"] > 0.68  # it learnt: the majority class is 60%
-    assert sorted(f["fault"].split(" ")[0] for f in report["faults"]) == sorted(kinds)
+    assert sorted(f["fault"].split(" ")[0] for f in report["faults"]) == sorted(kinds), report
     assert _namespaces() <= before  # the workers' namespaces are gone
 
 

@@ -197,6 +197,10 @@ ROOMS: dict[str, list[set[str]]] = {
     "server": [{"bookkeeping"}, {"engine"}, {"disk", "doors"}, {""}],
     "bench": [{"report"}, {""}, {"criteo"}, {"tables"}, {"throughput"}, {"wire"}],
 }
+# Rooms of different levels that never import each other all the same.
+ROOMS_APART = {
+    "bench": [({"criteo", "tables"}, {"throughput", "wire"})],
+}
 MAX_MODULES_A_FOLDER = 15
 
 
@@ -236,6 +240,9 @@ def arrow_is_wrong(package: str, here: str, target: str, in_init: bool = False) 
         return False  # ``from paramserver.server import x``: x is checked on its own
     if mine == "" and in_init:
         return False
+    for one, other in ROOMS_APART.get(package, []):
+        if (mine in one and there in other) or (mine in other and there in one):
+            return True
     return rank[there] >= rank[mine]
 
 
