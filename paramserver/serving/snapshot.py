@@ -19,9 +19,10 @@ Streamed: a shard's rows are read from its row files (``server/disk/row_format.p
 time, merged in id order, and written so, so a table larger than memory is exported with
 memory for a few chunks (a delta also keeps the ids held, 8 bytes a row, to find those
 gone). The manifest is written last, atomically: a
-folder without one, or whose files do not match it, is not a snapshot. Every file is
-written into a hidden folder beside DIR that is renamed to DIR once whole, so a refused
-or failed export leaves DIR as it was (absent or empty).
+folder without one, or whose files do not match it, is not a snapshot. A new DIR is
+written as a hidden folder beside it, renamed to DIR once whole; an existing (empty) DIR
+is written in place and emptied again on a failure: a refused or failed export leaves DIR
+as it was (absent or empty).
 """
 
 from __future__ import annotations
@@ -166,19 +167,26 @@ def write(
     for name in layouts if chain else ():
         if any(name not in m["tables"] for _, m in chain):
             raise ConfigError(f"The base snapshots hold no table {name!r}: not this run's model.")
-    # Written beside ``root`` and renamed into place whole: a refusal or a failure on the
-    # way (a full disk, a kill) leaves no partial snapshot in the way of the retry.
-    root.parent.mkdir(parents=True, exist_ok=True)
-    work = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    # Written into a new folder beside ``root`` and renamed into place whole, or into
+    # ``root`` itself where it exists already (empty: a mount point, or a parent that may
+    # not be written), emptied again on a failure: a refusal or a failure on the way (a
+    # full disk, a kill) leaves no partial snapshot in the way of the retry.
+    made = not root.exists()
+    work = root.parent / f".{root.name}.tmp-{os.getpid()}" if made else root
+    if made:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
     try:
         version = _write_all(work, model, seed, which, dense, layouts, states, chain)
-        if root.exists():
-            root.rmdir()  # empty (checked above): rename(2) puts the folder in its place
-        os.rename(work, root)
+        if made:
+            os.rename(work, root)
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        if made:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            for child in list(root.iterdir()):
+                shutil.rmtree(child) if child.is_dir() else child.unlink(missing_ok=True)
         raise
     return root, version, which
 

@@ -202,6 +202,11 @@ def test_a_refused_or_failed_snapshot_writes_nothing_and_the_retry_succeeds(
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["run", "full", "foreign"]
     )
-    out.mkdir()  # an empty folder is fine
+    out.mkdir()  # an empty folder (a mount point, say) is written in place, emptied on failure
+    with monkeypatch.context() as m:
+        m.setattr(snapshot, "_write_rows", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            snapshot.write(run, MODEL, SEED, out, bases=[full])
+    assert out.is_dir() and not any(out.iterdir())
     root, version, _ = snapshot.write(run, MODEL, SEED, out, bases=[full])
     assert root == out and version == 12 and (out / "manifest.json").is_file()
