@@ -58,7 +58,7 @@ class WorkerConfig:
     batch_log: str | None = setting(
         None,
         "--batch-log",
-        "Append the batches of each push the server took to this file, one line a push (an audit of which batches this worker trained; a push the server dropped, as after this worker was paused past its lease, is not listed: its batches went to another worker; paramserver chaos reads it).",
+        "Append the batches of each push the server took to this file, one line a push (an audit of which batches this worker trained; a push the server dropped, as after this worker was paused past its lease, is not listed: its batches went to another worker; but under the server's --backup-workers a push that came after its round closed is answered as taken and its batches are listed again by the worker that redoes them; paramserver chaos reads it).",
     )
     overlap: str = setting(
         "auto",
