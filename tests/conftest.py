@@ -147,6 +147,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ones_step(worker: ps.Worker, model: nn.Module, samples: int = 1) -> None:
+    """One step of ``worker`` with every gradient of ``model`` all ones."""
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    worker.step(samples=samples)
+
+
 def cli(*args: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess[str]:
     """``paramserver ARGS`` in a child process, its output captured."""
     return subprocess.run(paramserver_cmd(*args), capture_output=True, text=True, timeout=timeout)

@@ -7,13 +7,12 @@ import socket
 import ssl
 
 import pytest
-import torch
 
 import paramserver as ps
 from paramserver.config import Security
 from paramserver.server.doors.listener import MAX_PENDING
 from paramserver.transport.tcp import DataSocket
-from tests.conftest import DEADLINE, replica, tiny_model, wait_until
+from tests.conftest import DEADLINE, ones_step, replica, tiny_model, wait_until
 
 
 def _tls_server(serve, pki):
@@ -50,9 +49,7 @@ def test_a_thousand_failed_handshakes_leave_the_tls_data_port_to_the_workers(ser
     mine = replica(model)
     with ps.Worker(server.address, mine, security=client, shm=False) as w:
         assert w.data_port_active
-        for p in mine.parameters():
-            p.grad = torch.ones_like(p)
-        w.step(samples=1)
+        ones_step(w, mine)
     assert server.status()["version"] == 1
 
 

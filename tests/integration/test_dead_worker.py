@@ -10,11 +10,9 @@ import subprocess
 import threading
 import time
 
-import torch
-
 import paramserver as ps
 from paramserver.training import data
-from tests.conftest import DEADLINE, paramserver_cmd, tiny_model, wait_until
+from tests.conftest import DEADLINE, ones_step, paramserver_cmd, tiny_model, wait_until
 
 LEASE = 1.0
 
@@ -102,9 +100,7 @@ def test_a_worker_keeps_its_lease_while_it_loads_its_data_after_joining(serve):
 
     model = tiny_model()
     with ps.Worker(server.address, model, train_samples=slow_load) as worker:
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        worker.step(samples=1)
+        ones_step(worker, model)
         assert worker.rejoins == 0
     status = server.status()
     assert status["workers_expired"] == 0 and status["version"] == 1, status

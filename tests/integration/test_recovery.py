@@ -26,7 +26,14 @@ from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.codec.records import ControlError
 from paramserver.server.app import CHECKPOINT_HEALTH
 from paramserver.transport.stub import Stub, connect
-from tests.conftest import DEADLINE, WorkerThread, free_port, paramserver_cmd, tiny_model
+from tests.conftest import (
+    DEADLINE,
+    WorkerThread,
+    free_port,
+    ones_step,
+    paramserver_cmd,
+    tiny_model,
+)
 
 
 class LosesFirstJoinReply:
@@ -249,12 +256,6 @@ class PushesNeverArrive:
         raise ControlError(grpc.StatusCode.UNAVAILABLE, "the shard is cut off")
 
 
-def _ones_step(worker: ps.Worker, model: nn.Module, samples: int) -> None:
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    worker.step(samples=samples)
-
-
 @pytest.mark.parametrize("policy", ["async", "sync"])
 @pytest.mark.parametrize("cut_off", [0, 1])
 def test_each_shard_applies_each_batch_once_when_a_worker_dies_between_its_pushes(
@@ -304,13 +305,13 @@ def test_each_shard_applies_each_batch_once_when_a_worker_dies_between_its_pushe
     )
     assert dying.batches == [0]
     with pytest.raises(ps.ServerUnavailable):
-        _ones_step(dying, first, 64)
+        ones_step(dying, first, 64)
     dying.close()  # it leaves: shard 0 hands batch 0 out again at once
 
     second = copy.deepcopy(start)
     with ps.Worker(addresses, second, train_samples=64, overlap=False) as again:
         assert again.batches == [0]
-        _ones_step(again, second, 64)
+        ones_step(again, second, 64)
         assert again.finished
     one, two = (s.status() for s in shards)
     for st in (one, two):

@@ -240,7 +240,11 @@ class Listener(abc.ABC):
                 log.exception("%s: telling a refused peer why failed", self.door)
             finally:
                 conn.close()
-        while True:  # closed: what is left is closed unanswered
+        self._drain_refusing()
+
+    def _drain_refusing(self) -> None:
+        """Close the refused connections still queued, unanswered (the door closed)."""
+        while True:
             try:
                 left = self._refusing.get_nowait()
             except queue.Empty:
@@ -360,13 +364,7 @@ class Listener(abc.ABC):
             conns, self._conns = list(self._conns), set()
             self._workers.clear()
         if self.speaks_tls:
-            while True:  # the refuser's queue: closed unanswered, then the refuser ends
-                try:
-                    item = self._refusing.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[0].close()
+            self._drain_refusing()  # then the refuser ends
             with contextlib.suppress(queue.Full):
                 self._refusing.put_nowait(None)
         if self._listener is not None:
