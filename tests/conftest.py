@@ -88,14 +88,21 @@ Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def sync_workers(
-    address: str, model: nn.Module, batch: Batch, steps: int, workers: int, train_samples: int
+    address: str,
+    model: nn.Module,
+    batch: Batch,
+    steps: int,
+    workers: int,
+    train_samples: int,
+    **worker: Any,
 ) -> list[dict[str, torch.Tensor]]:
     """``workers`` threads, each a replica of ``model`` taking ``steps`` cross-entropy steps
-    on ``batch(b)`` of the batches the server hands it; their final state dicts."""
+    on ``batch(b)`` of the batches the server hands it (a ``Worker`` with the options
+    ``worker``); their final state dicts."""
 
     def train() -> dict[str, torch.Tensor]:
         local = replica(model)
-        with ps.Worker(address, local, train_samples=train_samples) as w:
+        with ps.Worker(address, local, train_samples=train_samples, **worker) as w:
             for _ in range(steps):
                 assert w.batch is not None
                 x, y = batch(w.batch)

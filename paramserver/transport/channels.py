@@ -32,6 +32,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, records, wire
 from paramserver.codec import rows as sparse_wire
 from paramserver.errors import InvalidRequest, from_rpc_error
+from paramserver.transport import pinned
 from paramserver.transport import shm as shmem
 from paramserver.transport.stub import Stub
 
@@ -67,6 +68,12 @@ class PayloadChannel(abc.ABC):
     @abc.abstractmethod
     def description(self) -> str:
         """How the payloads and the steps travel, for the log."""
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether the buffers the payloads are copied to and from are page-locked (a CUDA
+        worker's: ``pinned.py``)."""
+        return bool(self.weights.is_pinned())
 
     def close(self) -> None:  # noqa: B027 - only a shared segment has anything to release
         """Release what the channel holds (a shared segment)."""
@@ -225,8 +232,8 @@ def open_control(name: str, worker_id: str, nonce: bytes, timeout: float) -> Con
 
 class StreamBuffers:
     """Where streamed payloads land: one flat receive buffer and one flat buffer per push
-    slot for the whole model (pinned for CUDA models), made on first use; each streaming
-    channel gets views of its range."""
+    slot for the whole model (page-locked for CUDA models: ``pinned.empty``), made on first
+    use; each streaming channel (gRPC streams, the data port) gets views of its range."""
 
     def __init__(
         self, numel: int, slots: int, device: torch.device, dtype: torch.dtype = torch.float32
@@ -239,7 +246,7 @@ class StreamBuffers:
         """The receive buffer's and every slot's elements [lo, hi)."""
         if not self._buffers:
             self._buffers = [
-                torch.empty(self.numel, dtype=self.dtype, pin_memory=self.pinned)
+                pinned.empty(self.numel, self.dtype, self.pinned, "the streamed payloads' buffer")
                 for _ in range(1 + self.nslots)
             ]
         return self._buffers[0][lo:hi], [b[lo:hi] for b in self._buffers[1:]]

@@ -41,7 +41,8 @@ class PayloadSpec:
     with ``slots`` push slots; ``streams`` (weights, slots) are the buffers streamed payloads use;
     ``codec`` encodes streamed gradients. ``shm``: offer a shared segment; ``control``: use
     the server's control socket if it offers one; ``remote``: use the server's data port
-    if it offers one (without the segment); either connecting within ``timeout``."""
+    if it offers one (without the segment); either connecting within ``timeout``.
+    ``pinned``: page-lock the segment (a CUDA worker's: ``pinned.py``)."""
 
     nbytes: int
     dtype: str
@@ -52,6 +53,7 @@ class PayloadSpec:
     control: bool = True
     timeout: float = 60.0
     remote: bool = True
+    pinned: bool = False
 
 
 class Channel(abc.ABC):
@@ -247,6 +249,11 @@ class GrpcChannel(Channel):
         return isinstance(payloads, tcp.TcpChannel) and payloads.data is not None
 
     @property
+    def page_locked(self) -> bool:
+        """Whether the payload buffers are page-locked (``transport/pinned.py``)."""
+        return self.payloads is not None and self.payloads.page_locked
+
+    @property
     def segment(self) -> shmem.Segment | None:
         """The shared segment the payloads travel in, if any."""
         return getattr(self.payloads, "segment", None)
@@ -314,7 +321,8 @@ def open_channel(
         if reply.shm:
             name = reply.shm_control if spec.control else ""
             control = open_control(name, reply.worker_id, segment.nonce, spec.timeout)
-            return ShmChannel(stub, segment, control, None if spec.codec.raw else spec.codec)
+            codec = None if spec.codec.raw else spec.codec
+            return ShmChannel(stub, segment, control, codec, pin=spec.pinned)
         segment.close()
     weights, slots = spec.streams
     streams = GrpcStreamChannel(stub, weights, slots, spec.codec, reply.chunk_bytes)

@@ -191,6 +191,11 @@ class Segment:
         return self._regions.weights
 
     @property
+    def memory(self) -> np.ndarray:
+        """The whole mapping's bytes (what a CUDA worker page-locks)."""
+        return np.frombuffer(self._regions.mapping, np.uint8)
+
+    @property
     def slots(self) -> list[np.ndarray]:
         return self._regions.slots
 

@@ -17,6 +17,7 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression, records, wire
 from paramserver.codec import rows as sparse_wire
+from paramserver.transport import pinned
 from paramserver.transport import shm as shmem
 from paramserver.transport.channels import ControlSocket, PayloadChannel
 from paramserver.transport.stub import Stub
@@ -36,9 +37,14 @@ class ShmChannel(PayloadChannel):
         segment: shmem.Segment,
         control: ControlSocket | None = None,
         codec: compression.Codec | None = None,
+        pin: bool = False,
+        locker: pinned.Locker | None = None,
     ):
         self.stub = stub
         self.segment = segment
+        # a CUDA worker's copies to and from the segment run at the bus's speed, async
+        what = f"the shared segment {segment.name}"
+        self._locked = (locker or pinned.Locker()).register(segment.memory, what) if pin else None
         self.control = control
         # with --compress: gradients and weights rounded in place, as the wire would
         self.codec = codec
@@ -177,9 +183,17 @@ class ShmChannel(PayloadChannel):
         self._rounded(None)
         return pulled
 
+    @property
+    def page_locked(self) -> bool:
+        """Whether the segment is registered with CUDA (page-locked)."""
+        return self._locked is not None
+
     def close(self) -> None:
         if self.control is not None:
             self.control.close()
+        if self._locked is not None:  # before the mapping goes
+            self._locked.release()
+            self._locked = None
         self.segment.close()
 
 

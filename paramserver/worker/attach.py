@@ -30,7 +30,8 @@ class Attacher:
         sessions, ranges: one each per shard, in shard order.
         manifest: the local model's flat buffer.
         slots: push slots (pushes in flight at most).
-        device: the model's (streamed payloads' buffers are pinned for CUDA).
+        device: the model's (for CUDA, every payload buffer is page-locked: the streams' and
+            the data port's, and the shared segment, registered: ``transport/pinned.py``).
         codec: the codec of streamed gradients (made for each range's size).
         shm: offer each server a shared segment.
         control: with shared memory, step over the server's control socket if it offers one.
@@ -82,6 +83,7 @@ class Attacher:
             self.control,
             self.sessions[i].rpc_timeout,
             self.remote,
+            pinned=self.buffers.pinned,
         )
 
     def attach(self, i: int, retry: bool) -> None:

@@ -18,6 +18,7 @@ from paramserver.config import MAX_PUSH_EVERY, WIRE_CHOICES
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.worker.attach import Attacher
+from paramserver.worker.flat import replica as flat_replica
 from paramserver.worker.replica import Replica
 from paramserver.worker.rows import WorkerTables
 from paramserver.worker.session import Session
@@ -69,10 +70,12 @@ def join(
     shm: bool,
     shm_control: bool,
     remote: bool = True,
+    flat: bool | None = None,
 ) -> Joined:
     """Join every shard: the plan, the policy and the manifest (shard 0's), the model
     (built if None) and its tables (``rejoin``: a row pull met a restarted server); then
-    each shard's range and payload path."""
+    each shard's range and payload path; ``flat``: keep the model's state in flat tensors
+    (None: on a GPU; ``worker/flat.py``)."""
     samples = 0 if callable(train_samples) else train_samples
     replies = [
         s.join(pb.JoinRequest(train_samples=samples if i == 0 else 0))
@@ -81,7 +84,7 @@ def join(
     plan, policy = replies[0].plan, Policy.parse(replies[0].policy)
     model = local_model(plan, model, device)
     tables = WorkerTables(model, replies[0].manifest, sessions, rpc_timeout, cache_rows, rejoin)
-    replica = Replica(model)
+    replica = flat_replica(model, flat)
     manifest = replica.manifest
     params = (s.dtype for s in manifest.tensors if s.role == "param")
     codec = compression.by_name(compress, params, manifest.dtype)

@@ -148,6 +148,16 @@ class Pipeline:
             self._free.append(slot)
         return self._free.pop()
 
+    def try_take_slot(self) -> int | None:
+        """A push slot free now (the oldest push in flight's, if it was answered without an
+        error), or None; never waits, never raises (a gradient hook asks during backward)."""
+        if not self._free and self._inflight:
+            slot, futures = self._inflight[0]
+            if all(f.done() and f.exception() is None for f in futures):
+                self._inflight.popleft()
+                self._free.append(slot)
+        return self._free.pop() if self._free else None
+
     def release(self, slot: int) -> None:
         self._free.append(slot)
 

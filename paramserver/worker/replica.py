@@ -51,6 +51,9 @@ class Replica:
         values = [t.detach().to(dtype, copy=True) for t in self.tensors[len(grads) :]]
         return spans(self.manifest, grads + values, dtype, lo, hi)
 
+    def detach(self) -> None:
+        """Let go of the model (the worker closed): nothing to undo here."""
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

@@ -122,6 +122,24 @@ class WorkerTables:
 
         self._ahead = self._pool.submit(run)
 
+    def prefetch_ahead(
+        self,
+        first: Future[pb.PullHeader | None] | None,
+        ids_of: Callable[[list[int]], IdsByTable | None],
+    ) -> None:
+        """Once ``first`` (shard 0's prefetch of the next weights, if any) has come, fetch
+        the rows of the batches its header names (``ids_of(batches)``) in the background."""
+        if first is None or not self:
+            return
+
+        def ids() -> IdsByTable | None:
+            header = first.result()
+            if header is None or header.batch < 0:
+                return None
+            return ids_of(list(header.batches) or [header.batch])
+
+        self.prefetch_later(ids)
+
     def wait(self) -> None:
         """Wait for the background prefetch in flight, if any."""
         ahead, self._ahead = self._ahead, None

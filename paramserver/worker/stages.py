@@ -2,7 +2,8 @@
 the worker steps, so that the step itself has one path:
 
 - ``Stager``: copies the gradients into a free push slot of every range (one copy; none
-  where the channel sends from the gradients themselves: the data port), with
+  where the channel sends from the gradients themselves: the data port; for a flat
+  replica, none for the buckets that went to a free slot during backward), with
   the tables' rows, zeroes them and advances every session's clock: a ``StagedPush``.
 - ``Exchange``: moves the staged push and brings the next weights, one kind per
   ``StepMode``: ``Blocking`` (a push and the next pull in one round trip a shard),
@@ -27,6 +28,7 @@ import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.errors import RejoinRequired
+from paramserver.worker.flat import FlatReplica
 from paramserver.worker.pipeline import Pipeline, StepMode
 from paramserver.worker.pushes import StagedPush
 from paramserver.worker.replica import Replica
@@ -49,11 +51,30 @@ class Stager:
     ):
         self.parts = list(zip(sessions, ranges, strict=True))
         self.sessions, self.replica, self.tables, self.pipe = list(sessions), replica, tables, pipe
+        self._early: int | None = None  # the slot gradients went to during backward
+        if isinstance(replica, FlatReplica):
+            replica.early = self._early_buffers
+
+    def _early_buffers(self) -> list[tuple[int, int, torch.Tensor]] | None:
+        """During backward: a free slot's buffers for the gradients ready (none if no slot
+        is free yet; ``stage`` takes one then)."""
+        if self._early is None:
+            self._early = self.pipe.try_take_slot()
+        if self._early is None:
+            return None
+        return [(lo, hi, s.channel.slots[self._early]) for s, (lo, hi) in self.parts]
+
+    def cancel(self) -> None:
+        """The step is dropped: give back the slot its gradients went to, if any."""
+        if self._early is not None:
+            self.pipe.release(self._early)
+            self._early = None
 
     def stage(self, samples: int, loss: float, empty: bool, batches: Iterable[int]) -> StagedPush:
         """Copy the gradients into a free push slot of every range (none if ``empty``), zero
         them and advance every session's clock."""
-        slot = self.pipe.take_slot()
+        slot = self.pipe.take_slot() if self._early is None else self._early
+        self._early = None
         if not empty:
             self.replica.stage(self._copied(slot))
         rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}

@@ -44,6 +44,12 @@ class WorkerView:
         return all(s.channel.shm for s in self.sessions)
 
     @property
+    def page_locked(self) -> bool:
+        """Whether every shard's payload buffers are page-locked (a CUDA worker's shared
+        segments registered with CUDA; ``transport/pinned.py``)."""
+        return all(getattr(s.channel, "page_locked", False) for s in self.sessions)
+
+    @property
     def control_active(self) -> bool:
         """Whether every shard's steps go over its server's same-host control socket."""
         return all(getattr(s.channel, "control", None) for s in self.sessions)

@@ -100,6 +100,10 @@ class Worker(WorkerView):
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
         cache_rows: the most rows each sparse table keeps on this worker.
+        flat: keep the model's parameters, gradients and buffers as views of a few flat
+            tensors on its device (``worker/flat.py``): a push is one copy a shard range,
+            gradients leave a GPU in buckets during backward, and are zeroed in place.
+            None (default): on for a model on a GPU, off on CPU.
         transport: makes the gRPC stub for an address (default: a ``Stub`` on a channel with
             ``security``, connected within ``connect_timeout``); the worker's channels are
             ``GrpcChannel``s on them.
@@ -133,6 +137,7 @@ class Worker(WorkerView):
         compress: str = compression.AUTO,
         push_every: int = 1,
         cache_rows: int = DEFAULT_CACHE_ROWS,
+        flat: bool | None = None,
         transport: Callable[[str], Any] | None = None,
         channel: ChannelFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -150,6 +155,7 @@ class Worker(WorkerView):
         self.batch, self.batches = None, []
         channels = channel or grpc_channels(connect_timeout, security, transport)
         backoff = Backoff(server_timeout, now=clock)
+        self.flat = flat
         self._join(channels, backoff, sleep, model, device, train_samples, rpc_timeout, cache_rows)
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._start(rpc_timeout, barrier_timeout)
@@ -188,6 +194,7 @@ class Worker(WorkerView):
                 shm=self.shm,
                 shm_control=self.shm_control,
                 remote=self.wire != "grpc",
+                flat=self.flat,
             )
         except BaseException:
             self._close_sessions()
@@ -301,6 +308,7 @@ class Worker(WorkerView):
         self._pipe.check()
         if self._drop_step:  # as when a push meets a restarted server: drop it, pull again
             self._drop_step = False
+            self._stager.cancel()
             self._replica.zero_grad()
             self.tables.forget()
             self.pull()
@@ -325,17 +333,7 @@ class Worker(WorkerView):
         """Prefetching steps: once the weights for the step after this one have come, fetch
         the rows of that step's batches (``ids_of(batches)`` names them) in the background,
         while this step computes. Otherwise nothing: the forward pass fetches them."""
-        first = self._pipe.ahead_first()
-        if first is None or not self.tables:
-            return
-
-        def ids() -> IdsByTable | None:
-            header = first.result()
-            if header is None or header.batch < 0:
-                return None
-            return ids_of(list(header.batches) or [header.batch])
-
-        self.tables.prefetch_later(ids)
+        self.tables.prefetch_ahead(self._pipe.ahead_first(), ids_of)
 
     def landed_batches(self) -> list[tuple[int, ...]]:
         """The batches of each push shard 0 took since the last call (``--batch-log``;
@@ -378,6 +376,7 @@ class Worker(WorkerView):
             self._heartbeats.join(timeout=60)
             self._pipe.shutdown(wait=False)
             self.tables.close()
+            self._replica.detach()
             self._close_sessions()
 
     def close_quietly(self) -> None:

@@ -5,6 +5,7 @@ mean stayed at zero, and in eval mode it scored 26% against 44% locally."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +41,8 @@ def _accuracy(model: nn.Module, ds: data.Dataset) -> float:
         return (model(ds.test_x + SHIFT).argmax(1) == ds.test_y).float().mean().item()
 
 
-def test_sync_workers_share_batchnorm_statistics(serve):
+@pytest.mark.parametrize("flat", [False, True])
+def test_sync_workers_share_batchnorm_statistics(serve, flat):
     ds = data.synthetic(train=WORKERS * BATCH * STEPS, test=512)
     model = bn_model()
     server = serve(
@@ -56,7 +58,7 @@ def test_sync_workers_share_batchnorm_statistics(serve):
     def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _batch(ds, b)
 
-    finals = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x))
+    finals = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x), flat=flat)
     # The reference: one process, batch 2b made of each round's two batches.
     ref = large_batch_reference(model, lambda p: torch.optim.SGD(p, lr=0.05), batch, STEPS, WORKERS)
     c = server.coordinator

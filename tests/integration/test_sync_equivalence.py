@@ -17,8 +17,13 @@ def _batch(ds: data.Dataset, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ds.train_x[idx], ds.train_y[idx]
 
 
-@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("momentum", 0.05), ("adam", 1e-3)])
-def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
+@pytest.mark.parametrize(
+    "optimizer,lr,flat",
+    [("sgd", 0.1, False), ("momentum", 0.05, False), ("adam", 1e-3, False), ("adam", 1e-3, True)],
+)
+def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr, flat):
+    """flat: the workers keep the model in flat tensors, gradients copied out in buckets
+    during backward (a CUDA worker's default; ``worker/flat.py``)."""
     ds = data.synthetic(train=1024, test=16)
     model = tiny_model()
     server = serve(
@@ -34,7 +39,7 @@ def test_two_sync_workers_match_one_large_batch_process(serve, optimizer, lr):
     def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _batch(ds, b)
 
-    results = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x))
+    results = sync_workers(server.address, model, batch, STEPS, WORKERS, len(ds.train_x), flat=flat)
     # The reference: one process, batch 2b made of the round's two batches, same optimizer.
     ref = large_batch_reference(
         model,

@@ -1,0 +1,208 @@
+"""The flat replica (``worker/flat.py``) on CPU: the tensors become views of flat blocks,
+stage and load give what the per-tensor replica gives, gradient buckets leave during
+backward (copies deferred until ``wait`` as a CUDA stream would run them) and staging copies
+only what did not go."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paramserver.worker.flat import FlatReplica, replica
+from paramserver.worker.replica import Replica
+
+
+def bn_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)
+    )
+
+
+def backward(model: nn.Module, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+    F.cross_entropy(model(x), y).backward()
+
+
+class DeferredCopies:
+    """Copies run at ``wait``, as a side stream would run them later: a slot read before
+    ``wait`` holds stale bytes, a gradient zeroed before it is copied as zeros."""
+
+    def __init__(self, read_at_once: bool = False) -> None:
+        self.read_at_once = read_at_once  # the copy reads its source when enqueued
+        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.done = 0
+        self.readies = 0
+
+    def ready(self) -> Any:
+        self.readies += 1
+        return self.readies
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        assert after is not None  # every copy is ordered after the compute
+        self.queued.append((dst, src.clone() if self.read_at_once else src))
+
+    def wait(self) -> None:
+        for dst, src in self.queued:
+            dst.copy_(src)
+        self.done += len(self.queued)
+        self.queued = []
+
+    def fence(self) -> None:
+        assert not self.queued, "the compute may not overwrite what a copy has not read yet"
+
+
+def expected_push(model: nn.Module) -> torch.Tensor:
+    """What a push carries: the gradients, then the buffers' values, as float32."""
+    r = Replica(model)
+    out = torch.empty(r.manifest.numel)
+    r.stage([(0, r.manifest.numel, out)])
+    return out
+
+
+def halves(n: int) -> tuple[list[tuple[int, int, torch.Tensor]], torch.Tensor]:
+    """Two shard ranges splitting the flat buffer mid-tensor, and the buffer under both."""
+    whole = torch.full((n,), float("nan"))
+    cut = n // 2 + 1
+    return [(0, cut, whole[:cut]), (cut, n, whole[cut:])], whole
+
+
+def test_tensors_become_views_of_one_flat_block_a_run():
+    model = bn_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = FlatReplica(model, DeferredCopies())
+    roles = [(b.values.dtype, b.grads is not None) for b in r.blocks]
+    # parameters (with gradients), float buffers, the integer count
+    assert roles == [(torch.float32, True), (torch.float32, False), (torch.int64, False)]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    params = r.blocks[0]
+    for p in r.params:
+        assert p.untyped_storage().data_ptr() == params.values.untyped_storage().data_ptr()
+        assert p.grad.untyped_storage().data_ptr() == params.grads.untyped_storage().data_ptr()
+    bn = model[1]
+    assert bn.running_mean.untyped_storage().data_ptr() == r.blocks[1].values.data_ptr()
+
+
+def test_stage_and_load_give_what_the_per_tensor_replica_gives():
+    plain, flat = bn_model(), bn_model()
+    r = FlatReplica(flat, DeferredCopies())
+    backward(plain), backward(flat)
+    want = expected_push(plain)
+    parts, whole = halves(r.manifest.numel)
+    r.stage(parts)
+    torch.testing.assert_close(whole, want, rtol=0, atol=0)
+    r.zero_grad()
+    assert all(float(p.grad.abs().sum()) == 0 for p in flat.parameters())
+    # a pull of new weights and buffers, over the same two ranges
+    new = torch.randn(r.manifest.numel)
+    new[-1] = 7.0  # the count, exact
+    r.load([(lo, hi, new[lo:hi]) for lo, hi, _ in parts])
+    Replica(plain).load([(0, r.manifest.numel, new)])
+    for (k, a), b in zip(flat.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert int(flat[1].num_batches_tracked) == 7
+
+
+def test_buckets_leave_during_backward_and_staging_copies_only_the_rest():
+    plain, flat = bn_model(), bn_model()
+    copies = DeferredCopies()
+    r = FlatReplica(flat, copies, bucket_bytes=64)  # a bucket a layer or so
+    assert len(r.buckets) >= 3
+    parts, whole = halves(r.manifest.numel)
+    asked: list[int] = []
+
+    def early() -> list[tuple[int, int, torch.Tensor]]:
+        asked.append(1)
+        return parts
+
+    r.early = early
+    backward(plain), backward(flat)
+    assert len(asked) == 1  # one slot a step
+    during = len(copies.queued)
+    assert during >= len(r.buckets)  # every bucket went (a piece a range it touches)
+    r.stage(parts)
+    torch.testing.assert_close(whole, expected_push(plain), rtol=0, atol=0)
+    staged = copies.done - during
+    assert staged == 2  # the float buffers and the count; no gradient again
+    r.zero_grad()
+    assert all(b.copied_at == -1 and b.fires == 0 for b in r.buckets)
+
+
+def test_staging_into_other_buffers_than_the_early_ones_copies_everything():
+    plain, flat = bn_model(), bn_model()
+    r = FlatReplica(flat, DeferredCopies(), bucket_bytes=64)
+    first, _ = halves(r.manifest.numel)
+    r.early = lambda: first
+    backward(plain), backward(flat)
+    parts, whole = halves(r.manifest.numel)  # the channel reopened: new buffers
+    r.stage(parts)
+    torch.testing.assert_close(whole, expected_push(plain), rtol=0, atol=0)
+
+
+def test_gradients_accumulated_after_an_early_copy_are_copied_again():
+    plain, flat = bn_model(), bn_model()
+    # the early copies ran before the second batch's backward
+    r = FlatReplica(flat, DeferredCopies(read_at_once=True), bucket_bytes=64)
+    parts, whole = halves(r.manifest.numel)
+    r.early = lambda: parts
+    for seed in (1, 2):  # two batches accumulated before one push
+        backward(plain, seed), backward(flat, seed)
+    r.stage(parts)
+    torch.testing.assert_close(whole, expected_push(plain), rtol=0, atol=0)
+
+
+def test_gradients_the_caller_set_to_none_are_restored_as_views():
+    plain, flat = bn_model(), bn_model()
+    r = FlatReplica(flat, DeferredCopies(), bucket_bytes=64)
+    parts, whole = halves(r.manifest.numel)
+    r.early = lambda: parts
+    backward(plain), backward(flat)  # the same running statistics
+    r.stage(parts)
+    r.zero_grad()
+    plain.zero_grad()
+    torch.optim.SGD(flat.parameters(), lr=0.1).zero_grad()  # set_to_none: new gradients
+    assert all(p.grad is None for p in flat.parameters())
+    backward(plain, 3), backward(flat, 3)
+    r.stage(parts)
+    torch.testing.assert_close(whole, expected_push(plain), rtol=0, atol=0)
+    assert all(p.grad is v for p, v in zip(r.params, r.views, strict=True))
+
+
+@pytest.mark.parametrize("early", ["none free", "raises"])
+def test_without_an_early_slot_staging_copies_every_bucket(early, caplog):
+    plain, flat = bn_model(), bn_model()
+    r = FlatReplica(flat, DeferredCopies(), bucket_bytes=64)
+    parts, whole = halves(r.manifest.numel)
+
+    def no_slot() -> None:
+        if early == "raises":
+            raise RuntimeError("the pipeline broke")
+        return None
+
+    r.early = no_slot
+    backward(plain), backward(flat)  # a failing hook never aborts backward
+    r.stage(parts)
+    torch.testing.assert_close(whole, expected_push(plain), rtol=0, atol=0)
+    if early == "raises":
+        assert "copying a gradient bucket during backward failed" in caplog.text
+
+
+def test_detach_removes_the_hooks():
+    flat = bn_model()
+    r = FlatReplica(flat, DeferredCopies(), bucket_bytes=64)
+    r.early = lambda: None
+    r.detach()
+    backward(flat)
+    assert all(b.fires == 0 for b in r.buckets)
+
+
+def test_a_cpu_model_stays_per_tensor_unless_asked():
+    assert type(replica(bn_model())) is Replica
+    assert type(replica(bn_model(), flat=True)) is FlatReplica
+    assert type(replica(bn_model(), flat=False)) is Replica
