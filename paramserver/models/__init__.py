@@ -28,6 +28,7 @@ from paramserver.models.zoo import (
     dlrm,
     dlrm_sparse,
     mlp,
+    mlp_20m,
     resnet,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "dlrm_sparse",
     "import_function",
     "mlp",
+    "mlp_20m",
     "parameters",
     "resnet",
     "resolve",

@@ -1,5 +1,6 @@
-"""The built-in models: ``mlp`` and ``cnn`` (Fashion-MNIST), ``resnet``, and ``dlrm`` /
-``dlrm-sparse`` (the click log), each a function that builds a fresh module."""
+"""The built-in models: ``mlp`` and ``cnn`` (Fashion-MNIST), ``resnet``, ``mlp-20m`` (a
+wide MLP whose bytes dominate its compute), and ``dlrm`` / ``dlrm-sparse`` (the click log),
+each a function that builds a fresh module."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def mlp() -> nn.Module:
         nn.Linear(256, 128),
         nn.ReLU(),
         nn.Linear(128, 10),
+    )
+
+
+def mlp_20m() -> nn.Module:
+    """784-4096-4096-10 multilayer perceptron for 28x28 images: 20.0M parameters (80 MB of
+    float32), so moving its bytes costs more than computing a batch (``bench step`` on a
+    GPU)."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 4096),
+        nn.ReLU(),
+        nn.Linear(4096, 4096),
+        nn.ReLU(),
+        nn.Linear(4096, 10),
     )
 
 
@@ -148,4 +163,5 @@ FACTORIES: dict[str, Callable[[], nn.Module]] = {
     "resnet": resnet,
     "dlrm": dlrm,
     "dlrm-sparse": dlrm_sparse,
+    "mlp-20m": mlp_20m,
 }
