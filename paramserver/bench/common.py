@@ -95,14 +95,17 @@ def cluster_rate(
     optimizer_thread: bool = False,
     backups: int = 0,
     cpu: dict[str, float] | None = None,
+    model: str = "mlp",
+    device: str = "cpu",
 ) -> tuple[float, list[float]]:
     """Samples/s of a server (``optimizer_thread``, ``backups``: its settings) and a worker
     process per entry of ``delays`` (its per-step sleep; ``shm`` its --shm) over ``window``
     seconds once all have started, by the server's counters: the total and each worker's.
     ``cpu`` gets the CPU seconds of the server and the workers (``server_s``,
-    ``workers_s``) and the steps taken in the window."""
+    ``workers_s``) and the steps taken in the window. ``model``: the run's model; ``device``:
+    the workers' --device (all of them on the one GPU with cuda)."""
     cfg = ServerConfig(
-        model="mlp",
+        model=model,
         optimizer=OptimizerConfig("adam"),
         policy=policy,
         workers=len(delays),
@@ -115,7 +118,7 @@ def cluster_rate(
     )
     with server_child(cfg) as (address, server):
         name = f"{policy}-{len(delays)}-{shm}-{backups}"
-        children = worker_children(address, delays, shm, logs, name)
+        children = worker_children(address, delays, shm, logs, name, device)
         pids = [c.proc.pid for c in children]
         channel = connect(address, 60)
         stub = Stub(channel)
@@ -141,16 +144,17 @@ def cluster_rate(
 
 
 def worker_children(
-    address: str, delays: list[float], shm: str, logs: Path, prefix: str
+    address: str, delays: list[float], shm: str, logs: Path, prefix: str, device: str = "cpu"
 ) -> list[Child]:
     """A worker process of ``address`` per entry of ``delays`` (its injected per-step sleep,
-    ``shm`` its --shm), each logging to ``logs/PREFIX-worker-I.log``."""
+    ``shm`` its --shm, ``device`` its --device), each logging to
+    ``logs/PREFIX-worker-I.log``."""
     return [
         Child(
             f"worker-{i}",
             worker_command(
                 WorkerConfig(
-                    address, device="cpu", threads=1, name=f"w{i}", step_delay=delay, shm=shm
+                    address, device=device, threads=1, name=f"w{i}", step_delay=delay, shm=shm
                 )
             ),
             logs / f"{prefix}-worker-{i}.log",

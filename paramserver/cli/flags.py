@@ -232,3 +232,10 @@ class Bench:
         "sparse only: run this case alone; criteo: the Criteo-like recommender case (h)-(k) [default: every case].",
         env="BENCH_ONLY",
     )
+    device: str = setting(
+        "auto",
+        "--device",
+        "step and scaling only: where the model computes: auto (cuda when torch sees a GPU, else cpu), cpu, or cuda (the CUDA cases: the MLP at batch 64 and 256, the ResNet at 256, the 20M-parameter mlp-20m at 1024, against a local step and one local process on the same GPU).",
+        env="BENCH_DEVICE",
+        choices=("auto", "cpu", "cuda"),
+    )

@@ -163,12 +163,14 @@ def bench(name: str, **kw: Any) -> None:
     """Measure NAME against its baseline, side by side in one run; see docs/BENCHMARKS.md.
 
     transport: push and pull of a 64 MiB model against raw TCP and memcpy.
-    step: one worker's step against a local training step (batch 64 and 256).
+    step: one worker's step against a local training step (batch 64 and 256); with
+    --device cuda, on the GPU for the MLP, the ResNet and a 20M-parameter MLP.
     straggler: 2 workers, one 3x slower, under async and delay-1, against PyTorch DDP.
     scaling: samples/s of 1, 2 and 4 workers under each policy (control over the same-host
     socket, and over gRPC calls), against one local process with one torch thread and with a
     thread per core; the CPU a 2-worker step costs, split into the worker's compute, its
-    overhead and the server's (cpu_ms_per_step).
+    overhead and the server's (cpu_ms_per_step); with --device cuda, 1 and 2 async workers
+    sharing the GPU against one local process on it.
     accuracy: wall time to 88% Fashion-MNIST test accuracy per policy, against one local
     process and DDP.
     wakeup: a round trip between two processes through each candidate for the same-host
@@ -201,11 +203,15 @@ def bench(name: str, **kw: Any) -> None:
         raise click.UsageError("--rate is for bench network.")
     if opts.only and name != "sparse":
         raise click.UsageError("--only is for bench sparse.")
+    if opts.device != "auto" and name not in ("step", "scaling"):
+        raise click.UsageError("--device is for bench step and scaling.")
     rates = tuple(r.strip() for r in opts.rate.split(",") if r.strip())
     if name == "network":
         rows, figures = module.run(opts.quick, rates)
     elif opts.only:
         rows, figures = module.run(opts.quick, opts.only)
+    elif name in ("step", "scaling"):
+        rows, figures = module.run(opts.quick, opts.device)
     else:
         rows, figures = module.run(opts.quick)
     figures["quick"] = opts.quick

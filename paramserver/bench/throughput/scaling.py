@@ -1,7 +1,9 @@
 """Samples/s of 1, 2 and 4 workers under each policy, against one local process (one torch
 thread, like each worker), and, for honesty, one local process with a thread per core.
 Workers step over the same-host control socket (the default) and, side by side, over gRPC
-calls (``--shm payloads``); the payloads go through shared memory either way."""
+calls (``--shm payloads``); the payloads go through shared memory either way. With
+``--device cuda``: 1 and 2 ``async`` workers sharing the GPU against one local process on
+it, for each of ``devices.cases("cuda")`` (``devices``)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ from typing import Any
 import torch
 
 from paramserver.bench.common import cluster_rate
+from paramserver.bench.throughput import devices
 from paramserver.bench.throughput.step import local_step_seconds
 
 BATCH = 64
 POLICIES = ("sync", "delay-1", "async")
 
 
-def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+def run(quick: bool, device: str = "auto") -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    found = devices.resolve(device)
+    if found.type != "cpu":
+        timing = (0.5, 1.0) if quick else (2.0, 8.0)
+        return run_on(found, devices.cases(found.type), timing, 20 if quick else 100)
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(cores)
     local_all = BATCH / local_step_seconds(BATCH, 50 if quick else 300)
@@ -137,3 +144,24 @@ def policy_rates(
                     ),
                 )
             )
+
+
+def run_on(
+    device: torch.device, found: tuple[devices.Case, ...], timing: tuple[float, float], reps: int
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Samples/s of 1 and 2 workers on ``device`` against one local process there, for each
+    case of ``found`` (``devices.measure_scaling``), with the device's name and torch's
+    version."""
+    torch.set_num_threads(1)
+    figures: dict[str, Any] = {**devices.device_figures(device), "workers": list(devices.COUNTS)}
+    figures["window_s"] = timing[1]
+    rows = [
+        (
+            "device",
+            f"{device.type} ({figures['gpu']}), torch {figures['torch']}, Adam, async, "
+            "one torch thread a process, every process on the one device",
+        )
+    ]
+    with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
+        devices.measure_scaling(device, found, timing, Path(tmp), figures, rows, reps)
+    return rows, figures

@@ -1,4 +1,5 @@
-"""One worker's step (compute, push, pull) against a local training step of the same model."""
+"""One worker's step (compute, push, pull) against a local training step of the same model;
+with ``--device cuda``, on the GPU for each of ``devices.cases("cuda")`` (``devices``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from paramserver import models
 from paramserver.bench.common import cpu_seconds, median_seconds, server_child
+from paramserver.bench.throughput import devices
 from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.bookkeeping.store import build_optimizer
 from paramserver.worker.worker import Worker
@@ -60,7 +62,10 @@ PATHS = {"socket": True, "grpc": False}
 TARGETS = {64: 1.3, 256: 1.25}  # x a local step, with default settings (overlap off on CPU)
 
 
-def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+def run(quick: bool, device: str = "auto") -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    found = devices.resolve(device)
+    if found.type != "cpu":
+        return run_on(found, devices.cases(found.type), 20 if quick else 200)
     torch.set_num_threads(1)
     reps = 20 if quick else 400
     figures: dict[str, Any] = {"threads": 1, "reps": reps, "model": "mlp", "optimizer": "adam"}
@@ -133,3 +138,22 @@ def path_figures(
                 f"on {1000 * ahead:.2f} ms ({ahead / local:.2f} x local)",
             )
         )
+
+
+def run_on(
+    device: torch.device, found: tuple[devices.Case, ...], reps: int
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The step of each case of ``found`` on ``device`` against a local step there
+    (``devices.measure_step``), with the device's name and torch's version."""
+    torch.set_num_threads(1)
+    figures: dict[str, Any] = {**devices.device_figures(device), "threads": 1, "reps": reps}
+    figures["optimizer"] = "adam"
+    rows = [
+        (
+            "device",
+            f"{device.type} ({figures['gpu']}), torch {figures['torch']}, Adam, median of "
+            f"{reps} steps, each until the device is done; the worker's default overlap",
+        )
+    ]
+    devices.measure_step(device, found, reps, figures, rows)
+    return rows, figures
