@@ -206,3 +206,69 @@ def test_a_cpu_model_stays_per_tensor_unless_asked():
     assert type(replica(bn_model())) is Replica
     assert type(replica(bn_model(), flat=True)) is FlatReplica
     assert type(replica(bn_model(), flat=False)) is Replica
+
+
+def test_cuda_copies_run_on_a_side_stream_after_the_compute(monkeypatch):
+    """``CudaCopies`` against a fake ``torch.cuda``: each copy is enqueued on the side stream
+    after waiting for the event ``ready`` recorded on the compute stream, ``wait`` blocks on
+    the side stream, ``fence`` makes the compute stream wait for it."""
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str = "side") -> None:
+            self.name = name
+
+        def wait_event(self, event: Any) -> None:
+            log.append(("wait_event", self.name, event.on))
+
+        def wait_stream(self, other: Any) -> None:
+            log.append(("wait_stream", self.name, other.name))
+
+        def synchronize(self) -> None:
+            log.append(("synchronize", self.name))
+
+    compute = Stream("compute")
+    current = [compute]
+
+    class Event:
+        on = None
+
+        def record(self, stream: Any) -> None:
+            self.on = stream.name
+
+    class On:
+        def __init__(self, stream: Any) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", On)
+    from paramserver.worker import device_copies
+
+    copies = device_copies.for_device(torch.device("cuda"))
+    assert isinstance(copies, device_copies.CudaCopies)
+    dst, src = torch.zeros(4), torch.arange(4.0)
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> Any:
+        log.append(("copy", current[-1].name, non_blocking))
+        return real_copy(self, other)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    copies.copy(dst, src, copies.ready())
+    copies.wait()
+    copies.fence()
+    assert log == [
+        ("wait_event", "side", "compute"),
+        ("copy", "side", True),
+        ("synchronize", "side"),
+        ("wait_stream", "compute", "side"),
+    ]
+    assert torch.equal(dst, src)

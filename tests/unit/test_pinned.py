@@ -107,3 +107,15 @@ def test_release_is_once_and_survives_a_dead_runtime():
             raise RuntimeError("driver shutting down")
 
     pinned.Registration(Gone(), 1, 1).release()  # no exception
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host pins for real")
+def test_a_cuda_workers_stream_buffers_fall_back_to_pageable_memory():
+    from paramserver.transport.channels import StreamBuffers
+
+    before = pinned.FALLBACKS.count
+    buffers = StreamBuffers(64, 2, torch.device("cuda"))
+    assert buffers.pinned
+    weights, slots = buffers.views(8, 40)
+    assert weights.numel() == 32 and [s.numel() for s in slots] == [32, 32]
+    assert pinned.FALLBACKS.count == before + 3  # the receive buffer and two slots
