@@ -55,7 +55,8 @@ class ShmChannel(PayloadChannel):
     @property
     def description(self) -> str:
         via = "the control socket" if self.control is not None else "gRPC"
-        return f"in shared memory, steps over {via}"
+        locked = " (page-locked)" if self._locked is not None else ""
+        return f"in shared memory{locked}, steps over {via}"
 
     def pull_rows(
         self, stub: Stub, request: pb.RowsRequest, timeout: float | None

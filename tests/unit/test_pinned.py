@@ -38,7 +38,7 @@ def test_a_segment_is_registered_whole_and_released_before_it_is_unmapped():
     channel = ShmChannel(
         SimpleNamespace(), segment, pin=True, locker=pinned.Locker(lambda: runtime)
     )
-    assert channel.page_locked
+    assert channel.page_locked and "(page-locked)" in channel.description
     assert runtime.calls == [("register", address, nbytes, 0)]
     order: list[str] = []
     close = segment.close
