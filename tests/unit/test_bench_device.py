@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +129,29 @@ def test_device_is_for_step_and_scaling_only() -> None:
     out = _bench("step", "--device", "gpu")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "'gpu' is not one of 'auto', 'cpu', 'cuda'" in out.stderr
+
+
+def _machine(gpu: str) -> dict[str, object]:
+    return {"cpu": "C", "cores": 16, "memory_gib": 128, "gpu": gpu, "torch": "t", "python": "p"}
+
+
+def test_readme_shows_gpu_rows_from_gpu_lines_only(tmp_path: Path) -> None:
+    from paramserver.bench.report import readme
+    from tests.unit.test_readme_figures import _bench, _record
+
+    cpu = {"date": "2026-11-27 05:00 UTC", "machine": _machine("none"), "step_vs_local_64": 1.7}
+    cpu["target_step_vs_local_64"] = 1.3
+    gpu = {"date": "2026-11-27 06:00 UTC", "machine": _machine("NVIDIA H100"), "device": "cuda"}
+    gpu |= {"step_vs_local_cuda_mlp_20m_1024": 2.25, "target_step_vs_local_cuda_mlp_20m_1024": 2.5}
+    _bench(tmp_path, "step", cpu)
+    plain = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
+    assert "on a GPU" not in plain and "_cuda_" not in plain
+    # a GPU run after the CPU run: both quoted, each from its own device's lines
+    _bench(tmp_path, "step", cpu, dict(cpu, date="2026-11-27 05:04 UTC"), gpu)
+    block = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
+    cpu_row = next(ln for ln in block.splitlines() if "`step_vs_local_64`" in ln)
+    assert "| 1.70 / 1.70 × | 1.3 × |" in cpu_row and "lines 1 and 2 of" in cpu_row
+    gpu_row = next(ln for ln in block.splitlines() if "`step_vs_local_cuda_mlp_20m_1024`" in ln)
+    assert "| 2.25 × | 2.5 × | 2026-11-27 06:00 UTC, C, 16 cores" in gpu_row
+    assert "GPU NVIDIA H100" in gpu_row and "line 3 of `docs/bench/step.json`" in gpu_row
+    assert "GPU NVIDIA H100" not in cpu_row

@@ -8,6 +8,11 @@ A benchmark's figure is quoted only from a latest line that carries the date it 
 none to quote beside it. Such a benchmark is named, with a link to docs/BENCHMARKS.md. Where
 the line before the latest is dated too, both runs are quoted (``A / B``): one run of a
 benchmark on a shared machine is not a figure.
+
+A line of a run on a GPU (``bench step --device cuda``: ``"device": "cuda"``) is latest among
+the GPU runs of its file, and a line without ``device`` among the CPU runs: a GPU figure
+(``_cuda_`` in its key) is quoted from the GPU runs, with the GPU the line names, and the CPU
+figures from the CPU runs, whichever ran last. No GPU line, no GPU row.
 """
 
 from __future__ import annotations
@@ -82,6 +87,42 @@ FIGURES = (
         target="target_2_workers_vs_local_all_cores",
     ),
     Figure(
+        "step",
+        "step_vs_local_cuda_mlp_64",
+        "on a GPU: a worker's step of the MLP at batch 64 against a local step on it",
+        target="target_step_vs_local_cuda_mlp_64",
+    ),
+    Figure(
+        "step",
+        "step_vs_local_cuda_resnet_256",
+        "on a GPU: a worker's step of the ResNet at batch 256 against a local step on it",
+        target="target_step_vs_local_cuda_resnet_256",
+    ),
+    Figure(
+        "step",
+        "step_vs_local_cuda_mlp_20m_1024",
+        "on a GPU: a worker's step of the 20M-parameter MLP at batch 1024 against a local step",
+        target="target_step_vs_local_cuda_mlp_20m_1024",
+    ),
+    Figure(
+        "scaling",
+        "async_vs_local_cuda_mlp_64.1",
+        "on a GPU: 2 `async` workers of the MLP sharing it against one local process on it",
+        target="target_2_workers_vs_local_cuda_mlp_64",
+    ),
+    Figure(
+        "scaling",
+        "async_vs_local_cuda_resnet_256.1",
+        "the same for the ResNet at batch 256",
+        target="target_2_workers_vs_local_cuda_resnet_256",
+    ),
+    Figure(
+        "scaling",
+        "async_vs_local_cuda_mlp_20m_1024.1",
+        "the same for the 20M-parameter MLP at batch 1024",
+        target="target_2_workers_vs_local_cuda_mlp_20m_1024",
+    ),
+    Figure(
         "server",
         "sgd_64mib_apply_vs_bound",
         "one shard's SGD apply of 64 MiB pushes against its memory bound",
@@ -105,18 +146,31 @@ class Line:
     number: int
     figures: dict[str, Any]
 
+    @property
+    def device(self) -> str:
+        """The device the line's run measured on: "cpu" for a line that names none."""
+        return str(self.figures.get("device", "cpu"))
+
+
+def device_of(key: str) -> str:
+    """The device whose runs hold figure ``key``: "cuda" for a ``_cuda_`` key, else "cpu"."""
+    return "cuda" if "_cuda_" in key else "cpu"
+
 
 def load_bench(folder: Path) -> dict[str, list[Line]]:
-    """Each benchmark's two latest JSON lines (oldest first), by the benchmark's name (the
-    file's stem)."""
+    """Each benchmark's two latest JSON lines of each device's runs (oldest first, in the
+    file's order), by the benchmark's name (the file's stem)."""
     found = {}
     for path in sorted(folder.glob("*.json")):
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        text = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        lines = [Line(n, json.loads(ln)) for n, ln in enumerate(text, 1)]
+        latest = {
+            n
+            for device in {ln.device for ln in lines}
+            for n in [ln.number for ln in lines if ln.device == device][-2:]
+        }
         if lines:
-            found[path.stem] = [
-                Line(n, json.loads(lines[n - 1]))
-                for n in range(max(len(lines) - 1, 1), len(lines) + 1)
-            ]
+            found[path.stem] = [ln for ln in lines if ln.number in latest]
     return found
 
 
@@ -241,14 +295,19 @@ def _row(f: Figure, runs: list[Line]) -> str:
 
 def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
     named = {f.bench for f in FIGURES if f.bench in bench}
-    runs = {name: quoted_runs(bench[name]) for name in named}
-    undated = sorted(name for name in named if not runs[name])
+    runs = {
+        (name, device): quoted_runs([ln for ln in bench[name] if ln.device == device])
+        for name in named
+        for device in {ln.device for ln in bench[name]}
+    }
+    undated = sorted({name for (name, _), found in runs.items() if not found})
     quoted = [
-        f
+        (f, found)
         for f in FIGURES
         if f.bench in named
         and f.bench not in undated
-        and value(runs[f.bench][-1].figures, f.key) is not None
+        and (found := runs.get((f.bench, device_of(f.key))))
+        and value(found[-1].figures, f.key) is not None
     ]
     lines = [
         "Benchmarks (`paramserver bench NAME --json`, each measured side by side with its",
@@ -262,7 +321,7 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
     ]
     if quoted:
         lines += ["", "| figure | measured | target | measured on |", "| --- | --- | --- | --- |"]
-        lines += [_row(f, runs[f.bench]) for f in quoted]
+        lines += [_row(f, found) for f, found in quoted]
     if undated:
         names = ", ".join(f"`{name}`" for name in undated)
         lines += [""] if quoted else []
