@@ -41,6 +41,7 @@ from paramserver.cluster.faults import WORKER_KINDS, Fault
 from paramserver.cluster.netns import Network
 from paramserver.cluster.procs import stop_all
 from paramserver.cluster.reading import model_state_dict
+from paramserver.config.cores import shard_threads
 from paramserver.errors import ConfigError, ParamServerError
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
         "--lr", "0.01", "--seed", str(cfg.seed), "--lease-timeout", str(cfg.lease),
         "--checkpoint-dir", str(root / "checkpoints"), "--checkpoint-every", str(cfg.cut_every),
         "--data-port", "off",
+        # the shards share this host's cores, as launch's do
+        "--server-threads", str(shard_threads(None, SHARDS)),
     ]  # fmt: skip
     worker = [
         "--device", "cpu", "--threads", "1", "--step-delay", str(cfg.step_delay),

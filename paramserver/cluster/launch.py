@@ -29,6 +29,7 @@ from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
 from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfig
+from paramserver.config.cores import shard_threads
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.policy.staleness import Policy
 from paramserver.server.disk import checkpoint
@@ -75,11 +76,13 @@ class _Cluster:
     def start(self) -> str:
         shards = self.cfg.servers
         addresses = []
+        threads = shard_threads(self.cfg.server.threads, shards)  # they share this host's cores
         for i in range(shards):
             host = self.place.host(i) if self.place.host else self.cfg.server.host
             scfg = dataclasses.replace(  # a resumed run's old workers are gone: launch knows
                 self.cfg.server, shard=i, shards=shards, host=host, forget_workers=True
             )
+            scfg = dataclasses.replace(scfg, threads=threads)
             name = "server" if shards == 1 else f"server-{i}"
             log_path = self.run.file(f"{name}.log")
             prefix = self.place.prefix(name)

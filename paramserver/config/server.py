@@ -60,10 +60,14 @@ class ServerConfig:
     chunk_bytes: int = setting(
         1 << 20, "--chunk-bytes", "Size of the streamed payload chunks (4 KiB to 16 MiB)."
     )
-    threads: int = setting(
-        1,
+    threads: int | None = setting(
+        None,
         "--server-threads",
-        "Torch threads of the optimizer.",
+        "Threads of the optimizer (torch's), of the finiteness check and of the copies out of "
+        "shared memory [default: the host's usable cores (CPU affinity, capped by a cgroup CPU "
+        "quota) over the shards started on it: all of them for a server, cores/S each for "
+        "launch's S shards; the server's log says the number and where it came from].",
+        type=int,
         env="SERVER_THREADS",
         dest="server_threads",
     )
@@ -201,7 +205,7 @@ class ServerConfig:
                 "--chunk-bytes must be a multiple of 4 from 4096 to 16777216 (16 MiB); got "
                 f"{self.chunk_bytes}."
             )
-        if self.threads < 1:
+        if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--server-threads must be at least 1; got {self.threads}.")
         _positive("--barrier-timeout", self.barrier_timeout)
         if not 0 <= self.shard < self.shards:

@@ -16,6 +16,7 @@ from torch import nn
 
 from paramserver.codec import layout
 from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig
+from paramserver.config.cores import host_cores, server_threads
 from paramserver.errors import ConfigError
 from paramserver.server.build import build_coordinator
 from paramserver.server.disk.checkpoint_writer import Checkpointer
@@ -24,7 +25,7 @@ from paramserver.server.doors.doorbell import Doorbell
 from paramserver.server.doors.servicer import Servicer
 from paramserver.server.metrics import DATA_METHOD, SOCKET_METHOD, Metrics
 from paramserver.sparse.tableset import whole_tables
-from paramserver.transport import ports, security, stub
+from paramserver.transport import pieces, ports, security, stub
 from paramserver.transport.attachments import Attachments
 from paramserver.transport.health import BoundedHealth
 
@@ -77,7 +78,9 @@ class ServerApp:
 
     def __init__(self, config: ServerConfig, model: nn.Module | None = None):
         self.config = config
-        torch.set_num_threads(config.threads)
+        self.threads, self.threads_from = server_threads(config.threads, 1, *host_cores())
+        torch.set_num_threads(self.threads)
+        pieces.set_threads(self.threads)
         self.coordinator = build_coordinator(config, model, resume=True)
         manifest = self.coordinator.manifest
         self.checkpointer: Checkpointer | None = None
@@ -207,6 +210,11 @@ class ServerApp:
             c.lease_seconds,
             self.coordinator.incarnation,
             self.coordinator.store.version,
+        )
+        log.info(
+            "%d server threads (optimizer, checks, shared-memory copies): %s",
+            self.threads,
+            self.threads_from,
         )
 
     def _checkpoint_health(self, ok: bool) -> None:
