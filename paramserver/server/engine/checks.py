@@ -15,10 +15,16 @@ from paramserver.codec.rows import RowGradients
 from paramserver.errors import InvalidRequest
 from paramserver.sparse.tableset import TableSet
 from paramserver.sparse.tableset import finite as rows_finite
+from paramserver.transport import pieces
+
+# A check of at least this many bytes is split over the server's threads (``pieces``:
+# ``--server-threads``), a piece each: the dot product lets go of the GIL.
+SPLIT_CHECK_BYTES = 8 << 20
 
 
 def all_finite(values: np.ndarray) -> bool:
-    """Whether every element of the float array ``values`` is finite.
+    """Whether every element of the float array ``values`` is finite; a large one checked
+    in pieces on the server's threads at once (``SPLIT_CHECK_BYTES``; a piece each).
 
     One read of the array, no temporary: the sum of squares is finite only if every element
     is (a NaN or an Inf makes it NaN or Inf), which BLAS computes at memory speed (1.7 ms
@@ -26,6 +32,13 @@ def all_finite(values: np.ndarray) -> bool:
     Where it is not finite (non-finite elements, or squares of finite ones past the type's
     range) the exact element-wise test decides."""
     flat = values.reshape(-1)
+    parts = pieces.split(flat.nbytes) if flat.nbytes >= SPLIT_CHECK_BYTES else 1
+    if parts == 1:
+        return _finite(flat)
+    return all(pieces.run(lambda lo, hi: _finite(flat[lo:hi]), flat.size, parts, 64))
+
+
+def _finite(flat: np.ndarray) -> bool:
     with np.errstate(over="ignore", invalid="ignore"):
         if flat.size and math.isfinite(float(np.dot(flat, flat))):
             return True
@@ -46,7 +59,9 @@ class Scan:
             self.finite = False
 
 
-# The threads that check pieces behind a receive (``Behind``), shared by every connection.
+# The threads that check pieces behind a receive (``Behind``), shared by every connection:
+# two keep up with any socket (a piece is checked at memory speed), so they are not the
+# server's threads (``pieces``).
 _SCANNERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ps-scan")
 
 
