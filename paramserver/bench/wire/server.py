@@ -15,7 +15,14 @@ of the same size with one torch thread (the server's default ``--server-threads`
 ``param.add_(grad, alpha=-lr)`` (reads the gradient and the parameters, writes the
 parameters) and torch's fused Adam step (reads the gradient, reads and writes the
 parameters and both moments). ``apply_vs_bound`` is the gradient bytes a shard applies a
-second over the bytes that pass covers a second.
+second over the bytes that pass covers a second. (The servers run on every usable core,
+``--server-threads``' default: the bound is one thread's, so at Adam the ratio may pass 1;
+the two shards get half the cores each, as launch gives them.)
+
+The server's threads (``apply_threads``): its apply of an 80 MB gradient (20M float32),
+the finiteness check then ``ParameterStore.apply``'s fused Adam step, in-process with 1
+and with 2 threads (``--server-threads``), their runs interleaved;
+``adam_apply_80mb_threads2_vs_1`` is the speed-up (target 1.5 on the 2-core machine).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
@@ -35,11 +43,17 @@ from paramserver.bench.common import median_seconds, server_process
 from paramserver.bench.ddp import start_rank
 from paramserver.bench.wire.transport import MIB, Blob
 from paramserver.cluster.procs import _PARENT_ENV
+from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, ServerConfig
-from paramserver.server.bookkeeping.store import build_optimizer
+from paramserver.config.cores import host_cores, server_threads
+from paramserver.server.bookkeeping.store import ParameterStore, build_optimizer
+from paramserver.server.engine.checks import all_finite
+from paramserver.transport import pieces
 from paramserver.transport.stub import Stub, connect
 
 PUSHERS = 2
+APPLY_ELEMENTS = 20_000_000  # the issue's gradient: 80 MB of float32
+APPLY_THREADS = (1, 2)
 COALESCE_PUSHERS = 4  # more pushers than cores: pushes arrive during applies
 
 
@@ -74,6 +88,81 @@ def bound_gbps(nbytes: int, optimizer: str, reps: int) -> float:
     finally:
         torch.set_num_threads(threads)
     return nbytes / seconds / 1e9
+
+
+def apply_seconds(threads: tuple[int, ...], reps: int) -> dict[int, tuple[float, float]]:
+    """Median seconds of a server's apply of an ``APPLY_ELEMENTS`` float32 gradient with
+    each number of ``threads`` (torch's and the check's): ``all_finite`` then
+    ``ParameterStore.apply`` with Adam, as a push that the server checks itself takes; and
+    of a copy of the same bytes (``copy_``: what the memory allows that many threads). The
+    counts take turns, a step each (after an untimed one at that count), so a drift of the
+    machine falls on all alike."""
+    before = torch.get_num_threads(), pieces.threads()
+    weights = np.zeros(APPLY_ELEMENTS, np.float32)
+    manifest = Manifest.from_tensors([("w", torch.from_numpy(weights))])
+    store = ParameterStore(manifest, weights, OptimizerConfig("adam", lr=1e-9))
+    grad = np.full(APPLY_ELEMENTS, 1e-3, np.float32)
+    into = torch.empty(APPLY_ELEMENTS)
+    times: dict[int, list[tuple[float, float]]] = {n: [] for n in threads}
+
+    def apply() -> None:
+        if not all_finite(grad):
+            raise RuntimeError("the bench's gradient is finite")
+        store.apply(grad)
+
+    def copy() -> None:
+        into.copy_(torch.from_numpy(grad))
+
+    try:
+        apply()  # the moments' first touch
+        copy()
+        for _ in range(reps):
+            for n in threads:
+                torch.set_num_threads(n)
+                pieces.set_threads(n)
+                apply()
+                step = median_seconds(apply, 1, warmup=0)
+                times[n].append((step, median_seconds(copy, 1, warmup=1)))
+    finally:
+        torch.set_num_threads(before[0])
+        pieces.set_threads(before[1])
+    middle = reps // 2
+    return {
+        n: (sorted(a for a, _ in t)[middle], sorted(c for _, c in t)[middle])
+        for n, t in times.items()
+    }
+
+
+def apply_threads(figures: dict[str, Any], rows: list[tuple[str, str]], reps: int) -> None:
+    """``apply_seconds`` with 1 and 2 threads, and their ratio. GB/s: the bytes an apply
+    moves (the check reads the gradient; Adam's step reads it, the parameters and both
+    moments, and writes the last three: 8 passes over 80 MB), and a copy's two."""
+    seconds = apply_seconds(APPLY_THREADS, reps)
+    nbytes = APPLY_ELEMENTS * 4
+    for n, (step, copy) in seconds.items():
+        figures[f"adam_apply_80mb_threads{n}_ms"] = step * 1e3
+        figures[f"adam_apply_80mb_threads{n}_moved_gbps"] = 8 * nbytes / step / 1e9
+        figures[f"copy_80mb_threads{n}_gbps"] = 2 * nbytes / copy / 1e9
+    ratio = seconds[1][0] / seconds[2][0]
+    figures["adam_apply_80mb_threads2_vs_1"] = ratio
+    figures["copy_80mb_threads2_vs_1"] = seconds[1][1] / seconds[2][1]
+    figures["target_adam_apply_80mb_threads2_vs_1"] = 1.5
+    figures["usable_cores"] = host_cores()[0]
+    for n, (step, _) in seconds.items():
+        rows.append(
+            (
+                f"adam apply, 80 MB, {n} thread{'s' if n > 1 else ''} (check + fused step)",
+                f"{step * 1e3:6.1f} ms  moves {figures[f'adam_apply_80mb_threads{n}_moved_gbps']:5.1f}"
+                f" GB/s  (a copy: {figures[f'copy_80mb_threads{n}_gbps']:5.1f} GB/s)",
+            )
+        )
+    rows.append(
+        (
+            "adam apply, 80 MB, threads2_vs_1",
+            f"{ratio:.2f} (target 1.5; a copy's {figures['copy_80mb_threads2_vs_1']:.2f}; "
+            f"usable cores {figures['usable_cores']})",
+        )
+    )
 
 
 def pushes_per_second(
@@ -151,6 +240,7 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     rows: list[tuple[str, str]] = [
         ("load", f"{PUSHERS} pusher processes, async, window {window:g} s after {warmup:g} s"),
     ]
+    apply_threads(figures, rows, 7 if quick else 21)
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-server-") as tmp:
         logs = Path(tmp)
         for size in sizes:
@@ -166,9 +256,10 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
                     _record(figures, rows, name, rate, nbytes, bound, channel)
         # Two shards, each a process holding half the model, on the middle size.
         size = sizes[-1] if quick else 64
+        half = server_threads(None, 2, *host_cores())[0]  # as launch gives two shards
         for optimizer in ("sgd", "adam"):
             key = f"{optimizer}_{size}mib"
-            cfg = _config(size, optimizer)
+            cfg = dataclasses.replace(_config(size, optimizer), threads=half)
             rate = pushes_per_second(cfg, 2, size * MIB, True, warmup, window, logs)
             bound = figures[f"{key}_bound_gbps"]
             _record(figures, rows, f"{key}_2shards", rate, size * MIB, bound, "shm, 2 shards")
