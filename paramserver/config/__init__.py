@@ -5,7 +5,9 @@ raises ConfigError with a sentence that names the setting (its flag) and the val
 - ``base``: the choices and limits, ``OptimizerConfig``, ``Security``, the ``--shard`` and
   ``--checkpoint-every`` parsers;
 - ``server``: ``ServerConfig``;
-- ``worker``: ``WorkerConfig`` and ``LaunchConfig`` (a server's and its workers').
+- ``worker``: ``WorkerConfig`` and ``LaunchConfig`` (a server's and its workers');
+- ``cores``: the host's usable cores (affinity, cgroup quota) and a shard's share of them
+  (``--server-threads``' default).
 
 May import: ``settings``, ``codec``, ``policy``, ``errors``.
 """

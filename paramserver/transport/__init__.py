@@ -9,6 +9,10 @@
 - ``health``: the gRPC health service bounded against unauthenticated watchers, and the
   side pool;
 - ``shm``: the shared-memory segments a same-host worker's payloads travel in;
+- ``pinned``: page-locking a CUDA worker's payload buffers (segments registered with CUDA),
+  with a counted, logged fallback to pageable memory;
+- ``segment_io``, ``pieces``: the server's reads and writes of a worker's segment, and the
+  pool that splits large copies and checks over the server's threads;
 - ``channels``: the worker's payload channels (``GrpcStreamChannel``, the control-socket
   client), one interface for push, pull and both;
 - ``shm_channel``: ``ShmChannel``, payloads and table rows through the shared segment;

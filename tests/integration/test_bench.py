@@ -93,6 +93,7 @@ KEYS = {
         "two_shards_vs_one",
         "adam_16mib_4p_coalesce_apply_vs_bound",
         "adam_16mib_4p_coalesce_coalesced_share",
+        "adam_apply_80mb_threads2_vs_1",
         "sgd_16mib_coalesce_vs_off",
     ],
     "sparse": [
