@@ -32,7 +32,9 @@ def serve(
             "async"), workers (joins the run waits for before the first pull is
             answered; also the most that may be live at once), host and port (port 0: a
             free port), seed (of a named model's initial weights), lease_seconds,
-            batch_size, security, ...; and the optimizer's by the names of its options:
+            batch_size, security, server_device ("cpu", "cuda", "cuda:I": where the
+            weights and the optimizer live), ...; and the optimizer's by the names of its
+            options:
             optimizer ("sgd", "momentum", "adam" or "adamw", or a whole OptimizerConfig),
             lr, momentum, weight_decay, lr_schedule and lr_total_steps ("constant", or
             "cosine" decay to 0 over that many optimizer steps).

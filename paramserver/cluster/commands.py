@@ -7,9 +7,12 @@ the config it came from. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paramserver.config import LaunchConfig, OptimizerConfig, Security, ServerConfig, WorkerConfig
+from paramserver.config.cores import shard_threads
+from paramserver.config.devices import shard_device
 from paramserver.errors import ConfigError
 from paramserver.settings import Part, command_args, setting
 
@@ -55,6 +58,7 @@ LOCAL = (
     "port",
     "data_port",
     "threads",
+    "server_device",
     "metrics_port",
     "metrics_host",
     "shard",
@@ -74,10 +78,26 @@ LAUNCH = (
     *RUN,
     Part(OptimizerConfig, only=SCHEDULE, defaults={"schedule": "cosine", "by": "batches"}),
     Part(LaunchConfig, exclude=("progress",)),
-    Part(ServerConfig, only=("threads",)),
+    Part(ServerConfig, only=("threads", "server_device")),
     Part(LaunchOutput),
     Part(LaunchConfig, only=("progress",)),
 )
+
+
+def shard_config(cfg: ServerConfig, shard: int, shards: int, host: str) -> ServerConfig:
+    """Shard ``shard`` of the ``shards`` a launch starts, on ``host``: its share of the
+    host's cores (``--server-threads``' default: cores/S) and GPUs (``--server-device
+    cuda``: GPU i modulo their number); a resumed run's old workers are gone (launch
+    knows)."""
+    return dataclasses.replace(
+        cfg,
+        shard=shard,
+        shards=shards,
+        host=host,
+        forget_workers=True,
+        threads=shard_threads(cfg.threads, shards),  # they share this host's cores
+        server_device=shard_device(cfg.server_device, shard),
+    )
 
 
 def server_args(cfg: ServerConfig) -> list[str]:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from paramserver import models, settings
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.cluster import commands
 from paramserver.cluster.commands import CHILD_ENV, server_args, worker_args, worker_command
 from paramserver.cluster.commands import launch_args as launch_args  # the benchmarks' import
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
@@ -29,7 +30,6 @@ from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
 from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfig
-from paramserver.config.cores import shard_threads
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.policy.staleness import Policy
 from paramserver.server.disk import checkpoint
@@ -76,13 +76,9 @@ class _Cluster:
     def start(self) -> str:
         shards = self.cfg.servers
         addresses = []
-        threads = shard_threads(self.cfg.server.threads, shards)  # they share this host's cores
         for i in range(shards):
             host = self.place.host(i) if self.place.host else self.cfg.server.host
-            scfg = dataclasses.replace(  # a resumed run's old workers are gone: launch knows
-                self.cfg.server, shard=i, shards=shards, host=host, forget_workers=True
-            )
-            scfg = dataclasses.replace(scfg, threads=threads)
+            scfg = commands.shard_config(self.cfg.server, i, shards, host)
             name = "server" if shards == 1 else f"server-{i}"
             log_path = self.run.file(f"{name}.log")
             prefix = self.place.prefix(name)

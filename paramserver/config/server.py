@@ -15,6 +15,7 @@ from paramserver.config.base import (
     parse_every,
     parse_table_optimizers,
 )
+from paramserver.config.devices import check_server_device
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.settings import setting
@@ -70,6 +71,13 @@ class ServerConfig:
         type=int,
         env="SERVER_THREADS",
         dest="server_threads",
+    )
+    server_device: str = setting(
+        "cpu",
+        "--server-device",
+        "Where this shard holds its weights, optimizer state and incoming gradients, and runs "
+        "its optimizer: cpu, cuda (launch spreads its shards over the host's GPUs) or cuda:I. "
+        "Pulls, checkpoints and exports read a copy on the host: the same files either way.",
     )
     barrier_timeout: float = 600.0
     min_workers: int | None = setting(
@@ -208,6 +216,7 @@ class ServerConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--server-threads must be at least 1; got {self.threads}.")
         _positive("--barrier-timeout", self.barrier_timeout)
+        check_server_device(self.server_device)
         if not 0 <= self.shard < self.shards:
             raise ConfigError(
                 f"--shard must be I/S with 0 <= I < S; got {self.shard}/{self.shards}."

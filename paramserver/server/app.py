@@ -212,9 +212,11 @@ class ServerApp:
             self.coordinator.store.version,
         )
         log.info(
-            "%d server threads (optimizer, checks, shared-memory copies): %s",
+            "%d server threads (optimizer, checks, shared-memory copies): %s; weights and "
+            "optimizer on %s",
             self.threads,
             self.threads_from,
+            self.config.server_device,
         )
 
     def _checkpoint_health(self, ok: bool) -> None:

@@ -77,7 +77,7 @@ def build_coordinator(
             snapshot = saved_state(
                 directory, manifest, config.shard, config.shards, config.cuts, config.model
             )
-    store = ParameterStore(manifest, flat, config.optimizer)
+    store = ParameterStore(manifest, flat, config.optimizer, config.server_device)
     return Coordinator(
         config,
         store,

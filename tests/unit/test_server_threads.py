@@ -128,7 +128,7 @@ def test_the_server_takes_the_hosts_cores_and_says_so(monkeypatch, caplog):
         said = [r.getMessage() for r in caplog.records if "server threads" in r.getMessage()]
         assert said == [
             "3 server threads (optimizer, checks, shared-memory copies): the host's usable "
-            "cores: 3 CPUs in its affinity"
+            "cores: 3 CPUs in its affinity; weights and optimizer on cpu"
         ]
         with app_module.ServerApp(dataclasses.replace(cfg, threads=1)) as app:
             assert (app.threads, torch.get_num_threads(), pieces.threads()) == (1, 1, 1)

@@ -1,8 +1,15 @@
 """The global model: one flat buffer (parameters, then buffers; float32, or float64 for a
-float64 model), its version and the server-side optimizer over the parameters' section."""
+float64 model), its version and the server-side optimizer over the parameters' section.
+
+A shard on a GPU (``--server-device``) keeps that buffer and the optimizer's state on the
+device, where its fused optimizer steps, and a copy on the host (``weights``) that pulls,
+snapshots and checkpoints read, brought up to date after every change; checkpoints hold the
+optimizer's state on the host, so one written on a GPU resumes on a CPU and the other way
+round (``load_state_dict`` moves the state to the parameters' device)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 from collections.abc import Callable
@@ -70,7 +77,14 @@ class ParameterStore:
     thread-safe: the coordinator serialises calls.
     """
 
-    def __init__(self, manifest: Manifest, initial: np.ndarray, optimizer: OptimizerConfig):
+    def __init__(
+        self,
+        manifest: Manifest,
+        initial: np.ndarray,
+        optimizer: OptimizerConfig,
+        device: str | torch.device = "cpu",
+        mirrored: bool | None = None,
+    ):
         if initial.dtype != manifest.np_dtype or initial.size != manifest.numel:
             raise ValueError(
                 f"Initial weights must be {manifest.numel} {manifest.dtype} values; got "
@@ -78,8 +92,13 @@ class ParameterStore:
             )
         self.manifest = manifest
         self.config = optimizer
-        self.flat = torch.from_numpy(initial.copy())
-        self._weights = self.flat.numpy()  # the same memory: ``flat`` is only written in place
+        self.device = torch.device(device)
+        # the master on the device and a copy on the host (on a CPU: one tensor; tests
+        # force ``mirrored`` to run a GPU shard's bookkeeping on a CPU)
+        self.mirrored = self.device.type != "cpu" if mirrored is None else mirrored
+        self.host = torch.from_numpy(initial.copy())
+        self._weights = self.host.numpy()  # the same memory: ``host`` is only written in place
+        self.flat = self.host.to(self.device, copy=True) if self.mirrored else self.host
         self.n_params = manifest.section("param")[1]
         # A view: the optimizer's steps land in the flat buffer that pulls read.
         self.param = torch.nn.Parameter(self.flat[: self.n_params])
@@ -115,7 +134,7 @@ class ParameterStore:
     def step(self, grad: np.ndarray, lr: float) -> None:
         """The optimizer's step with ``grad`` at rate ``lr``, in place; the version and the
         snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``)."""
-        self.param.grad = torch.from_numpy(grad)
+        self.param.grad = torch.from_numpy(grad).to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self._bare_step is not None and not _hooked(self.optimizer):
@@ -123,6 +142,17 @@ class ParameterStore:
         else:
             self.optimizer.step()
         self.param.grad = None
+        self._mirror(0, self.n_params)
+
+    def _mirror(self, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of the device's master into the host's copy (pulls read it)."""
+        if self.mirrored and hi > lo:
+            self.host[lo:hi].copy_(self.flat[lo:hi])
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """A copy of the optimizer's ``state_dict()`` with its tensors on the host: what a
+        checkpoint holds, whatever the device."""
+        return _host_copy(self.optimizer.state_dict())
 
     def restore(self, weights: np.ndarray, optimizer_state: dict, version: int) -> None:
         """Take over the weights, optimizer state and version of a checkpoint."""
@@ -130,13 +160,15 @@ class ParameterStore:
             raise ValueError(f"{weights.size} weights for a model of {self.manifest.numel}.")
         with torch.no_grad():
             self.flat.copy_(torch.from_numpy(np.ascontiguousarray(weights, self.manifest.np_dtype)))
+        self._mirror(0, self.manifest.numel)
         self.optimizer.load_state_dict(optimizer_state)
         self.version = version
         self.retire()
 
     def set_buffers(self, values: np.ndarray) -> None:
         """Set the buffers' section (everything after the parameters) to ``values``."""
-        self.flat[self.n_params :] = torch.from_numpy(values)
+        self.flat[self.n_params :] = torch.from_numpy(values).to(self.device)
+        self._mirror(self.n_params, self.manifest.numel)
         self.retire()
 
     def snapshot(self) -> np.ndarray:
@@ -166,3 +198,14 @@ class ParameterStore:
                 snap.setflags(write=True)
                 return snap
         return np.empty_like(self.weights)
+
+
+def _host_copy(state: Any) -> Any:
+    """``state`` (a ``state_dict()``) copied, every tensor in it on the host."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _host_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_copy(v) for v in state)
+    return copy.deepcopy(state)

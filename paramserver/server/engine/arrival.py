@@ -24,7 +24,6 @@ Decisions and bookkeeping only: no lock (the coordinator calls under its own), n
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -166,7 +165,7 @@ class Arrival:
         store, tables = self.store, self.tables
         return {
             "weights": store.weights.copy(),
-            "optimizer_state": copy.deepcopy(store.optimizer.state_dict()),
+            "optimizer_state": store.optimizer_state(),
             "version": store.version,
             "rounds": self.rounds,
             "sync_round": self.round.state(),
