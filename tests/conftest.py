@@ -116,6 +116,26 @@ def sync_workers(
     return [t.result() for t in threads]
 
 
+def local_sgd(model: nn.Module, batch: Batch, steps: int, lr: float) -> nn.Module:
+    """A copy of ``model`` after ``steps`` plain SGD steps of cross-entropy on ``batch(t)``:
+    what one worker under ``sync`` with SGD must end with."""
+    ref = replica(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    return ref
+
+
+def assert_same_state(got: nn.Module, want: nn.Module, rtol: float, atol: float) -> None:
+    """Every parameter and buffer of ``got`` close to ``want``'s, named where not."""
+    pairs = zip(got.state_dict().items(), want.state_dict().values(), strict=True)
+    for (name, a), b in pairs:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=name)
+
+
 def large_batch_reference(
     model: nn.Module,
     optimizer: Callable[[list], torch.optim.Optimizer],

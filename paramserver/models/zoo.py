@@ -14,30 +14,25 @@ CLICK_FIELDS = 8
 CLICK_ROWS = 10_000  # ids per field
 
 
+def _perceptron(*widths: int) -> nn.Module:
+    """A multilayer perceptron for 28x28 images: 784, then ``widths`` (ReLU between)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    sizes = (784, *widths)
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers += [nn.Linear(a, b)] if i == len(widths) - 1 else [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
 def mlp() -> nn.Module:
     """784-256-128-10 multilayer perceptron for 28x28 images."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 256),
-        nn.ReLU(),
-        nn.Linear(256, 128),
-        nn.ReLU(),
-        nn.Linear(128, 10),
-    )
+    return _perceptron(256, 128, 10)
 
 
 def mlp_20m() -> nn.Module:
     """784-4096-4096-10 multilayer perceptron for 28x28 images: 20.0M parameters (80 MB of
     float32), so moving its bytes costs more than computing a batch (``bench step`` on a
     GPU)."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 4096),
-        nn.ReLU(),
-        nn.Linear(4096, 4096),
-        nn.ReLU(),
-        nn.Linear(4096, 10),
-    )
+    return _perceptron(4096, 4096, 10)
 
 
 def cnn() -> nn.Module:

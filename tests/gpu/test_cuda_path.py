@@ -22,6 +22,7 @@ from paramserver.transport import shm as shmem
 from paramserver.transport.shm_channel import ShmChannel
 from paramserver.worker.flat import FlatReplica
 from paramserver.worker.replica import Replica
+from tests.conftest import assert_same_state, local_sgd
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: tests/gpu runs on a GPU host"
@@ -109,15 +110,7 @@ def test_one_cuda_sync_worker_takes_the_steps_of_local_sgd(serve):
             x, y = batch(step)
             F.cross_entropy(local(x), y).backward()
             w.step(samples=len(x))
-    ref = model.to(CUDA)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(20):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
-    for (k, a), b in zip(local.state_dict().items(), ref.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=k)
+    assert_same_state(local, local_sgd(model.to(CUDA), batch, 20, 0.1), rtol=1e-6, atol=1e-7)
 
 
 def test_a_launch_of_two_cuda_workers(tmp_path):

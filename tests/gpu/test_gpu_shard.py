@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramserver as ps
+from tests.conftest import assert_same_state, local_sgd
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: tests/gpu runs on a GPU host"
@@ -42,15 +43,7 @@ def test_a_gpu_shard_steps_on_the_device_like_local_sgd(serve):
             x, y = batch(step)
             F.cross_entropy(local(x), y).backward()
             w.step(samples=len(x))
-    ref = mlp().to(CUDA)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(20):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
-    for (k, a), b in zip(local.state_dict().items(), ref.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=k)
+    assert_same_state(local, local_sgd(mlp().to(CUDA), batch, 20, 0.1), rtol=1e-6, atol=1e-7)
     assert np.array_equal(store.weights, store.flat.cpu().numpy())
 
 
