@@ -17,6 +17,7 @@ logged and ``FALLBACKS`` counts it; the worker says whether its payloads are pag
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -64,6 +65,36 @@ def cudart() -> Any:
     return torch.cuda.cudart()
 
 
+# cudaHostRegisterPortable: pinned for every CUDA context of the process (as torch does)
+PORTABLE = 1
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``), which a
+    refused ``cudaHostRegister`` leaves set and torch's next kernel launch check would
+    raise. torch's bindings lack the call: it is reached in the libcudart this process
+    loaded; where none is found, a warning says what may follow."""
+    for path in _loaded("libcudart"):
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+            return
+        except (OSError, AttributeError) as exc:
+            log.debug("cudaGetLastError through %s failed: %s", path, exc)
+    log.warning(
+        "cannot clear the CUDA error the refused registration left; a CUDA call may report it"
+    )
+
+
+def _loaded(name: str) -> list[str]:
+    """The paths of the shared libraries named ``name``* mapped into this process."""
+    try:
+        with open("/proc/self/maps") as maps:
+            found = {line.split()[-1] for line in maps if name in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in found if p.rsplit("/", 1)[-1].startswith(name))
+
+
 class Registration:
     """Host memory registered with CUDA; ``release`` unregisters it (before it is unmapped)."""
 
@@ -87,8 +118,10 @@ class Registration:
 class Locker:
     """Registers host memory with CUDA (``runtime``: torch's bindings; tests pass a fake)."""
 
-    def __init__(self, runtime: Callable[[], Any] = cudart):
-        self._runtime = runtime
+    def __init__(
+        self, runtime: Callable[[], Any] = cudart, clear: Callable[[], None] = clear_cuda_error
+    ):
+        self._runtime, self._clear = runtime, clear
 
     def register(self, memory: np.ndarray, what: str) -> Registration | None:
         """Page-lock ``memory`` (a mapped segment's bytes, kept mapped while registered);
@@ -99,11 +132,12 @@ class Locker:
         address = memory.ctypes.data
         try:
             runtime = self._runtime()
-            err = runtime.cudaHostRegister(address, nbytes, 0)  # cudaHostRegisterDefault
+            err = runtime.cudaHostRegister(address, nbytes, PORTABLE)
         except Exception as exc:  # no CUDA build, no driver
             FALLBACKS.add(what, exc)
             return None
         if int(err) != 0:
+            self._clear()
             FALLBACKS.add(what, f"cudaHostRegister answered {err}")
             return None
         return Registration(runtime, address, nbytes)

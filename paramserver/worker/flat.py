@@ -54,6 +54,8 @@ class Block:
     hi: int
     values: torch.Tensor
     grads: torch.Tensor | None
+    members: range  # the indices of its tensors in the manifest
+    version: int = -1  # ``grads._version`` after the last accumulation backward made
 
 
 @dataclass(eq=False)
@@ -63,9 +65,13 @@ class Bucket:
     lo: int
     hi: int
     block: Block
-    params: int
+    members: list[int]  # the indices of its parameters in the manifest
     fires: int = 0  # gradient accumulations into its parameters this step
     copied_at: int = -1  # ``fires`` when it was copied early (-1: not copied)
+
+    @property
+    def params(self) -> int:
+        return len(self.members)
 
 
 def flat_blocks(manifest_tensors: Sequence[Any], tensors: Sequence[torch.Tensor]) -> list[Block]:
@@ -95,7 +101,7 @@ def flat_blocks(manifest_tensors: Sequence[Any], tensors: Sequence[torch.Tensor]
                 t.data = view
                 if grads is not None:
                     t.grad = grads[a : a + s.numel].view(t.shape)
-        blocks.append(Block(lo, hi, values, grads))
+        blocks.append(Block(lo, hi, values, grads, range(i, j)))
         i = j
     return blocks
 
@@ -122,42 +128,39 @@ class FlatReplica(Replica):
         self.early: Callable[[], Parts | None] | None = None
         self._target: Parts | None = None
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._hook(b))
+            self.params[i].register_post_accumulate_grad_hook(self._hook(b))
             for b in self.buckets
-            for p in self._params_of(b)
+            for i in b.members
         ]
 
     # --- layout ----------------------------------------------------------------------
-
-    def _params_of(self, bucket: Bucket) -> list[torch.Tensor]:
-        specs = self.manifest.tensors
-        return [
-            p for s, p in zip(specs, self.params, strict=False) if bucket.lo <= s.start < bucket.hi
-        ]
 
     def _buckets(self, cap: int) -> list[Bucket]:
         """Consecutive parameters of about ``cap`` bytes a bucket, from the last one back
         (backward computes the last layers' gradients first)."""
         buckets: list[Bucket] = []
-        specs = self.manifest.tensors[: len(self.params)]
+        specs = self.manifest.tensors
         for block in self.blocks:
             if block.grads is None:
                 continue
-            inside = [s for s in specs if block.lo <= s.start < block.hi]
-            hi, size, count = block.hi, 0, 0
-            for s in reversed(inside):
-                size += s.numel * block.grads.element_size()
-                count += 1
-                if size >= cap or s is inside[0]:
-                    buckets.append(Bucket(s.start, hi, block, count))
-                    hi, size, count = s.start, 0, 0
+            hi, size, members = block.hi, 0, []
+            for i in reversed(block.members):
+                size += specs[i].numel * block.grads.element_size()
+                members.append(i)
+                if size >= cap or i == block.members[0]:
+                    buckets.append(Bucket(specs[i].start, hi, block, members))
+                    hi, size, members = specs[i].start, 0, []
         return buckets
 
     # --- during backward -------------------------------------------------------------
 
     def _hook(self, bucket: Bucket) -> Callable[[torch.Tensor], None]:
+        grads = bucket.block.grads
+        assert grads is not None
+
         def fired(_: torch.Tensor) -> None:
             bucket.fires += 1
+            bucket.block.version = grads._version  # an in-place change after backward moves it
             if bucket.fires == bucket.params and self.early is not None:
                 self._copy_early(bucket)
 
@@ -215,7 +218,10 @@ class FlatReplica(Replica):
         same = target is not None and _same_buffers(target, parts)
         after = self.copies.ready()
         for bucket in self.buckets:
-            if not (same and bucket.copied_at == bucket.fires):
+            # clipped, unscaled or otherwise changed in place after backward: copy again
+            grads = bucket.block.grads
+            unchanged = grads is not None and grads._version == bucket.block.version
+            if not (same and unchanged and bucket.copied_at == bucket.fires):
                 self._copy_grads(bucket, parts, after)
         for block in self.blocks:
             if block.grads is not None:
@@ -233,7 +239,10 @@ class FlatReplica(Replica):
         return None
 
     def zero_grad(self) -> None:
-        """Zero the flat gradients in place, once the copies reading them are done."""
+        """Zero the flat gradients in place, once the copies reading them are done (copies
+        of a step dropped or pushed empty were never waited for by ``stage``)."""
+        if self._target is not None:
+            self.copies.wait()
         self.copies.fence()
         for block in self.blocks:
             if block.grads is not None:
@@ -278,8 +287,12 @@ def replica(model: nn.Module, flat: bool | None = None) -> Replica:
     """The replica of ``model``: flat (``FlatReplica``) if ``flat``, or (None) when the
     model is on a GPU; else the model's own tensors (``Replica``: a CPU model's pushes
     may be sent from its gradients, and blocking steps bind its tensors to the buffers)."""
-    first = next((p for p in model.parameters() if p.requires_grad), None)
-    on_gpu = first is not None and first.device.type == "cuda"
-    if first is None or not (on_gpu if flat is None else flat):
-        return Replica(model)
+    plain = Replica(model)
+    devices = {t.device for t in plain.tensors}  # the run's state: not the tables' caches
+    on_gpu = len(devices) == 1 and next(iter(devices)).type == "cuda"
+    if not plain.params or not (on_gpu if flat is None else flat):
+        return plain
+    if len(devices) > 1:  # the copies follow one device's streams
+        log.info("the model spans %s: its state stays per tensor", sorted(map(str, devices)))
+        return plain
     return FlatReplica(model)

@@ -85,16 +85,14 @@ def test_a_page_locked_segment_round_trip():
 def test_a_64_mib_push_and_pull(serve):
     torch.manual_seed(0)
     model = nn.Linear(4096, 4096, bias=False)  # 16M parameters: 64 MiB of float32
-    server = serve(model, optimizer="sgd", lr=0.5, policy="async", workers=1)
+    server = serve(model, optimizer="sgd", lr=0.5, policy="sync", workers=1)
     local = nn.Linear(4096, 4096, bias=False).to(CUDA)
     with ps.Worker(server.address, local) as w:
         assert w.shm_active and w.page_locked
         assert isinstance(w._replica, FlatReplica)
         start = local.weight.detach().clone()
         local.weight.grad = torch.full_like(local.weight, 2.0)  # replaced: copied back in
-        w.step()
-        w.flush()
-        w.pull()
+        w.step()  # sync: the pull after the push waits for its round
         torch.testing.assert_close(local.weight, start - 1.0, rtol=0, atol=1e-6)
     weights = torch.from_numpy(server.coordinator.store.weights.copy()).view(4096, 4096)
     torch.testing.assert_close(weights, local.weight.detach().cpu(), rtol=0, atol=0)
@@ -121,3 +119,16 @@ def test_a_launch_of_two_cuda_workers(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["workers"] == 2 and summary["test_accuracy"] > 0.2, summary
+
+
+def test_a_refused_registration_leaves_no_cuda_error_behind():
+    segment = shmem.Segment(1 << 20, 1)
+    first = pinned.Locker().register(segment.memory, "the segment")
+    try:
+        assert first is not None
+        assert pinned.Locker().register(segment.memory, "the segment again") is None  # refused
+        assert float(torch.ones(4, device=CUDA).sum()) == 4.0  # a kernel launch after it
+    finally:
+        if first is not None:
+            first.release()
+        segment.close()

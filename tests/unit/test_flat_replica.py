@@ -272,3 +272,46 @@ def test_cuda_copies_run_on_a_side_stream_after_the_compute(monkeypatch):
         ("wait_stream", "compute", "side"),
     ]
     assert torch.equal(dst, src)
+
+
+def test_gradients_changed_in_place_after_backward_are_copied_again():
+    """Clipping (or unscaling, or dividing) after backward changes buckets that went early:
+    the push carries the changed gradients."""
+    plain, flat = bn_model(), bn_model()
+    r = FlatReplica(flat, DeferredCopies(read_at_once=True), bucket_bytes=64)
+    parts, whole = halves(r.manifest.numel)
+    r.early = lambda: parts
+    backward(plain), backward(flat)
+    assert all(b.copied_at == b.fires for b in r.buckets)  # every bucket went early
+    for m in (plain, flat):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+    r.stage(parts)
+    torch.testing.assert_close(whole, expected_push(plain), rtol=0, atol=0)
+
+
+def test_a_dropped_step_waits_for_its_early_copies_before_zeroing():
+    flat = bn_model()
+    copies = DeferredCopies()
+    r = FlatReplica(flat, copies, bucket_bytes=64)
+    parts, _ = halves(r.manifest.numel)
+    r.early = lambda: parts
+    backward(flat)
+    assert copies.queued
+    r.zero_grad()  # the step was dropped: no stage; DeferredCopies.fence checks the wait
+    assert not copies.queued
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_an_empty_parameter_belongs_to_one_bucket():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3), nn.Linear(3, 2))
+    r = FlatReplica(model, DeferredCopies(), bucket_bytes=1)
+    members = sorted(i for b in r.buckets for i in b.members)
+    assert members == list(range(len(r.params)))  # each parameter once
+    assert len(r._hooks) == len(r.params)
+
+
+def test_a_model_on_two_devices_stays_per_tensor():
+    model = bn_model()
+    model.register_buffer("elsewhere", torch.zeros(3, device="meta"))
+    assert type(replica(model, flat=True)) is Replica

@@ -39,7 +39,7 @@ def test_a_segment_is_registered_whole_and_released_before_it_is_unmapped():
         SimpleNamespace(), segment, pin=True, locker=pinned.Locker(lambda: runtime)
     )
     assert channel.page_locked and "(page-locked)" in channel.description
-    assert runtime.calls == [("register", address, nbytes, 0)]
+    assert runtime.calls == [("register", address, nbytes, pinned.PORTABLE)]
     order: list[str] = []
     close = segment.close
     segment.close = lambda: (order.append("unmap"), close())  # type: ignore[method-assign]
@@ -61,11 +61,12 @@ def test_an_unpinned_channel_registers_nothing():
 def test_a_refused_registration_is_a_counted_logged_fallback(caplog):
     before = pinned.FALLBACKS.count
     segment = shmem.Segment(1 << 12, 1)
+    cleared: list[int] = []
+    locker = pinned.Locker(lambda: FakeRuntime(2), clear=lambda: cleared.append(1))
     with caplog.at_level(logging.WARNING):
-        channel = ShmChannel(
-            SimpleNamespace(), segment, pin=True, locker=pinned.Locker(lambda: FakeRuntime(2))
-        )
+        channel = ShmChannel(SimpleNamespace(), segment, pin=True, locker=locker)
     assert not channel.page_locked
+    assert cleared == [1]  # the error it left is not raised by the next kernel launch
     assert pinned.FALLBACKS.count == before + 1
     assert "cannot page-lock the shared segment" in caplog.text
     assert "cudaHostRegister answered 2" in caplog.text
@@ -119,3 +120,11 @@ def test_a_cuda_workers_stream_buffers_fall_back_to_pageable_memory():
     weights, slots = buffers.views(8, 40)
     assert weights.numel() == 32 and [s.numel() for s in slots] == [32, 32]
     assert pinned.FALLBACKS.count == before + 3  # the receive buffer and two slots
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host has a libcudart to call")
+def test_clearing_the_cuda_error_without_a_cuda_runtime_only_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        pinned.clear_cuda_error()  # no libcudart in this CPU-only process
+    assert "cannot clear the CUDA error" in caplog.text
+    assert pinned._loaded("libc.so") or pinned._loaded("libc-")  # the maps are read

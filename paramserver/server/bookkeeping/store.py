@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +98,8 @@ class ParameterStore:
         # force ``mirrored`` to run a GPU shard's bookkeeping on a CPU)
         self.mirrored = self.device.type != "cpu" if mirrored is None else mirrored
         self.host = torch.from_numpy(initial.copy())
+        if self.mirrored and self.device.type == "cuda":
+            self.host = _page_locked(self.host)  # a step's copy back at the bus's speed
         self._weights = self.host.numpy()  # the same memory: ``host`` is only written in place
         self.flat = self.host.to(self.device, copy=True) if self.mirrored else self.host
         self.n_params = manifest.section("param")[1]
@@ -209,3 +212,12 @@ def _host_copy(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_host_copy(v) for v in state)
     return copy.deepcopy(state)
+
+
+def _page_locked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in page-locked memory, or ``t`` where the driver refuses (logged)."""
+    try:
+        return t.pin_memory()
+    except RuntimeError as exc:
+        logging.getLogger(__name__).warning("the host copy of the weights stays pageable: %s", exc)
+        return t
