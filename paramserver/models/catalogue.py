@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,19 @@ def resolve(spec: str) -> Callable[[], nn.Module]:
     return import_function(spec, "model")
 
 
+def _import_here(name: str) -> Any:
+    """``import name``, finding a module of the current folder as ``python -m`` does (the
+    ``paramserver`` script's own folder is on ``sys.path``, the current one is not)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if exc.name != name.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(name)
+
+
 def import_function(spec: str, what: str) -> Callable[[], Any]:
     """The function ``module:function`` names, for a ``what`` (model, dataset).
 
@@ -40,10 +55,11 @@ def import_function(spec: str, what: str) -> Callable[[], Any]:
     """
     module_name, _, func_name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_here(module_name)
     except Exception as exc:  # noqa: BLE001 - any failure to import gets the same sentence
+        where = f"the current folder ({os.getcwd()}) and PYTHONPATH"
         raise ConfigError(
-            f"Cannot import module {module_name!r} for {what} {spec!r}: {exc}."
+            f"Cannot import module {module_name!r} for {what} {spec!r}: {exc} (looked in {where})."
         ) from exc
     func = getattr(module, func_name, None)
     if not callable(func):

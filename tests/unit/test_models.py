@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -64,3 +66,19 @@ def test_sparse_embeddings_are_tables_outside_the_flat_buffer():
     assert [t.name for t in models.table_specs(model)] == ["2"]
     with pytest.raises(ConfigError, match="padding_idx"):
         models.table_specs(nn.Sequential(nn.Embedding(10, 4, sparse=True, padding_idx=0)))
+
+
+def test_a_model_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    """As ``python -m`` finds it: the ``paramserver`` script has its own folder on
+    ``sys.path``, not the current one (issue 46)."""
+    from paramserver.models.catalogue import import_function
+
+    (tmp_path / "mymod_here.py").write_text(
+        "from torch import nn\n\ndef model():\n    return nn.Linear(784, 10)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert isinstance(import_function("mymod_here:model", "model")(), torch.nn.Linear)
+    with pytest.raises(ConfigError) as exc:
+        import_function("not_a_module_anywhere:model", "model")
+    assert f"looked in the current folder ({tmp_path})" in str(exc.value)
