@@ -46,7 +46,12 @@ class ServerConfig:
     batch_size: int = setting(64, "--batch-size", "Batch size of each worker.")
     epochs: int = setting(1, "--epochs", "Passes over the training set.", cli_default=8)
     seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")
-    host: str = setting("0.0.0.0", "--host", "Address to listen on.")
+    host: str = setting(
+        "0.0.0.0",
+        "--host",
+        "Address to listen on (every interface by default; without a token or TLS the log "
+        "warns: see PARAMSERVER_TOKEN, --tls-cert).",
+    )
     port: int = setting(50051, "--port", "Port to listen on (0: any free port).")
     data_port: str = setting(
         "auto",

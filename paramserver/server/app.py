@@ -218,6 +218,14 @@ class ServerApp:
             self.threads_from,
             self.config.server_device,
         )
+        if c.host in EVERY_INTERFACE and not c.security.token and not c.security.tls:
+            log.warning(
+                "listening on every interface with no token and no TLS: anyone who reaches "
+                "port %d can join the run, push gradients into the model and read its "
+                "weights; set PARAMSERVER_TOKEN (on the server and every worker) and/or "
+                "--tls-cert/--tls-key, or listen on one address (--host 127.0.0.1)",
+                self.port,
+            )
 
     def _checkpoint_health(self, ok: bool) -> None:
         state = health_pb2.HealthCheckResponse
