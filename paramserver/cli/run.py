@@ -142,7 +142,8 @@ def launch(**kw: Any) -> None:
         click.echo(line)
     else:
         click.echo(
-            f"{summary['policy_label']}, {summary['workers']} workers, {summary['epochs']} epochs: "
+            f"{summary['policy_label']}, {_count(summary['workers'], 'worker')}, "
+            f"{_count(summary['epochs'], 'epoch')}: "
             f"test accuracy {100 * summary['test_accuracy']:.2f}%, "
             + (f"test AUC {summary['test_auc']:.4f}, " if "test_auc" in summary else "")
             + f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
@@ -184,3 +185,8 @@ def chaos(**kw: Any) -> None:
     )
     if not soak.main(cfg, opts.json):
         sys.exit(1)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

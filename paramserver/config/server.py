@@ -31,7 +31,11 @@ class ServerConfig:
         "Model factory: mlp, cnn, resnet, dlrm (a click model for --dataset clicks), dlrm-sparse (dlrm with its tables held by the servers row by row) or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: 10 epochs at lr 0.002; dlrm and dlrm-sparse: the clicks data set, 2 epochs, batches of 256, lr 0.01).",
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    policy: str = setting("delay-1", "--policy", "Staleness policy: sync, delay-1, ssp:K or async.")
+    policy: str = setting(
+        "delay-1",
+        "--policy",
+        "Staleness policy: sync, delay-1, ssp:K (delay-K is the same) or async.",
+    )
     workers: int = setting(
         1,
         "--workers",

@@ -57,7 +57,7 @@ def test_the_data_port_computes_what_grpc_streams_compute(serve, policy, compres
             assert torch.equal(runs[path][name], tensor), (path, name)
 
 
-def test_the_data_port_is_offered_and_taken_only_as_the_settings_say(serve):
+def test_the_data_port_is_offered_and_taken_only_as_the_settings_say(serve, caplog):
     off = serve(tiny_model(), policy="async", data_port="off")
     assert off.data is None
     _train(off.address, tiny_model(), 1, wire="grpc")
@@ -72,6 +72,8 @@ def test_the_data_port_is_offered_and_taken_only_as_the_settings_say(serve):
         ps.serve(tiny_model(), port=0, data_port="fifty")
     with pytest.raises(ConfigError, match="Cannot serve the data port"):  # taken: say so
         ps.serve(tiny_model(), port=0, host="127.0.0.1", data_port=str(on.data.port))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("no data port")]
+    assert said == [f"no data port on 127.0.0.1:{on.data.port}: Address already in use"]
     assert host_of("[::1]:5") == "::1" and host_of("ps-0.ps:50051") == "ps-0.ps"
 
 

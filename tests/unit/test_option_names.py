@@ -110,3 +110,13 @@ def test_where_launch_and_server_defaults_differ_the_help_says_why():
         text = schedule(command).help or ""
         assert "constant on server" in text and "cosine over the whole run on launch" in text
         assert "--push-every" in text
+
+
+def test_the_launch_summary_counts_in_words():
+    from paramserver.cli.run import _count
+
+    assert (_count(1, "epoch"), _count(2, "epoch"), _count(1, "worker")) == (
+        "1 epoch",
+        "2 epochs",
+        "1 worker",
+    )

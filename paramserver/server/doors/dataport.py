@@ -77,6 +77,10 @@ class DataPort(Listener):
         """Bind and accept in a thread; the port bound, or 0 (logged) where none can bind."""
         return self.port if self.listen() else 0
 
+    def where(self) -> str:
+        host = self.host if ":" not in self.host or self.host.startswith("[") else f"[{self.host}]"
+        return f" on {host}:{self.port}"
+
     def _bind(self) -> socket.socket:
         host = "" if self.host in ("0.0.0.0", "::", "[::]") else self.host.strip("[]")
         family = socket.AF_INET6 if ":" in host or self.host in ("::", "[::]") else socket.AF_INET

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import errno
 import logging
+import os
 import queue
 import socket
 import threading
@@ -140,12 +141,17 @@ class Listener(abc.ABC):
 
     # --- accepting ------------------------------------------------------------------------
 
+    def where(self) -> str:
+        """Where it would listen, for the log ("": its name says it)."""
+        return ""
+
     def listen(self) -> bool:
         """Bind and accept in a thread; False (logged) where nothing can bind."""
         try:
             self._listener = self._bind()
         except OSError as exc:
-            log.warning("no %s (%s)", self.door, exc)
+            why = os.strerror(exc.errno) if exc.errno else str(exc)  # not bind's raw tuple
+            log.warning("no %s%s: %s", self.door, self.where(), why)
             return False
         threading.Thread(target=self._accept, name=f"ps-{self.door}", daemon=True).start()
         if self.speaks_tls:
