@@ -96,7 +96,7 @@ class WorkerConfig:
     server_timeout: float = setting(
         300.0,
         "--server-timeout",
-        "Seconds to keep retrying (backoff with jitter) while the server is unreachable, e.g. restarting, before the worker gives up.",
+        "Seconds to wait for a server that does not answer, before the worker gives up: at the first connection (saying every 10 s whom it waits for and until when), and once joined while a server is unreachable, e.g. restarting (retrying with backoff and jitter).",
     )
     security: Security = field(default_factory=Security)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, ServerUnavailable
 from paramserver.training import data
 from paramserver.worker.worker import Worker
 
@@ -75,7 +75,7 @@ def worker_arguments(cfg: WorkerConfig, device: torch.device) -> dict[str, Any]:
     return {
         **same,
         "device": device,
-        "connect_timeout": cfg.rpc_timeout,
+        "connect_timeout": cfg.server_timeout,  # the first connection too, as its help says
         "overlap": cfg.overlap_flag,
         "shm": cfg.shm != "off",
         "shm_control": cfg.shm == "on",
@@ -92,7 +92,10 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
         loaded["data"] = data.load(plan.dataset, cfg.data_dir, seed=plan.seed)
         return loaded["data"].train_size
 
-    worker = Worker(cfg.addresses, **worker_arguments(cfg, device), train_samples=load)
+    try:
+        worker = Worker(cfg.addresses, **worker_arguments(cfg, device), train_samples=load)
+    except ServerUnavailable as exc:
+        raise ServerUnavailable(f"{exc} (--server-timeout {cfg.server_timeout:g})") from None
     started = time.perf_counter()
     try:
         steps, samples, empty = _train(cfg, worker, loaded["data"], device)

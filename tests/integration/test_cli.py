@@ -58,7 +58,7 @@ def test_every_option_has_help_and_an_environment_variable():
         (["server", "--model", "nosuchmodel", "--port", "0"], "Unknown model 'nosuchmodel'"),
         (["worker", "--server", "localhost"], "--server must look like HOST:PORT"),
         (
-            ["worker", "--server", "127.0.0.1:1", "--rpc-timeout", "0.5"],
+            ["worker", "--server", "127.0.0.1:1", "--server-timeout", "0.5"],
             "No parameter server answered at 127.0.0.1:1",
         ),
         (

@@ -23,12 +23,13 @@ from tests.conftest import DEADLINE, WorkerThread, cli, free_port, paramserver_c
 
 def test_a_worker_at_a_wrong_port_says_whom_it_waits_for_and_until_when():
     port = free_port()
-    out = cli("worker", "--server", f"127.0.0.1:{port}", "--rpc-timeout", "2.5")
+    out = cli("worker", "--server", f"127.0.0.1:{port}", "--server-timeout", "2.5")
     assert out.returncode == 1, out.stderr
     said = [line for line in out.stderr.splitlines() if "waiting for a parameter server" in line]
     assert said and f"at 127.0.0.1:{port}" in said[0], out.stderr
     assert re.search(r"until \d\d:\d\d:\d\d", said[0]), said[0]
-    assert out.stderr.strip().splitlines()[-1].startswith("paramserver: error: No parameter")
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("paramserver: error: No parameter") and "--server-timeout 2.5" in last
 
 
 def test_the_wait_for_a_server_is_said_again_every_period(caplog):
