@@ -30,18 +30,24 @@ def check_server_device(spec: str, cuda: Any = None) -> None:
     CUDA module, or a fake in tests)."""
     if not SERVER_DEVICE.fullmatch(spec):
         raise ConfigError(f"--server-device must be cpu, cuda or cuda:I; got {spec!r}.")
-    if spec == "cpu":
+    check_gpu(spec, "--server-device", cuda)
+
+
+def check_gpu(spec: str, flag: str, cuda: Any = None) -> None:
+    """Raise ConfigError if ``spec`` (cuda or cuda:I; anything else passes) names a GPU
+    this host's torch does not see."""
+    if not spec.startswith("cuda"):
         return
     cuda = cuda or _cuda()
     if not cuda.is_available():
         raise ConfigError(
-            f"--server-device {spec} asks for a GPU, but this torch build sees none (torch "
-            f"{_version()}); use --server-device cpu, or install a CUDA build of torch."
+            f"{flag} {spec} asks for a GPU, but this torch build sees none (torch "
+            f"{_version()}); use {flag} cpu, or install a CUDA build of torch."
         )
     count = cuda.device_count()
     if ":" in spec and int(spec.split(":", 1)[1]) >= count:
         raise ConfigError(
-            f"--server-device {spec}: this host has {count} GPU{'s' if count != 1 else ''} "
+            f"{flag} {spec}: this host has {count} GPU{'s' if count != 1 else ''} "
             f"(cuda:0 to cuda:{count - 1})."
         )
 

@@ -17,6 +17,7 @@ from paramserver.config.base import (
     _non_negative,
     _positive,
 )
+from paramserver.config.devices import check_gpu
 from paramserver.config.server import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.settings import REQUIRED, setting, shared
@@ -207,6 +208,7 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
+        check_gpu(self.device, "--device")  # before anything starts, not in each worker
         _non_negative("--step-delay", self.step_delay)
         _positive("--startup-timeout", self.startup_timeout)
         _check_overlap(self.overlap)

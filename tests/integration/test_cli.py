@@ -8,6 +8,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from paramserver import models
 from paramserver.server.disk import checkpoint
@@ -219,26 +220,36 @@ def test_launch_json_on_synthetic_data(tmp_path):
 
 
 def test_launch_fails_fast_when_a_worker_cannot_start(tmp_path):
-    # On a machine without CUDA the workers refuse --device cuda; the run could never
-    # start, so launch must say why at once instead of waiting out the barrier.
-    out = run_cli(
-        "launch",
-        "--dataset",
-        "synthetic",
-        "--workers",
-        "2",
-        "--device",
-        "cuda",
-        "--no-progress",
-        "--runs-dir",
-        str(tmp_path),
-        timeout=90,
+    # A model that only the workers cannot build (as a GPU a worker's host lacks): the run
+    # could never start, so launch must say why at once instead of waiting out the barrier.
+    (tmp_path / "workerless.py").write_text(
+        "import sys\nfrom torch import nn\n\n"
+        "def model():\n"
+        "    if 'worker' in sys.argv:\n"
+        "        raise RuntimeError('this worker cannot build the model')\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
     )
-    if out.returncode == 0:
-        pytest.skip("this machine has CUDA")
+    out = subprocess.run(
+        paramserver_cmd(
+            *("launch", "--model", "workerless:model", "--dataset", "synthetic"),
+            *("--workers", "2", "--device", "cpu", "--no-progress", "--runs-dir", "runs"),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
     last = out.stderr.strip().splitlines()[-1]
-    assert "failed before the run started" in last, out.stderr[-2000:]
-    assert "asks for CUDA" in last
+    assert out.returncode == 1 and "Workers failed: " in last, out.stderr[-2000:]
+    assert "RuntimeError: this worker cannot build the model" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_launch_refuses_a_gpu_this_torch_does_not_see_before_anything_starts(tmp_path):
+    out = run_cli("launch", "--device", "cuda", "--runs-dir", str(tmp_path / "runs"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--device cuda asks for a GPU" in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "runs").exists()  # nothing started, no run folder
 
 
 def test_worker_procs_starts_several_processes(serve):
