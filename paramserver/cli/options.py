@@ -82,7 +82,20 @@ def _set_log_level(ctx: click.Context, param: click.Parameter, level: str | None
 class SettingsCommand(click.Command):
     """A command made by ``command``: the file's ``log-level`` applies where the group's
     came from no other source, and a ConfigError that names an option whose value came from
-    the file becomes a usage error naming the file, the key and the value."""
+    the file becomes a usage error naming the file, the key and the value. An option this
+    command lacks but another owns (``elsewhere``: option -> sentence) is refused with that
+    sentence, not click's guess at a near name."""
+
+    elsewhere: dict[str, str] = {}  # noqa: RUF012 - set per command by ``command``
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            said = self.elsewhere.get(exc.option_name)
+            if said is None:
+                raise
+            raise click.UsageError(said, ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         res = resolution(ctx)
@@ -98,9 +111,12 @@ class SettingsCommand(click.Command):
             raise click.UsageError(blamed, ctx) from None
 
 
-def command(*parts: settings.Part | type, **attrs: Any) -> Callable[[F], click.Command]:
+def command(
+    *parts: settings.Part | type, elsewhere: dict[str, str] | None = None, **attrs: Any
+) -> Callable[[F], click.Command]:
     """A click command with an option for every setting of ``parts`` (in order), then
-    ``--config`` and ``--print-config``; its arguments are the function's own."""
+    ``--config`` and ``--print-config``; its arguments are the function's own.
+    ``elsewhere``: options another command owns, and the sentence that says so."""
     own = {f.name: (f, flag) for f, flag in settings.declared(ConfigFile)}
 
     def decorate(func: F) -> click.Command:
@@ -117,7 +133,9 @@ def command(*parts: settings.Part | type, **attrs: Any) -> Callable[[F], click.C
         func = settings.option(
             f, flag, flag.flag, None, expose_value=False, callback=_set_log_level
         )(func)
-        return click.command(cls=SettingsCommand, **attrs)(func)
+        made = click.command(cls=SettingsCommand, **attrs)(func)
+        made.elsewhere = dict(elsewhere or {})  # type: ignore[attr-defined]
+        return made
 
     return decorate
 

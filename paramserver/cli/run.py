@@ -81,7 +81,7 @@ def server(**kw: Any) -> None:
     app.stop(grace=2.0)
 
 
-@command(*commands.WORKER)
+@command(*commands.WORKER, elsewhere=commands.servers_own())
 def worker(**kw: Any) -> None:
     """Join a server and train on the batches it hands out until the run is finished.
 

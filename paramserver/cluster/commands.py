@@ -84,6 +84,22 @@ LAUNCH = (
 )
 
 
+def servers_own() -> dict[str, str]:
+    """The options of the run's plan that ``server`` takes and ``worker`` does not, each
+    with the sentence a worker given it says (the server owns the plan)."""
+    mine = {option for part in WORKER for _, _, option in part.settings()}
+    return {
+        option: (
+            f"{option} is the server's: the server owns the run's plan (model, data set, "
+            f"epochs, batch size, optimizer, policy) and every worker takes it at Join; give "
+            f"{option} to `paramserver server` (or `launch`)."
+        )
+        for part in RUN
+        for _, _, option in part.settings()
+        if option not in mine
+    }
+
+
 def shard_config(cfg: ServerConfig, shard: int, shards: int, host: str) -> ServerConfig:
     """Shard ``shard`` of the ``shards`` a launch starts, on ``host``: its share of the
     host's cores (``--server-threads``' default: cores/S) and GPUs (``--server-device

@@ -89,6 +89,9 @@ def test_every_option_has_help_and_an_environment_variable():
             "No parameter server answered",
         ),
         (["plot", "/"], "holds no metrics.jsonl"),
+        (["worker", "--epochs", "1"], "--epochs is the server's: the server owns the run's plan"),
+        (["worker", "--model", "cnn"], "give --model to `paramserver server` (or `launch`)"),
+        (["worker", "--procz", "2"], "Did you mean '--procs'?"),  # a typo: click's guess
         (["export", "/", "--model", "mlp"], "holds no server checkpoints"),
     ],
 )
