@@ -78,7 +78,7 @@ def render(st: pb.StatusResponse, address: str) -> str:
         f"model {st.model}  policy {st.policy}  version {st.version}  "
         f"workers {len(st.workers)} live (min {st.min_workers}, max {st.world_size}){progress}",
         f"throughput {rate:.0f} samples/s  pushes {st.pushes_applied}  duplicates "
-        f"{st.duplicates}  skipped {st.pushes_skipped}  loss {st.train_loss:.4f}  "
+        f"{st.duplicates}  skipped {st.pushes_skipped}  loss {_loss(st.train_loss)}  "
         f"lr {st.learning_rate:.3g}  max staleness {st.max_staleness}{checkpoint}",
         "",
         f"{'rank':>4}  {'worker':<16}  {'name':<24} {'clock':>8} {'lag':>5} "
@@ -108,3 +108,8 @@ def render(st: pb.StatusResponse, address: str) -> str:
     hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
     lines.append(f"staleness histogram {{{hist}}}")
     return "\n".join(lines)
+
+
+def _loss(loss: float) -> str:
+    """The training loss, or "-" before the first push brought one."""
+    return "-" if math.isnan(loss) else f"{loss:.4f}"

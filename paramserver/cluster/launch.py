@@ -243,7 +243,7 @@ def _train(
                 )
             bar.update(st.samples - bar.n)
             bar.set_postfix(
-                loss=f"{st.train_loss:.3f}",
+                loss="-" if math.isnan(st.train_loss) else f"{st.train_loss:.3f}",
                 v=st.version,
                 stale=st.max_staleness,
                 live=len(st.workers),

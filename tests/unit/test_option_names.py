@@ -120,3 +120,14 @@ def test_the_launch_summary_counts_in_words():
         "2 epochs",
         "1 worker",
     )
+
+
+def test_status_shows_no_loss_before_the_first_push():
+    import math
+
+    from paramserver._proto import paramserver_pb2 as pb
+    from paramserver.cli.statusview import render
+
+    before = render(pb.StatusResponse(train_loss=math.nan), "h:1")
+    assert "loss -  " in before and "nan" not in before
+    assert "loss 0.2500" in render(pb.StatusResponse(train_loss=0.25), "h:1")
