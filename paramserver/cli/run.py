@@ -101,7 +101,7 @@ def worker(**kw: Any) -> None:
     if printed():
         return
     if procs > 1:
-        from paramserver.cluster.launch import run_worker_procs
+        from paramserver.cluster.worker_procs import run_worker_procs
 
         sys.exit(run_worker_procs(cfg, procs))
     from paramserver.training.trainer import run

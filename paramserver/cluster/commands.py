@@ -28,7 +28,7 @@ class Procs:
     procs: int = setting(
         1,
         "--procs",
-        "Worker processes to start on this host (one per GPU when there are several).",
+        "Worker processes to start on this host (one per GPU when there are several): their lines are shown prefixed with their rank ([rank R]; [proc I] before it joined), one line each says how it ended, and the exit status is 1 if any failed; logs rank-R.log in a temporary folder.",
         type=int,
     )
 

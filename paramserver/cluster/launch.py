@@ -7,11 +7,9 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,17 +17,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from paramserver import models, settings
+from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster import commands
-from paramserver.cluster.commands import CHILD_ENV, server_args, worker_args, worker_command
+from paramserver.cluster.commands import CHILD_ENV, server_args, worker_args
 from paramserver.cluster.commands import launch_args as launch_args  # the benchmarks' import
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.cluster.reading import ShardReader
 from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
-from paramserver.config import LaunchConfig, Security, ServerConfig, WorkerConfig
+from paramserver.config import LaunchConfig, Security, ServerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
 from paramserver.policy.staleness import Policy
 from paramserver.server.disk import checkpoint
@@ -364,33 +362,3 @@ def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:
     d = dataclasses.asdict(obj)
     d.pop(skip, None)
     return d
-
-
-def run_worker_procs(cfg: WorkerConfig, procs: int) -> int:
-    """``paramserver worker --procs N``: start ``procs`` single-process workers here and
-    wait for all of them; the exit status (1 if any failed)."""
-    from paramserver.training.trainer import process_devices
-
-    devices = process_devices(cfg.device, procs, torch.cuda.device_count())
-    logdir = Path(tempfile.mkdtemp(prefix="paramserver-workers-"))
-    children = []
-    try:
-        for i in range(procs):
-            one = dataclasses.replace(
-                cfg, device=devices[i], name=f"{cfg.name or os.uname().nodename}-{i}"
-            )
-            # The token goes by the environment, never by argv.
-            env = {**settings.secrets(cfg), **CHILD_ENV}
-            children.append(
-                Child(f"worker-{i}", worker_command(one), logdir / f"worker-{i}.log", env=env)
-            )
-        log.info("started %d worker processes; logs in %s", procs, logdir)
-        worst = 0
-        for child in children:
-            code = child.proc.wait()
-            if code != 0:
-                log.error("%s exited with code %d: %s", child.name, code, child.tail())
-                worst = worst or 1
-        return worst
-    finally:
-        stop_all(children)

@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from paramserver.errors import ParamServerError, Timeout
 
@@ -50,25 +51,52 @@ class Child:
         capture_stdout: bool = False,
         env: dict[str, str] | None = None,
         prefix: Sequence[str] = (),
+        tee: Callable[[str], None] | None = None,
     ):
         """``prefix``: a command that runs the rest in place (it must exec it, keeping its
-        pid: ``ip netns exec NS``)."""
+        pid: ``ip netns exec NS``). ``tee``: also hand every line the child writes (stdout
+        and stderr) to it, as it comes (``worker --procs`` shows them on the terminal)."""
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in reap()
         env = dict(
             os.environ, **(env or {}), PYTHONUNBUFFERED="1", **{_PARENT_ENV: str(os.getpid())}
         )
+        self._write = threading.Lock()  # two tee threads write the one log
+        piped = subprocess.PIPE if tee is not None else self._log
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "paramserver", *args],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if capture_stdout else self._log,
-            stderr=self._log,
+            stdout=subprocess.PIPE if capture_stdout else piped,
+            stderr=piped,
             env=env,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._tees: list[threading.Thread] = []
         if capture_stdout:
             threading.Thread(target=self._read_stdout, daemon=True, name=f"{name}-stdout").start()
+        elif tee is not None:
+            self._tees = [
+                threading.Thread(target=self._tee, args=(pipe, tee), daemon=True, name=name)
+                for pipe in (self.proc.stdout, self.proc.stderr)
+            ]
+            for t in self._tees:
+                t.start()
+
+    def _tee(self, pipe: Any, tee: Callable[[str], None]) -> None:
+        for raw in pipe:
+            with self._write:
+                self._log.write(raw)
+                self._log.flush()
+            try:
+                tee(raw.decode(errors="replace").rstrip("\n"))
+            except Exception:  # noqa: BLE001 - the terminal's trouble must not stop the log
+                log.exception("showing %s's line failed", self.name)
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait until every line the (exited) child wrote has been logged and teed."""
+        for t in self._tees:
+            t.join(timeout)
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,6 +266,29 @@ def test_worker_procs_starts_several_processes(serve):
     assert status["workers_joined"] == 2
     assert status["pushes_applied"] == 6
     assert status["workers"] == []  # both left cleanly
+    # each process's lines on the terminal, prefixed with its rank once it joined (as
+    # torchrun does), one line each at the end and a total; logs named by rank
+    lines = out.stderr.splitlines()
+    for rank in (0, 1):
+        assert any(re.match(rf"\[rank {rank}\] .*joined .*\(rank {rank} of 2\)", x) for x in lines)
+        assert f"[rank {rank}] done: 3 steps, 96 samples in " in out.stderr
+    assert "2 worker processes: 2 done, 0 failed; 192 samples in all; logs in " in lines[-1]
+    logdir = Path(lines[-1].rsplit("logs in ", 1)[1])
+    assert sorted(p.name for p in logdir.iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert "(rank 1 of 2)" in (logdir / "rank-1.log").read_text()
+
+
+def test_worker_procs_exits_non_zero_and_says_which_failed():
+    out = run_cli(
+        *("worker", "--server", "127.0.0.1:1", "--procs", "2", "--server-timeout", "0.5"),
+        *("--device", "cpu"),
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "2 worker processes: 0 done, 2 failed" in out.stderr.splitlines()[-1]
+    for i in (0, 1):  # never joined: still named by process
+        assert f"[proc {i}] exited with code 1: paramserver: error: No parameter server" in (
+            out.stderr
+        )
 
 
 def test_launch_trains_on_a_users_data_set(tmp_path):
