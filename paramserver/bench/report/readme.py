@@ -272,23 +272,28 @@ def _main_job(main: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _row(f: Figure, runs: list[Line]) -> str:
-    found = [value(run.figures, f.key) for run in runs]
-    measured = " / ".join(f"{v:.2f}" for v in found if v is not None)
-    latest = runs[-1].figures
-    target = value(latest, f.target) if f.target else None
-    machines = {
+def _machines(runs: list[Line]) -> set[str]:
+    return {
         machine_text(m)
         if isinstance(m := run.figures.get("machine"), dict)
         else "machine not recorded"
         for run in runs
     }
+
+
+def _row(f: Figure, runs: list[Line], one_machine: bool) -> str:
+    """A figure's row; ``one_machine``: every row's machine is the header's, not repeated."""
+    found = [value(run.figures, f.key) for run in runs]
+    measured = " / ".join(f"{v:.2f}" for v in found if v is not None)
+    latest = runs[-1].figures
+    target = value(latest, f.target) if f.target else None
+    machines = "" if one_machine else f", {' / '.join(sorted(_machines(runs)))}"
     dates = span([run.figures["date"] for run in runs])
     numbers = " and ".join(str(run.number) for run in runs)
     return (
         f"| {f.what} (`{f.key}`) | {measured}{f.unit} | "
         + (f"{target:g}{f.unit}" if target is not None else "")
-        + f" | {dates}, {' / '.join(sorted(machines))}; line{'s' if len(runs) > 1 else ''} "
+        + f" | {dates}{machines}; line{'s' if len(runs) > 1 else ''} "
         f"{numbers} of `docs/bench/{f.bench}.json` |"
     )
 
@@ -320,8 +325,12 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
         ),
     ]
     if quoted:
+        every = set().union(*(_machines(found) for _, found in quoted))
+        one = len(every) == 1
+        if one:
+            lines += ["", f"All measured on {next(iter(every))}."]
         lines += ["", "| figure | measured | target | measured on |", "| --- | --- | --- | --- |"]
-        lines += [_row(f, found) for f, found in quoted]
+        lines += [_row(f, found, one) for f, found in quoted]
     if undated:
         names = ", ".join(f"`{name}`" for name in undated)
         lines += [""] if quoted else []
