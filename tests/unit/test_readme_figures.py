@@ -178,3 +178,11 @@ def test_the_readme_stays_short() -> None:
     """A newcomer reads it whole: at most 12 KB (issue 46); the rest is in docs/."""
     size = (Path(__file__).resolve().parents[2] / "README.md").stat().st_size
     assert size <= 12 * 1024, f"README.md is {size} bytes"
+
+
+def test_the_readme_names_every_debian_package_make_install_installs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    line = next(ln for ln in makefile.splitlines() if ln.startswith("DEB_PACKAGES :="))
+    readme = (ROOT / "README.md").read_text()
+    for package in line.split(":=", 1)[1].split():
+        assert f"`{package}`" in readme, package
