@@ -183,7 +183,10 @@ class Chaos:
         env="CHAOS_KINDS",
     )
     lease: float = setting(
-        3.0, "--lease", "The servers' --lease-timeout, in seconds.", env="CHAOS_LEASE"
+        3.0,
+        "--lease-timeout",
+        "The servers' --lease-timeout, in seconds.",
+        env="CHAOS_LEASE_TIMEOUT",
     )
     recover_within: float = setting(
         60.0,

@@ -304,7 +304,8 @@ def test_the_trainer_hands_the_worker_every_setting_it_takes():
         if f.name in takes and f.name not in ("device", "overlap", "shm"):
             assert got[f.name] == getattr(cfg, f.name), f.name
     assert (got["overlap"], got["shm"], got["shm_control"]) == (False, True, False)
-    assert got["connect_timeout"] == 7.0 and got["device"] == torch.device("cpu")
+    # the first connection waits --server-timeout, as its help says
+    assert got["connect_timeout"] == 9.0 and got["device"] == torch.device("cpu")
 
 
 def test_no_option_of_the_command_line_is_written_by_hand():
