@@ -192,3 +192,27 @@ def test_every_documented_command_parses(where, words, tmp_path, monkeypatch):
         command.make_context(rest[0], rest[1:])
     except click.ClickException as exc:
         pytest.fail(f"{where}: paramserver {' '.join(words)}: {exc.format_message()}")
+
+
+def test_the_guides_print_config_sample_is_what_the_command_prints(tmp_path: Path):
+    """Every line of guide.md's --print-config sample (but its "..." elisions) is in the real
+    output, in order (issue 46)."""
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    block = guide.split("$ PARAMSERVER_WORKERS=4 paramserver server --config run.toml", 1)[1]
+    sample = block.split("```", 1)[0].splitlines()[1:]
+    (tmp_path / "run.toml").write_text(
+        '[server]\npolicy = "ssp:2"\ncheckpoint-dir = "/var/lib/paramserver"\n'
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "paramserver", "server", "--config", "run.toml"]
+        + ["--epochs", "3", "--print-config"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PARAMSERVER_WORKERS": "4"},
+    )
+    assert out.returncode == 0, out.stderr
+    printed = iter(out.stdout.splitlines())
+    for line in (ln for ln in sample if ln.strip() and ln.strip() != "..."):
+        assert any(p == line for p in printed), f"guide.md's line not printed (in order): {line!r}"
