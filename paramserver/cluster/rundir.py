@@ -58,6 +58,7 @@ class RunDir:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         rows = self.read_metrics()
         if title is None:
@@ -81,6 +82,8 @@ class RunDir:
         ax3.set_ylabel("samples/s (wall clock, with evaluation)")
         ax3.set_ylim(bottom=0)
         ax3.grid(alpha=0.3)
+        for ax in (ax1, ax2, ax3):  # epochs are whole: no 1.5 on the axis
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.suptitle(title)
         fig.tight_layout()
         path = Path(out) if out else self.file("curve.png")

@@ -131,3 +131,25 @@ def test_status_shows_no_loss_before_the_first_push():
     before = render(pb.StatusResponse(train_loss=math.nan), "h:1")
     assert "loss -  " in before and "nan" not in before
     assert "loss 0.2500" in render(pb.StatusResponse(train_loss=0.25), "h:1")
+
+
+def test_the_curve_has_whole_epochs_on_its_axes(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from paramserver.cluster.rundir import RunDir
+
+    run = RunDir(tmp_path, "x")
+    for epoch in (1, 2, 3):
+        run.append_metrics(
+            {"epoch": epoch, "test_accuracy": 0.5, "test_loss": 1.0, "samples": 100 * epoch}
+            | {"wall_s": float(epoch), "train_loss": 1.1}
+        )
+    drawn = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.append(fig), close(fig)))
+    run.plot()
+    ticks = [t for ax in drawn[0].axes for t in ax.get_xticks()]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
