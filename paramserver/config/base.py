@@ -173,7 +173,7 @@ class Security:
     cert: str | None = setting(
         None,
         "--tls-cert",
-        "PEM certificate: the server's, or the worker's client certificate.",
+        "PEM certificate: on server, the server's own; on worker, status and health, this client's (for a server that asks for one: mutual TLS).",
         dest="tls_cert",
     )
     key: str | None = setting(None, "--tls-key", "PEM private key of --tls-cert.", dest="tls_key")
