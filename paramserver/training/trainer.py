@@ -167,11 +167,12 @@ def _train(
     order = _Order(dataset, plan, data.batches_per_epoch(dataset.train_size, plan.batch_size))
     worker.model.train()
     log.info(
-        "rank %d: %d batches of %d per epoch, %d epochs, on %s",
+        "rank %d: %d batches of %d per epoch, %d epoch%s, on %s",
         worker.rank,
         order.per_epoch,
         plan.batch_size,
         plan.epochs,
+        "" if plan.epochs == 1 else "s",
         device,
     )
     table_ids = getattr(worker.model, "table_ids", None)  # the daemon's row prefetch (if any)
