@@ -5,14 +5,16 @@ stay ``case.py``'s); ``docs/measure_criteo_auc.py`` runs the set of them.
 A ``Probe`` is the Criteo-like stream at the cardinalities / ``divisor``, ``train``
 samples (one epoch, batches in order), ``test`` test samples, batch ``batch``, the dense
 part under Adam at ``lr`` and the 26 declared tables under ``rows`` (a row optimizer) at
-``rows_lr``. Two ways to train it:
+``rows_lr``, the dense part initialised from ``seed``. Two ways to train it:
 
 - ``local(probe, stale=...)``: one process, every batch in order, as ``ranks.local_run``;
   ``stale`` "dense", "rows" or "both" makes each batch's gradient of that part be computed
   on the weights without the previous batch's update (a staleness of exactly one step for
   every batch, as two async workers in lockstep would have; the other part fresh), each
   update still applied once, in order; "dense:PREFIX" only the dense parameters whose
-  names start with PREFIX ("dense:top.", "dense:bottom."). "" is the plain local process.
+  names start with PREFIX ("dense:top.", "dense:bottom."); a suffix "@N": from batch N on
+  (the first N fresh); "dense-sync": two workers' dense part synchronous, rows async
+  (``_dense_sync``). "" is the plain local process.
 - ``cluster(probe, policy, world, logs)``: a server in this process (``policy``,
   ``world`` workers) and ``world`` worker processes (``python -m
   paramserver.bench.criteo.probe``), rank r training batches r, r + world, ... of the epoch
@@ -56,6 +58,7 @@ class Probe:
     lr: float = LR  # the dense part's Adam
     rows: str = "adam"  # the tables' row optimizer (the case's: lazy Adam)
     rows_lr: float = LR
+    seed: int = 0  # of the dense part's initial weights (the rows' are the tables' own)
 
     @property
     def cards(self) -> tuple[int, ...]:
@@ -76,7 +79,7 @@ def model(p: Probe, mode: str = "declared") -> CriteoDLRM:
     """The case's DLRM (``model.build``'s, the same seed), its declared tables under
     ``p.rows``; ``mode`` "dense": plain ``nn.Embedding`` tables, storage left empty, for
     the server's state dict to be assigned to."""
-    torch.manual_seed(0)
+    torch.manual_seed(p.seed)
     rows = list(p.cards)
 
     def table(r: int) -> nn.Module:
@@ -89,7 +92,12 @@ def model(p: Probe, mode: str = "declared") -> CriteoDLRM:
 
 def local(p: Probe, stale: str = "") -> dict[str, Any]:
     """One process over the epoch, the ``stale`` part of each gradient one step old (see
-    the module): samples/s and test AUC."""
+    the module), from batch ``AFTER`` on if ``stale`` ends in "@AFTER" (the batches before
+    it fresh): samples/s and test AUC."""
+    if stale == "dense-sync":
+        return _dense_sync(p)
+    stale, _, after = stale.partition("@")
+    fresh_until = int(after or 0)
     prefix = stale.partition(":")[2] if stale.startswith("dense:") else ""
     if stale not in STALE and not prefix:
         raise ValueError(f"stale is one of {STALE} or dense:PREFIX; got {stale!r}.")
@@ -121,7 +129,7 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
 
     held: tuple[list[torch.Tensor], list[list[Any]]] | None = None  # the late updates
     started = time.perf_counter()
-    for part in p.batches():
+    for i, part in enumerate(p.batches()):
         F.cross_entropy(net(train_x[part]), train_y[part]).backward()
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         opt.zero_grad(set_to_none=True)
@@ -133,8 +141,12 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
                 dense_step(held[0], True)
             if late_rows:
                 rows_step(held[1])
-        if not all(late):
+        if i < fresh_until:  # every part of this batch's update now
+            dense_step(grads, True)
             dense_step(grads, False)
+            rows_step(pending)
+            continue
+        dense_step(grads, False)  # the fresh parameters' (none: a step of nothing)
         if not late_rows:
             rows_step(pending)
         held = (grads, pending)
@@ -145,6 +157,40 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
             rows_step(held[1])
     seconds = time.perf_counter() - started
     samples = len(p.batches()) * p.batch
+    return {"samples": samples, "seconds": seconds, "auc": auc(net, test_x, test_y)}
+
+
+def _dense_sync(p: Probe) -> dict[str, Any]:
+    """Two workers with the dense part synchronous and the rows asynchronous (Persia's
+    split), in one process: each pair of batches computed on the same weights, the dense
+    gradients averaged into one Adam step, each batch's rows applied as their own step,
+    one after the other (the second batch's rows read without the first's update)."""
+    torch.set_num_threads(1)
+    train_x, train_y, test_x, test_y = data(p.divisor, p.train, p.test)
+    net = model(p)
+    name_tables(net)
+    tables = [t for _, t in declared(net)]
+    params = list(net.parameters())
+    opt = torch.optim.Adam(params, lr=p.lr)
+    parts = p.batches()
+    started = time.perf_counter()
+    for i in range(0, len(parts), 2):
+        taken = []
+        for part in parts[i : i + 2]:
+            loss = F.cross_entropy(net(train_x[part]), train_y[part])
+            (loss / len(parts[i : i + 2])).backward()  # the dense gradients: the mean
+            taken.append([t._pending for t in tables])
+            for t in tables:
+                t._pending = []
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for pending in taken:  # the rows' steps, as each push arrives
+            for t, got in zip(tables, pending, strict=True):
+                if got:
+                    ids, grads = coalesce(got)
+                    t.local.push(ids, grads * len(taken))  # each its own batch's mean
+    seconds = time.perf_counter() - started
+    samples = len(parts) * p.batch
     return {"samples": samples, "seconds": seconds, "auc": auc(net, test_x, test_y)}
 
 
