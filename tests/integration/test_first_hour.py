@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -136,6 +137,42 @@ def test_a_finished_run_says_so_at_the_server_the_worker_and_status(finished_run
         assert "RUN FINISHED" in table.stdout, table.stdout
         line = json.loads(cli("status", "--server", address, "--json").stdout)
         assert line["finished"] is True and line["batches_done"] == line["batches_total"] > 0
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.parametrize("epochs", [3, 1])
+def test_a_finished_run_goes_on_with_more_epochs_and_says_why_fewer_do_nothing(
+    finished_run, tmp_path, epochs
+):
+    _, root = finished_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt", ckpt)  # the fixture's run stays as it was
+    procs: list[Child] = []
+    try:
+        server = Child(
+            "server",
+            ["server", "--dataset", "synthetic", "--epochs", str(epochs), "--workers", "1"]
+            + ["--port", "0", "--host", "127.0.0.1", "--checkpoint-dir", str(ckpt)],
+            tmp_path / "server.log",
+            capture_stdout=True,
+        )
+        procs.append(server)
+        address = server.wait_for_line(READY_MARKER, DEADLINE).rsplit(" ", 1)[-1]
+        said = (tmp_path / "server.log").read_text()
+        before = json.loads(cli("status", "--server", address, "--json").stdout)
+        worker = cli("worker", "--server", address, "--device", "cpu")
+        assert worker.returncode == 0, worker.stderr[-2000:]
+        after = json.loads(cli("status", "--server", address, "--json").stdout)
+        per_epoch = before["batches_done"] // 2
+        if epochs == 3:
+            assert "the run goes on from 2 to 3 epochs" in said, said[-2000:]
+            assert before["batches_total"] == 3 * per_epoch and not before["finished"]
+            assert after["batches_done"] == after["batches_total"] == 3 * per_epoch
+            assert after["finished"] is True
+        else:
+            assert "--epochs 1 is ignored: the run resumed holds 2 epochs" in said, said[-2000:]
+            assert after["batches_done"] == after["batches_total"] == 2 * per_epoch
     finally:
         stop_all(procs)
 

@@ -81,11 +81,13 @@ class Members:
         )
         queue = BatchQueue.from_state(snapshot.queue) if snapshot.queue is not None else None
         started = bool(membership.members) or snapshot.version > 0
+        if queue is not None:
+            _replan(queue, config.epochs)
         if queue is not None and queue.finished:
             log.warning(
                 "the run in %s is over: all %d of its batches were applied (version %d). "
-                "Workers that join get nothing to train; to train again, start the server "
-                "with another --checkpoint-dir (or an empty one)",
+                "Workers that join get nothing to train; to train on, start the server with "
+                "more --epochs, or with another --checkpoint-dir to train anew",
                 config.checkpoint_dir,
                 queue.total,
                 snapshot.version,
@@ -327,4 +329,30 @@ class Members:
         return (
             f"Worker {worker_id} waited {timeout:.0f}s to pull iteration {iteration} under "
             f"{policy}; the slowest live clock is {self.membership.min_clock()}.{disk}"
+        )
+
+
+def _replan(queue: BatchQueue, epochs: int) -> None:
+    """A resumed run and the ``--epochs`` it was started with: more extend the plan (the
+    batches applied stay applied, the new epochs follow); fewer are ignored, said why."""
+    if epochs > queue.epochs:
+        log.info(
+            "--epochs %d: the run goes on from %d to %d epochs (batches %d to %d follow the "
+            "%d applied; a cosine schedule keeps its --lr-total-steps)",
+            epochs,
+            queue.epochs,
+            epochs,
+            queue.total,
+            queue.per_epoch * epochs - 1,
+            queue.done,
+        )
+        queue.epochs = epochs
+    elif epochs < queue.epochs:
+        log.warning(
+            "--epochs %d is ignored: the run resumed holds %d epochs, of which %d batches are "
+            "applied, and a plan is only ever extended (give --epochs %d or more)",
+            epochs,
+            queue.epochs,
+            queue.done,
+            queue.epochs,
         )
