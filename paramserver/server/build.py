@@ -27,6 +27,7 @@ from paramserver.sparse.declared import declared_choices
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold
 from paramserver.sparse.tableset import TableSet, table_optimizers
+from paramserver.transport import pieces
 
 
 def initial_weights(model: nn.Module) -> tuple[Manifest, np.ndarray]:
@@ -77,7 +78,7 @@ def build_coordinator(
             snapshot = saved_state(
                 directory, manifest, config.shard, config.shards, config.cuts, config.model
             )
-    store = ParameterStore(manifest, flat, config.optimizer, config.server_device)
+    store = ParameterStore(manifest, flat, config.optimizer, config.server_device, copy=pieces.copy)
     return Coordinator(
         config,
         store,

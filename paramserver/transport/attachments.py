@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
+from paramserver.transport import pieces
 from paramserver.transport.segment_io import copy_split, read_at, read_split, write_at
 from paramserver.transport.shm import (
     _ALIGN,
@@ -274,9 +275,10 @@ class Attachments:
             raise ValueError(f"Weights need {self.total_bytes} contiguous bytes.")
         with self._using(worker_id) as seg:
             self._check_size(worker_id, seg)
-            if seg.mapping is not None:  # sealed: one memcpy
-                np.frombuffer(seg.mapping, np.uint8, self.total_bytes, _ALIGN)[:] = np.frombuffer(
-                    weights.data.cast("B"), np.uint8
+            if seg.mapping is not None:  # sealed: a memcpy, split over the server's threads
+                pieces.copy(
+                    np.frombuffer(seg.mapping, np.uint8, self.total_bytes, _ALIGN),
+                    np.frombuffer(weights.data.cast("B"), np.uint8),
                 )
                 return
             try:

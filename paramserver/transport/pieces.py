@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 # A piece is at least this large: below it a thread's hand-off costs more than it saves
@@ -93,3 +95,17 @@ def run(fn: Callable[[int, int], T], n: int, parts: int, align: int) -> list[T]:
     for lo, hi in ranges[1 + len(rest) :]:
         out.append(fn(lo, hi))
     return out
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)`` of two C-contiguous arrays of one size in bytes, a large one
+    split over the server's threads (one memory-bound pass: 80 MB took 14 ms on one core of
+    a GPU host, a step's share of a 20M-parameter model's pull). Returns once all is copied."""
+    if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError("pieces.copy takes two contiguous arrays of one size in bytes")
+    out, into = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+
+    def part(lo: int, hi: int) -> None:
+        into[lo:hi] = out[lo:hi]
+
+    run(part, out.size, split(out.size), 64)

@@ -85,6 +85,7 @@ class ParameterStore:
         optimizer: OptimizerConfig,
         device: str | torch.device = "cpu",
         mirrored: bool | None = None,
+        copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
     ):
         if initial.dtype != manifest.np_dtype or initial.size != manifest.numel:
             raise ValueError(
@@ -93,6 +94,7 @@ class ParameterStore:
             )
         self.manifest = manifest
         self.config = optimizer
+        self._copy = copy  # a snapshot's copy (the server's: split over its threads)
         self.device = torch.device(device)
         # the master on the device and a copy on the host (on a CPU: one tensor; tests
         # force ``mirrored`` to run a GPU shard's bookkeeping on a CPU)
@@ -180,7 +182,7 @@ class ParameterStore:
         allocated while pulls keep up)."""
         if self._snapshot is None:
             snap = self._recycled()
-            np.copyto(snap, self.weights)
+            self._copy(snap, self.weights)
             snap.setflags(write=False)
             self._snapshot = snap
         return self._snapshot
