@@ -150,8 +150,9 @@ def test_readme_shows_gpu_rows_from_gpu_lines_only(tmp_path: Path) -> None:
     _bench(tmp_path, "step", cpu, dict(cpu, date="2026-11-27 05:04 UTC"), gpu)
     block = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
     cpu_row = next(ln for ln in block.splitlines() if "`step_vs_local_64`" in ln)
-    assert "| 1.70 / 1.70 × | 1.3 × |" in cpu_row and "lines 1 and 2 of" in cpu_row
+    assert "| 1.70 / 1.70 × | 1.3 × |" in cpu_row and "`step.json` lines 1, 2 |" in cpu_row
     gpu_row = next(ln for ln in block.splitlines() if "`step_vs_local_cuda_mlp_20m_1024`" in ln)
-    assert "| 2.25 × | 2.5 × | 2026-11-27 06:00 UTC, C, 16 cores" in gpu_row
-    assert "GPU NVIDIA H100" in gpu_row and "line 3 of `docs/bench/step.json`" in gpu_row
-    assert "GPU NVIDIA H100" not in cpu_row
+    assert "| 2.25 × | 2.5 × | 2026-11-27, machine 1; `step.json` line 3 |" in gpu_row
+    assert "- machine 1: C, 16 cores, 128 GiB, GPU NVIDIA H100;" in block  # each named once
+    assert "- machine 2: C, 16 cores, 128 GiB, GPU none;" in block
+    assert cpu_row.endswith("| 2026-11-27, machine 2; `step.json` lines 1, 2 |")

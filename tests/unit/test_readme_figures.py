@@ -120,7 +120,7 @@ def test_a_bench_figure_is_quoted_only_from_a_dated_latest_line(tmp_path: Path) 
     _bench(tmp_path, "transport", {"date": "2026-11-20", "push_vs_tcp": 1.9}, {"push_vs_tcp": 0.78})
     block = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
     row = next(ln for ln in block.splitlines() if "`ps_vs_ddp.async`" in ln)
-    assert "| 3.04 × | 1.5 × | 2026-11-26 10:00 UTC; line 2 of" in row
+    assert "| 3.04 × | 1.5 × | 2026-11-26; `straggler.json` line 2 |" in row
     assert "All measured on machine not recorded." in block  # one machine: named once
     assert "1.9" not in block and "0.78" not in block
     assert "these carry none yet: `transport`." in block
@@ -135,9 +135,8 @@ def test_two_dated_runs_are_quoted_side_by_side(tmp_path: Path) -> None:
     _bench(tmp_path, "transport", old, a, b)
     block = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
     row = next(ln for ln in block.splitlines() if "`push_vs_tcp`" in ln)
-    assert "| 0.81 / 0.77 × | 0.6 × | 2026-11-26 10:00–10:04 UTC; lines" in row, row
+    assert "| 0.81 / 0.77 × | 0.6 × | 2026-11-26; `transport.json` lines 2, 3 |" in row, row
     assert "All measured on C, 2 cores" in block  # one machine: named once, not a row each
-    assert "lines 2 and 3 of `docs/bench/transport.json`" in row
     assert "1.9" not in block
 
 

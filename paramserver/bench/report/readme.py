@@ -89,25 +89,25 @@ FIGURES = (
     Figure(
         "step",
         "step_vs_local_cuda_mlp_64",
-        "on a GPU: a worker's step of the MLP at batch 64 against a local step on it",
+        "on a GPU: a worker's step of the MLP at batch 64 against a local step",
         target="target_step_vs_local_cuda_mlp_64",
     ),
     Figure(
         "step",
         "step_vs_local_cuda_resnet_256",
-        "on a GPU: a worker's step of the ResNet at batch 256 against a local step on it",
+        "the same for the ResNet at batch 256",
         target="target_step_vs_local_cuda_resnet_256",
     ),
     Figure(
         "step",
         "step_vs_local_cuda_mlp_20m_1024",
-        "on a GPU: a worker's step of the 20M-parameter MLP at batch 1024 against a local step",
+        "the same for the 20M-parameter MLP at batch 1024",
         target="target_step_vs_local_cuda_mlp_20m_1024",
     ),
     Figure(
         "scaling",
         "async_vs_local_cuda_mlp_64.1",
-        "on a GPU: 2 `async` workers of the MLP sharing it against one local process on it",
+        "on a GPU: 2 `async` workers of the MLP sharing it against one local process",
         target="target_2_workers_vs_local_cuda_mlp_64",
     ),
     Figure(
@@ -281,20 +281,24 @@ def _machines(runs: list[Line]) -> set[str]:
     }
 
 
-def _row(f: Figure, runs: list[Line], one_machine: bool) -> str:
-    """A figure's row; ``one_machine``: every row's machine is the header's, not repeated."""
+def _row(f: Figure, runs: list[Line], numbered: dict[str, int]) -> str:
+    """A figure's row; ``numbered``: the machines listed above the table, by their text
+    (one machine: none, as the header names it)."""
     found = [value(run.figures, f.key) for run in runs]
     measured = " / ".join(f"{v:.2f}" for v in found if v is not None)
     latest = runs[-1].figures
     target = value(latest, f.target) if f.target else None
-    machines = "" if one_machine else f", {' / '.join(sorted(_machines(runs)))}"
-    dates = span([run.figures["date"] for run in runs])
-    numbers = " and ".join(str(run.number) for run in runs)
+    machines = (
+        ""
+        if len(numbered) <= 1
+        else ", machine " + " / ".join(str(numbered[m]) for m in sorted(_machines(runs)))
+    )
+    days = span(sorted({run.figures["date"][:10] for run in runs}))  # the lines hold the hour
+    numbers = ", ".join(str(run.number) for run in runs)
     return (
         f"| {f.what} (`{f.key}`) | {measured}{f.unit} | "
         + (f"{target:g}{f.unit}" if target is not None else "")
-        + f" | {dates}{machines}; line{'s' if len(runs) > 1 else ''} "
-        f"{numbers} of `docs/bench/{f.bench}.json` |"
+        + f" | {days}{machines}; `{f.bench}.json` line{'s' if len(runs) > 1 else ''} {numbers} |"
     )
 
 
@@ -315,22 +319,19 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
         and value(found[-1].figures, f.key) is not None
     ]
     lines = [
-        "Benchmarks (`paramserver bench NAME --json`, each measured side by side with its",
-        "baseline; every run with its command and date in [docs/BENCHMARKS.md](docs/BENCHMARKS.md))"
-        + (
-            ": the two latest lines of each `docs/bench/NAME.json` (runs A / B), with the "
-            "dates they carry:"
-            if quoted
-            else "."
-        ),
+        "Benchmarks (`paramserver bench NAME --json`, each against its baseline in one run;",
+        "commands in [docs/BENCHMARKS.md](docs/BENCHMARKS.md))"
+        + (": runs A / B, the two latest lines of each `docs/bench/NAME.json`:" if quoted else "."),
     ]
     if quoted:
-        every = set().union(*(_machines(found) for _, found in quoted))
-        one = len(every) == 1
-        if one:
-            lines += ["", f"All measured on {next(iter(every))}."]
+        every = sorted(set().union(*(_machines(found) for _, found in quoted)))
+        numbered = {m: i for i, m in enumerate(every, 1)}
+        if len(every) == 1:
+            lines += ["", f"All measured on {every[0]}."]
+        else:  # each named once, a row gives its number
+            lines += [""] + [f"- machine {i}: {m}" for m, i in numbered.items()]
         lines += ["", "| figure | measured | target | measured on |", "| --- | --- | --- | --- |"]
-        lines += [_row(f, found, one) for f, found in quoted]
+        lines += [_row(f, found, numbered) for f, found in quoted]
     if undated:
         names = ", ".join(f"`{name}`" for name in undated)
         lines += [""] if quoted else []
