@@ -20,6 +20,10 @@ from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.settings import setting
 
+# --delay-compensation's C for a model with sparse tables (docs/BENCHMARKS.md: the Criteo-like
+# DLRM's 2 async workers, C 1 and 3 against 0 at a tenth of its size, 3 at full size).
+DEFAULT_COMPENSATION = 3.0
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -133,6 +137,12 @@ class ServerConfig:
         "ssp:K and async: sum the gradients that arrive while the optimizer steps into one step (each still counts once for clocks, batches and the schedule), as a BytePS or ps-lite server does; off: one step a push (see docs/architecture.md).",
         choices=("on", "off"),
     )
+    delay_compensation: float | None = setting(
+        None,
+        "--delay-compensation",
+        "ssp:K and async, Adam or AdamW: correct each gradient for the pushes applied since its worker pulled, DC-ASGD's adaptive form: g + C / lr * g * g * (w_now - w_read) / sqrt(v), v Adam's second moment; this is C (0: off). It costs a copy of the shard's parameters a pull. Default: 3 for a model with sparse tables (where one step of staleness cost 0.015 AUC without it), else off. See docs/BENCHMARKS.md.",
+        type=float,
+    )
     table_rows: int = setting(
         0,
         "--table-rows",
@@ -217,6 +227,7 @@ class ServerConfig:
         parse_table_optimizers(self.table_optimizer)
         if self.coalesce not in ("on", "off"):
             raise ConfigError(f"--coalesce must be on or off; got {self.coalesce!r}.")
+        self._check_compensation()
         if not 4096 <= self.chunk_bytes <= 16 << 20 or self.chunk_bytes % 4:
             raise ConfigError(
                 "--chunk-bytes must be a multiple of 4 from 4096 to 16777216 (16 MiB); got "
@@ -236,6 +247,30 @@ class ServerConfig:
                 "worker clocks), so that every shard cuts at the same point: give "
                 f"--checkpoint-every a number (e.g. 200), not {self.checkpoint_every!r}."
             )
+
+    def compensation(self, tables: bool) -> float:
+        """--delay-compensation's C for a model with sparse ``tables`` or none: as given,
+        else 3 for tables where it applies (ssp:K or async, Adam or AdamW, a CPU shard)."""
+        if self.delay_compensation is not None:
+            return self.delay_compensation
+        applies = not self.parsed_policy.synchronous and self.optimizer.name in ("adam", "adamw")
+        return DEFAULT_COMPENSATION if tables and applies and self.server_device == "cpu" else 0.0
+
+    def _check_compensation(self) -> None:
+        if self.delay_compensation is None:
+            return
+        _non_negative("--delay-compensation", self.delay_compensation)
+        if not self.delay_compensation:
+            return
+        why = ""
+        if self.parsed_policy.synchronous:
+            why = f"--policy {self.policy} has no stale gradients to correct (ssp:K, async)"
+        elif self.optimizer.name not in ("adam", "adamw"):
+            why = f"it scales by Adam's second moment: --optimizer adam or adamw, not {self.optimizer.name}"
+        elif self.server_device != "cpu":
+            why = f"it runs on a CPU shard, not --server-device {self.server_device}"
+        if why:
+            raise ConfigError(f"--delay-compensation {self.delay_compensation:g}: {why}.")
 
     def _check_ports(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -66,6 +66,16 @@ def _totals(s: ServerStatus) -> Iterator[Metric]:
     yield _counter(
         "apply_failures", "Gradients lost because the optimizer's step raised.", s.apply_failures
     )
+    yield _counter(
+        "compensated_pushes",
+        "Gradients delay-compensated for the updates they missed (--delay-compensation).",
+        s.pushes_compensated,
+    )
+    yield _counter(
+        "uncompensated_pushes",
+        "Gradients applied as they came, no read of theirs kept (--delay-compensation).",
+        s.pushes_uncompensated,
+    )
     yield from _traffic(s)
     yield from _disk_and_rows(s)
 

@@ -56,6 +56,8 @@ class Probe:
     test: int = 100_000
     batch: int = 1024
     lr: float = LR  # the dense part's Adam
+    beta1: float = 0.9  # its first moment's decay (torch's default)
+    dc: float = 0.0  # --delay-compensation of a stale dense gradient (0: none)
     rows: str = "adam"  # the tables' row optimizer (the case's: lazy Adam)
     rows_lr: float = LR
     seed: int = 0  # of the dense part's initial weights (the rows' are the tables' own)
@@ -108,7 +110,7 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
     tables = [t for _, t in declared(net)]
     named = list(net.named_parameters())  # the dense part: declared tables hold none
     params = [q for _, q in named]
-    opt = torch.optim.Adam(params, lr=p.lr)
+    opt = torch.optim.Adam(params, lr=p.lr, betas=(p.beta1, 0.999))
     late = [stale in ("dense", "both") or bool(prefix) and n.startswith(prefix) for n, _ in named]
     late_dense, late_rows = any(late), stale in ("rows", "both")
     if prefix and not late_dense:
@@ -119,6 +121,12 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
         skipped; each parameter's state is its own)."""
         for q, g, is_late in zip(params, grads, late, strict=True):
             q.grad = g if is_late == which else None
+        if which and p.dc and read is not None:  # g + dc/lr g*g*(w now - w read) / sqrt(v)
+            for q, w in zip(params, read, strict=True):
+                v = opt.state.get(q, {}).get("exp_avg_sq")
+                if q.grad is not None and v is not None:
+                    g = q.grad
+                    q.grad = g + p.dc / p.lr * g * g * (q.detach() - w) / (v.sqrt() + 1e-8)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -128,8 +136,10 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
                 t.local.push(*coalesce(parts))
 
     held: tuple[list[torch.Tensor], list[list[Any]]] | None = None  # the late updates
+    read: list[torch.Tensor] | None = None  # the weights the held gradient was computed on
     started = time.perf_counter()
     for i, part in enumerate(p.batches()):
+        now_read = [q.detach().clone() for q in params] if p.dc else None
         F.cross_entropy(net(train_x[part]), train_y[part]).backward()
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
         opt.zero_grad(set_to_none=True)
@@ -149,7 +159,7 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
         dense_step(grads, False)  # the fresh parameters' (none: a step of nothing)
         if not late_rows:
             rows_step(pending)
-        held = (grads, pending)
+        held, read = (grads, pending), now_read
     if held is not None:
         if late_dense:
             dense_step(held[0], True)
@@ -171,7 +181,7 @@ def _dense_sync(p: Probe) -> dict[str, Any]:
     name_tables(net)
     tables = [t for _, t in declared(net)]
     params = list(net.parameters())
-    opt = torch.optim.Adam(params, lr=p.lr)
+    opt = torch.optim.Adam(params, lr=p.lr, betas=(p.beta1, 0.999))
     parts = p.batches()
     started = time.perf_counter()
     for i in range(0, len(parts), 2):
@@ -208,7 +218,13 @@ def cluster(p: Probe, policy: str, world: int, logs: Path) -> dict[str, Any]:
         torch.save(data(p.divisor, p.train, p.test)[:2], saved)
     started = time.perf_counter()
     server = serve(
-        model(p), optimizer="adam", lr=p.lr, policy=policy, workers=world, lease_seconds=300
+        model(p),
+        optimizer="adam",
+        lr=p.lr,
+        policy=policy,
+        workers=world,
+        lease_seconds=300,
+        delay_compensation=p.dc,
     )
     try:
         results = run_ranks(

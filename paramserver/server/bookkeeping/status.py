@@ -86,6 +86,8 @@ class ServerStatus:
     pushes_late: int = 0
     pushes_coalesced: int = 0
     apply_failures: int = 0
+    pushes_compensated: int = 0
+    pushes_uncompensated: int = 0
     table_rows: dict[str, int] = field(default_factory=dict)  # rows held, by table
     # the tables' lifecycle counters, by table (sparse/lifecycle.py)
     table_admitted: dict[str, int] = field(default_factory=dict)
@@ -118,6 +120,8 @@ class Counters:
     late: int = 0  # sync gradients dropped: their round closed without them
     coalesced: int = 0  # gradients applied in one optimizer step with others
     apply_failures: int = 0  # gradients lost because the optimizer raised
+    compensated: int = 0  # gradients delay-compensated (--delay-compensation)
+    uncompensated: int = 0  # gradients it found no kept read for (applied as they came)
     pulls: int = 0
     barrier_wait_seconds: float = 0.0
     samples: int = 0
@@ -137,6 +141,8 @@ class Counters:
         "late",
         "coalesced",
         "apply_failures",
+        "compensated",
+        "uncompensated",
         "samples",
         "bytes_in",
         "bytes_out",
@@ -257,6 +263,8 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         pushes_late=n.late,
         pushes_coalesced=n.coalesced,
         apply_failures=n.apply_failures,
+        pushes_compensated=n.compensated,
+        pushes_uncompensated=n.uncompensated,
         duplicates=n.duplicates,
         checkpoint_version=c.saves.version,
         checkpoint_age_seconds=-1.0 if c.saves.at is None else wall - c.saves.at,

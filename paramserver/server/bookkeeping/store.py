@@ -149,6 +149,14 @@ class ParameterStore:
         self.param.grad = None
         self._mirror(0, self.n_params)
 
+    def second_moment(self) -> np.ndarray | None:
+        """Adam's (AdamW's) running mean of the squared gradient, on the host, the
+        parameters' (None: another optimizer, no step yet, or a GPU shard's)."""
+        v = self.optimizer.state.get(self.param, {}).get("exp_avg_sq")
+        if v is None or v.device.type != "cpu":
+            return None
+        return v.detach().numpy()
+
     def _mirror(self, lo: int, hi: int) -> None:
         """Elements [lo, hi) of the device's master into the host's copy (pulls read it)."""
         if self.mirrored and hi > lo:

@@ -114,7 +114,7 @@ class Arrival:
             self.counters.bytes_in += grad.nbytes
             self.buffers.record(worker_id, grad[self.store.n_params :])
             grad = grad[: self.store.n_params]
-        waiting = self.arrive(worker_id, grad, rows, live)
+        waiting = self.arrive(worker_id, iteration, grad, rows, live)
         if grad is not None or not finite:  # a skipped gradient's batches are spent
             self.ledger.add(batches)
         return grad is not None, waiting
@@ -137,7 +137,12 @@ class Arrival:
         return False
 
     def arrive(
-        self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
+        self,
+        worker_id: str,
+        iteration: int,
+        grad: np.ndarray | None,
+        rows: list[RowGradients],
+        live: list[str],
     ) -> Pending | None:
         """``grad``, the parameters' gradient (None: nothing reaches the model), and ``rows``
         of ``worker_id``'s push; the gradient as it waits for the optimizer, if it does."""
@@ -181,19 +186,26 @@ class OnArrival(Arrival):
     """``ssp:K`` and ``async``: each gradient is applied as it arrives."""
 
     def arrive(
-        self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
+        self,
+        worker_id: str,
+        iteration: int,
+        grad: np.ndarray | None,
+        rows: list[RowGradients],
+        live: list[str],
     ) -> Pending | None:
         if grad is None:
             return None
         if self.tables is not None:  # at this step's rate (--lr-schedule); no rows: the TTL
             step = self.applies.next_version
             self.tables.apply(rows, self.store.rate(step), step)
-        waiting = self.applies.add(worker_id, grad)
+        waiting = self.applies.add(worker_id, grad, iteration)
         self.share(live)
         return waiting
 
     def left(self, live: list[str]) -> bool:
         self.share(live)
+        if self.applies.reads is not None:
+            self.applies.reads.forget(live)
         return False
 
 
@@ -236,7 +248,12 @@ class Rounds(Arrival):
         return self.rounds
 
     def arrive(
-        self, worker_id: str, grad: np.ndarray | None, rows: list[RowGradients], live: list[str]
+        self,
+        worker_id: str,
+        iteration: int,
+        grad: np.ndarray | None,
+        rows: list[RowGradients],
+        live: list[str],
     ) -> Pending | None:
         self.round.add(worker_id, grad)
         self.row_round.add(rows)

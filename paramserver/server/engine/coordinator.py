@@ -7,9 +7,8 @@ whether a waiting pull may have its answer, and the answer, are ``pulls``'s (``P
 Its parts own their state (only this module assigns the coordinator's fields): ``members``
 (who is in the run, their clocks and batches), ``arrival`` (what of a push reaches the model
 and when: a sync round or on arrival, chosen once from the policy) and ``saving`` (cuts
-waiting for the disk, the checkpointer's writes). It is built from a ``CoordinatorSnapshot``
-(``snapshot=``), takes one (``checkpoint_state``, cuts); a rewind takes one over.
-"""
+waiting for the disk, the checkpointer's writes). Built from a ``CoordinatorSnapshot``
+(``snapshot=``), it takes one (``checkpoint_state``, cuts); a rewind takes one over."""
 
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from paramserver.errors import InvalidRequest, WrongIncarnation
 from paramserver.policy.staleness import Policy
 from paramserver.server.bookkeeping.batch_queue import BatchQueue
 from paramserver.server.bookkeeping.buffers import SharedBuffers
+from paramserver.server.bookkeeping.compensation import Reads
 from paramserver.server.bookkeeping.cuts import Cuts
 from paramserver.server.bookkeeping.leases import Member, Membership
 from paramserver.server.bookkeeping.ledger import Ledger
@@ -93,8 +93,8 @@ class Coordinator:
         self.buffers = SharedBuffers(self.manifest)
         self.members = Members(config, now)
         store.progress = lambda: self.members.progress()  # --lr-schedule-by batches
-        coalesce = config.coalesce == "on"
-        self.applies = Applies(store, self.counters, self._cond, now, coalesce)
+        self.applies = Applies(store, self.counters, self._cond, now, config.coalesce == "on")
+        self.applies.reads = Reads.of(config.compensation(tables is not None), store.n_params)
         self.applies.published = self._published
         self.arrival: Arrival = self._arrival(None)
         self.saving = Saving(self._cond, self.arrival.in_rounds)

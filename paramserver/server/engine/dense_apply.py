@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paramserver.errors import ParamServerError
+from paramserver.server.bookkeeping.compensation import Reads
 from paramserver.server.bookkeeping.leases import Membership
 from paramserver.server.bookkeeping.status import Counters
 from paramserver.server.bookkeeping.store import ParameterStore
@@ -61,6 +62,7 @@ class Pending:
     done: bool = False
     error: BaseException | None = None
     release: Callable[[], None] | None = None
+    read: np.ndarray | None = None  # the weights it was computed on (delay compensation)
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,18 @@ class Applies:
     _sum: np.ndarray | None = None
     _thread: threading.Thread | None = None
     published: Callable[[], None] = lambda: None  # under the lock, after each publish
+    reads: Reads | None = None  # --delay-compensation: the weights each pull answered
 
     # --- under the coordinator's lock ---------------------------------------------------
 
-    def add(self, worker_id: str, grad: np.ndarray) -> Pending:
+    def add(self, worker_id: str, grad: np.ndarray, iteration: int = 0) -> Pending:
         item = Pending(worker_id, grad)
+        if self.reads is not None:
+            item.read = self.reads.take(worker_id, iteration)
+            if item.read is None:
+                self.counters.uncompensated += 1
+            else:
+                self.counters.compensated += 1
         self.pending.append(item)
         self.unpublished[worker_id] += 1
         return item
@@ -153,6 +162,9 @@ class Applies:
 
     def _done(self, item: Pending, error: BaseException | None) -> None:
         item.done, item.error = True, error
+        if self.reads is not None:
+            self.reads.give_back(item.read)
+        item.read = None
         if item.release is not None:
             item.release()
             self.ahead -= 1
@@ -267,13 +279,26 @@ class Applies:
         """Step the optimizer on ``taken``, from published ``version``: their sum in one step
         (``coalesce``), else one step each; ``stepped`` counts those in the weights."""
         if self.coalesce and len(taken) > 1:
-            total = self._summed([item.grad for item in taken])
-            self.store.step(total, self.store.rate(version))
+            rate = self.store.rate(version)
+            total = self._summed([self._corrected(item, rate) for item in taken])
+            self.store.step(total, rate)
             self.stepped = len(taken)
             return
         for i, item in enumerate(taken):
-            self.store.step(item.grad, self.store.rate(version + i))
+            rate = self.store.rate(version + i)
+            self.store.step(self._corrected(item, rate), rate)
             self.stepped = i + 1
+
+    def _corrected(self, item: Pending, rate: float) -> np.ndarray:
+        """``item``'s gradient, delay-compensated for where the weights went since it was
+        computed (``--delay-compensation``; as it came where no read was kept, or before
+        the optimizer's first step, which has no second moment yet)."""
+        if self.reads is None or item.read is None:
+            return item.grad
+        v = self.store.second_moment()
+        if v is None:
+            return item.grad
+        return self.reads.correct(item.grad, item.read, self.store.weights, v, rate)
 
     def _summed(self, grads: list[np.ndarray]) -> np.ndarray:
         """``grads`` added into one buffer that every coalesced apply reuses."""

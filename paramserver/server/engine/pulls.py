@@ -116,7 +116,10 @@ class Pull:
         if taken is None:
             return None
         low = c.applies.low(c.membership)
-        return answer(view, c.counters, low, self.iteration, taken, sink=self.sink)
+        result = answer(view, c.counters, low, self.iteration, taken, sink=self.sink)
+        if c.applies.reads is not None:  # what its push is computed on
+            c.applies.reads.remember(self.worker_id, self.iteration, view.weights)
+        return result
 
     def ready(self, c: Pulled) -> bool:
         """The run has started, no cut holds the pull back, and the policy allows it."""
