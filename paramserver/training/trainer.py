@@ -95,6 +95,8 @@ def run(cfg: WorkerConfig) -> WorkerSummary:
     try:
         worker = Worker(cfg.addresses, **worker_arguments(cfg, device), train_samples=load)
     except ServerUnavailable as exc:
+        if "is not a parameter server's port" in str(exc):  # said at once, not timed out
+            raise
         raise ServerUnavailable(f"{exc} (--server-timeout {cfg.server_timeout:g})") from None
     started = time.perf_counter()
     try:

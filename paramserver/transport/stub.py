@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -16,7 +17,7 @@ from paramserver._proto import paramserver_pb2_grpc as pb_grpc
 from paramserver.codec import wire
 from paramserver.config import MAX_MESSAGE_BYTES, Security
 from paramserver.errors import ServerUnavailable
-from paramserver.transport import security
+from paramserver.transport import probe, security
 
 log = logging.getLogger(__name__)
 SERVICE = "paramserver.v1.ParameterServer"
@@ -36,13 +37,22 @@ def connect(
     Raises:
         ServerUnavailable: nothing answers at ``address`` within ``timeout`` seconds.
     """
-    channel = security.client_channel(address, sec or Security(), CHANNEL_OPTIONS)
-    if not _ready(channel, address, timeout, every):
+    sec = sec or Security()
+    channel = security.client_channel(address, sec, CHANNEL_OPTIONS)
+    # without TLS, a port that answers but not as gRPC is said at once (with TLS the
+    # handshake comes first: what the port is shows on the first call)
+    check = None if sec.tls else (lambda: probe.not_grpc(address))
+    try:
+        ready = _ready(channel, address, timeout, every, check)
+    except ServerUnavailable:
+        channel.close()
+        raise
+    if not ready:
         channel.close()
         hint = (
             " With TLS: is the server's certificate signed by --tls-ca, and does the server "
             "accept this client's certificate?"
-            if sec is not None and sec.tls
+            if sec.tls
             else " If the server uses TLS, pass --tls-ca (and --tls-cert/--tls-key)."
         )
         raise ServerUnavailable(
@@ -52,8 +62,20 @@ def connect(
     return channel
 
 
-def _ready(channel: grpc.Channel, address: str, timeout: float, every: float) -> bool:
-    """Whether ``channel`` connects within ``timeout`` seconds, saying while it waits."""
+def _ready(
+    channel: grpc.Channel,
+    address: str,
+    timeout: float,
+    every: float,
+    check: Callable[[], str | None] | None = None,
+) -> bool:
+    """Whether ``channel`` connects within ``timeout`` seconds, saying while it waits;
+    ``check``, once the first second found no gRPC there: why the address cannot be a
+    parameter server's port, if it certainly is not.
+
+    Raises:
+        ServerUnavailable: ``check`` found a reason.
+    """
     ready = grpc.channel_ready_future(channel)
     start = time.monotonic()
     until = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
@@ -64,6 +86,12 @@ def _ready(channel: grpc.Channel, address: str, timeout: float, every: float) ->
             ready.result(timeout=max(min(step, left), 0.0))
             return True
         except grpc.FutureTimeoutError:
+            if check is not None and (why := check()) is not None:
+                ready.cancel()
+                raise ServerUnavailable(
+                    f"{address} is not a parameter server's port: {why}."
+                ) from None
+            check = None  # once
             left = timeout - (time.monotonic() - start)
             if left <= 0:
                 ready.cancel()
