@@ -7,6 +7,8 @@ as it ends (to --out as well); then the table BENCHMARKS.md quotes.
 
 Run: .venv/bin/python docs/measure_criteo_auc.py [--divisor 10 --train 300000 --test 100000]
      [--only "NAME;NAME"] [--out /tmp/criteo-auc.jsonl]
+The full case: --divisor 1 --train 1000000. A probe's cluster runs name their server's
+--delay-compensation (``dc``, 0 unless a run sets it), not the server's default for tables.
 """
 
 import argparse
@@ -70,6 +72,20 @@ RUNS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     # sync's fewer steps: twice the rates at twice the batch
     "local b2048 lr x2": ("local", "", 1, {"batch": 2048, "lr": 0.02, "rows_lr": 0.02}),
     "2 workers sync lr x2": ("cluster", "sync", 2, {"lr": 0.02, "rows_lr": 0.02}),
+    # asynchrony as momentum (Mitliagkas et al. 2016): less of Adam's own for the dense part
+    "local beta1 0.5": ("local", "", 1, {"beta1": 0.5}),
+    "local beta1 0.5, dense 1 step stale": ("local", "dense", 1, {"beta1": 0.5}),
+    "local beta1 0": ("local", "", 1, {"beta1": 0.0}),
+    "local beta1 0, dense 1 step stale": ("local", "dense", 1, {"beta1": 0.0}),
+    # DC-ASGD's delay compensation of the stale dense gradient (--delay-compensation C)
+    "local, dense 1 step stale, C 0.1": ("local", "dense", 1, {"dc": 0.1}),
+    "local, dense 1 step stale, C 1": ("local", "dense", 1, {"dc": 1.0}),
+    "local, dense 1 step stale, C 3": ("local", "dense", 1, {"dc": 3.0}),
+    "local, dense 1 step stale, C 10": ("local", "dense", 1, {"dc": 10.0}),
+    "local seed 1, dense 1 step stale, C 1": ("local", "dense", 1, {"seed": 1, "dc": 1.0}),
+    "local, top MLP 1 step stale, C 1": ("local", "dense:top.", 1, {"dc": 1.0}),
+    "2 workers async, C 1": ("cluster", "async", 2, {"dc": 1.0}),
+    "2 workers async, C 3": ("cluster", "async", 2, {"dc": 3.0}),
 }
 
 
