@@ -13,6 +13,7 @@ May import: ``settings``, ``codec``, ``policy``, ``errors``.
 """
 
 from paramserver.config.base import (
+    AMP_MODES,
     DATASETS,
     DEFAULT_CACHE_ROWS,
     LR_SCHEDULES,
@@ -33,6 +34,7 @@ from paramserver.config.server import ServerConfig
 from paramserver.config.worker import LaunchConfig, WorkerConfig
 
 __all__ = [
+    "AMP_MODES",
     "DATASETS",
     "DEFAULT_CACHE_ROWS",
     "LR_SCHEDULES",

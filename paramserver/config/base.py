@@ -20,6 +20,7 @@ LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_BY = ("steps", "batches")
 SHM_CHOICES = ("on", "payloads", "off")
 WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
+AMP_MODES = ("off", "bf16", "fp16")  # --amp (training/precision.py)
 DATASETS = ("fashion-mnist", "synthetic", "clicks")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.

@@ -9,6 +9,7 @@ from typing import Any
 from paramserver.codec import compression
 from paramserver.config.base import (
     _DEVICE,
+    AMP_MODES,
     DEFAULT_CACHE_ROWS,
     MAX_PUSH_EVERY,
     SHM_CHOICES,
@@ -94,6 +95,12 @@ class WorkerConfig:
         "--cache-rows",
         "Sparse tables: the most rows each table keeps on a worker (a batch's distinct ids must fit).",
     )
+    amp: str = setting(
+        "off",
+        "--amp",
+        "Mixed precision of the built-in worker's forward and backward passes: bf16 (autocast in bfloat16), fp16 (autocast in float16 with a dynamic loss scale: a step whose gradients overflow is not pushed, its batches go back and the scale halves) or off. The model, its gradients and the server's masters stay float32.",
+        choices=AMP_MODES,
+    )
     server_timeout: float = setting(
         300.0,
         "--server-timeout",
@@ -115,6 +122,7 @@ class WorkerConfig:
         _check_wire(self.wire)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
+        _check_amp(self.amp)
         _positive("--cache-rows", self.cache_rows)
         _positive("--server-timeout", self.server_timeout)
 
@@ -169,6 +177,11 @@ def _check_shm(value: str) -> None:
         raise ConfigError(f"--shm must be one of {', '.join(SHM_CHOICES)}; got {value!r}.")
 
 
+def _check_amp(value: str) -> None:
+    if value not in AMP_MODES:
+        raise ConfigError(f"--amp must be one of {', '.join(AMP_MODES)}; got {value!r}.")
+
+
 def _check_overlap(value: str) -> None:
     if value not in ("auto", "on", "off"):
         raise ConfigError(f"--overlap must be auto, on or off; got {value!r}.")
@@ -199,6 +212,7 @@ class LaunchConfig:
     compress: str = _as_in_worker("compress")
     push_every: int = _as_in_worker("push_every")
     cache_rows: int = _as_in_worker("cache_rows")
+    amp: str = _as_in_worker("amp")
     servers: int = setting(
         1,
         "--servers",
@@ -216,6 +230,7 @@ class LaunchConfig:
         _check_wire(self.wire)
         _check_compress(self.compress)
         _check_push_every(self.push_every)
+        _check_amp(self.amp)
         if not 1 <= self.servers <= 64:
             raise ConfigError(f"--servers must be 1 to 64; got {self.servers}.")
 

@@ -17,6 +17,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
 from paramserver.errors import ConfigError, ServerUnavailable
 from paramserver.training import data
+from paramserver.training.precision import Precision
 from paramserver.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,12 @@ def _train(
     # prefetching ones, those the background prefetch did not bring or the last push
     # took out of the cache
     fetch_first = table_ids if prefetch else None
+    precision = Precision(cfg.amp, device)
+    if precision.mode == "fp16" and worker.tables:
+        raise ConfigError(
+            "--amp fp16 scales the loss, and the sparse tables' row gradients are pushed "
+            "as they come: use --amp bf16 (no scaling) for a model with sparse tables."
+        )
     if prefetch:
         worker.prefetch_next(prefetch)
     steps = samples = empty = 0
@@ -200,7 +207,14 @@ def _train(
             worker.step(empty=True)
             empty += 1
             continue
-        taken, loss = _compute(worker, order, device, fetch_first)
+        taken, loss = _compute(worker, order, device, fetch_first, precision)
+        if not precision.unscaled(worker.model.parameters()):  # fp16 overflow: not pushed
+            for p in worker.model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            worker.step(empty=True)  # its batches go back, to be computed again
+            empty += 1
+            continue
         if cfg.step_delay:
             time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
         worker.step(samples=taken, loss=loss)
@@ -227,7 +241,7 @@ def _audit(path: str, pushes: list[tuple[int, ...]]) -> None:
 
 
 def _compute(
-    worker: Worker, order: _Order, device: torch.device, fetch_first: Any
+    worker: Worker, order: _Order, device: torch.device, fetch_first: Any, precision: Precision
 ) -> tuple[int, float]:
     """The gradients of this step's batch, or with --push-every K up to K of them: they
     accumulate, each weighted by its share, so the push is the mean gradient over all their
@@ -241,8 +255,9 @@ def _compute(
         if fetch_first is not None:
             worker.prefetch(fetch_first(x))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(worker.model(x), y)
-        (loss / len(batches)).backward()
+        with precision.autocast():  # --amp
+            loss = F.cross_entropy(worker.model(x), y)
+        precision.backward(loss / len(batches))
         taken += len(idx)
         losses += loss.item()
     return taken, losses / len(batches)

@@ -269,10 +269,11 @@ def test_a_launchs_workers_get_every_worker_setting_of_the_launch():
         compress="bf16",
         push_every=3,
         cache_rows=7,
+        amp="bf16",
     )
     worker = launch.worker("127.0.0.1:9", "worker-1")
     shared = [f.name for f, _ in settings.declared(LaunchConfig) if hasattr(worker, f.name)]
-    assert len(shared) == 10
+    assert len(shared) == 11
     assert all(getattr(worker, name) == getattr(launch, name) for name in shared)
     assert (worker.server, worker.name) == ("127.0.0.1:9", "worker-1")
 
