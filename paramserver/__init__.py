@@ -45,6 +45,7 @@ _LAZY = {
     "Policy": "paramserver.policy.staleness",
     "ShardedWorker": "paramserver.worker.worker",
     "Worker": "paramserver.worker.worker",
+    "LocalSteps": "paramserver.training.local_steps",
 }
 _SUBMODULES = {
     "models": "paramserver.models",
@@ -200,6 +201,7 @@ if TYPE_CHECKING:
     from paramserver.policy.staleness import Policy
     from paramserver.server.app import ServerApp
     from paramserver.server.disk.checkpoint import load as load_checkpoint
+    from paramserver.training.local_steps import LocalSteps
     from paramserver.worker.worker import ShardedWorker, Worker
 
 
@@ -225,6 +227,7 @@ __all__ = [
     "DataUnavailable",
     "InvalidRequest",
     "LaunchConfig",
+    "LocalSteps",
     "OptimizerConfig",
     "OutOfOrder",
     "ParamServerError",

@@ -35,7 +35,8 @@ def serve(
             batch_size, security, server_device ("cpu", "cuda", "cuda:I": where the
             weights and the optimizer live), ...; and the optimizer's by the names of its
             options:
-            optimizer ("sgd", "momentum", "adam" or "adamw", or a whole OptimizerConfig),
+            optimizer ("sgd", "momentum", "nesterov", "adam" or "adamw", or a whole
+            OptimizerConfig),
             lr, momentum, weight_decay, lr_schedule and lr_total_steps ("constant", or
             "cosine" decay to 0 over that many optimizer steps).
 

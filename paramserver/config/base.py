@@ -14,13 +14,14 @@ from paramserver.settings import setting
 
 DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # nesterov: DiLoCo's outer step
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise-adagrad", "adam")  # a sparse table's (sparse/optim)
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_BY = ("steps", "batches")
 SHM_CHOICES = ("on", "payloads", "off")
 WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
 AMP_MODES = ("off", "bf16", "fp16")  # --amp (training/precision.py)
+INNER_OPTIMIZERS = ("none", "sgd", "adamw")  # --inner-optimizer (training/local_steps.py)
 DATASETS = ("fashion-mnist", "synthetic", "clicks")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.
@@ -90,10 +91,14 @@ class OptimizerConfig:
     """The server-side optimizer."""
 
     name: str = setting(
-        "adam", "--optimizer", "Server-side optimizer.", dest="optimizer", choices=OPTIMIZERS
+        "adam",
+        "--optimizer",
+        "Server-side optimizer (nesterov: SGD with Nesterov momentum, DiLoCo's outer optimizer over the workers' local steps, e.g. --lr 0.7; see docs/guide.md).",
+        dest="optimizer",
+        choices=OPTIMIZERS,
     )
     lr: float = setting(1e-3, "--lr", "Learning rate.")
-    momentum: float = setting(0.9, "--momentum", "Momentum (optimizer 'momentum' only).")
+    momentum: float = setting(0.9, "--momentum", "Momentum (optimizers 'momentum' and 'nesterov').")
     weight_decay: float = setting(0.0, "--weight-decay", "Weight decay.")
     schedule: str = setting(
         "constant",

@@ -151,7 +151,7 @@ class ServerConfig:
     table_optimizer: str = setting(
         "",
         "--table-optimizer",
-        "The sparse tables' row optimizers, comma-separated [TABLE=]OPTIMIZER[:LR] (OPTIMIZER: sgd, adagrad, rowwise-adagrad or adam, lazy; no TABLE=: every table not named; LR: the table's own, constant; no LR: --lr and its schedule). Empty: every table follows --optimizer (adam and adamw: lazy adam; sgd and momentum: sgd).",
+        "The sparse tables' row optimizers, comma-separated [TABLE=]OPTIMIZER[:LR] (OPTIMIZER: sgd, adagrad, rowwise-adagrad or adam, lazy; no TABLE=: every table not named; LR: the table's own, constant; no LR: --lr and its schedule). Empty: every table follows --optimizer (adam and adamw: lazy adam; sgd, momentum and nesterov: sgd).",
     )
     skip_nonfinite: bool = setting(
         False,

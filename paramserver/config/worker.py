@@ -11,6 +11,7 @@ from paramserver.config.base import (
     _DEVICE,
     AMP_MODES,
     DEFAULT_CACHE_ROWS,
+    INNER_OPTIMIZERS,
     MAX_PUSH_EVERY,
     SHM_CHOICES,
     WIRE_CHOICES,
@@ -95,6 +96,15 @@ class WorkerConfig:
         "--cache-rows",
         "Sparse tables: the most rows each table keeps on a worker (a batch's distinct ids must fit).",
     )
+    inner_optimizer: str = setting(
+        "none",
+        "--inner-optimizer",
+        "Local steps (DiLoCo): with sgd or adamw, each of the --push-every H batches a pull hands out is one step of this optimizer on the worker's own replica, and the push is the pseudo-gradient (the weights pulled minus the weights after the H steps) for the server's outer optimizer (DiLoCo's: --optimizer nesterov --lr 0.7 on the server). none: the H batches' gradients accumulate into one push. Needs --overlap off and --amp off or bf16.",
+        choices=INNER_OPTIMIZERS,
+    )
+    inner_lr: float = setting(
+        1e-3, "--inner-lr", "The learning rate of --inner-optimizer's local steps."
+    )
     amp: str = setting(
         "off",
         "--amp",
@@ -123,6 +133,7 @@ class WorkerConfig:
         _check_compress(self.compress)
         _check_push_every(self.push_every)
         _check_amp(self.amp)
+        _check_local(self.inner_optimizer, self.inner_lr, self.overlap, self.amp)
         _positive("--cache-rows", self.cache_rows)
         _positive("--server-timeout", self.server_timeout)
 
@@ -177,6 +188,21 @@ def _check_shm(value: str) -> None:
         raise ConfigError(f"--shm must be one of {', '.join(SHM_CHOICES)}; got {value!r}.")
 
 
+def _check_local(inner: str, lr: float, overlap: str, amp: str) -> None:
+    if inner not in INNER_OPTIMIZERS:
+        raise ConfigError(
+            f"--inner-optimizer must be one of {', '.join(INNER_OPTIMIZERS)}; got {inner!r}."
+        )
+    _positive("--inner-lr", lr)
+    if inner != "none" and overlap == "on":
+        raise ConfigError(
+            "--inner-optimizer: local steps start from the weights just pulled; with "
+            "--overlap on they land a step late: use --overlap off (or auto)."
+        )
+    if inner != "none" and amp == "fp16":
+        raise ConfigError("--inner-optimizer with --amp fp16 is not supported: use bf16.")
+
+
 def _check_amp(value: str) -> None:
     if value not in AMP_MODES:
         raise ConfigError(f"--amp must be one of {', '.join(AMP_MODES)}; got {value!r}.")
@@ -212,6 +238,8 @@ class LaunchConfig:
     compress: str = _as_in_worker("compress")
     push_every: int = _as_in_worker("push_every")
     cache_rows: int = _as_in_worker("cache_rows")
+    inner_optimizer: str = _as_in_worker("inner_optimizer")
+    inner_lr: float = _as_in_worker("inner_lr")
     amp: str = _as_in_worker("amp")
     servers: int = setting(
         1,
@@ -231,6 +259,7 @@ class LaunchConfig:
         _check_compress(self.compress)
         _check_push_every(self.push_every)
         _check_amp(self.amp)
+        _check_local(self.inner_optimizer, self.inner_lr, self.overlap, self.amp)
         if not 1 <= self.servers <= 64:
             raise ConfigError(f"--servers must be 1 to 64; got {self.servers}.")
 

@@ -46,7 +46,14 @@ class Checked(RowGradients):
 
 def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
     """The tables' optimizer for the server's ``--optimizer name`` and ``--lr``."""
-    rows = {"adam": "adam", "adamw": "adam", "sgd": "sgd", "momentum": "sgd"}.get(name)
+    by_server = {
+        "adam": "adam",
+        "adamw": "adam",
+        "sgd": "sgd",
+        "momentum": "sgd",
+        "nesterov": "sgd",
+    }
+    rows = by_server.get(name)
     if rows is None:
         raise ValueError(f"No row-wise optimizer stands for {name!r}.")
     return RowOptimizerConfig(rows, lr)

@@ -17,6 +17,7 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
 from paramserver.errors import ConfigError, ServerUnavailable
 from paramserver.training import data
+from paramserver.training.local_steps import LocalSteps
 from paramserver.training.precision import Precision
 from paramserver.worker.worker import Worker
 
@@ -77,7 +78,7 @@ def worker_arguments(cfg: WorkerConfig, device: torch.device) -> dict[str, Any]:
         **same,
         "device": device,
         "connect_timeout": cfg.server_timeout,  # the first connection too, as its help says
-        "overlap": cfg.overlap_flag,
+        "overlap": False if cfg.inner_optimizer != "none" else cfg.overlap_flag,
         "shm": cfg.shm != "off",
         "shm_control": cfg.shm == "on",
     }
@@ -193,6 +194,7 @@ def _train(
             "--amp fp16 scales the loss, and the sparse tables' row gradients are pushed "
             "as they come: use --amp bf16 (no scaling) for a model with sparse tables."
         )
+    local = _local_steps(cfg, worker)
     if prefetch:
         worker.prefetch_next(prefetch)
     steps = samples = empty = 0
@@ -205,9 +207,11 @@ def _train(
         if worker.batch is None:
             # sync, and every batch left is taken this round: count in it, empty-handed.
             worker.step(empty=True)
+            if local is not None:
+                local.anchored()
             empty += 1
             continue
-        taken, loss = _compute(worker, order, device, fetch_first, precision)
+        taken, loss = _compute(worker, order, device, fetch_first, precision, local)
         if not precision.unscaled(worker.model.parameters()):  # fp16 overflow: not pushed
             for p in worker.model.parameters():
                 if p.grad is not None:
@@ -217,7 +221,10 @@ def _train(
             continue
         if cfg.step_delay:
             time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
-        worker.step(samples=taken, loss=loss)
+        if local is not None:
+            local.sync(samples=taken, loss=loss)  # the pseudo-gradient, then anchor the pull
+        else:
+            worker.step(samples=taken, loss=loss)
         if cfg.batch_log:
             _audit(cfg.batch_log, worker.landed_batches())
         if prefetch:
@@ -240,12 +247,28 @@ def _audit(path: str, pushes: list[tuple[int, ...]]) -> None:
         f.write("".join(" ".join(map(str, batches)) + "\n" for batches in pushes))
 
 
+def _local_steps(cfg: WorkerConfig, worker: Worker) -> LocalSteps | None:
+    """--inner-optimizer's local steps over the worker's model (None: none)."""
+    if cfg.inner_optimizer == "none":
+        return None
+    local = LocalSteps(worker)
+    kind = torch.optim.AdamW if cfg.inner_optimizer == "adamw" else torch.optim.SGD
+    local.inner = kind(local.params, lr=cfg.inner_lr)
+    return local
+
+
 def _compute(
-    worker: Worker, order: _Order, device: torch.device, fetch_first: Any, precision: Precision
+    worker: Worker,
+    order: _Order,
+    device: torch.device,
+    fetch_first: Any,
+    precision: Precision,
+    local: LocalSteps | None = None,
 ) -> tuple[int, float]:
     """The gradients of this step's batch, or with --push-every K up to K of them: they
     accumulate, each weighted by its share, so the push is the mean gradient over all their
-    samples. (samples, mean loss)."""
+    samples; with ``local`` (--inner-optimizer) each is a step of the inner optimizer
+    instead (``local.sync`` then pushes their pseudo-gradient). (samples, mean loss)."""
     assert worker.batch is not None, "the caller steps empty-handed when there is no batch"
     batches = worker.batches or [worker.batch]
     taken, losses = 0, 0.0
@@ -257,7 +280,12 @@ def _compute(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with precision.autocast():  # --amp
             loss = F.cross_entropy(worker.model(x), y)
-        precision.backward(loss / len(batches))
+        if local is not None and local.inner is not None:  # one local step a batch
+            precision.backward(loss)
+            local.inner.step()
+            local.inner.zero_grad()
+        else:
+            precision.backward(loss / len(batches))
         taken += len(idx)
         losses += loss.item()
     return taken, losses / len(batches)

@@ -263,17 +263,19 @@ def test_a_launchs_workers_get_every_worker_setting_of_the_launch():
         threads=3,
         data_dir="/d",
         step_delay=0.5,
-        overlap="on",
+        overlap="off",
         shm="payloads",
         wire="grpc",
         compress="bf16",
         push_every=3,
         cache_rows=7,
         amp="bf16",
+        inner_optimizer="adamw",
+        inner_lr=0.01,
     )
     worker = launch.worker("127.0.0.1:9", "worker-1")
     shared = [f.name for f, _ in settings.declared(LaunchConfig) if hasattr(worker, f.name)]
-    assert len(shared) == 11
+    assert len(shared) == 13
     assert all(getattr(worker, name) == getattr(launch, name) for name in shared)
     assert (worker.server, worker.name) == ("127.0.0.1:9", "worker-1")
 

@@ -10,7 +10,7 @@ from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
 from paramserver.server.bookkeeping.store import ParameterStore, build_optimizer
 
-OPTIMIZERS = ["sgd", "momentum", "adam", "adamw"]  # every one the server offers
+OPTIMIZERS = ["sgd", "momentum", "nesterov", "adam", "adamw"]  # every one the server offers
 MANIFEST = Manifest.from_tensors([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])
 
 
