@@ -161,6 +161,8 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     scfg = cfg.server
     job = _Job.prepare(scfg, cfg.data_dir)
     run = RunDir(cfg.runs_root, scfg.policy.strip().lower().replace(":", ""), cfg.run_dir)
+    ckpt = scfg.checkpoint_dir
+    run.check_unused(bool(ckpt) and os.path.isdir(ckpt) and any(os.scandir(ckpt)))
     cfg = _keep_rows(cfg, job.specs, run)
     scfg = cfg.server
     run.write_json("config.json", {"server": _asdict(scfg), "launch": _asdict(cfg, skip="server")})

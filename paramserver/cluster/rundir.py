@@ -40,6 +40,25 @@ class RunDir:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    def check_unused(self, resuming: bool) -> None:
+        """A folder named by ``--run-dir`` takes a new run only if it holds no earlier
+        run's metrics, or if the run goes on from its checkpoints (``resuming``): its
+        epochs then follow the ones there.
+
+        Raises:
+            ConfigError: it holds another run's metrics.jsonl.
+        """
+        metrics = self.read_metrics()
+        if not metrics or resuming:
+            return
+        epochs = [m["epoch"] for m in metrics if "epoch" in m] or [0]
+        raise ConfigError(
+            f"--run-dir {self.path} holds another run's metrics (metrics.jsonl, epochs "
+            f"{min(epochs)}-{max(epochs)}): a new run would mix its epochs with them. Give a "
+            "new --run-dir, or leave it out (launch makes a fresh folder); a run resumed "
+            "from its --checkpoint-dir goes on in the folder it used."
+        )
+
     @classmethod
     def open(cls, path: str | Path) -> RunDir:
         """An existing run folder.
