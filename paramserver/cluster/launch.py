@@ -161,7 +161,7 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     scfg = cfg.server
     job = _Job.prepare(scfg, cfg.data_dir)
     run = RunDir(cfg.runs_root, scfg.policy.strip().lower().replace(":", ""), cfg.run_dir)
-    ckpt = scfg.checkpoint_dir
+    ckpt = scfg.checkpoint_dir or ""
     run.check_unused(bool(ckpt) and os.path.isdir(ckpt) and any(os.scandir(ckpt)))
     cfg = _keep_rows(cfg, job.specs, run)
     scfg = cfg.server
