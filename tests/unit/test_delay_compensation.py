@@ -95,7 +95,8 @@ def test_a_stale_push_is_corrected_for_the_push_applied_since_its_pull():
     p.grad = torch.from_numpy(ga.copy())
     opt.step()
     np.testing.assert_allclose(c.store.weights[:N], p.detach().numpy(), rtol=1e-6)
-    v = opt.state[p]["exp_avg_sq"].numpy()
+    state = opt.state[p]  # Adam's v as its step reads it: bias-corrected
+    v = state["exp_avg_sq"].numpy() / (1 - 0.999 ** float(state["step"]))
     moved = p.detach().numpy() - read
     assert np.abs(moved).min() > 0
     corrected = gb + C / LR * gb * gb * moved / (np.sqrt(v) + compensation.EPS)

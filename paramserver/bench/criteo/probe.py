@@ -124,7 +124,8 @@ def local(p: Probe, stale: str = "") -> dict[str, Any]:
         if which and p.dc and read is not None:  # g + dc/lr g*g*(w now - w read) / sqrt(v)
             for q, w in zip(params, read, strict=True):
                 v = opt.state.get(q, {}).get("exp_avg_sq")
-                if q.grad is not None and v is not None:
+                if q.grad is not None and v is not None:  # bias-corrected, as Adam reads it
+                    v = v / (1 - 0.999 ** float(opt.state[q]["step"]))
                     g = q.grad
                     q.grad = g + p.dc / p.lr * g * g * (q.detach() - w) / (v.sqrt() + 1e-8)
         opt.step()

@@ -151,12 +151,15 @@ class ParameterStore:
         self._mirror(0, self.n_params)
 
     def second_moment(self) -> np.ndarray | None:
-        """Adam's (AdamW's) running mean of the squared gradient, on the host, the
-        parameters' (None: another optimizer, no step yet, or a GPU shard's)."""
-        v = self.optimizer.state.get(self.param, {}).get("exp_avg_sq")
+        """Adam's (AdamW's) mean of the squared gradient, bias-corrected as Adam's step
+        reads it (``v / (1 - beta2 ** t)``: the raw running mean starts near 0), on the
+        host, the parameters' (None: another optimizer, no step yet, or a GPU shard's)."""
+        state = self.optimizer.state.get(self.param, {})
+        v = state.get("exp_avg_sq")
         if v is None or v.device.type != "cpu":
             return None
-        return v.detach().numpy()
+        beta2 = self.optimizer.param_groups[0]["betas"][1]
+        return v.detach().numpy() / (1.0 - beta2 ** float(state["step"]))
 
     def _mirror(self, lo: int, hi: int) -> None:
         """Elements [lo, hi) of the device's master into the host's copy (pulls read it)."""
