@@ -23,6 +23,7 @@ from paramserver.settings import setting
 # --delay-compensation's C for a model with sparse tables (docs/BENCHMARKS.md: the Criteo-like
 # DLRM's 2 async workers, C 1 and 3 against 0 at a tenth of its size, 3 at full size).
 DEFAULT_COMPENSATION = 3.0
+_WITH_SECOND_MOMENT = ("adam", "adamw")  # the optimizers whose v the compensation scales by
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ class ServerConfig:
         else 3 for tables where it applies (ssp:K or async, Adam or AdamW, a CPU shard)."""
         if self.delay_compensation is not None:
             return self.delay_compensation
-        applies = not self.parsed_policy.synchronous and self.optimizer.name in ("adam", "adamw")
+        applies = not self.parsed_policy.synchronous and self.optimizer.name in _WITH_SECOND_MOMENT
         return DEFAULT_COMPENSATION if tables and applies and self.server_device == "cpu" else 0.0
 
     def _check_compensation(self) -> None:
@@ -265,7 +266,7 @@ class ServerConfig:
         why = ""
         if self.parsed_policy.synchronous:
             why = f"--policy {self.policy} has no stale gradients to correct (ssp:K, async)"
-        elif self.optimizer.name not in ("adam", "adamw"):
+        elif self.optimizer.name not in _WITH_SECOND_MOMENT:
             why = f"it scales by Adam's second moment: --optimizer adam or adamw, not {self.optimizer.name}"
         elif self.server_device != "cpu":
             why = f"it runs on a CPU shard, not --server-device {self.server_device}"

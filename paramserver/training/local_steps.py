@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class LocalSteps:
     """The weights ``worker`` last pulled, and the exchange of a pseudo-gradient."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, inner: torch.optim.Optimizer | None = None):
         if worker.overlap:
             raise ConfigError(
                 "Local steps need the pulled weights in the model when a step returns: "
@@ -50,7 +50,7 @@ class LocalSteps:
         self.worker = worker
         self.params = [p for p in worker.model.parameters() if p.requires_grad]
         self.anchor = [p.detach().clone() for p in self.params]
-        self.inner: torch.optim.Optimizer | None = None  # the built-in worker's (trainer)
+        self.inner = inner  # the inner optimizer, where the caller hands it over (trainer)
 
     def into_grads(self) -> None:
         """Each parameter's gradient := the weights pulled minus the weights now."""

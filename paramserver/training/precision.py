@@ -71,7 +71,8 @@ class Precision:
         inverse = 1.0 / self.scale
         for g in grads:
             g.mul_(inverse)
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        # one answer for all of them: a single wait for the device, not one a tensor
+        finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
         if finite:
             self.clean += 1
             if self.clean >= GROWTH_INTERVAL:

@@ -251,10 +251,9 @@ def _local_steps(cfg: WorkerConfig, worker: Worker) -> LocalSteps | None:
     """--inner-optimizer's local steps over the worker's model (None: none)."""
     if cfg.inner_optimizer == "none":
         return None
-    local = LocalSteps(worker)
     kind = torch.optim.AdamW if cfg.inner_optimizer == "adamw" else torch.optim.SGD
-    local.inner = kind(local.params, lr=cfg.inner_lr)
-    return local
+    params = [p for p in worker.model.parameters() if p.requires_grad]
+    return LocalSteps(worker, kind(params, lr=cfg.inner_lr))
 
 
 def _compute(

@@ -9,9 +9,10 @@ pushes have moved since; it is applied as
 elementwise: the first-order Taylor term of the gradient at ``w_now``, the Hessian's
 diagonal approximated by ``g * g`` (DC-ASGD's outer product), scaled by Adam's ``v``
 (bias-corrected, as Adam's step reads it: the raw running mean starts near 0 and would
-blow the first steps' correction up) as DC-ASGD-a scales by its mean square. DC-ASGD's ``lambda`` is ``C / lr`` here: an Adam step
-moves a weight by about ``lr``, so ``(w_now - w_read) / lr`` counts the steps missed and
-``C`` does not change with the rate (the step's own, under a schedule). Measured on the
+blow the first steps' correction up) as DC-ASGD-a scales by its mean square. DC-ASGD's
+``lambda`` is ``C / lr`` here: an Adam step moves a weight by about ``lr``, so
+``(w_now - w_read) / lr`` counts the steps missed and ``C`` does not change with the rate
+(the step's own, under a schedule). Measured on the
 Criteo-like DLRM, where one step of staleness of the dense part costs 0.019 AUC:
 docs/BENCHMARKS.md.
 
