@@ -47,6 +47,10 @@ def model_defaults(kw: dict[str, Any]) -> None:
 def server(**kw: Any) -> None:
     """Run a parameter server until SIGTERM or Ctrl-C (both write a last checkpoint).
 
+    After each epoch it evaluates the global model on the test set: `status` shows the
+    figures, and the run folder (--run-dir) gets metrics.jsonl, then curve.png and
+    summary.json at the end.
+
     Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "ps" task takes its shard, port and the
     number of workers from it, unless given.
     """
@@ -60,11 +64,20 @@ def server(**kw: Any) -> None:
     cfg = server_config(kw)
     if printed():
         return
+    from paramserver.cluster import server_evaluation
     from paramserver.cluster.procs import READY_MARKER
     from paramserver.server.app import ServerApp
 
     log.info("server configuration: %s", cfg)
-    app = ServerApp(cfg).start()
+    report = settings.build(commands.ServerRun, kw)
+    planned = server_evaluation.plan(cfg, report.run_dir, report.data_dir)
+    try:
+        app = ServerApp(cfg).start()
+    except BaseException:
+        if planned is not None:
+            planned.discard()
+        raise
+    evaluation = planned.start(app) if planned is not None else None
     stop = threading.Event()
     received: list[int] = []
 
@@ -78,6 +91,8 @@ def server(**kw: Any) -> None:
     sys.stdout.flush()
     stop.wait()
     log.info("%s received: stopping", signal.Signals(received[0]).name)
+    if evaluation is not None:
+        evaluation.stop(timeout=2.0)  # the last checkpoint first: an evaluation can wait
     app.stop(grace=2.0)
 
 

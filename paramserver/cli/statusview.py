@@ -105,6 +105,14 @@ def render(st: pb.StatusResponse, address: str) -> str:
             f"{st.rows_pushed} pushed; live workers' row caches "
             f"{100 * hits / max(looked, 1):.1f}% hits"
         )
+    if st.tested_epoch:
+        auc = f", AUC {st.test_auc:.4f}" if math.isfinite(st.test_auc) else ""
+        lines.append(
+            f"test after epoch {st.tested_epoch}: accuracy {100 * st.test_accuracy:.2f}%{auc}, "
+            f"loss {st.test_loss:.4f}"
+        )
+    if st.evaluation_failures:
+        lines.append(f"EVALUATIONS FAILED {st.evaluation_failures} times (see the server's log)")
     hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))
     lines.append(f"staleness histogram {{{hist}}}")
     return "\n".join(lines)

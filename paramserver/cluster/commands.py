@@ -51,6 +51,19 @@ class LaunchOutput:
     )
 
 
+@dataclass(frozen=True)
+class ServerRun:
+    """``server``'s own report (``cluster/server_evaluation.py``): its run folder and where
+    its test set is; the same settings as launch's."""
+
+    run_dir: str | None = dataclasses.field(
+        default="auto", metadata=LaunchConfig.__dataclass_fields__["run_dir"].metadata
+    )
+    data_dir: str | None = dataclasses.field(
+        default=None, metadata=LaunchConfig.__dataclass_fields__["data_dir"].metadata
+    )
+
+
 # A server's own place: where it listens, its threads, its shard and whether the workers it
 # resumes with are gone (launch picks them).
 LOCAL = (
@@ -71,6 +84,7 @@ SERVER = (
     *RUN,
     Part(OptimizerConfig, only=SCHEDULE),
     Part(ServerConfig, only=LOCAL),
+    Part(ServerRun),
     Part(Security),
 )
 WORKER = (Part(WorkerConfig), Part(Procs), Part(Security))
@@ -118,8 +132,9 @@ def shard_config(cfg: ServerConfig, shard: int, shards: int, host: str) -> Serve
 
 def server_args(cfg: ServerConfig) -> list[str]:
     """Command-line arguments that start a server process with ``cfg`` (its token goes by
-    the environment, which children inherit)."""
-    return ["server", *command_args(SERVER, cfg)]
+    the environment, which children inherit). Such a server evaluates nothing: the
+    command that starts it does, or needs no evaluation."""
+    return ["server", *command_args(SERVER, cfg), "--run-dir", "off"]
 
 
 def worker_command(cfg: WorkerConfig) -> list[str]:

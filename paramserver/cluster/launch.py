@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.cluster import commands
 from paramserver.cluster.commands import CHILD_ENV, server_args, worker_args
 from paramserver.cluster.commands import launch_args as launch_args  # the benchmarks' import
+from paramserver.cluster.epochs import EpochReport, Job
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.cluster.reading import ShardReader
 from paramserver.cluster.rundir import RunDir
@@ -29,13 +29,10 @@ from paramserver.codec import layout
 from paramserver.codec.rows import TableSpec
 from paramserver.config import LaunchConfig, Security, ServerConfig
 from paramserver.errors import ParamServerError, from_rpc_error
-from paramserver.policy.staleness import Policy
 from paramserver.server.disk import checkpoint
-from paramserver.sparse.embedding import TableEmbedding, make_tables
 from paramserver.sparse.remote import RemoteTables
 from paramserver.sparse.tableset import WHOLE_TABLE_BYTES, too_large_for_whole
 from paramserver.training import data
-from paramserver.training.evaluation import evaluate_batches
 from paramserver.transport.stub import Stub, connect
 
 log = logging.getLogger(__name__)
@@ -114,9 +111,10 @@ class _Cluster:
         embeddings (none: None)."""
         return self.reader.tables(model, specs)
 
-    def observe(self, manifest: layout.Manifest) -> tuple[pb.PullHeader, np.ndarray]:
-        """The current weights, gathered from every shard (shard 0's header)."""
-        return self.reader.observe(manifest)
+    def weights(self, manifest: layout.Manifest) -> tuple[int, np.ndarray]:
+        """The current weights, gathered from every shard (shard 0's version)."""
+        header, flat = self.reader.observe(manifest)
+        return header.version, flat
 
     def status(self) -> pb.StatusResponse:
         try:
@@ -130,36 +128,12 @@ class _Cluster:
         stop_all(self.children)
 
 
-@dataclasses.dataclass
-class _Job:
-    """What a run trains, read and checked before any process starts."""
-
-    dataset: data.Data
-    model: torch.nn.Module
-    state: tuple[layout.Manifest, list[torch.Tensor]]  # ``models.state(model)``
-    specs: list[TableSpec]
-    per_epoch: int
-
-    @classmethod
-    def prepare(cls, scfg: ServerConfig, data_dir: str | None) -> _Job:
-        dataset = data.load(scfg.dataset, data_dir, seed=scfg.seed)  # fail before spawning
-        model = models.build(scfg.model)
-        make_tables(model, scfg.table_rows)  # as the servers do
-        state = models.state(model)  # refuses a model it cannot carry, before spawning
-        per_epoch = data.batches_per_epoch(dataset.train_size, scfg.batch_size)
-        if per_epoch < 1:
-            raise ParamServerError(
-                f"{dataset.train_size} samples do not make one batch of {scfg.batch_size}."
-            )
-        return cls(dataset, model, state, models.table_specs(model), per_epoch)
-
-
 def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     """Train on a local cluster (its processes where ``place`` says); returns the summary
     that ``launch --json`` prints."""
     t0 = time.perf_counter()
     scfg = cfg.server
-    job = _Job.prepare(scfg, cfg.data_dir)
+    job = Job.prepare(scfg, cfg.data_dir)  # fails before spawning
     run = RunDir(cfg.runs_root, scfg.policy.strip().lower().replace(":", ""), cfg.run_dir)
     ckpt = scfg.checkpoint_dir or ""
     run.check_unused(bool(ckpt) and os.path.isdir(ckpt) and any(os.scandir(ckpt)))
@@ -169,29 +143,28 @@ def launch(cfg: LaunchConfig, place: Placement | None = None) -> dict[str, Any]:
     log.info("run folder %s", run.path)
     cluster = _Cluster(cfg, run, place)
     failed: list[Child] = []
+    say = (lambda line: tqdm.write(line, file=sys.stderr)) if cfg.progress else log.info
+    report = EpochReport(run, job, cluster, say, t0)
     try:
         address = cluster.start()
         log.info("server at %s; %d workers started", address, scfg.workers)
         tables = cluster.tables(job.model, job.specs)
-        evaluated = _train(cfg, job, run, cluster, failed, t0)
+        evaluated = _train(cfg, report, cluster, failed)
         # The checkpoint holds exactly the weights the last evaluation saw.
-        st, header = _record_epoch(run, cluster, job, evaluated + 1, t0, cfg.progress)
+        last = report.record(evaluated + 1)
         state = job.model.state_dict()
         kept = f"in the servers' checkpoints in {scfg.checkpoint_dir}"
         state.update(cluster.reader.whole_tables(tables, "checkpoint.pt", kept))
         checkpoint.save(
             run.file("checkpoint.pt"),
             state,
-            version=header.version,
-            policy=st.policy,
+            version=last.version,
+            policy=last.status.policy,
             model=scfg.model,
         )
     finally:
         cluster.stop()
-    run.plot(f"{scfg.model}, {Policy.label(scfg.policy)}, {scfg.workers} workers")
-    summary = _summary(scfg, st, run, failed, time.perf_counter() - t0)
-    run.write_json("summary.json", summary)
-    return summary
+    return report.finish(scfg, last.status, [w.name for w in failed])
 
 
 def _keep_rows(cfg: LaunchConfig, specs: list[TableSpec], run: RunDir) -> LaunchConfig:
@@ -219,18 +192,17 @@ def _keep_rows(cfg: LaunchConfig, specs: list[TableSpec], run: RunDir) -> Launch
     return dataclasses.replace(cfg, server=server)
 
 
-def _train(
-    cfg: LaunchConfig, job: _Job, run: RunDir, cluster: _Cluster, failed: list[Child], t0: float
-) -> int:
+def _train(cfg: LaunchConfig, report: EpochReport, cluster: _Cluster, failed: list[Child]) -> int:
     """Watches the run until every worker has exited, evaluating after each epoch but the
     last; returns the epochs evaluated. Raises if a server exits or a worker fails before
     the run could start."""
-    scfg = cfg.server
-    total = scfg.epochs * job.per_epoch * scfg.batch_size
+    scfg, per_epoch = cfg.server, report.job.per_epoch
+    total = scfg.epochs * per_epoch * scfg.batch_size
     bar = tqdm(
         total=total, unit="sample", unit_scale=True, disable=not cfg.progress, dynamic_ncols=True
     )
-    evaluated = _resumed_epochs(cfg, job, cluster.status())
+    where = scfg.checkpoint_dir or ""
+    evaluated = report.resumed(cluster.status(), scfg.epochs, where)
     try:
         while True:
             finished = all(w.poll() is not None for w in cluster.workers)
@@ -249,34 +221,14 @@ def _train(
                 live=len(st.workers),
                 refresh=False,
             )
-            while (
-                evaluated < scfg.epochs - 1 and st.batches_done >= (evaluated + 1) * job.per_epoch
-            ):
+            while evaluated < scfg.epochs - 1 and st.batches_done >= (evaluated + 1) * per_epoch:
                 evaluated += 1
-                _record_epoch(run, cluster, job, evaluated, t0, cfg.progress)
+                report.record(evaluated)
             if finished:
                 return evaluated
             time.sleep(0.5)  # progress refresh period
     finally:
         bar.close()
-
-
-def _resumed_epochs(cfg: LaunchConfig, job: _Job, st: pb.StatusResponse) -> int:
-    """The epochs a resumed run (--checkpoint-dir) had completed, said once: they are not
-    evaluated again (the console said "epoch 1" of a run far past it)."""
-    total = cfg.server.epochs * job.per_epoch
-    if not st.batches_done:
-        return 0
-    done = st.batches_done // job.per_epoch
-    log.info(
-        "resumed from %s: %d of %d batches done, in epoch %d of %d",
-        cfg.server.checkpoint_dir,
-        st.batches_done,
-        total,
-        min(done + 1, cfg.server.epochs),
-        cfg.server.epochs,
-    )
-    return min(done, cfg.server.epochs - 1)
 
 
 def _check_children(cluster: _Cluster, failed: list[Child]) -> None:
@@ -291,73 +243,6 @@ def _check_children(cluster: _Cluster, failed: list[Child]) -> None:
             raise ParamServerError(
                 f"{server.name} exited with code {server.poll()}: {server.tail()}"
             )
-
-
-def _summary(
-    scfg: ServerConfig, st: pb.StatusResponse, run: RunDir, failed: list[Child], wall: float
-) -> dict[str, Any]:
-    """What ``launch --json`` prints: the run's last evaluation and the server's counters."""
-    last = run.read_metrics()[-1]
-    return {
-        "policy": st.policy,
-        "policy_label": Policy.label(scfg.policy),
-        "workers": scfg.workers,
-        "epochs": scfg.epochs,
-        "model": scfg.model,
-        "test_accuracy": last["test_accuracy"],
-        "test_loss": last["test_loss"],
-        **({"test_auc": last["test_auc"]} if "test_auc" in last else {}),
-        "samples": st.samples,
-        "samples_per_s": st.samples / st.train_seconds if st.train_seconds > 0 else 0.0,
-        "train_s": st.train_seconds,
-        "wall_s": wall,
-        "max_staleness": st.max_staleness,
-        "staleness_histogram": {str(k): v for k, v in sorted(st.staleness_histogram.items())},
-        "version": st.version,
-        "failed_workers": [w.name for w in failed],
-        "run_dir": str(run.path),
-    }
-
-
-def _record_epoch(
-    run: RunDir, cluster: _Cluster, job: _Job, epoch: int, t0: float, plain: bool
-) -> tuple[pb.StatusResponse, pb.PullHeader]:
-    """Load the server's current weights and buffers into the job's model, evaluate it,
-    append a metrics line and say it (``plain``: as a line of its own above the progress
-    bar, every epoch alike; else logged); returns what it read."""
-    model, dataset = job.model, job.dataset
-    manifest, tensors = job.state
-    st = cluster.status()
-    header, flat = cluster.observe(manifest)
-    layout.unflatten_into(manifest, torch.from_numpy(flat), tensors)
-    for module in model.modules():
-        if isinstance(module, TableEmbedding):
-            module.forget()  # so that the evaluation reads the tables' current rows
-    acc, loss, area = evaluate_batches(model, dataset.test_batches(2000))
-    record = {
-        "epoch": epoch,
-        "test_accuracy": acc,
-        "test_loss": loss,
-        **({"test_auc": area} if area is not None else {}),
-        "train_loss": st.train_loss if math.isfinite(st.train_loss) else None,
-        "samples": st.samples,
-        "version": header.version,
-        "max_staleness": st.max_staleness,
-        "live_workers": len(st.workers),
-        "wall_s": time.perf_counter() - t0,
-        "train_s": st.train_seconds,  # first applied push to the last one before this line
-    }
-    run.append_metrics(record)
-    auc_text = f", test AUC {area:.4f}" if area is not None else ""
-    message = (
-        f"epoch {epoch}: test accuracy {100 * acc:.2f}%{auc_text}, test loss {loss:.4f}, "
-        f"version {header.version}"
-    )
-    if plain:
-        tqdm.write(message, file=sys.stderr)
-    else:
-        log.info("%s", message)
-    return st, header
 
 
 def _asdict(obj: Any, skip: str = "") -> dict[str, Any]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from paramserver.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class RunDir:
@@ -35,10 +38,25 @@ class RunDir:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The lines of metrics.jsonl; a last line cut short (a process killed while it
+        wrote) is left out, said in the log.
+
+        Raises:
+            ConfigError: a line before the last is not JSON: not a run folder's file.
+        """
         path = self.file("metrics.jsonl")
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        out = []
+        for i, line in enumerate(lines):
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                if i < len(lines) - 1:
+                    raise ConfigError(f"{path}, line {i + 1}, is not JSON: {exc}") from None
+                log.warning("%s: its last line is cut short (left out): %.60s", path, line)
+        return out
 
     def check_unused(self, resuming: bool) -> None:
         """A folder named by ``--run-dir`` takes a new run only if it holds no earlier

@@ -228,7 +228,11 @@ class LaunchConfig:
     threads: int = _as_in_worker("threads")
     data_dir: str | None = _as_in_worker("data_dir")
     runs_root: str = setting("runs", "--runs-dir", "Where run folders are made.")
-    run_dir: str | None = setting(None, "--run-dir", "Use exactly this run folder.")
+    run_dir: str | None = setting(
+        None,
+        "--run-dir",
+        "The run folder: config.json, metrics.jsonl (the test figures after each epoch), curve.png, summary.json. launch: exactly this folder [default: a new one under --runs-dir]. server: auto (the default): CHECKPOINT_DIR/run with --checkpoint-dir, else a new one under runs/; off: no evaluation. A shard of a sharded server run evaluates nothing (it holds a slice).",
+    )
     step_delay: float = _as_in_worker("step_delay")
     startup_timeout: float = 120.0
     progress: bool = setting(True, "--progress/--no-progress", "Show a progress bar on stderr.")

@@ -14,6 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
+from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
 from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig
 from paramserver.config.cores import host_cores, server_threads
@@ -308,6 +309,11 @@ class ServerApp:
         self.shared.close()
         self.metrics.stop()
         log.info("server on %s stopped at version %d", self.address, self.coordinator.store.version)
+
+    def read_rows(self, request: pb.RowsRequest) -> pb.RowsResponse:
+        """A row pull answered in process, as an observer's over gRPC is (the server's own
+        evaluation reads its tables so)."""
+        return self._servicer.steps.pull_rows(request)
 
     def __enter__(self) -> ServerApp:
         return self.start()

@@ -7,6 +7,7 @@ Each server has its own registry, so several servers in one process (tests) do n
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -94,6 +95,17 @@ def _traffic(s: ServerStatus) -> Iterator[Metric]:
     yield _gauge("batches_total", "Batches in the whole run.", s.batches_total)
     yield _gauge("learning_rate", "Learning rate of the next optimizer step.", s.learning_rate)
     yield _gauge("train_loss", "Moving average of pushed batch losses.", s.train_loss)
+    if s.tested_epoch:
+        yield _gauge("tested_epoch", "The last epoch the server evaluated.", s.tested_epoch)
+        yield _gauge("test_accuracy", "Test accuracy after that epoch.", s.test_accuracy)
+        yield _gauge("test_loss", "Test cross-entropy after that epoch.", s.test_loss)
+        if math.isfinite(s.test_auc):
+            yield _gauge("test_auc", "Test AUC after that epoch (click models).", s.test_auc)
+    yield _counter(
+        "evaluation_failures",
+        "The server's evaluations after an epoch that raised (each retried).",
+        s.evaluation_failures,
+    )
 
 
 def _disk_and_rows(s: ServerStatus) -> Iterator[Metric]:

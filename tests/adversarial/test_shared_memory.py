@@ -106,6 +106,8 @@ def test_a_truncated_segment_is_refused_and_its_worker_dropped_the_server_goes_o
         "server",
         [
             "server",
+            "--run-dir",
+            "off",
             "--host",
             "127.0.0.1",
             "--port",

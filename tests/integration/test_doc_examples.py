@@ -8,6 +8,7 @@ empty folder, with a deadline; the examples themselves are short (a few seconds 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -216,3 +217,97 @@ def test_the_guides_print_config_sample_is_what_the_command_prints(tmp_path: Pat
     printed = iter(out.stdout.splitlines())
     for line in (ln for ln in sample if ln.strip() and ln.strip() != "..."):
         assert any(p == line for p in printed), f"guide.md's line not printed (in order): {line!r}"
+
+
+def _readme_daemon_walk() -> list[list[str]]:
+    """README's "Daemons on several hosts" commands (server, worker, status), as words."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in fenced_blocks(readme, "README.md") if "paramserver worker" in b.code)
+    lines = block.code.replace("\\\n", " ").splitlines()
+    return [_words(line)[1:] for line in lines if line.strip().startswith("paramserver ")]
+
+
+def _on_this_host(words: list[str], values: dict[str, str]) -> list[str]:
+    """``words`` with the options in ``values`` replaced (added where missing), and none
+    of ``--watch`` (it never ends)."""
+    out, rest = [], list(words)
+    while rest:
+        word = rest.pop(0)
+        if word == "--watch" or word in values:
+            rest.pop(0)
+        else:
+            out.append(word)
+    for flag, value in values.items():
+        out += [flag, value]
+    return out
+
+
+def test_the_readme_daemon_walk_runs_and_reports(tmp_path: Path, children):
+    """README's daemon commands as a user runs them on one host (issue 46 item 9): the
+    server, ``worker --procs 2``, ``status``; then the run folder the server wrote. Only
+    what must differ here is changed: addresses, the folders, a small data set, one epoch."""
+    from tests.conftest import DEADLINE as WAIT
+    from tests.conftest import paramserver_cmd, wait_until
+
+    server, worker, status = _readme_daemon_walk()
+    assert (server[0], worker[0], status[0]) == ("server", "worker", "status")
+    assert "--procs" in worker and "--checkpoint-dir" in server
+    ckpt = tmp_path / "ckpt"
+    server = _on_this_host(
+        server,
+        {
+            "--host": "127.0.0.1",
+            "--port": "0",
+            "--checkpoint-dir": str(ckpt),
+            "--dataset": "synthetic",
+            "--epochs": "2",
+            "--workers": "2",
+        },
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSERVER_")}
+    with open(tmp_path / "server.log", "w") as log:
+        proc = subprocess.Popen(
+            paramserver_cmd(*server),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+    children.append(proc)
+    assert proc.stdout is not None
+    ready = proc.stdout.readline()  # the server prints it once it serves (or exits)
+    assert "listening on" in ready, (tmp_path / "server.log").read_text()[-3000:]
+    address = ready.split()[-1]
+    worker = _on_this_host(worker, {"--server": address, "--device": "cpu"})
+    done = subprocess.run(
+        paramserver_cmd(*worker),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=WAIT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (
+        "[rank 0]" in done.stdout + done.stderr and "2 done, 0 failed" in done.stdout + done.stderr
+    )
+    run = ckpt / "run"
+    wait_until(lambda: (run / "summary.json").exists(), "the server's summary.json written")
+    shown = subprocess.run(
+        paramserver_cmd(*_on_this_host(status, {"--server": address})),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=WAIT,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "test after epoch 2: accuracy" in shown.stdout, shown.stdout
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["test_accuracy"] == metrics[-1]["test_accuracy"] > 0.5
+    assert (run / "curve.png").stat().st_size > 1000 and (run / "config.json").exists()
+    proc.terminate()
+    assert proc.wait(timeout=WAIT) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from paramserver import cli, settings
+from paramserver.cluster import commands
 from paramserver.config import (
     LaunchConfig,
     OptimizerConfig,
@@ -49,6 +50,8 @@ def test_a_server_config_survives_argv_and_the_command_line(tmp_path):
     kw = _parse("server", [*args, "--shard", "1/2", "--token", "s3cret"])
     kw.pop("shard")
     assert cli.server_config(kw, shard=1, shards=2) == cfg
+    # the server's own report: its run folder and test set
+    assert settings.build(commands.ServerRun, kw) == commands.ServerRun("auto", None)
     assert kw == {}  # every option became a field
 
 

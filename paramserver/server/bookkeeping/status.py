@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from paramserver._proto import paramserver_pb2 as pb
 
@@ -88,6 +88,11 @@ class ServerStatus:
     apply_failures: int = 0
     pushes_compensated: int = 0
     pushes_uncompensated: int = 0
+    tested_epoch: int = 0  # the server's own evaluation (Counters.tested); 0: none yet
+    test_accuracy: float = math.nan
+    test_loss: float = math.nan
+    test_auc: float = math.nan
+    evaluation_failures: int = 0
     table_rows: dict[str, int] = field(default_factory=dict)  # rows held, by table
     # the tables' lifecycle counters, by table (sparse/lifecycle.py)
     table_admitted: dict[str, int] = field(default_factory=dict)
@@ -108,6 +113,15 @@ class ServerStatus:
         for name in TABLE_COUNTS:
             d[name] = dict(getattr(self, name))
         return d
+
+
+class Tested(NamedTuple):
+    """The global model's test figures after ``epoch`` (``auc``: NaN but for click models)."""
+
+    epoch: int
+    accuracy: float
+    loss: float
+    auc: float = math.nan
 
 
 @dataclass
@@ -132,6 +146,10 @@ class Counters:
     train_loss: float = math.nan
     first_push: float | None = None
     last_push: float | None = None
+    # the server's own evaluation after each epoch (``paramserver server --run-dir``): the
+    # last one's figures, and the evaluations that raised; not saved (metrics.jsonl is)
+    tested: Tested | None = None
+    evaluation_failures: int = 0
 
     # what a checkpoint keeps of them
     SAVED = (
@@ -235,6 +253,7 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
     """The status of coordinator ``c`` at monotonic time ``now`` and wall time ``wall``; the
     caller holds its lock."""
     n, tables = c.counters, c.tables
+    tested = n.tested or Tested(0, math.nan, math.nan)
     trained = 0.0
     if n.first_push is not None and n.last_push is not None:
         trained = n.last_push - n.first_push
@@ -265,6 +284,11 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         apply_failures=n.apply_failures,
         pushes_compensated=n.compensated,
         pushes_uncompensated=n.uncompensated,
+        tested_epoch=tested.epoch,
+        test_accuracy=tested.accuracy,
+        test_loss=tested.loss,
+        test_auc=tested.auc,
+        evaluation_failures=n.evaluation_failures,
         duplicates=n.duplicates,
         checkpoint_version=c.saves.version,
         checkpoint_age_seconds=-1.0 if c.saves.at is None else wall - c.saves.at,

@@ -1,0 +1,188 @@
+"""A server daemon reports its run as launch does (issue 46 item 1, cluster/server_evaluation.py):
+after each epoch it evaluates the global model on the test set in the background, writes
+metrics.jsonl, and at the end curve.png and summary.json; status and Prometheus show the
+last figures; a failing evaluation is logged, counted and tried again; a resumed run goes on
+in its folder; a shard of a sharded run, ``--run-dir off`` and a missing test set are said."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+
+import pytest
+from prometheus_client import generate_latest
+
+from paramserver.cluster import server_evaluation
+from paramserver.cluster.epochs import EpochReport
+from paramserver.cluster.rundir import RunDir
+from paramserver.cluster.server_evaluation import plan
+from paramserver.config import OptimizerConfig, Security, ServerConfig, WorkerConfig
+from paramserver.errors import ConfigError
+from paramserver.training import data
+from paramserver.training.trainer import run
+from tests.conftest import DEADLINE, WorkerThread, wait_until
+
+BATCH = 64
+ADAM = OptimizerConfig("adam", lr=0.01)
+PER_EPOCH = data.batches_per_epoch(data.SYNTHETIC_TRAIN, BATCH)
+
+
+def _config(**kw) -> ServerConfig:
+    kw.setdefault("model", "mlp")
+    kw.setdefault("dataset", "synthetic")
+    kw.setdefault("policy", "async")
+    kw.setdefault("workers", 1)
+    kw.setdefault("epochs", 2)
+    kw.setdefault("batch_size", BATCH)
+    return ServerConfig(host="127.0.0.1", port=0, **kw)
+
+
+def _train(serve, cfg: ServerConfig, run_dir, retry: float = 10.0):
+    """Serve ``cfg`` with its evaluation in ``run_dir``, train it with one worker to the
+    end; returns (app, evaluation) once the summary is written."""
+    planned = plan(cfg, str(run_dir), None)
+    assert planned is not None
+    app = serve(cfg.model, config=cfg)
+    evaluation = planned.start(app, retry=retry)
+    worker = WorkerThread(lambda: run(WorkerConfig(server=app.address, device="cpu")), "w")
+    worker.start()
+    worker.result()
+    assert evaluation.finished.wait(DEADLINE), "no summary.json within the deadline"
+    return app, evaluation
+
+
+def test_the_server_evaluates_each_epoch_and_writes_the_run_folder(serve, tmp_path):
+    app, evaluation = _train(serve, _config(), tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in lines] == [1, 2]
+    assert all(0.5 < m["test_accuracy"] <= 1.0 for m in lines), lines
+    assert lines[-1]["samples"] == 2 * PER_EPOCH * BATCH
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["test_accuracy"] == lines[-1]["test_accuracy"]
+    assert summary["epochs"] == 2 and summary["run_dir"] == str(tmp_path / "run")
+    assert (tmp_path / "run" / "curve.png").stat().st_size > 1000
+    status = app.status()
+    assert status["tested_epoch"] == 2
+    assert status["test_accuracy"] == pytest.approx(lines[-1]["test_accuracy"])
+    assert status["test_loss"] == pytest.approx(lines[-1]["test_loss"])
+    assert math.isnan(status["test_auc"]) and status["evaluation_failures"] == 0
+    # the final line read the weights after every batch: the server's own last version
+    assert lines[-1]["version"] == status["version"]
+    text = generate_latest(app.metrics.registry).decode()
+    assert "paramserver_test_accuracy " in text and "paramserver_tested_epoch 2" in text
+
+
+def test_a_failed_evaluation_is_logged_counted_and_tried_again(
+    serve, tmp_path, monkeypatch, caplog
+):
+    real = EpochReport.record
+    calls: list[int] = []
+
+    def fails_once(self, epoch):
+        calls.append(epoch)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(self, epoch)
+
+    monkeypatch.setattr(EpochReport, "record", fails_once)
+    with caplog.at_level(logging.ERROR, logger=server_evaluation.__name__):
+        app, _ = _train(serve, _config(epochs=1), tmp_path / "run", retry=0.01)
+    assert calls == [1, 1]
+    assert app.status()["evaluation_failures"] == 1 and app.status()["tested_epoch"] == 1
+    assert "No space left on device" in caplog.text and "trying again" in caplog.text
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_click_model_reports_its_auc_from_the_servers_own_rows(serve, tmp_path):
+    model = "tests.sparse_models:dlrm_sparse"
+    cfg = _config(model=model, dataset="clicks", epochs=1, batch_size=4096, optimizer=ADAM)
+    app, _ = _train(serve, cfg, tmp_path / "run")
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0.5 < line["test_auc"] <= 1.0
+    assert app.status()["test_auc"] == pytest.approx(line["test_auc"])
+
+
+def test_a_resumed_run_goes_on_in_its_folder(serve, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = plan(_config(epochs=1, checkpoint_dir=str(ckpt)), "auto", None)
+    assert first is not None and first.run.path == ckpt / "run"
+    app = serve("mlp", config=_config(epochs=1, checkpoint_dir=str(ckpt)))
+    evaluation = first.start(app)
+    worker = WorkerThread(lambda: run(WorkerConfig(server=app.address, device="cpu")), "w")
+    worker.start()
+    worker.result()
+    assert evaluation.finished.wait(DEADLINE)
+    app.stop()
+    planned = plan(_config(epochs=2, checkpoint_dir=str(ckpt)), "auto", None)
+    assert planned is not None and planned.run.path == ckpt / "run"
+    app2 = serve("mlp", config=_config(epochs=2, checkpoint_dir=str(ckpt)))
+    evaluation = planned.start(app2)
+    worker = WorkerThread(lambda: run(WorkerConfig(server=app2.address, device="cpu")), "w")
+    worker.start()
+    worker.result()
+    assert evaluation.finished.wait(DEADLINE)
+    epochs = [
+        json.loads(x)["epoch"] for x in (ckpt / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert epochs == [1, 2]  # epoch 1 is not evaluated again
+
+
+def test_what_run_dir_plans(tmp_path, caplog):
+    assert plan(_config(), "off", None) is None
+    shard = _config(shard=1, shards=2)
+    assert plan(shard, "auto", None) is None  # a slice: nothing to evaluate
+    with pytest.raises(ConfigError, match="holds a slice of the model"):
+        plan(shard, str(tmp_path / "r"), None)
+    missing = _config(dataset="fashion-mnist")
+    with caplog.at_level(logging.WARNING):
+        assert plan(missing, "auto", str(tmp_path / "nowhere")) is None
+    assert "will not evaluate" in caplog.text and "--data-dir" in caplog.text
+    with pytest.raises(ConfigError, match="--run-dir"):
+        plan(missing, str(tmp_path / "r2"), str(tmp_path / "nowhere"))
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    with pytest.raises(ConfigError, match="another run's metrics"):
+        plan(_config(), str(used), None)
+    # a checkpoint folder whose checkpoints are gone but whose run folder stayed: this run's
+    # figures go beside the old ones, never among them
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "run").mkdir(parents=True)
+    (ckpt / "run" / "metrics.jsonl").write_text('{"epoch": 3}\n')
+    fresh = plan(_config(checkpoint_dir=str(ckpt)), "auto", None)
+    assert fresh is not None and fresh.run.path.parent == ckpt and fresh.run.path.name != "run"
+    assert fresh.run.read_metrics() == []
+
+
+def test_stop_ends_the_thread_while_it_waits(serve, tmp_path):
+    cfg = _config()
+    planned = plan(cfg, str(tmp_path / "run"), None)
+    assert planned is not None
+    app = serve(cfg.model, config=cfg)
+    evaluation = planned.start(app)
+    done = threading.Event()
+    threading.Thread(target=lambda: (evaluation.stop(), done.set()), daemon=True).start()
+    wait_until(done.is_set, "the evaluation thread to stop")
+    assert not evaluation.finished.is_set()
+
+
+def test_config_json_never_holds_the_token(tmp_path):
+    cfg = _config(security=Security(token="s3cret"))
+    planned = plan(cfg, str(tmp_path / "run"), None)
+    assert planned is not None
+    written = (tmp_path / "run" / "config.json").read_text()
+    assert "s3cret" not in written and json.loads(written)["server"]["security"]["token"] == "set"
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path, caplog):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "test_accuracy": 0.8}\n{"epoch": 2, "te')
+    with caplog.at_level(logging.WARNING):
+        assert [m["epoch"] for m in RunDir("", "", run).read_metrics()] == [1]
+    assert "cut short" in caplog.text
+    (run / "metrics.jsonl").write_text('{"epoch": 1, "te\n{"epoch": 2}\n')
+    with pytest.raises(ConfigError, match="line 1, is not JSON"):
+        RunDir("", "", run).read_metrics()
