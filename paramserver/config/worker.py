@@ -84,7 +84,7 @@ class WorkerConfig:
     compress: str = setting(
         compression.AUTO,
         "--compress",
-        "auto, none, fp16, bf16 or topk:F[:fp16|:bf16]. fp16, bf16: gradients pushed and weights pulled in 16 bits (half the bytes on the wire; the server keeps float32 masters and sends a rounded copy; integer buffers stay exact). topk:F: each push sends only the largest fraction F of its gradient's entries (0.01: 1%) as (index, value) pairs, the rest kept and added to the next push (error feedback); pulls stay dense, in the values' type. Through shared memory the values are rounded (sparsified) in place: the same numbers. auto: a float16 or bfloat16 model's own type, else none.",
+        "auto, none, fp16, bf16, int8 or topk:F[:fp16|:bf16]. fp16, bf16: gradients pushed and weights pulled in 16 bits (half the bytes on the wire; the server keeps float32 masters and sends a rounded copy; integer buffers stay exact). int8: each push's gradient in 8 bits with a float32 scale per 1024 elements (a quarter of float32's bytes), the rounding error kept and added to the next push (error feedback); buffers go whole, pulls in bf16. topk:F: each push sends only the largest fraction F of its gradient's entries (0.01: 1%) as (index, value) pairs, the rest kept and added to the next push (error feedback); pulls stay dense, in the values' type. Through shared memory the values are rounded (quantised, sparsified) in place: the same numbers. auto: a float16 or bfloat16 model's own type, else none.",
     )
     push_every: int = setting(
         1,

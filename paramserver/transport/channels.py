@@ -140,9 +140,10 @@ def encode(
     codec: compression.Codec, header: pb.PushHeader, gradient: torch.Tensor, slot: int
 ) -> memoryview:
     """The push's payload, its form said in ``header`` (a retry of the push, the same
-    slot and iteration, encodes the same: top-k's residual moves once)."""
+    slot and iteration, encodes the same: top-k's and int8's residual moves once)."""
     payload = codec.encode(gradient, key=(slot, header.iteration))
     header.dtype, header.exact, header.topk = codec.dtype, codec.exact, codec.topk
+    header.scale_block = codec.block
     header.total_bytes = payload.nbytes
     return payload
 

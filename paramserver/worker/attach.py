@@ -61,12 +61,12 @@ class Attacher:
 
     def spec(self, i: int) -> PayloadSpec:
         """Session i's payloads: its range, the streams' views of it, and a fresh codec
-        (a rejoin drops what the last one held back: top-k's residual, logged)."""
+        (a rejoin drops what the last one held back: top-k's or int8's residual, logged)."""
         lo, hi = self.ranges[i]
         old = self.codecs.get(i)
-        if old is not None and old.topk:
-            held = float(old.residual.norm())  # type: ignore[attr-defined]
-            log.info("shard %d: joining again drops the top-k residual (norm %.3g)", i, held)
+        if isinstance(old, compression.Feedback):
+            held, kind = float(old.residual.norm()), "top-k" if old.topk else old.name
+            log.info("shard %d: joining again drops the %s residual (norm %.3g)", i, kind, held)
         self.codecs[i] = self.codec(
             hi - lo,
             self.manifest.exact_tail(lo, hi),

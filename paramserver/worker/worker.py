@@ -91,11 +91,13 @@ class Worker(WorkerView):
             "none", "fp16" or "bf16": the element type of gradients pushed and weights
             pulled (16 bits halve their bytes on the wire; the server keeps float32 masters,
             widens what it receives and sends a rounded copy; integer buffers stay exact).
+            "int8": pushes as int8, a float32 scale per 1024 elements, pulls in bf16; the
+            rounding error goes into the next push (error feedback, as top-k's below).
             "topk:F" (optionally ":fp16" or ":bf16" after it): each push sends the largest
             fraction F of its gradient's entries as (index, value) pairs and keeps the rest,
             per shard, to add to the next push (error feedback; kept across reconnects,
             dropped with a log line on a rejoin); pulls stay dense. Through shared memory
-            the values are rounded (sparsified) in place: the same numbers.
+            the values are rounded (quantised, sparsified) in place: the same numbers.
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.

@@ -70,6 +70,11 @@ PUSH_FAULTS = [
     "batches_too_many",
     "batches_negative",
     "batches_twice",
+    # --compress int8: a payload of another size than its scales and values, a scale per
+    # another block, a negative or non-finite scale
+    "int8_bytes",
+    "int8_block",
+    "int8_scale",
 ]
 OTHER_FAULTS = [
     "pull_unknown_worker",
@@ -93,6 +98,8 @@ OTHER_FAULTS = [
     # PushPull: neither part, or a pull alone that does not go through shared memory
     "pushpull_empty",
     "pushpull_pull_not_shm",
+    # weights asked for in int8 (pulls with --compress int8 come in bf16)
+    "pull_int8",
 ]
 ROWS, DIM = 100, 4  # the probed model's sparse table "emb"
 REPLY_LIMIT = 4096  # the bytes a row pull's reply may carry, in this test
@@ -257,6 +264,8 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         h.empty, h.total_bytes = True, 0
         h.rows.append(_rows([1]))
         body = b""
+    elif fault.startswith("int8"):
+        body = _int8(t, fault, h, data)
     chunk = data.draw(st.sampled_from([1024, 4096, 1 << 16, 1 << 20]))
     chunks = [pb.PushChunk(data=body[i : i + chunk]) for i in range(0, len(body), chunk)]
     if fault == "empty_with_data":
@@ -268,6 +277,24 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
     if fault == "two_headers":
         return [pb.PushChunk(header=h), pb.PushChunk(header=h), *chunks]
     return [pb.PushChunk(header=h), *(pb.PushChunk(rows=r) for r in row_chunks), *chunks]
+
+
+def _int8(t: Target, fault: str, h: pb.PushHeader, data: st.DataObject) -> bytes:
+    """An int8 push of the gradient 0.01, broken as ``fault`` says; ``h`` made to match."""
+    codec = compression.Int8(t.nbytes // 4)
+    body = np.frombuffer(codec.encode(torch.full((t.nbytes // 4,), 0.01)), np.uint8).copy()
+    h.dtype, h.scale_block, h.total_bytes = "int8", codec.block, codec.nbytes
+    if fault == "int8_bytes":  # as the header says, but not the model's scales and values
+        change = data.draw(st.integers(-body.nbytes, 5000).filter(lambda n: n != 0))
+        body = np.resize(body, body.nbytes + change)
+        h.total_bytes = body.nbytes
+    elif fault == "int8_block":
+        h.scale_block = data.draw(st.integers(-(1 << 62), 1 << 62).filter(lambda n: n != 1024))
+    elif fault == "int8_scale":
+        bad = data.draw(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -1e-30]))
+        scales = body[: 4 * codec.blocks].view(np.float32)
+        scales[data.draw(st.integers(0, codec.blocks - 1))] = bad
+    return body.tobytes()
 
 
 def _other(t: Target, fault: str, data: st.DataObject) -> None:
@@ -290,6 +317,11 @@ def _other(t: Target, fault: str, data: st.DataObject) -> None:
             worker_id=t.worker_id, iteration=t.CLOCK, incarnation=t.incarnation
         )
         t.stub.PushPull(pb.PushPullRequest(pull=request), timeout=10)
+    elif fault == "pull_int8":
+        request = pb.PullRequest(
+            worker_id=t.worker_id, iteration=t.CLOCK, incarnation=t.incarnation, dtype="int8"
+        )
+        list(t.stub.Pull(request, timeout=10))
     elif fault == "heartbeat_incarnation":
         t.stub.Heartbeat(pb.HeartbeatRequest(worker_id=t.worker_id, incarnation=wrong), timeout=10)
     elif fault == "rewind":  # this server keeps no cuts: any rewind, even well formed, is refused

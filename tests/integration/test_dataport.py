@@ -37,11 +37,11 @@ def _train(address: str, model, steps: int, shm: bool = False, **kw) -> dict[str
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("compress", ["none", "bf16", "topk:0.05:bf16"])
+@pytest.mark.parametrize("compress", ["none", "bf16", "topk:0.05:bf16", "int8"])
 @pytest.mark.parametrize("policy", ["sync", "delay-1"])
 def test_the_data_port_computes_what_grpc_streams_compute(serve, policy, compress):
-    """And a shared segment the same, 16-bit rounding and top-k's error feedback included
-    (in place there)."""
+    """And a shared segment the same, 16-bit rounding and top-k's and int8's error feedback
+    included (in place there)."""
     start = tiny_model()
     runs = {}
     paths = {"grpc": {"wire": "grpc"}, "auto": {"wire": "auto"}}

@@ -54,6 +54,7 @@ def _header(steps: Steps, worker_id: str, iteration: int, codec: compression.Cod
         dtype=codec.dtype,
         exact=codec.exact,
         topk=codec.topk,
+        scale_block=codec.block,
         total_bytes=nbytes,
     )
 
@@ -90,6 +91,8 @@ def _run(steps: Steps, workers: list[str], pushes: int, first: int, codec, paylo
         ("async", 1, "momentum", "bf16", "port"),
         ("async", 1, "sgd", "fp16", "stream"),
         ("async", 1, "adam", "topk:0.01", "port"),
+        ("async", 1, "sgd", "int8", "stream"),
+        ("sync", 2, "adam", "int8", "port"),
         ("sync", 2, "sgd", "none", "port"),
         ("sync", 2, "adam", "bf16", "stream"),
     ],

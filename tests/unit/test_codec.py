@@ -537,22 +537,32 @@ def test_top_k_sends_the_largest_entries_and_feeds_back_the_rest(values):
         assert np.array_equal(again, payload) and torch.equal(codec.residual, before)
 
 
-def test_top_k_in_place_is_what_the_wire_carries():
-    """Through shared memory the slot is sparsified in place: the same numbers as a trip
-    through encode and the server's decode, residual and all."""
+@pytest.mark.parametrize("flat", ["float32", "float64"])
+@pytest.mark.parametrize("compress", ["topk:0.1:bf16", "int8"])
+def test_rounding_in_place_is_what_the_wire_carries(compress, flat):
+    """Through shared memory the slot is sparsified (top-k) or quantised (int8) in place:
+    the same numbers as a trip through encode and the server's decode, residual and all."""
     torch.manual_seed(1)
-    kind = compression.by_name("topk:0.1:bf16")
-    wire_side, in_place = kind(300, 0, "float32", 3), kind(300, 0, "float32", 3)
-    for step in range(5):
-        grad = torch.randn(300)
+    block = compression.Int8.block
+    dtype, numel, dense = getattr(torch, flat), 2 * block + 30, 3
+    kind = compression.by_name(compress, flat_dtype=flat)
+    wire_side, in_place = kind(numel, 1, flat, dense), kind(numel, 1, flat, dense)
+    for step in range(6):
+        grad = torch.randn(numel, dtype=dtype) * (10.0**step)
+        grad[block : block + 40] = 0  # a part of a block of zeros
         payload = np.frombuffer(wire_side.encode(grad, key=(1, step)), np.uint8).copy()
-        decoded = compression.sparse_to_dense(payload, wire_side.topk, "bfloat16", 3, 300)
+        if wire_side.topk:
+            decoded = compression.sparse_to_dense(
+                payload, wire_side.topk, kind.dtype, dense, numel, flat
+            )
+        else:
+            decoded = compression.to_float32(payload, kind.dtype, dense, flat)
         slot = grad.clone()
         in_place.round_(slot, key=(1, step))
         assert torch.equal(slot, torch.from_numpy(decoded))
         in_place.round_(slot, key=(1, step))  # a retry: left as it is
         assert torch.equal(slot, torch.from_numpy(decoded))
-    assert torch.equal(wire_side.residual, in_place.residual)
+        assert torch.equal(wire_side.residual, in_place.residual)
 
 
 def test_a_top_k_push_that_lies_is_refused():

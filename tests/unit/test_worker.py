@@ -204,6 +204,35 @@ def test_top_k_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(cl
     worker.close()
 
 
+def test_int8_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(clock, caplog):
+    server = FakeServer(zero_model(), clock, policy="async", workers=1)
+    model = zero_model()
+    worker = make_worker(server, model, clock, overlap=False, compress="int8")
+    channel = worker.channels[0]  # type: ignore[attr-defined]
+    codec = worker._attacher.codecs[0]
+    grad = torch.tensor([[1.0, 0.3, 0.001, -0.5]])  # 0.3 * 127 = 38.1: rounded
+
+    def step() -> None:
+        model.weight.grad = grad.clone()
+        worker.step(samples=1)
+
+    step()
+    assert codec.residual.abs().sum() > 0
+    expected = copy.deepcopy(codec)  # one more quantisation of the same gradient
+    expected.encode(grad.reshape(-1), key="once")
+    channel.lose["Push"] = 1  # the reply is lost: the retry sends the same bytes
+    step()
+    assert server.coordinator.status().as_dict()["duplicates"] == 1
+    assert worker._attacher.codecs[0] is codec
+    assert torch.equal(codec.residual, expected.residual)  # moved once
+    server.coordinator.leave(worker.worker_id)
+    with caplog.at_level(logging.INFO, logger="paramserver.worker.attach"):
+        step()
+    assert "drops the int8 residual" in caplog.text
+    assert worker._attacher.codecs[0] is not codec
+    worker.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_restarted_server_is_joined_again_and_training_goes_on(clock, overlap):
     server = FakeServer(zero_model(), clock, policy="delay-1", workers=1)

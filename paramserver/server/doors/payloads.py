@@ -155,13 +155,29 @@ class Payloads:
         (the coordinator calls it under its lock, one copy), or None (a snapshot, streamed).
 
         Raises (before the pull waits or takes a batch):
-            InvalidRequest: a pull through shared memory from a worker without a segment.
+            InvalidRequest: a pull through shared memory from a worker without a segment;
+                a streamed one in an unknown dtype, or int8.
             BrokenSegment: the worker's segment changed size.
         """
         if not request.shm:
+            self._sent_as(request)
             return None
         self.shared.check(request.worker_id)
         return partial(self.shared.put_weights, request.worker_id)
+
+    def _sent_as(self, request: pb.PullRequest) -> type[compression.Codec]:
+        """The codec of the weights a streamed pull asks for.
+
+        Raises:
+            InvalidRequest: an unknown dtype, or int8 (pulls come in 16 bits).
+        """
+        codec = compression.by_dtype(request.dtype or self.dtype.name)
+        if codec.block:
+            raise InvalidRequest(
+                f"Weights are not sent in {codec.dtype}; ask for bfloat16 (as --compress "
+                f"{codec.name} does)."
+            )
+        return codec
 
     def weights(
         self, request: pb.PullRequest, header: pb.PullHeader, weights: np.ndarray
@@ -171,12 +187,13 @@ class Payloads:
         request asks for (its last ``exact`` elements as they are); else the weights.
 
         Raises:
-            InvalidRequest: an unknown dtype, or an exact tail longer than the weights.
+            InvalidRequest: an unknown dtype or int8, or an exact tail longer than the
+                weights.
         """
         if request.shm:
             header.shm = True
             return memoryview(b"")
-        codec = compression.by_dtype(request.dtype or self.dtype.name)
+        codec = self._sent_as(request)
         if codec.raw:
             return compression.as_bytes(weights)
         if not 0 <= request.exact <= weights.size:

@@ -86,6 +86,14 @@ class Steps:
             raise InvalidRequest(f"A {codec.dtype} push with {h.exact} exact elements of {numel}.")
         if not 0 <= h.topk <= numel - h.exact:
             raise InvalidRequest(f"A top-k push of {h.topk} pairs of {numel - h.exact} entries.")
+        if sparse and codec.block:
+            raise InvalidRequest(f"A top-k push's values cannot be {codec.dtype}.")
+        if h.scale_block != codec.block:
+            takes = f"one per {codec.block}" if codec.block else "none"
+            raise InvalidRequest(
+                f"A {codec.dtype} push with a scale per {h.scale_block} elements; this "
+                f"server takes {takes}."
+            )
         wire_bytes = (
             h.topk * (4 + codec.itemsize) + h.exact * itemsize
             if sparse
