@@ -26,6 +26,7 @@ from paramserver import models
 from paramserver.codec import layout
 from paramserver.errors import ConfigError
 from paramserver.server.disk import checkpoint
+from paramserver.server.disk.reshard_plan import whole_optimizer
 from paramserver.sparse.embedding import make_tables
 from paramserver.sparse.tableset import whole_tables
 
@@ -230,9 +231,12 @@ def export(
             f"The checkpoints in {directory} do not load into --model {model}: {differs}."
         )
     version = max(versions)
+    manifest, _ = models.state(built)
     meta = {
         "version": version,
         "policy": states[0].get("policy", ""),
         "exported_from": [str(p) for p in paths],
+        # the server optimizer's (an outer optimizer's) state, whole: a run goes on from it
+        "optimizer_state": whole_optimizer(states, manifest),
     }
     return checkpoint.save(out, state, model=model, **meta), version, which

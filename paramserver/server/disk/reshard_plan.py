@@ -63,11 +63,11 @@ def _per_element(
     return joined[lo:hi].clone()
 
 
-def _optimizer(source: Source, sizes: list[int], lo: int, hi: int) -> dict[str, Any]:
+def _optimizer(states: list[dict[str, Any]], sizes: list[int], lo: int, hi: int) -> dict[str, Any]:
     """The server optimizer's state for the new shard's parameters [lo, hi) (of the
     parameters' section): per-element state joined and cut, ``step`` as shard 0 had it."""
-    first = copy.deepcopy(source.states[0]["optimizer_state"])
-    held = [s["optimizer_state"].get("state", {}).get(0) for s in source.states]
+    first = copy.deepcopy(states[0]["optimizer_state"])
+    held = [s["optimizer_state"].get("state", {}).get(0) for s in states]
     base = next((h for h in held if h), None)
     if base is None:
         return first
@@ -79,6 +79,14 @@ def _optimizer(source: Source, sizes: list[int], lo: int, hi: int) -> dict[str, 
             out[key] = _per_element([h.get(key) if h else None for h in held], sizes, lo, hi)
     first["state"] = {0: out}
     return first
+
+
+def whole_optimizer(states: list[dict[str, Any]], whole: Manifest) -> dict[str, Any]:
+    """The server optimizer's state over every parameter of the model, from its shards'
+    states (shard 0 first): what one server holding the whole model resumes with (under
+    local steps, the outer optimizer's momentum; ``paramserver export`` writes it)."""
+    sec = _sections(whole, len(states), 1, 0)
+    return _optimizer(states, sec["params"], *sec["param_range"])
 
 
 def _sections(whole: Manifest, source_shards: int, shards: int, shard: int) -> dict[str, Any]:
@@ -107,7 +115,7 @@ def dense_state(source: Source, whole: Manifest, shard: int, shards: int) -> dic
     }
     lo, hi = sec["range"]
     state["weights"] = np.concatenate(source.flats)[lo:hi].copy()
-    state["optimizer_state"] = _optimizer(source, sec["params"], *sec["param_range"])
+    state["optimizer_state"] = _optimizer(source.states, sec["params"], *sec["param_range"])
     workers = sorted({w for s in source.states for w in (s.get("buffers") or {})})
     state["buffers"] = {
         w: _per_element(
