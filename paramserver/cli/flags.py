@@ -200,6 +200,12 @@ class Chaos:
         "A new or empty folder for the runs' logs and checkpoints [default: a new temporary one].",
         env="CHAOS_WORKDIR",
     )
+    local_steps: int = setting(
+        0,
+        "--local-steps",
+        "H > 0: the workers take H local AdamW steps and push their pseudo-gradient (--push-every H --inner-optimizer adamw), the shards apply Nesterov's outer step (DiLoCo), and the model's table is dense; 0: gradients.",
+        env="CHAOS_LOCAL_STEPS",
+    )
     json: bool = setting(
         False,
         "--json",

@@ -189,6 +189,8 @@ def chaos(**kw: Any) -> None:
     kinds = soak.linkable(kinds, asked="link-down" in opts.kinds)
     if opts.faults < 0:
         raise ConfigError(f"--faults must be 0 or more; got {opts.faults}.")
+    if opts.local_steps < 0:
+        raise ConfigError(f"--local-steps must be 0 or more; got {opts.local_steps}.")
     cfg = soak.ChaosConfig(
         faults=opts.faults,
         seed=opts.seed,
@@ -197,6 +199,7 @@ def chaos(**kw: Any) -> None:
         lease=opts.lease,
         recover_within=opts.recover_within,
         workdir=opts.workdir,
+        local_steps=opts.local_steps,
     )
     if not soak.main(cfg, opts.json):
         sys.exit(1)

@@ -1,5 +1,9 @@
 """``paramserver chaos``: many faults in one run, then invariants checked.
 
+With ``--local-steps H`` the workers push pseudo-gradients of H local AdamW steps and the
+shards apply Nesterov's outer step (issue 45), the model's table dense: the same faults and
+checks, the result's within three points (see ``soak``).
+
 A local cluster (2 server shards with consistent cuts, 3 worker daemons; a model with a
 sparse table and BatchNorm on a click log: ``chaos_cluster.py``) trains while faults of
 mixed kinds (``faults.py``) are injected from a seeded schedule, one at a time at evenly
@@ -36,7 +40,17 @@ import torch
 
 from paramserver.cluster import faults as fault_kinds
 from paramserver.cluster import netns
-from paramserver.cluster.chaos_cluster import DATA, MODEL, Cluster, Reader, data, model, wait_until
+from paramserver.cluster.chaos_cluster import (
+    DATA,
+    DENSE_MODEL,
+    MODEL,
+    Cluster,
+    Reader,
+    data,
+    dense_model,
+    model,
+    wait_until,
+)
 from paramserver.cluster.faults import WORKER_KINDS, Fault
 from paramserver.cluster.netns import Network
 from paramserver.cluster.procs import stop_all
@@ -63,6 +77,16 @@ class ChaosConfig:
     recover_within: float = 60.0
     start_timeout: float = 120.0
     workdir: str | None = None
+    local_steps: int = 0  # H: workers push pseudo-gradients of H inner steps (0: gradients)
+
+    @property
+    def per_step(self) -> int:
+        """Batches an optimizer step applies."""
+        return max(1, self.local_steps) * (WORKERS if self.policy == "sync" else 1)
+
+    def build(self) -> torch.nn.Module:
+        """The run's model (its table dense under local steps)."""
+        return dense_model() if self.local_steps else model()
 
     @property
     def steps(self) -> int:
@@ -81,15 +105,12 @@ class ChaosConfig:
 
     @property
     def epochs(self) -> int:
-        batches = self.steps * (WORKERS if self.policy == "sync" else 1)
-        return max(2, -(-batches // PER_EPOCH))
+        return max(2, -(-self.steps * self.per_step // PER_EPOCH))
 
     @property
     def last_fault_at(self) -> int:
         """No fault is injected past this step."""
-        return self.epochs * PER_EPOCH // (WORKERS if self.policy == "sync" else 1) - (
-            2 * self.cut_every
-        )
+        return self.epochs * PER_EPOCH // self.per_step - 2 * self.cut_every
 
 
 @dataclass
@@ -125,6 +146,15 @@ def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
         "--device", "cpu", "--threads", "1", "--step-delay", str(cfg.step_delay),
         "--server-timeout", "300", "--rpc-timeout", "30",
     ]  # fmt: skip
+    if cfg.local_steps:  # DiLoCo's outer step on the servers, AdamW's inner ones on workers
+        at = server.index("--model")
+        server[at + 1] = DENSE_MODEL
+        at = server.index("--optimizer")
+        server[at : at + 4] = ["--optimizer", "nesterov", "--lr", "1.0", "--momentum", "0.5"]
+        # outer lr 1 and momentum 0.5: this small model stayed near the majority class with
+        # DiLoCo's 0.7 and 0.9 (0.64 against 0.70, H = 4, --faults 0)
+        worker += ["--push-every", str(cfg.local_steps), "--inner-optimizer", "adamw"]
+        worker += ["--inner-lr", "0.01", "--overlap", "off"]
     return server, worker
 
 
@@ -186,7 +216,7 @@ def _run_in(cfg: ChaosConfig, root: Path, schedule: list[Fault], net: Network | 
         failed = [w for w in cluster.worker_procs if w is not None and w.poll() != 0]
         if failed:
             raise ParamServerError(f"{failed[0].name} failed: {failed[0].tail(3)}")
-        state = model_state_dict(cluster.addresses, model())
+        state = model_state_dict(cluster.addresses, cfg.build())
         out.state = {k: v.detach().numpy().copy() for k, v in state.items()}
         for i in range(SHARDS):
             st = cluster.status(i)
@@ -245,8 +275,7 @@ def _inject(cluster: Cluster, fault: Fault, cfg: ChaosConfig) -> Recovery:
     return Recovery(str(fault), before, round(time.monotonic() - t0, 2), back)
 
 
-def _accuracy(state: dict[str, np.ndarray]) -> float:
-    made = model()
+def _accuracy(state: dict[str, np.ndarray], made: torch.nn.Module) -> float:
     made.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
     made.eval()
     _, test = data()
@@ -294,13 +323,21 @@ def soak(cfg: ChaosConfig) -> dict[str, Any]:
     counts = {
         k: int(np.abs(hurt.state[k] - clean.state[k]).max()) for k in clean.state if k not in floats
     }
-    acc, acc_clean = _accuracy(hurt.state), _accuracy(clean.state)
-    if cfg.policy == "sync" and not worker_faults:
+    acc, acc_clean = _accuracy(hurt.state, cfg.build()), _accuracy(clean.state, cfg.build())
+    # local steps: a worker's inner optimizer state goes on past a rewound cut, so even
+    # server-side faults change the result (not the batches applied)
+    if cfg.policy == "sync" and not worker_faults and not cfg.local_steps:
         checks["equal_to_uninterrupted"] = all(
             np.allclose(hurt.state[k], clean.state[k], rtol=1e-5, atol=1e-6) for k in floats
         )
-    else:
+    elif not cfg.local_steps:
         checks["accuracy_within_half_a_point"] = abs(acc - acc_clean) <= 0.005
+    else:
+        # which worker takes which H batches moves with timing, and each worker's inner
+        # AdamW follows its own: two uninterrupted runs of one seed ended 1.7 points apart
+        # (0.682 and 0.699 on the 2-core machine); a round lost or applied twice costs far
+        # more (the majority class alone scores 0.60)
+        checks["accuracy_within_three_points"] = abs(acc - acc_clean) <= 0.03
     return {
         "ok": all(checks.values()),
         "checks": checks,

@@ -45,9 +45,9 @@ class ChaosModel(nn.Module):
     the model ``paramserver chaos`` trains (``--model paramserver.cluster.chaos_cluster:
     model``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse: bool = True) -> None:
         super().__init__()
-        self.emb = nn.Embedding(clicks.FIELDS * ROWS, DIM, sparse=True)
+        self.emb = nn.Embedding(clicks.FIELDS * ROWS, DIM, sparse=sparse)
         self.norm = nn.BatchNorm1d(clicks.FIELDS * DIM)
         self.head = nn.Linear(clicks.FIELDS * DIM, 2)
 
@@ -60,6 +60,12 @@ def model() -> nn.Module:
     return ChaosModel()
 
 
+def dense_model() -> nn.Module:
+    """The same with its table dense (in the flat parameters): the model of ``chaos
+    --local-steps``, whose pseudo-gradients cover dense parameters only."""
+    return ChaosModel(sparse=False)
+
+
 def data() -> tuple[TensorDataset, TensorDataset]:
     """The chaos run's data set (``--dataset paramserver.cluster.chaos_cluster:data``)."""
     train_x, train_y, test_x, test_y = clicks.make(train=TRAIN, test=TEST, seed=1, rows=ROWS)
@@ -67,6 +73,7 @@ def data() -> tuple[TensorDataset, TensorDataset]:
 
 
 MODEL = "paramserver.cluster.chaos_cluster:model"
+DENSE_MODEL = "paramserver.cluster.chaos_cluster:dense_model"
 DATA = "paramserver.cluster.chaos_cluster:data"
 
 
