@@ -2,8 +2,10 @@
 workers: the pushes of a (h) worker (26 tables of the Criteo Kaggle cardinalities x 16,
 lazy adam, batch 1024 of the Criteo-like stream) replayed against one shard's
 ``TableSet``: a row pull's lookup and initial values, ``check`` (outside the coordinator's
-lock) and ``apply`` (under it), ms per push each; then the same rows as ONE table (the
-rows a push holds, in one call) to split the per-table cost from the per-row cost.
+lock) and ``apply`` (under it), ms per push each, with every table on the hashed index
+(as before issue 44's index by id) and as the server builds them now; then the same rows
+as ONE table (the rows a push holds, in one call) to split the per-table cost from the
+per-row cost.
 Issue 28's note quotes it.
 
 Run: .venv/bin/python docs/measure_criteo_push.py
@@ -16,6 +18,8 @@ import torch
 
 from paramserver.bench.criteo.stream import CARDINALITIES, DENSE, make
 from paramserver.codec.rows import RowGradients, TableSpec
+from paramserver.sparse import table
+from paramserver.sparse.index import RowIndex, index_for
 from paramserver.sparse.tableset import TableSet, row_optimizer
 
 torch.set_num_threads(1)
@@ -56,6 +60,14 @@ for s in range(STEPS):
     pushes_one.append([("all", np.concatenate([ids + offsets[f] for f, (_, ids) in enumerate(per)]))])
     rows += sum(len(ids) for _, ids in per)
 print(f"{rows / STEPS:,.0f} distinct rows a push")
-for label, specs, pushes in (("26 tables", many, pushes_many), ("one table", one, pushes_one)):
+for label, specs, pushes in (
+    ("26 tables, hashed index", many, pushes_many),
+    ("26 tables", many, pushes_many),
+    ("one table", one, pushes_one),
+):
+    # "hashed index": every table on the hashed RowIndex, as before the index by id
+    hashed = label.endswith("hashed index")
+    table.index_for = (lambda rows, bounded, reserve=1024: RowIndex(reserve)) if hashed else index_for
     took = replay(specs, pushes)
-    print(f"{label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in took.items()) + " a push")
+    total = sum(took.values())
+    print(f"{label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in took.items()) + f" a push, {total:.2f} ms in all")

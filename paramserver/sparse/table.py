@@ -30,7 +30,7 @@ import torch
 from paramserver.codec.rows import TableSpec
 from paramserver.errors import InvalidRequest
 from paramserver.sparse import lifecycle as life
-from paramserver.sparse.index import RowIndex
+from paramserver.sparse.index import index_for
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows, shard_of, splitmix64, table_key
 
@@ -110,7 +110,8 @@ class ShardTable:
         self.sketch = life.Sketch(self.lifecycle.sketch) if self.lifecycle.admit_after > 1 else None
         self.tally = life.Tally()
         self.optimizer = RowOptimizer(optimizer)
-        self.index = RowIndex(reserve)
+        lc = self.lifecycle
+        self.index = index_for(spec.rows, lc.bounded or lc.ttl > 0, reserve)
         dtype = getattr(torch, spec.dtype)
         self.values = torch.empty((reserve, spec.dim), dtype=dtype)
         self.state = [

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from paramserver.errors import InvalidRequest
 from paramserver.sparse import tablestate
-from paramserver.sparse.index import RowIndex
+from paramserver.sparse.index import DIRECT_ROWS, DirectIndex, RowIndex, index_for
+from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import initial_rows, shard_of, table_key
 from paramserver.sparse.table import ShardTable, TableSpec
@@ -55,6 +56,55 @@ def test_the_index_agrees_with_a_dict(steps):
     held, slots = index.items()
     assert dict(zip(held.tolist(), slots.tolist(), strict=True)) == expected
     assert slots.tolist() == sorted(slots.tolist())
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 63), max_size=80), st.lists(st.integers(0, 63), max_size=30)
+        ),
+        max_size=10,
+    )
+)
+def test_the_direct_index_agrees_with_a_dict(steps):
+    """A bounded table's index by id (issue 44: one gather a batch instead of hashed
+    probes): the same answers as a dict, freed slots reused first."""
+    index, expected, most = DirectIndex(64), {}, 0
+    for batch, gone in steps:
+        ids = np.array(batch, np.int64)
+        found = index.find(ids)
+        assert found.tolist() == [expected.get(i, -1) for i in batch]
+        assert index.held_hint(ids).tolist() == [i in expected for i in batch]
+        new = np.unique(ids[found < 0])
+        for i, slot in zip(new.tolist(), index.insert(new).tolist(), strict=True):
+            assert slot not in expected.values()
+            expected[i] = slot
+        most = max(most, len(expected))
+        drop = np.unique(np.array(gone, np.int64))
+        freed = index.remove(drop)
+        assert sorted(freed.tolist()) == sorted(
+            expected.pop(i) for i in drop.tolist() if i in expected
+        )
+        assert len(index) == len(expected) and index.slots_used <= most
+    held, slots = index.items()
+    assert dict(zip(held.tolist(), slots.tolist(), strict=True)) == expected
+    assert slots.tolist() == sorted(slots.tolist())
+
+
+def test_a_table_indexes_by_id_only_when_bounded_small_and_never_evicting():
+    assert isinstance(index_for(1000, bounded=False), DirectIndex)
+    assert isinstance(index_for(DIRECT_ROWS, bounded=False), DirectIndex)
+    assert isinstance(index_for(DIRECT_ROWS + 1, bounded=False), RowIndex)  # 64 MiB at most
+    assert isinstance(index_for(0, bounded=False), RowIndex)  # unbounded: any int64 id
+    assert isinstance(index_for(1000, bounded=True), RowIndex)  # evictions scan items()
+    capped = ShardTable(
+        TableSpec("t", ROWS, DIM), RowOptimizerConfig("sgd", 0.1), lifecycle=Lifecycle(capacity=8)
+    )
+    assert isinstance(capped.index, RowIndex)
+    assert isinstance(
+        ShardTable(TableSpec("t", ROWS, DIM), RowOptimizerConfig("sgd", 0.1)).index, DirectIndex
+    )
 
 
 def test_rows_spread_over_shards_and_start_the_same_whatever_the_sharding():
