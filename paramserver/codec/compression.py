@@ -3,10 +3,10 @@ by registry.
 
 Each codec has the name ``--compress`` takes and the dtype a push header names
 (``PushHeader.dtype`` in the proto; a test checks the two lists agree). The dense ones
-(none, fp16, bf16, float64) are in ``elements``; those that keep an error-feedback residual
-on the worker (top-k, int8) in ``feedback``. This module names them, looks them up, and
-decodes a top-k push (``sparse_to_dense``); its names are the ones the rest of the package
-uses.
+(float32, fp16, bf16, float64: what the server decodes and what pulls carry) are in
+``elements``; those that keep an error-feedback residual on the worker (fp16 and bf16
+pushes, top-k, int8) in ``feedback``. This module names them, looks them up, and decodes a
+top-k push (``sparse_to_dense``); its names are the ones the rest of the package uses.
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from paramserver.codec.elements import (
     as_bytes,
     payload_bytes,
 )
-from paramserver.codec.feedback import Feedback, Int8, TopK
+from paramserver.codec.feedback import (
+    Feedback,
+    Int8,
+    Rounded,
+    RoundedBFloat16,
+    RoundedFloat16,
+    TopK,
+)
 from paramserver.errors import InvalidRequest
 
 __all__ = [
@@ -41,6 +48,9 @@ __all__ = [
     "Float16",
     "Float64",
     "Int8",
+    "Rounded",
+    "RoundedBFloat16",
+    "RoundedFloat16",
     "TopK",
     "as_bytes",
     "by_dtype",
@@ -87,7 +97,11 @@ def sparse_to_dense(
     return out
 
 
-REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (Codec, Float16, BFloat16, Int8)}
+# What ``--compress`` pushes: fp16 and bf16 with error feedback (``Rounded``).
+REGISTRY: dict[str, type[Codec]] = {
+    c.name: c for c in (Codec, RoundedFloat16, RoundedBFloat16, Int8)
+}
+# What a push header's dtype is decoded with, and what pulls carry: 16 bits without a residual.
 _CODECS: tuple[type[Codec], ...] = (Codec, Float16, BFloat16, Float64, Int8)
 BY_DTYPE: dict[str, type[Codec]] = {c.dtype: c for c in _CODECS}
 # ``--compress auto``: the parameters' own dtype when they all share a 16-bit one, else none.
@@ -134,7 +148,7 @@ def _topk(name: str, flat_dtype: str) -> type[Codec]:
             f"compress {name!r}: give {TOPK}, F the fraction of each push's entries sent "
             "(0.01: the largest 1%)."
         )
-    codec = REGISTRY[values]
+    codec = BY_DTYPE[REGISTRY[values].dtype]  # the values' element type, no residual of its own
     return TopK.configured(fraction, BY_DTYPE[flat_dtype] if codec.raw else codec)
 
 

@@ -1,12 +1,14 @@
 """The dense codecs: the flat buffer's elements on the worker <-> a wire element type.
 
 ``Codec`` sends the flat buffer's own elements (float32, or ``Float64``); ``Float16`` and
-``BFloat16`` round them to 16 bits. Both directions use them: a worker ``encode``s a push
-into a buffer reused from push to push and the server ``decode``s it to its flat buffer's
-elements; the server encodes a pull's weights (a rounded copy: its masters stay float32)
-and the worker receives them into ``receive_buffer`` and widens them with ``decode_into``.
-Integer buffers travel exact (``Codec.exact``). The codecs that keep an error-feedback
-residual are in ``feedback``; the registry that names them all is ``compression``.
+``BFloat16`` round them to 16 bits. A worker ``encode``s an uncompressed push into a buffer
+reused from push to push and the server ``decode``s every push to its flat buffer's
+elements (a 16-bit one with these, whoever encoded it); the server encodes a pull's weights
+(a rounded copy: its masters stay float32) and the worker receives them into
+``receive_buffer`` and widens them with ``decode_into``. Integer buffers travel exact
+(``Codec.exact``). ``--compress fp16`` and ``bf16`` push with ``feedback.Rounded`` (these
+types, with an error-feedback residual and the buffers whole); the registry that names
+them all is ``compression``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The codecs that lose part of a push and keep it on the worker, to add to the next push
-(error feedback): ``TopK`` (only the largest entries) and ``Int8`` (8 bits, a scale a block).
+(error feedback): ``Rounded`` (16 bits: ``--compress fp16``, ``bf16``), ``TopK`` (only the
+largest entries) and ``Int8`` (8 bits, a scale a block).
 
-Both send the buffers (the last ``dense`` elements: values, not gradients) whole in the flat
+All send the buffers (the last ``dense`` elements: values, not gradients) whole in the flat
 buffer's type after the gradient's part; keep the residual as long as the codec (one join of
 one shard: a rejoin, or a worker that starts again, begins from zero); encode a retried push
 (the same ``key``) as the first time without moving the residual; and round a push in place
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from paramserver.codec.elements import FP16_MAX, BFloat16, Codec, payload_bytes
+from paramserver.codec.elements import FP16_MAX, BFloat16, Codec, Float16, payload_bytes
 from paramserver.errors import InvalidRequest
 
 if TYPE_CHECKING:  # torch loads on first use, so config and the CLI stay light
@@ -72,6 +73,65 @@ class Feedback(Codec):
 
     def decode_into(self, out: torch.Tensor) -> None:
         self.pulls.decode_into(out)
+
+
+class Rounded(Feedback):
+    """A push rounded to a 16-bit type (a subclass's other base: ``Float16``, ``BFloat16``,
+    whose name, element type and saturation it takes) with error feedback: the gradient
+    plus the residual is sent rounded, then the buffers whole; the residual keeps what the
+    rounding lost (at most half a 16-bit ulp an element; fp16's saturation beyond +-65504,
+    all of it). An element that is NaN or Inf is sent so (the server refuses the push, or
+    skips it with --skip-nonfinite) and its residual is dropped. Pulls are in the same
+    16-bit type, integer buffers exact."""
+
+    CHUNK: ClassVar[int] = 1 << 18  # elements a pass (1 MiB of float32): kept in cache
+
+    def __init__(self, numel: int, exact: int = 0, flat: str = "float32", dense: int = 0):
+        import torch
+
+        super().__init__(numel, exact, flat, dense)
+        chunk = min(self.m, self.CHUNK)
+        self._half = torch.empty(chunk, dtype=self.torch_dtype())  # ``round_``'s, a chunk
+        self._work = torch.empty(chunk, dtype=self.residual.dtype)  # a chunk sent, widened
+
+    def _send(self, grad: torch.Tensor, half: torch.Tensor | None) -> None:
+        """``grad`` plus the residual, rounded into ``half`` (16 bits) or, without it, into
+        ``grad`` itself (widened back, as the server decodes it); the residual keeps the
+        rest. A chunk at a time: no temporary the size of the gradient."""
+        finite = True
+        for lo in range(0, self.m, self.CHUNK):
+            hi = min(lo + self.CHUNK, self.m)
+            acc = self.residual[lo:hi].add_(grad[lo:hi])
+            out = self._half[: hi - lo] if half is None else half[lo:hi]
+            out.copy_(acc)
+            self._fix(out, acc)
+            sent = self._work[: hi - lo].copy_(out)
+            acc.sub_(sent)  # exactly what the rounding lost
+            finite = finite and math.isfinite(float(acc.sum()))
+            if half is None:
+                grad[lo:hi].copy_(sent)
+        if not finite:
+            self.residual.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite element's: dropped
+
+    def _pack(self, grad: torch.Tensor, out: np.ndarray) -> None:
+        import torch
+
+        self._send(grad, torch.from_numpy(out).view(self.torch_dtype()))
+
+    def _round(self, grad: torch.Tensor) -> None:
+        self._send(grad, None)
+
+
+class RoundedFloat16(Rounded, Float16):
+    """``--compress fp16``: pushes in IEEE half precision with error feedback."""
+
+    pulled = Float16
+
+
+class RoundedBFloat16(Rounded, BFloat16):
+    """``--compress bf16``: pushes in bfloat16 with error feedback."""
+
+    pulled = BFloat16
 
 
 class TopK(Feedback):

@@ -88,9 +88,9 @@ class Worker(WorkerView):
             it offers one, else gRPC streams; "grpc": gRPC streams always.
             ``data_port_active`` says if every shard's payloads take the data port.
         compress: "auto" (default: a float16/bfloat16 model's own dtype, else none),
-            "none", "fp16" or "bf16": the element type of gradients pushed and weights
-            pulled (16 bits halve their bytes on the wire; the server keeps float32 masters,
-            widens what it receives and sends a rounded copy; integer buffers stay exact).
+            "none", "fp16" or "bf16": gradients pushed and weights pulled in 16 bits (half
+            the bytes; pushes with error feedback, buffers whole; the server keeps float32
+            masters, widens what it receives and sends a rounded copy).
             "int8": pushes as int8, a float32 scale per 1024 elements, pulls in bf16; the
             rounding error goes into the next push (error feedback, as top-k's below).
             "topk:F" (optionally ":fp16" or ":bf16" after it): each push sends the largest

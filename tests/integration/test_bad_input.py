@@ -75,6 +75,9 @@ PUSH_FAULTS = [
     "int8_bytes",
     "int8_block",
     "int8_scale",
+    # --compress fp16/bf16: an exact tail (the buffers, whole) beyond the model, or bytes
+    # that are not 16-bit values and that many whole elements
+    "bf16_exact",
 ]
 OTHER_FAULTS = [
     "pull_unknown_worker",
@@ -266,6 +269,8 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         body = b""
     elif fault.startswith("int8"):
         body = _int8(t, fault, h, data)
+    elif fault == "bf16_exact":
+        body = _bf16(t, h, data)
     chunk = data.draw(st.sampled_from([1024, 4096, 1 << 16, 1 << 20]))
     chunks = [pb.PushChunk(data=body[i : i + chunk]) for i in range(0, len(body), chunk)]
     if fault == "empty_with_data":
@@ -295,6 +300,18 @@ def _int8(t: Target, fault: str, h: pb.PushHeader, data: st.DataObject) -> bytes
         scales = body[: 4 * codec.blocks].view(np.float32)
         scales[data.draw(st.integers(0, codec.blocks - 1))] = bad
     return body.tobytes()
+
+
+def _bf16(t: Target, h: pb.PushHeader, data: st.DataObject) -> bytes:
+    """A bf16 push whose header's ``exact`` (the elements sent whole in float32 after the
+    16-bit ones) is outside the model, or whose bytes, as many as the header says, are not
+    those of its ``exact``."""
+    numel = t.nbytes // 4
+    h.dtype = "bfloat16"
+    h.exact = data.draw(st.one_of(st.integers(0, numel), st.integers(-(1 << 62), 1 << 62)))
+    honest = 2 * (numel - h.exact) + 4 * h.exact if 0 <= h.exact <= numel else -1
+    h.total_bytes = data.draw(st.integers(0, 4 * numel + 64).filter(lambda n: n != honest))
+    return np.full(h.total_bytes // 2, 0x3C23, np.uint16).tobytes() + b"\0" * (h.total_bytes % 2)
 
 
 def _other(t: Target, fault: str, data: st.DataObject) -> None:

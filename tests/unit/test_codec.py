@@ -430,7 +430,10 @@ def test_the_compression_registry_matches_the_proto_and_the_cli():
     assert all(name in worker_options["compress"].help for name in compression.CHOICES)
     assert "topk:F" in worker_options["compress"].help
     for name in compression.CHOICES:
-        assert compression.by_dtype(compression.by_name(name).dtype) is compression.by_name(name)
+        # the server decodes each choice's pushes with the codec of their dtype: the choice
+        # itself, or (fp16, bf16: error feedback on the worker) the 16-bit type it rounds to
+        codec = compression.by_name(name)
+        assert issubclass(codec, compression.by_dtype(codec.dtype))
     with pytest.raises(ValueError, match="compress must be one of auto, none, fp16, bf16"):
         compression.by_name("zstd")
     for bad in ("topk:0", "topk:1.5", "topk:x", "topk:0.1:zstd", "topk:0.1:bf16:x"):
@@ -442,8 +445,10 @@ def test_the_compression_registry_matches_the_proto_and_the_cli():
 
 
 def test_auto_compression_pushes_in_the_parameters_own_16_bit_dtype():
-    assert compression.by_name("auto", ["bfloat16", "bfloat16"]) is compression.BFloat16
-    assert compression.by_name("auto", ["float16"]) is compression.Float16
+    # fp16 and bf16 push with error feedback (``Rounded``), whose wire type is their own
+    assert compression.by_name("auto", ["bfloat16", "bfloat16"]) is compression.RoundedBFloat16
+    assert compression.by_name("auto", ["float16"]) is compression.RoundedFloat16
+    assert compression.by_name("auto", ["bfloat16"]) is compression.by_name("bf16")
     assert compression.by_name("auto", ["float32", "bfloat16"]) is compression.Codec
     assert compression.by_name("auto", []) is compression.Codec
 
@@ -538,10 +543,11 @@ def test_top_k_sends_the_largest_entries_and_feeds_back_the_rest(values):
 
 
 @pytest.mark.parametrize("flat", ["float32", "float64"])
-@pytest.mark.parametrize("compress", ["topk:0.1:bf16", "int8"])
+@pytest.mark.parametrize("compress", ["topk:0.1:bf16", "int8", "bf16", "fp16"])
 def test_rounding_in_place_is_what_the_wire_carries(compress, flat):
-    """Through shared memory the slot is sparsified (top-k) or quantised (int8) in place:
-    the same numbers as a trip through encode and the server's decode, residual and all."""
+    """Through shared memory the slot is sparsified (top-k), quantised (int8) or rounded to
+    16 bits (fp16, bf16: saturated past +-65504) in place: the same numbers as a trip
+    through encode and the server's decode, residual and all; the buffers left whole."""
     torch.manual_seed(1)
     block = compression.Int8.block
     dtype, numel, dense = getattr(torch, flat), 2 * block + 30, 3
@@ -563,6 +569,7 @@ def test_rounding_in_place_is_what_the_wire_carries(compress, flat):
         in_place.round_(slot, key=(1, step))  # a retry: left as it is
         assert torch.equal(slot, torch.from_numpy(decoded))
         assert torch.equal(wire_side.residual, in_place.residual)
+        assert torch.equal(slot[numel - dense :], grad[numel - dense :])
 
 
 def test_a_top_k_push_that_lies_is_refused():

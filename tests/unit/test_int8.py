@@ -184,24 +184,30 @@ def _steps() -> object:
     return Steps.check_push_header.__get__(SimpleNamespace(c=coordinator))
 
 
-def test_the_server_checks_an_int8_push_header():
-    check = _steps()
-    codec = Int8(_Manifest.numel, 0, "float32", 2)
-    good = pb.PushHeader(dtype="int8", exact=2, scale_block=B, total_bytes=codec.nbytes)
-    check(good)
-    for change, match in (
-        ({"scale_block": 0}, "a scale per 0 elements; this server takes one per 1024"),
-        ({"scale_block": 4096}, "a scale per 4096"),
-        ({"total_bytes": codec.nbytes - 1}, "does not match"),
-        ({"total_bytes": 2 * B + 7}, "does not match"),  # no room for the scales
-        ({"topk": 10, "total_bytes": 10 * 5 + 8}, "values cannot be int8"),
-    ):
+def _refuses(check, good: pb.PushHeader, changes) -> None:
+    """``check`` refuses ``good`` with each change (fields and values), saying ``match``."""
+    for change, match in changes:
         bad = pb.PushHeader()
         bad.CopyFrom(good)
         for field, value in change.items():
             setattr(bad, field, value)
         with pytest.raises(InvalidRequest, match=match):
             check(bad)
+
+
+def test_the_server_checks_an_int8_push_header():
+    check = _steps()
+    codec = Int8(_Manifest.numel, 0, "float32", 2)
+    good = pb.PushHeader(dtype="int8", exact=2, scale_block=B, total_bytes=codec.nbytes)
+    check(good)
+    changes = (
+        ({"scale_block": 0}, "a scale per 0 elements; this server takes one per 1024"),
+        ({"scale_block": 4096}, "a scale per 4096"),
+        ({"total_bytes": codec.nbytes - 1}, "does not match"),
+        ({"total_bytes": 2 * B + 7}, "does not match"),  # no room for the scales
+        ({"topk": 10, "total_bytes": 10 * 5 + 8}, "values cannot be int8"),
+    )
+    _refuses(check, good, changes)
     float32 = pb.PushHeader(total_bytes=4 * _Manifest.numel, scale_block=B)
     with pytest.raises(InvalidRequest, match="float32 push with a scale per 1024.*none"):
         check(float32)

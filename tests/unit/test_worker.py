@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import paramserver as ps
+from paramserver.codec import compression
 from paramserver.transport import shm as shmem
 from paramserver.worker.pipeline import StepMode
 from paramserver.worker.retry import Backoff
@@ -204,13 +205,18 @@ def test_top_k_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(cl
     worker.close()
 
 
-def test_int8_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(clock, caplog):
+@pytest.mark.parametrize("compress", ["int8", "bf16", "fp16"])
+def test_a_rounding_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(
+    clock, caplog, compress
+):
+    """int8's, and fp16's and bf16's (error feedback on 16 bits), as top-k's above."""
     server = FakeServer(zero_model(), clock, policy="async", workers=1)
     model = zero_model()
-    worker = make_worker(server, model, clock, overlap=False, compress="int8")
+    worker = make_worker(server, model, clock, overlap=False, compress=compress)
     channel = worker.channels[0]  # type: ignore[attr-defined]
     codec = worker._attacher.codecs[0]
-    grad = torch.tensor([[1.0, 0.3, 0.001, -0.5]])  # 0.3 * 127 = 38.1: rounded
+    assert isinstance(codec, compression.Feedback) and not codec.residual.any()
+    grad = torch.tensor([[1.0, 0.3, 0.001, -0.5]])  # 0.3 * 127 = 38.1; 0.3 in 16 bits: rounded
 
     def step() -> None:
         model.weight.grad = grad.clone()
@@ -228,7 +234,7 @@ def test_int8_residual_outlives_retries_and_is_dropped_on_rejoin_with_a_line(clo
     server.coordinator.leave(worker.worker_id)
     with caplog.at_level(logging.INFO, logger="paramserver.worker.attach"):
         step()
-    assert "drops the int8 residual" in caplog.text
+    assert f"drops the {compress} residual" in caplog.text
     assert worker._attacher.codecs[0] is not codec
     worker.close()
 
