@@ -97,16 +97,18 @@ def cluster_rate(
     cpu: dict[str, float] | None = None,
     model: str = "mlp",
     device: str = "cpu",
+    local_steps: int = 0,
 ) -> tuple[float, list[float]]:
     """Samples/s of a server (``optimizer_thread``, ``backups``: its settings) and a worker
     process per entry of ``delays`` (its per-step sleep; ``shm`` its --shm) over ``window``
     seconds once all have started, by the server's counters: the total and each worker's.
     ``cpu`` gets the CPU seconds of the server and the workers (``server_s``,
     ``workers_s``) and the steps taken in the window. ``model``: the run's model; ``device``:
-    the workers' --device (all of them on the one GPU with cuda)."""
+    the workers' --device (all of them on the one GPU with cuda); ``local_steps`` H: the
+    workers take H local AdamW steps a push under the server's Nesterov (``LOCAL``)."""
     cfg = ServerConfig(
         model=model,
-        optimizer=OptimizerConfig("adam"),
+        optimizer=LOCAL_OUTER if local_steps else OptimizerConfig("adam"),
         policy=policy,
         workers=len(delays),
         dataset="synthetic",
@@ -118,7 +120,7 @@ def cluster_rate(
     )
     with server_child(cfg) as (address, server):
         name = f"{policy}-{len(delays)}-{shm}-{backups}"
-        children = worker_children(address, delays, shm, logs, name, device)
+        children = worker_children(address, delays, shm, logs, name, device, local_steps)
         pids = [c.proc.pid for c in children]
         channel = connect(address, 60)
         stub = Stub(channel)
@@ -143,18 +145,37 @@ def cluster_rate(
     return (s2.samples - s1.samples) / (t2 - t1), per_worker
 
 
+# Local steps in the benchmarks (issue 45): DiLoCo's outer step on the server, AdamW's
+# inner steps (lr 1e-3) on the workers.
+LOCAL_OUTER = OptimizerConfig("nesterov", 0.7, momentum=0.9)
+LOCAL_INNER: dict[str, Any] = {"inner_optimizer": "adamw", "inner_lr": 1e-3, "overlap": "off"}
+
+
 def worker_children(
-    address: str, delays: list[float], shm: str, logs: Path, prefix: str, device: str = "cpu"
+    address: str,
+    delays: list[float],
+    shm: str,
+    logs: Path,
+    prefix: str,
+    device: str = "cpu",
+    local_steps: int = 0,
 ) -> list[Child]:
     """A worker process of ``address`` per entry of ``delays`` (its injected per-step sleep,
-    ``shm`` its --shm, ``device`` its --device), each logging to
-    ``logs/PREFIX-worker-I.log``."""
+    ``shm`` its --shm, ``device`` its --device; ``local_steps`` H: H local AdamW steps a
+    push), each logging to ``logs/PREFIX-worker-I.log``."""
+    local: dict[str, Any] = {"push_every": local_steps, **LOCAL_INNER} if local_steps else {}
     return [
         Child(
             f"worker-{i}",
             worker_command(
                 WorkerConfig(
-                    address, device=device, threads=1, name=f"w{i}", step_delay=delay, shm=shm
+                    address,
+                    device=device,
+                    threads=1,
+                    name=f"w{i}",
+                    step_delay=delay,
+                    shm=shm,
+                    **local,
                 )
             ),
             logs / f"{prefix}-worker-{i}.log",

@@ -165,7 +165,8 @@ def bench(name: str, **kw: Any) -> None:
     transport: push and pull of a 64 MiB model against raw TCP and memcpy.
     step: one worker's step against a local training step (batch 64 and 256); with
     --device cuda, on the GPU for the MLP, the ResNet and a 20M-parameter MLP.
-    straggler: 2 workers, one 3x slower, under async and delay-1, against PyTorch DDP.
+    straggler: 2 workers, one 3x slower, under async and delay-1, against PyTorch DDP;
+    sync with a backup worker; local steps (8 a push) under async against sync.
     scaling: samples/s of 1, 2 and 4 workers under each policy (control over the same-host
     socket, and over gRPC calls), against one local process with one torch thread and with a
     thread per core; the CPU a 2-worker step costs, split into the worker's compute, its
@@ -184,8 +185,9 @@ def bench(name: str, **kw: Any) -> None:
     network: a worker and a server on two hosts (network namespaces) joined by links shaped
     to 100 Mbit/s, 1 and 10 Gbit/s (--rate): its push and pull over the data port and gRPC
     against raw TCP and the rate; then 2 workers training against DDP on the slowest link
-    (fp32, fp32 on 2 shards, bf16, top-k 1% and top-k on 2 shards: samples/s, bytes, time
-    to 88%) (needs root).
+    (fp32, fp32 on 2 shards, bf16, top-k 1%, top-k on 2 shards, and local steps, 32 a
+    push in int8, under sync and async: samples/s, bytes, time to 88%, accuracy) (needs
+    root).
     server: pushes/s one server shard absorbs from pusher processes (no model compute;
     shared memory and the data port), models of 1, 64 and 256 MiB, SGD and Adam, one and
     two shards (shared memory, 64 MiB), and 4 pushers with --coalesce on and off, against

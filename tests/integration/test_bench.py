@@ -43,6 +43,8 @@ KEYS = {
     ],
     "wakeup": ["unix_socket_us", "grpc_unary_us", "futex_us", "eventfd_us"],
     "straggler": [
+        "local_async_vs_sync",
+        "target_local_async_vs_sync",
         "ps_vs_ddp",
         "ddp_samples_per_s",
         "async_samples_per_s",
@@ -76,6 +78,9 @@ KEYS = {
         "pull_link_util",
         "fp32_samples_vs_ddp",
         "fp32_time_to_88_vs_ddp",
+        "local32_int8_samples_vs_ddp",
+        "local32_int8_async_time_to_88_vs_ddp",
+        "local32_int8_bytes_vs_ddp_1gbit",
         "bf16_samples_vs_ddp",
         "fp32_2shards_samples_vs_ddp",
         "topk_samples_vs_ddp",
@@ -194,10 +199,16 @@ def test_bench_quick_json(name):
         assert figures["export_mb"] > figures["criteo_rows_held"] * 16 * 4 / 2**20
     if name == "straggler":
         assert set(figures["ps_vs_ddp"]) == {"async", "delay-1"}
+        for policy in ("sync", "async"):  # whole local-step runs learnt something
+            assert 0.3 < figures[f"local_{policy}_accuracy"] <= 1.0
+        assert math.isfinite(figures["local_async_accuracy_gap_points"])  # either sign
     if name == "network":
         assert "no netem" in figures["delay"]
         # the link is shaped: nothing crosses it faster than its rate (and the bucket)
         assert figures["tcp_link_util_1gbit"] < 1.15
+        # local steps: 32 batches a push of int8, pulls in bf16: a small share of DDP's bytes
+        assert figures["local32_int8_bytes_vs_ddp_1gbit"] < 0.05
+        assert math.isfinite(figures["local32_int8_accuracy_vs_ddp_1gbit"])  # a difference
         assert _namespaces() <= namespaces_before, "the bench left namespaces behind"
     if name == "accuracy":
         # every contender reached the quick target (60% on the synthetic set) in 2 epochs

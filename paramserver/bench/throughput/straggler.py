@@ -4,7 +4,9 @@ Then 3 workers, one slowed 3x: sync with a backup worker (``--backup-workers 1``
 round closes on the 2 fastest pushes) and plain sync, against DDP with 3 ranks, one slowed
 the same (``sync_backup_samples_vs_ddp``); and the test accuracy of whole runs of both
 after the same epochs (``sync_backup_accuracy_gap_points``: plain sync's minus the
-backup's)."""
+backup's). Then local steps (issue 45: 8 local AdamW steps a push under the server's
+Nesterov), 2 workers, one slowed 3x: async against sync (``local_async_vs_sync``), and the
+test accuracy of whole runs of both (``local_async_accuracy_gap_points``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.bench.common import cluster_rate, server_process, worker_children
+from paramserver.bench.common import LOCAL_OUTER, cluster_rate, server_process, worker_children
 from paramserver.bench.ddp import run_ranks
 from paramserver.bench.throughput.step import local_step_seconds
 from paramserver.cluster.procs import stop_all
@@ -78,9 +80,47 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             )
         rows += _backups(figures, delay, ddp_steps, warmup, window, logs)
         rows += _accuracies(figures, delay, quick, logs)
+        rows += _local_steps(figures, delay, warmup, window, quick, logs)
     figures["target_ps_vs_ddp"] = 1.5
     rows.append(("target", ">= 1.5 x DDP"))
     return rows, figures
+
+
+LOCAL_H = 8  # inner steps a push in the local-steps runs
+
+
+def _local_steps(
+    figures: dict[str, Any], delay: float, warmup: float, window: float, quick: bool, logs: Path
+) -> list[tuple[str, str]]:
+    """Local steps (issue 45), 2 workers, the second slowed: async against sync, their
+    samples/s and the test accuracy of whole runs after the same epochs."""
+    rows = []
+    dataset, epochs = ("synthetic", 1) if quick else ("fashion-mnist", 3)
+    for policy in ("sync", "async"):
+        total, per_worker = cluster_rate(
+            policy, [0.0, delay], BATCH, warmup, window, logs, local_steps=LOCAL_H
+        )
+        acc, seconds = accuracy_after(
+            0, delay, dataset, epochs, logs, policy=policy, delays=[0.0, delay], local=LOCAL_H
+        )
+        figures[f"local_{policy}_samples_per_s"] = total
+        figures[f"local_{policy}_per_worker"] = per_worker
+        figures[f"local_{policy}_accuracy"], figures[f"local_{policy}_train_s"] = acc, seconds
+        rows.append(
+            (
+                f"local steps (H {LOCAL_H}), {policy}",
+                f"{total:.0f} samples/s (fast {per_worker[0]:.0f}, slow {per_worker[-1]:.0f}); "
+                f"{100 * acc:.2f}% after {epochs} epochs of {dataset} in {seconds:.1f} s",
+            )
+        )
+    ratio = figures["local_async_samples_per_s"] / figures["local_sync_samples_per_s"]
+    gap = 100 * (figures["local_async_accuracy"] - figures["local_sync_accuracy"])
+    figures["local_async_vs_sync"], figures["local_async_accuracy_gap_points"] = ratio, gap
+    figures["target_local_async_vs_sync"] = 1.5
+    rows.append(
+        ("local async / sync", f"{ratio:.2f} x (target >= 1.5), accuracy {gap:+.2f} points")
+    )
+    return rows
 
 
 def _backups(
@@ -129,15 +169,24 @@ def _accuracies(
 
 
 def accuracy_after(
-    backups: int, delay: float, dataset: str, epochs: int, logs: Path
+    backups: int,
+    delay: float,
+    dataset: str,
+    epochs: int,
+    logs: Path,
+    policy: str = "sync",
+    delays: list[float] | None = None,
+    local: int = 0,
 ) -> tuple[float, float]:
-    """Test accuracy of a whole sync run (3 workers, the last slowed by ``delay``, Adam
-    1e-3) with ``backups`` backup workers, and its training seconds."""
+    """Test accuracy of a whole run (``policy``; 3 workers, the last slowed by ``delay``, or
+    one a delay of ``delays``; Adam 1e-3, or with ``local`` H local steps a push under the
+    server's Nesterov) with ``backups`` backup workers, and its training seconds."""
+    delays = [0.0, 0.0, delay] if delays is None else delays
     cfg = ServerConfig(
         model="mlp",
-        optimizer=OptimizerConfig("adam"),
-        policy="sync",
-        workers=3,
+        optimizer=LOCAL_OUTER if local else OptimizerConfig("adam"),
+        policy=policy,
+        workers=len(delays),
         dataset=dataset,
         batch_size=BATCH,
         epochs=epochs,
@@ -148,7 +197,8 @@ def accuracy_after(
     tensors = [p.data for p in model.parameters()]
     manifest = Manifest.from_tensors([(n, p) for n, p in model.named_parameters()])
     with server_process(cfg) as address:
-        children = worker_children(address, [0.0, 0.0, delay], "on", logs, f"acc-{backups}")
+        name = f"acc-{policy}-{backups}-{local}"
+        children = worker_children(address, delays, "on", logs, name, local_steps=local)
         try:
             for child in children:
                 if child.proc.wait(timeout=1800) != 0:

@@ -9,11 +9,14 @@ epoch (``paramserver launch``, run in ``server-0`` with each process placed on i
 ``--shm off``, since namespaces share /dev/shm): fp32 (one shard, and two on two hosts)
 bf16 (``--compress bf16``: 16 bits both ways), and top-k (``--compress topk:0.01:bf16``:
 1% of each push's entries with error feedback, 16-bit pulls; one shard, and two on two
-hosts). DDP runs the accuracy bench's ranks on
+hosts), and local steps (DiLoCo: 32 inner AdamW steps a push, int8 pseudo-gradients, bf16
+pulls, Nesterov's outer step on the server, under sync and under async). DDP runs the
+accuracy bench's ranks on
 the same data order. Per variant: samples/s, wall time to the target accuracy (training
 time only, as the accuracy bench), bytes on the workers' links per batch (both
 directions, counted by the links themselves) and the share the workers sent, and the
-busiest link's use (its busier direction's bytes/s over the rate), each against DDP's.
+busiest link's use (its busier direction's bytes/s over the rate), and the test accuracy
+after the epochs, each against DDP's.
 """
 
 from __future__ import annotations
@@ -37,13 +40,34 @@ from paramserver.training import data
 
 HOSTS = ["server-0", "server-1", "worker-0", "worker-1"]
 WORKERS = ["worker-0", "worker-1"]
-# name: (servers, --compress)
-VARIANTS: dict[str, tuple[int, str]] = {"fp32": (1, "none"), "fp32_2shards": (2, "none")}
-VARIANTS["bf16"] = (1, "bf16")
-# top-k: 1% of each push's entries, bf16 values and pulls
-VARIANTS["topk"] = (1, "topk:0.01:bf16")
-VARIANTS["topk_2shards"] = (2, "topk:0.01:bf16")
 POLICY = "delay-1"  # the project's default
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to train across the links: shards, ``--compress``, and local steps (H inner
+    AdamW steps a push, ``--push-every H``, under Nesterov's outer step: DiLoCo's lr 0.7 and
+    momentum 0.9 on the server; 0: gradients under Adam, the default's) under ``policy``."""
+
+    servers: int
+    compress: str
+    local_steps: int = 0
+    policy: str = POLICY
+
+
+VARIANTS: dict[str, Variant] = {
+    "fp32": Variant(1, "none"),
+    "fp32_2shards": Variant(2, "none"),
+    "bf16": Variant(1, "bf16"),
+    # top-k: 1% of each push's entries, bf16 values and pulls
+    "topk": Variant(1, "topk:0.01:bf16"),
+    "topk_2shards": Variant(2, "topk:0.01:bf16"),
+    # local steps (issue 45): 32 inner steps a push, int8 pseudo-gradients and bf16 pulls,
+    # about 1/80 of DDP's bytes a batch; sync (DiLoCo's rounds) and async
+    "local32_int8": Variant(1, "int8", 32, "sync"),
+    "local32_int8_async": Variant(1, "int8", 32, "async"),
+}
+INNER_LR = 1e-3  # AdamW's, DiLoCo's order of magnitude for this MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +93,8 @@ def run(plan: Plan) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         netns.Network(HOSTS, plan.rate) as net,
     ):
         results["ddp"] = _ddp(net, plan, Path(tmp))
-        for name, (servers, compress) in VARIANTS.items():
-            results[name] = _paramserver(net, plan, Path(tmp), servers, compress)
+        for name, variant in VARIANTS.items():
+            results[name] = _paramserver(net, plan, Path(tmp), name, variant)
     return _report(plan, results)
 
 
@@ -124,14 +148,13 @@ def _ddp(net: netns.Network, plan: Plan, logs: Path) -> dict[str, Any]:
 
 
 def _paramserver(
-    net: netns.Network, plan: Plan, logs: Path, servers: int, compress: str
+    net: netns.Network, plan: Plan, logs: Path, name: str, variant: Variant
 ) -> dict[str, Any]:
     """A launch run in ``server-0``, its children on their hosts (``probe``)."""
-    run_dir = logs / f"run-{servers}-{compress}"
+    run_dir = logs / f"run-{name}"
     spec = {
         "plan": dataclasses.asdict(plan),
-        "servers": servers,
-        "compress": compress,
+        "variant": dataclasses.asdict(variant),
         "run_dir": str(run_dir),
         "ns": net.ns,
         "addr": net.addr,
@@ -141,7 +164,7 @@ def _paramserver(
     env = {**os.environ, **CHILD_ENV}
     done = net.call("server-0", argv, env, timeout=7200)
     if done.returncode != 0:
-        raise click.ClickException(f"the {compress} run failed: {done.stderr.strip()[-1500:]}")
+        raise click.ClickException(f"the {name} run failed: {done.stderr.strip()[-1500:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     curve = [(r["train_s"], r["test_accuracy"]) for r in map(json.loads, lines)]
@@ -149,6 +172,7 @@ def _paramserver(
     return {
         "curve": curve,
         "samples_per_s": summary["samples_per_s"],
+        "accuracy": summary["test_accuracy"],
         **_traffic(net, before, summary["train_s"], batches),
     }
 
@@ -179,6 +203,7 @@ def _report(
             + (f"{seconds:.1f} s to target" if seconds is not None else "target not reached")
         )
         if name != "ddp":
+            figures[f"{name}_accuracy_vs_ddp_{r}"] = res["accuracy"] - ddp["curve"][-1][1]
             speed = res["samples_per_s"] / ddp["samples_per_s"]
             time_ratio = seconds / ddp_time if seconds is not None and ddp_time else None
             for key, value in (
@@ -200,26 +225,33 @@ def probe(spec: dict[str, Any]) -> None:
     summary as a JSON line."""
     from paramserver.cluster.launch import Placement, launch, planned_optimizer_steps
 
-    plan = Plan(**spec["plan"])
+    plan, variant = Plan(**spec["plan"]), Variant(**spec["variant"])
     ns, addr = spec["ns"], spec["addr"]
     server = ServerConfig(
         model="mlp",
-        policy=POLICY,
+        policy=variant.policy,
         workers=2,
         dataset=plan.dataset,
         epochs=plan.epochs,
         batch_size=BATCH,
         port=0,
     )
-    steps = planned_optimizer_steps(server, data.train_size(plan.dataset))
-    optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
+    local: dict[str, Any] = {}
+    if variant.local_steps:  # DiLoCo: Nesterov outside, AdamW inside
+        optimizer = OptimizerConfig("nesterov", 0.7, momentum=0.9)
+        local = {"push_every": variant.local_steps, "inner_optimizer": "adamw"}
+        local |= {"inner_lr": INNER_LR, "overlap": "off"}
+    else:
+        steps = planned_optimizer_steps(server, data.train_size(plan.dataset))
+        optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
     cfg = LaunchConfig(
         server=dataclasses.replace(server, optimizer=optimizer),
-        servers=spec["servers"],
-        compress=spec["compress"],
+        servers=variant.servers,
+        compress=variant.compress,
         shm="off",  # the namespaces share /dev/shm: a segment would skip the link
         run_dir=spec["run_dir"],
         progress=False,
+        **local,
     )
 
     def host_of(name: str) -> str:
