@@ -32,7 +32,29 @@ MAX_SLOTS = (1 << 31) - 1  # slots are int32: rows one index holds at most
 _BUCKET_SALT = np.uint64(0x5851F42D4C957F2D)
 
 
-class RowIndex:
+class Slots:
+    """Slots handed out 0, 1, 2, ... in order of first touch, a freed one first: storage
+    stays as large as the most rows held at once."""
+
+    _next: int  # slots handed out so far (held or free)
+    _free: np.ndarray  # slots of removed ids, reused first
+
+    @property
+    def slots_used(self) -> int:
+        """Slots handed out so far: storage must hold this many rows."""
+        return self._next
+
+    def _hand_out(self, n: int) -> np.ndarray:
+        reused = min(n, len(self._free))
+        slots = np.empty(n, np.int64)
+        slots[:reused] = self._free[len(self._free) - reused :]
+        self._free = self._free[: len(self._free) - reused]
+        slots[reused:] = np.arange(self._next, self._next + n - reused)
+        self._next += n - reused
+        return slots
+
+
+class RowIndex(Slots):
     def __init__(self, capacity: int = 1024):
         self._alloc(_buckets_for(capacity))
         self._snapshot = (self._keys, self._state)  # for held_hint: swapped once whole
@@ -52,11 +74,6 @@ class RowIndex:
     @property
     def capacity(self) -> int:
         return len(self._keys)
-
-    @property
-    def slots_used(self) -> int:
-        """Slots handed out so far: storage must hold this many rows."""
-        return self._next
 
     def nbytes(self) -> int:
         return self._keys.nbytes + self._slots.nbytes + self._state.nbytes + self._free.nbytes
@@ -117,12 +134,7 @@ class RowIndex:
             raise OverflowError(f"One index holds at most {MAX_SLOTS} rows.")
         if self.size + self._deleted + n > MAX_LOAD * len(self._keys):
             self._rebuild(self.size + n)
-        reused = min(n, len(self._free))
-        slots = np.empty(n, np.int64)
-        slots[:reused] = self._free[len(self._free) - reused :]
-        self._free = self._free[: len(self._free) - reused]
-        slots[reused:] = np.arange(self._next, self._next + n - reused)
-        self._next += n - reused
+        slots = self._hand_out(n)
         self._place(ids, slots)
         self.size += n
         return slots
@@ -181,7 +193,7 @@ class RowIndex:
 DIRECT_ROWS = 1 << 24
 
 
-class DirectIndex:
+class DirectIndex(Slots):
     """``RowIndex``'s interface for ids in [0, rows): a slot array indexed by id (slot + 1;
     0: not held), so a batch of ids is one gather. Allocated zeroed (``calloc``: the kernel
     maps a page once an id on it is written). ``held_hint`` reads it unlocked: an entry goes
@@ -200,10 +212,6 @@ class DirectIndex:
     def __len__(self) -> int:
         return self.size
 
-    @property
-    def slots_used(self) -> int:
-        return self._next
-
     def nbytes(self) -> int:
         return self._slot.nbytes + self._free.nbytes
 
@@ -216,12 +224,7 @@ class DirectIndex:
     def insert(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         n = len(ids)
-        reused = min(n, len(self._free))
-        slots = np.empty(n, np.int64)
-        slots[:reused] = self._free[len(self._free) - reused :]
-        self._free = self._free[: len(self._free) - reused]
-        slots[reused:] = np.arange(self._next, self._next + n - reused)
-        self._next += n - reused
+        slots = self._hand_out(n)
         self._slot[ids] = slots + 1
         self.size += n
         return slots

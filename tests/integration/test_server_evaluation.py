@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import threading
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -40,10 +41,13 @@ def _config(**kw) -> ServerConfig:
 
 
 def _train(serve, cfg: ServerConfig, run_dir, retry: float = 10.0):
-    """Serve ``cfg`` with its evaluation in ``run_dir``, train it with one worker to the
-    end; returns (app, evaluation) once the summary is written."""
+    """Serve ``cfg`` with its evaluation in ``run_dir`` ("auto": the default's, which for
+    a --checkpoint-dir is CHECKPOINT_DIR/run), train it with one worker to the end;
+    returns (app, evaluation) once the summary is written."""
     planned = plan(cfg, str(run_dir), None)
     assert planned is not None
+    if run_dir == "auto" and cfg.checkpoint_dir:
+        assert planned.run.path == Path(cfg.checkpoint_dir) / "run"
     app = serve(cfg.model, config=cfg)
     evaluation = planned.start(app, retry=retry)
     worker = WorkerThread(lambda: run(WorkerConfig(server=app.address, device="cpu")), "w")
@@ -106,23 +110,11 @@ def test_a_click_model_reports_its_auc_from_the_servers_own_rows(serve, tmp_path
 
 def test_a_resumed_run_goes_on_in_its_folder(serve, tmp_path):
     ckpt = tmp_path / "ckpt"
-    first = plan(_config(epochs=1, checkpoint_dir=str(ckpt)), "auto", None)
-    assert first is not None and first.run.path == ckpt / "run"
-    app = serve("mlp", config=_config(epochs=1, checkpoint_dir=str(ckpt)))
-    evaluation = first.start(app)
-    worker = WorkerThread(lambda: run(WorkerConfig(server=app.address, device="cpu")), "w")
-    worker.start()
-    worker.result()
-    assert evaluation.finished.wait(DEADLINE)
-    app.stop()
-    planned = plan(_config(epochs=2, checkpoint_dir=str(ckpt)), "auto", None)
-    assert planned is not None and planned.run.path == ckpt / "run"
-    app2 = serve("mlp", config=_config(epochs=2, checkpoint_dir=str(ckpt)))
-    evaluation = planned.start(app2)
-    worker = WorkerThread(lambda: run(WorkerConfig(server=app2.address, device="cpu")), "w")
-    worker.start()
-    worker.result()
-    assert evaluation.finished.wait(DEADLINE)
+    for epochs in (1, 2):  # a run of 1 epoch, then the same resumed with 2
+        cfg = _config(epochs=epochs, checkpoint_dir=str(ckpt))
+        app, _ = _train(serve, cfg, "auto")
+        assert app.status()["batches_done"] == epochs * PER_EPOCH
+        app.stop()
     epochs = [
         json.loads(x)["epoch"] for x in (ckpt / "run" / "metrics.jsonl").read_text().splitlines()
     ]
