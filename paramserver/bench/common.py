@@ -105,10 +105,10 @@ def cluster_rate(
     ``cpu`` gets the CPU seconds of the server and the workers (``server_s``,
     ``workers_s``) and the steps taken in the window. ``model``: the run's model; ``device``:
     the workers' --device (all of them on the one GPU with cuda); ``local_steps`` H: the
-    workers take H local AdamW steps a push under the server's Nesterov (``LOCAL``)."""
+    workers take H local AdamW steps a push under the server's ``local_outer``."""
     cfg = ServerConfig(
         model=model,
-        optimizer=LOCAL_OUTER if local_steps else OptimizerConfig("adam"),
+        optimizer=local_outer(policy, len(delays)) if local_steps else OptimizerConfig("adam"),
         policy=policy,
         workers=len(delays),
         dataset="synthetic",
@@ -145,9 +145,15 @@ def cluster_rate(
     return (s2.samples - s1.samples) / (t2 - t1), per_worker
 
 
-# Local steps in the benchmarks (issue 45): DiLoCo's outer step on the server, AdamW's
-# inner steps (lr 1e-3) on the workers.
-LOCAL_OUTER = OptimizerConfig("nesterov", 0.7, momentum=0.9)
+# Local steps in the benchmarks (issue 45): DiLoCo's outer step on the server (under async,
+# plain SGD at 1/workers: Nesterov's momentum over stale pseudo-gradients diverged, see
+# bench/wire/network_training.py), AdamW's inner steps (lr 1e-3) on the workers.
+def local_outer(policy: str, workers: int) -> OptimizerConfig:
+    if policy == "async":
+        return OptimizerConfig("sgd", 1.0 / workers)
+    return OptimizerConfig("nesterov", 0.7, momentum=0.9)
+
+
 LOCAL_INNER: dict[str, Any] = {"inner_optimizer": "adamw", "inner_lr": 1e-3, "overlap": "off"}
 
 

@@ -128,6 +128,18 @@ KEYS = {
         "export_mb",
         "export_seconds",
         "serve_first_answer_seconds",
+        "auc_by_policy",
+        "samples_per_s_by_policy",
+        "criteo_auc_4_workers",
+        "criteo_4_workers_vs_local",
+        "criteo_push_ms",
+        "criteo_push_server_ms",
+        "target_auc_minus_ddp",
+        "target_sparse_vs_local",
+        "target_sparse_vs_ddp",
+        "target_criteo_auc_delta",
+        "target_criteo_vs_local",
+        "target_criteo_push_server_ms",
     ],
 }
 
@@ -170,6 +182,12 @@ def test_bench_quick_json(name):
         # clock ticks over a quick run's few steps: may round to 0
         assert figures["server_cpu_ms_64"] >= 0 and figures["server_cpu_ms_64_grpc"] >= 0
     if name == "sparse":
+        # issue 44: each policy's AUC against one process's and DDP's, either sign
+        assert set(figures["auc_by_policy"]) == {"sync", "delay-1", "async"}
+        for key in ("auc_minus_local_by_policy", "auc_minus_ddp_by_policy"):
+            assert set(figures[key]) == {"sync", "delay-1", "async"}
+            assert all(math.isfinite(v) for v in figures[key].values())
+        assert set(figures["criteo_push_ms"]) == {"pull", "check", "apply"}
         # the table's rows move, not the table: fewer bytes a step than the dense table's
         assert figures["bytes_per_step_sparse"] < figures["bytes_per_step_dense"]
         assert 0.5 < figures["auc"] < 1 and 0.5 < figures["auc_local"] < 1

@@ -16,7 +16,10 @@ features), batch 1024, against a server in this process (async, Adam lr 0.01), w
 (j) small dense DLRM: the same shape (26 tables of 16, the same MLPs, batch, samples and
     WORLD workers) with each table cut to ``SMALL_ROWS`` rows (ids modulo its size), dense
     parameters: what a dense parameter server runs at this shape, one epoch; rate and AUC;
-(k) local: one process, the same declared model and samples, the servers' row optimizer.
+(k) local: one process, the same declared model and samples, the servers' row optimizer;
+(l) (h) with 4 workers: its rate and served AUC;
+(m) a push's server time: one (h) worker's pushes replayed against a shard's tables, no
+    wire (``push_time.py``), ms a push for the pull, the check and the apply.
 
 Figures: ``sparse_vs_dense_b1024`` ((h) ÷ (i), one worker each), ``auc_dense_b1024``,
 ``criteo_auc`` and ``criteo_auc_local`` ((h)'s and (k)'s: ``auc`` and ``auc_local`` are
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from paramserver.bench.criteo import push_time
 from paramserver.bench.criteo.model import DIM, LR, SMALL_ROWS, build
 from paramserver.bench.criteo.ranks import CASES, CriteoCase, auc, data, local_run
 from paramserver.bench.ddp import run_ranks
@@ -149,7 +153,10 @@ def run(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]
     small = ps_run(case, "small", 0, logs, WORLD)
     sparse_one = ps_run(case, "declared", 0, logs, 1)
     served_one = export_and_serve(case, logs, 1)
+    sparse_four = ps_run(case, "declared", 0, logs, 4)
+    served_four = export_and_serve(case, logs, 4)
     dense = ps_run(case, "dense", case.dense_steps, logs, 1)
+    push = push_time.measure(case.cards, case.batch)
     local_rate = local["samples"] / local["seconds"]
     figures = {
         "criteo_case": case.name,
@@ -161,6 +168,7 @@ def run(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]
         "criteo_samples_per_s": {
             "sparse": sparse["samples_per_s"],
             "sparse_1_worker": sparse_one["samples_per_s"],
+            "sparse_4_workers": sparse_four["samples_per_s"],
             "dense_1_worker": dense["samples_per_s"],
             "small_dlrm": small["samples_per_s"],
             "local": local_rate,
@@ -173,6 +181,17 @@ def run(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]
         "criteo_auc_delta": exported["auc"] - local["auc"],
         "criteo_auc_1_worker": served_one["auc"],
         "criteo_auc_delta_1_worker": served_one["auc"] - local["auc"],
+        "criteo_auc_4_workers": served_four["auc"],
+        "criteo_auc_delta_4_workers": served_four["auc"] - local["auc"],
+        "criteo_4_workers_vs_local": sparse_four["samples_per_s"] / local_rate,
+        # a push's server time (push_time.py: one worker's pushes replayed, no wire)
+        "criteo_push_ms": {k: push[k] for k in ("pull", "check", "apply")},
+        "criteo_push_server_ms": push["total"],
+        "criteo_push_rows": push["rows"],
+        # issue 44's targets, side by side with the figures above
+        "target_criteo_auc_delta": 0.002,
+        "target_criteo_vs_local": 1.0,
+        "target_criteo_push_server_ms": 10.0,
         "auc_dense_b1024": dense["auc"],
         "dense_b1024_samples": dense["samples"],
         "auc_local_at_dense_samples": local["auc_at_dense_steps"],
@@ -235,6 +254,18 @@ def rows_of(case: CriteoCase, f: dict[str, Any]) -> list[tuple[str, str]]:
             "criteo AUC - local",
             f"{f['criteo_auc_delta']:+.4f} with {WORLD} workers async, "
             f"{f['criteo_auc_delta_1_worker']:+.4f} with one (target within 0.003)",
+        ),
+        (
+            "(h) 4 workers",
+            f"{rate['sparse_4_workers']:,.0f} samples/s "
+            f"({f['criteo_4_workers_vs_local']:.2f}x local), AUC {f['criteo_auc_4_workers']:.4f} "
+            f"({f['criteo_auc_delta_4_workers']:+.4f} against local)",
+        ),
+        (
+            "a push's server time",
+            f"{f['criteo_push_server_ms']:.1f} ms for {f['criteo_push_rows']:,.0f} rows (pull "
+            f"{f['criteo_push_ms']['pull']:.1f}, check {f['criteo_push_ms']['check']:.1f}, "
+            f"apply {f['criteo_push_ms']['apply']:.1f}; target <= 10)",
         ),
         (
             "export, serve",

@@ -12,7 +12,8 @@ side in one run, then a table too large for a worker.
 
 Each reports samples/s; (a) and (b) their payload bytes per step (ids and values of the rows
 fetched and pushed, and the flat buffer's weights and gradients), (a), (c) and (d) the test
-AUC after one epoch. Then:
+AUC after one epoch; (a) also under sync and delay-1, each policy's AUC against (c)'s and
+(d)'s. Then:
 
 (e) lifecycle: (a) with the table declared (``paramserver.sparse.Embedding``) with a
     lifecycle: ids admitted at their second push, a capacity of a sixteenth of the table's
@@ -59,9 +60,11 @@ WORLD = 2
 RANKS = "paramserver.bench.tables.ranks"
 
 
-def ps_run(case: Case, mode: str, steps: int, logs: Path, evaluate: bool) -> dict[str, Any]:
-    """(a), (b), (e) or (f): a server in this process, its table as ``mode`` says
-    (``build_model``), and WORLD worker processes."""
+def ps_run(
+    case: Case, mode: str, steps: int, logs: Path, evaluate: bool, policy: str = "async"
+) -> dict[str, Any]:
+    """(a), (b), (e) or (f): a server in this process (``policy``), its table as ``mode``
+    says (``build_model``), and WORLD worker processes."""
     from paramserver.api import serve
 
     logging.getLogger("paramserver").setLevel(logging.WARNING)  # the server's joins and leaves
@@ -73,12 +76,12 @@ def ps_run(case: Case, mode: str, steps: int, logs: Path, evaluate: bool) -> dic
         build_model(case, mode),
         optimizer=case.optimizer,
         lr=LR,
-        policy="async",
+        policy=policy,
         workers=WORLD,
         lease_seconds=120,
     )
     try:
-        name = f"ps-{case.name}-{mode}"
+        name = f"ps-{case.name}-{mode}-{policy}"
         results = run_ranks(
             RANKS,
             ["ps", server.address, case.name, mode, str(steps), str(saved)],
@@ -181,13 +184,49 @@ def first_cases(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[st
     local["auc_rows"] = local_run(main, rows=True)["auc"]
     ddp = ddp_run(main, logs)
     tables = ps_run(main, "sparse", steps=0, logs=logs, evaluate=True)
+    policies = {
+        policy: ps_run(main, "sparse", steps=0, logs=logs, evaluate=True, policy=policy)
+        for policy in ("sync", "delay-1")
+    }
+    policies["async"] = tables
     dense = ps_run(main, "dense", steps=main.dense_steps, logs=logs, evaluate=False)
     life = ps_run(main, "lifecycle", steps=0, logs=logs, evaluate=True)
     large = ps_run(big, "declared", steps=0, logs=logs, evaluate=False)
     rows = bytes_per_row(200_000 if quick else 2_000_000)
     runs = Runs(local, ddp, tables, dense, life, large, rows)
     figures = figures_of(main, big, runs)
-    return rows_of(main, big, runs, figures), figures
+    by_policy = per_policy(policies, local, ddp, figures)
+    return rows_of(main, big, runs, figures) + by_policy, figures
+
+
+def per_policy(
+    policies: dict[str, dict[str, Any]],
+    local: dict[str, Any],
+    ddp: dict[str, Any],
+    figures: dict[str, Any],
+) -> list[tuple[str, str]]:
+    """(a) under each policy: its AUC against one local process's and DDP's, its rate;
+    and issue 44's targets beside them."""
+    local_rate = figures["samples_per_s"]["local"]
+    figures["auc_by_policy"] = {p: r["auc"] for p, r in policies.items()}
+    figures["auc_minus_local_by_policy"] = {p: r["auc"] - local["auc"] for p, r in policies.items()}
+    figures["auc_minus_ddp_by_policy"] = {p: r["auc"] - ddp["auc"] for p, r in policies.items()}
+    figures["samples_per_s_by_policy"] = {p: r["samples_per_s"] for p, r in policies.items()}
+    figures["auc_minus_ddp"] = figures["auc_minus_ddp_by_policy"]["async"]
+    figures |= {
+        "target_auc_minus_ddp": 0.002,
+        "target_sparse_vs_local": 1.0,
+        "target_sparse_vs_ddp": 1.5,
+    }
+    return [
+        (
+            f"(a) {policy}",
+            f"{r['samples_per_s']:,.0f} samples/s ({r['samples_per_s'] / local_rate:.2f}x "
+            f"local), AUC {r['auc']:.4f}: {r['auc'] - local['auc']:+.4f} against local, "
+            f"{r['auc'] - ddp['auc']:+.4f} against DDP (target within 0.002 of DDP)",
+        )
+        for policy, r in policies.items()
+    ]
 
 
 def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:

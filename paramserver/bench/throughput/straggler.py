@@ -4,8 +4,8 @@ Then 3 workers, one slowed 3x: sync with a backup worker (``--backup-workers 1``
 round closes on the 2 fastest pushes) and plain sync, against DDP with 3 ranks, one slowed
 the same (``sync_backup_samples_vs_ddp``); and the test accuracy of whole runs of both
 after the same epochs (``sync_backup_accuracy_gap_points``: plain sync's minus the
-backup's). Then local steps (issue 45: 8 local AdamW steps a push under the server's
-Nesterov), 2 workers, one slowed 3x: async against sync (``local_async_vs_sync``), and the
+backup's). Then local steps (issue 45: 8 local AdamW steps a push; the server's outer step
+Nesterov's under sync, plain SGD under async), 2 workers, one slowed 3x: async against sync (``local_async_vs_sync``), and the
 test accuracy of whole runs of both (``local_async_accuracy_gap_points``)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.bench.common import LOCAL_OUTER, cluster_rate, server_process, worker_children
+from paramserver.bench.common import cluster_rate, local_outer, server_process, worker_children
 from paramserver.bench.ddp import run_ranks
 from paramserver.bench.throughput.step import local_step_seconds
 from paramserver.cluster.procs import stop_all
@@ -180,11 +180,11 @@ def accuracy_after(
 ) -> tuple[float, float]:
     """Test accuracy of a whole run (``policy``; 3 workers, the last slowed by ``delay``, or
     one a delay of ``delays``; Adam 1e-3, or with ``local`` H local steps a push under the
-    server's Nesterov) with ``backups`` backup workers, and its training seconds."""
+    server's ``local_outer``) with ``backups`` backup workers, and its training seconds."""
     delays = [0.0, 0.0, delay] if delays is None else delays
     cfg = ServerConfig(
         model="mlp",
-        optimizer=LOCAL_OUTER if local else OptimizerConfig("adam"),
+        optimizer=local_outer(policy, len(delays)) if local else OptimizerConfig("adam"),
         policy=policy,
         workers=len(delays),
         dataset=dataset,
