@@ -98,12 +98,14 @@ def test_a_gpu_shard_evaluates_its_model_after_each_epoch(serve, tmp_path):
     assert server.status()["tested_epoch"] == 2
 
 
-def test_int8_pseudo_gradients_from_a_cuda_worker(serve):
+@pytest.mark.parametrize("compress", ["int8", "bf16"])
+def test_compressed_pseudo_gradients_from_a_cuda_worker(serve, compress):
+    """int8, and bf16 with its error feedback, from a CUDA worker's staged gradients."""
     server = _server(serve, optimizer="nesterov", lr=0.7, momentum=0.9)
     cfg = WorkerConfig(
         server=server.address,
         device="cuda",
-        compress="int8",
+        compress=compress,
         push_every=4,
         inner_optimizer="sgd",
         inner_lr=0.05,
