@@ -96,12 +96,14 @@ def _local_steps(
     samples/s and the test accuracy of whole runs after the same epochs."""
     rows = []
     dataset, epochs = ("synthetic", 1) if quick else ("fashion-mnist", 3)
+    # --step-delay sleeps once a push: H batches' worth keeps the slow worker 3x slower
+    delays = [0.0, delay * LOCAL_H]
     for policy in ("sync", "async"):
         total, per_worker = cluster_rate(
-            policy, [0.0, delay], BATCH, warmup, window, logs, local_steps=LOCAL_H
+            policy, delays, BATCH, warmup, window, logs, local_steps=LOCAL_H
         )
         acc, seconds = accuracy_after(
-            0, delay, dataset, epochs, logs, policy=policy, delays=[0.0, delay], local=LOCAL_H
+            0, delay, dataset, epochs, logs, policy=policy, delays=delays, local=LOCAL_H
         )
         figures[f"local_{policy}_samples_per_s"] = total
         figures[f"local_{policy}_per_worker"] = per_worker
