@@ -35,10 +35,11 @@ def serve(
             batch_size, security, server_device ("cpu", "cuda", "cuda:I": where the
             weights and the optimizer live), ...; and the optimizer's by the names of its
             options:
-            optimizer ("sgd", "momentum", "nesterov", "adam" or "adamw", or a whole
-            OptimizerConfig),
+            optimizer ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam" or
+            "adamw", or a whole OptimizerConfig),
             lr, momentum, weight_decay, lr_schedule and lr_total_steps ("constant", or
-            "cosine" decay to 0 over that many optimizer steps).
+            "cosine" decay to 0 over that many optimizer steps), nesterov_period
+            (delayed-nesterov's N).
 
     Returns:
         The running server: ``.address``, ``.status()``, ``.stop()``.

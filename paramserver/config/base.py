@@ -14,7 +14,8 @@ from paramserver.settings import setting
 
 DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embedding.py``)
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")  # nesterov: DiLoCo's outer step
+# nesterov: DiLoCo's outer step; delayed-nesterov: its form for async (server/bookkeeping/outer)
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam", "adamw")
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise-adagrad", "adam")  # a sparse table's (sparse/optim)
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_BY = ("steps", "batches")
@@ -93,12 +94,14 @@ class OptimizerConfig:
     name: str = setting(
         "adam",
         "--optimizer",
-        "Server-side optimizer (nesterov: SGD with Nesterov momentum, DiLoCo's outer optimizer over the workers' local steps, e.g. --lr 0.7; see docs/guide.md).",
+        "Server-side optimizer (nesterov: SGD with Nesterov momentum, DiLoCo's outer optimizer over the workers' local steps, e.g. --lr 0.7; delayed-nesterov: its form for async and ssp:K, each push at --lr/N and the momentum moved once every N pushes, Liu et al. 2024; see docs/guide.md).",
         dest="optimizer",
         choices=OPTIMIZERS,
     )
     lr: float = setting(1e-3, "--lr", "Learning rate.")
-    momentum: float = setting(0.9, "--momentum", "Momentum (optimizers 'momentum' and 'nesterov').")
+    momentum: float = setting(
+        0.9, "--momentum", "Momentum (optimizers momentum, nesterov and delayed-nesterov)."
+    )
     weight_decay: float = setting(0.0, "--weight-decay", "Weight decay.")
     schedule: str = setting(
         "constant",
@@ -121,6 +124,13 @@ class OptimizerConfig:
         choices=LR_SCHEDULE_BY,
         dest="lr_schedule_by",
     )
+    period: int = setting(
+        0,
+        "--nesterov-period",
+        "delayed-nesterov: N, the pushes the momentum moves once for [0: the server's --workers; 1 under sync, whose rounds already average the workers].",
+        type=int,
+        dest="nesterov_period",
+    )
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -130,6 +140,11 @@ class OptimizerConfig:
         _positive("The learning rate (--lr)", self.lr)
         _non_negative("--momentum", self.momentum)
         _non_negative("--weight-decay", self.weight_decay)
+        _non_negative("--nesterov-period", self.period)
+        if self.period and self.name != "delayed-nesterov":
+            raise ConfigError(
+                f"--nesterov-period is for --optimizer delayed-nesterov, not {self.name}."
+            )
         if self.schedule not in LR_SCHEDULES:
             raise ConfigError(
                 f"Unknown learning-rate schedule (--lr-schedule) {self.schedule!r}: choose one "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paramserver.config.base import (
     DATASETS,
@@ -256,6 +256,14 @@ class ServerConfig:
             return self.delay_compensation
         applies = not self.parsed_policy.synchronous and self.optimizer.name in _WITH_SECOND_MOMENT
         return DEFAULT_COMPENSATION if tables and applies and self.server_device == "cpu" else 0.0
+
+    def outer_optimizer(self) -> OptimizerConfig:
+        """``optimizer`` with delayed-nesterov's period resolved: as given, else 1 under
+        sync (a round averages the workers already) and --workers otherwise."""
+        cfg = self.optimizer
+        if cfg.name != "delayed-nesterov" or cfg.period:
+            return cfg
+        return replace(cfg, period=1 if self.parsed_policy.synchronous else self.workers)
 
     def _check_compensation(self) -> None:
         if self.delay_compensation is None:

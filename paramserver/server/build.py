@@ -78,7 +78,8 @@ def build_coordinator(
             snapshot = saved_state(
                 directory, manifest, config.shard, config.shards, config.cuts, config.model
             )
-    store = ParameterStore(manifest, flat, config.optimizer, config.server_device, copy=pieces.copy)
+    optimizer = config.outer_optimizer()
+    store = ParameterStore(manifest, flat, optimizer, config.server_device, copy=pieces.copy)
     return Coordinator(
         config,
         store,

@@ -52,6 +52,7 @@ def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
         "sgd": "sgd",
         "momentum": "sgd",
         "nesterov": "sgd",
+        "delayed-nesterov": "sgd",
     }
     rows = by_server.get(name)
     if rows is None:

@@ -1,5 +1,5 @@
 """Local steps' guarantees (issue 45, item 4): the outer optimizer's state (Nesterov's
-momentum) is in checkpoints, consistent cuts, resharding and export; a server restarted
+momentum, and Delayed Nesterov's) is in checkpoints, consistent cuts, resharding and export; a server restarted
 from its checkpoint goes on with it; a worker killed in the middle of its H inner steps
 loses only its local progress (its batches are handed out again, each applied once)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -28,11 +29,13 @@ def dense() -> torch.nn.Module:
     )
 
 
-def _server(serve, directory, shard: int = 0, shards: int = 1) -> ps.ServerApp:
+def _server(
+    serve, directory, shard: int = 0, shards: int = 1, outer: dict | None = None
+) -> ps.ServerApp:
     return serve(
         MODEL,
         seed=SEED,
-        optimizer="nesterov",
+        **(outer or NESTEROV),
         lr=0.7,
         momentum=0.9,
         policy="sync",
@@ -60,16 +63,30 @@ def _rounds(addresses: list[str], rounds: int, start: int = 0) -> None:
 
 
 def _momentum(state: dict) -> torch.Tensor:
-    return state["state"][0]["momentum_buffer"].reshape(-1)
+    """The outer optimizer's per-element state, joined (Nesterov's buffer; Delayed
+    Nesterov's buffer and its pushes pending since the momentum last moved)."""
+    held = state["state"][0]
+    return torch.cat([held[k].reshape(-1) for k in ("momentum_buffer", "pending") if k in held])
 
 
-def test_the_outer_momentum_is_in_checkpoints_cuts_resharding_and_export(serve, tmp_path):
-    one = _server(serve, tmp_path / "one")
+NESTEROV = {"optimizer": "nesterov"}
+# Delayed Nesterov every 3 rounds: after 4, its momentum has moved once and round 4's
+# pseudo-gradient is pending, so both parts have something to keep
+DELAYED = {"optimizer": "delayed-nesterov", "nesterov_period": 3}
+
+
+@pytest.mark.parametrize("outer", [NESTEROV, DELAYED], ids=["nesterov", "delayed-nesterov"])
+def test_the_outer_momentum_is_in_checkpoints_cuts_resharding_and_export(serve, tmp_path, outer):
+    one = _server(serve, tmp_path / "one", outer=outer)
     _rounds([one.address], ROUNDS)
-    want = _momentum(one.coordinator.store.optimizer_state())
+    state = one.coordinator.store.optimizer_state()
+    want = _momentum(state)
     assert want.abs().sum() > 0  # Nesterov's buffer is there to keep
+    if outer is DELAYED:
+        held = state["state"][0]
+        assert held["pending"].abs().sum() > 0 and float(held["step"]) == ROUNDS
     one.stop()
-    two = [_server(serve, tmp_path / "two", i, 2) for i in range(2)]
+    two = [_server(serve, tmp_path / "two", i, 2, outer) for i in range(2)]
     _rounds([s.address for s in two], ROUNDS)
     for s in two:
         s.stop()
@@ -81,15 +98,15 @@ def test_the_outer_momentum_is_in_checkpoints_cuts_resharding_and_export(serve, 
         torch.testing.assert_close(_momentum(saved["optimizer_state"]), want, rtol=1e-5, atol=1e-7)
     # resharding 2 -> 1, and a server resumed from it: the buffer goes on as one server's
     reshard(tmp_path / "two", MODEL, SEED, 1, out=tmp_path / "joined")
-    resumed = _server(serve, tmp_path / "joined")
+    resumed = _server(serve, tmp_path / "joined", outer=outer)
     torch.testing.assert_close(
         _momentum(resumed.coordinator.store.optimizer_state()), want, rtol=1e-5, atol=1e-7
     )
-    # a server restarted from its own checkpoint takes the same next step as one that
-    # never stopped
-    again = _server(serve, tmp_path / "one")
-    _rounds([again.address], 1, start=ROUNDS)
-    _rounds([resumed.address], 1, start=ROUNDS)
+    # a server restarted from its own checkpoint takes the same next steps as one that
+    # never stopped (two: Delayed Nesterov's momentum moves at the second)
+    again = _server(serve, tmp_path / "one", outer=outer)
+    _rounds([again.address], 2, start=ROUNDS)
+    _rounds([resumed.address], 2, start=ROUNDS)
     a, b = again.model_state_dict(), resumed.model_state_dict()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
