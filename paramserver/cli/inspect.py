@@ -187,7 +187,7 @@ def bench(name: str, **kw: Any) -> None:
     against raw TCP and the rate; then 2 workers training against DDP on the slowest link
     (fp32, fp32 on 2 shards, bf16, top-k 1%, top-k on 2 shards, and local steps, 32 a
     push in int8, under sync and async: samples/s, bytes, time to 88%, accuracy) (needs
-    root).
+    root; --only VARIANT,...: those variants and DDP, no link figures).
     server: pushes/s one server shard absorbs from pusher processes (no model compute;
     shared memory and the data port), models of 1, 64 and 256 MiB, SGD and Adam, one and
     two shards (shared memory, 64 MiB), and 4 pushers with --coalesce on and off, against
@@ -203,13 +203,13 @@ def bench(name: str, **kw: Any) -> None:
     module = importlib.import_module(BENCHMARKS[name])
     if opts.rate and name != "network":
         raise click.UsageError("--rate is for bench network.")
-    if opts.only and name != "sparse":
-        raise click.UsageError("--only is for bench sparse.")
+    if opts.only and name not in ("sparse", "network"):
+        raise click.UsageError("--only is for bench sparse and network.")
     if opts.device != "auto" and name not in ("step", "scaling"):
         raise click.UsageError("--device is for bench step and scaling.")
     rates = tuple(r.strip() for r in opts.rate.split(",") if r.strip())
     if name == "network":
-        rows, figures = module.run(opts.quick, rates)
+        rows, figures = module.run(opts.quick, rates, opts.only)
     elif opts.only:
         rows, figures = module.run(opts.quick, opts.only)
     elif name in ("step", "scaling"):

@@ -5,11 +5,12 @@ round closes on the 2 fastest pushes) and plain sync, against DDP with 3 ranks, 
 the same (``sync_backup_samples_vs_ddp``); and the test accuracy of whole runs of both
 after the same epochs (``sync_backup_accuracy_gap_points``: plain sync's minus the
 backup's). Then local steps (issue 45: 8 local AdamW steps a push; the server's outer step
-Nesterov's under sync, plain SGD under async), 2 workers, one slowed 3x: async against sync (``local_async_vs_sync``), and the
+Nesterov's under sync, Delayed Nesterov under async), 2 workers, one slowed 3x: async against sync (``local_async_vs_sync``), and the
 test accuracy of whole runs of both (``local_async_accuracy_gap_points``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,10 @@ from paramserver._proto import paramserver_pb2 as pb
 from paramserver.bench.common import cluster_rate, local_outer, server_process, worker_children
 from paramserver.bench.ddp import run_ranks
 from paramserver.bench.throughput.step import local_step_seconds
+from paramserver.cluster.launch import planned_optimizer_steps
 from paramserver.cluster.procs import stop_all
 from paramserver.codec.layout import Manifest, unflatten_into
-from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.config import ServerConfig
 from paramserver.training import data
 from paramserver.training.evaluation import evaluate
 from paramserver.transport.channels import observe
@@ -182,11 +184,11 @@ def accuracy_after(
 ) -> tuple[float, float]:
     """Test accuracy of a whole run (``policy``; 3 workers, the last slowed by ``delay``, or
     one a delay of ``delays``; Adam 1e-3, or with ``local`` H local steps a push under the
-    server's ``local_outer``) with ``backups`` backup workers, and its training seconds."""
+    server's ``local_outer``, decaying over the run) with ``backups`` backup workers, and
+    its training seconds."""
     delays = [0.0, 0.0, delay] if delays is None else delays
     cfg = ServerConfig(
         model="mlp",
-        optimizer=local_outer(policy, len(delays)) if local else OptimizerConfig("adam"),
         policy=policy,
         workers=len(delays),
         dataset=dataset,
@@ -195,6 +197,9 @@ def accuracy_after(
         lease_seconds=30,
         backup_workers=backups,
     )
+    if local:  # the outer rate decays over the run's outer steps, as launch's does
+        steps = planned_optimizer_steps(cfg, data.train_size(dataset), push_every=local)
+        cfg = dataclasses.replace(cfg, optimizer=local_outer(policy, steps))
     model = models.build("mlp", seed=0)
     tensors = [p.data for p in model.parameters()]
     manifest = Manifest.from_tensors([(n, p) for n, p in model.named_parameters()])

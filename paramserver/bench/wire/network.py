@@ -41,33 +41,39 @@ FULL_RATES = ("100mbit", "1gbit", "10gbit")
 NO_DELAY = "none: this kernel has tc tbf (rate) but no netem (delay, loss)"
 
 
-def run(quick: bool, rates: tuple[str, ...] = ()) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+def run(
+    quick: bool, rates: tuple[str, ...] = (), only: str = ""
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Link figures at each rate, then training at the slowest; ``only`` (variant names,
+    comma-separated): those variants beside DDP, and no link figures."""
     why = netns.unavailable()
     if why is not None:
         raise click.ClickException(f"bench network needs network namespaces: {why}.")
     rates = rates or (("1gbit",) if quick else FULL_RATES)
     for rate in rates:
         netns.rate_bits(rate)  # a bad one fails before anything is made
+    variants = network_training.chosen(only)
     # SIGTERM (a job's timeout, kill) unwinds like Ctrl-C, so every namespace is removed
     signal.signal(signal.SIGTERM, _terminated)
     figures: dict[str, Any] = {"rates": list(rates), "delay": NO_DELAY, "reps": 3 if quick else 5}
     rows: list[tuple[str, str]] = [("link delay", NO_DELAY)]
-    for rate in rates:
+    for rate in rates if not only else ():
         # the transport bench's models: 16 MiB (1.3 s at 100 Mbit/s) below 1 Gbit/s, else 64
         nbytes = (64 if netns.rate_bits(rate) >= 1e9 else 16) * MIB
         link = link_figures(rate, nbytes, figures["reps"])
         figures.update(link)
         rows += rows_of(rate, nbytes, link)
-    if "1gbit" in rates:
+    if "1gbit" in rates and not only:
         figures["push_link_util"] = figures["push_remote_link_util_1gbit"]
         figures["pull_link_util"] = figures["pull_remote_link_util_1gbit"]
-    if "10gbit" in rates:
+    if "10gbit" in rates and not only:
         figures["push_link_vs_tcp_10g"] = figures["push_remote_vs_tcp_10gbit"]
     # Training against DDP where the link is the tightest: the slowest rate of the run.
     slowest = min(rates, key=netns.rate_bits)
-    train_rows, trained = network_training.run(network_training.Plan.of(slowest, quick))
+    train_rows, trained = network_training.run(network_training.Plan.of(slowest, quick), variants)
     figures.update(trained)
     figures["train_rate"] = slowest
+    figures["only"] = sorted(variants) if only else []
     for key in list(trained):
         if key.endswith(("_samples_vs_ddp_" + slowest, "_time_to_88_vs_ddp_" + slowest)):
             figures[key.removesuffix("_" + slowest)] = trained[key]

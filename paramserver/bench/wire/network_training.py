@@ -10,8 +10,8 @@ epoch (``paramserver launch``, run in ``server-0`` with each process placed on i
 bf16 (``--compress bf16``: 16 bits both ways), and top-k (``--compress topk:0.01:bf16``:
 1% of each push's entries with error feedback, 16-bit pulls; one shard, and two on two
 hosts), and local steps (DiLoCo: 32 inner AdamW steps a push, int8 pseudo-gradients, bf16
-pulls, Nesterov's outer step on the server under sync; under async plain SGD at 1/workers,
-see ``VARIANTS``). DDP runs the
+pulls, Nesterov's outer step on the server under sync and Delayed Nesterov's under async,
+its rate decaying by cosine: ``bench.common.local_outer``). DDP runs the
 accuracy bench's ranks on
 the same data order. Per variant: samples/s, wall time to the target accuracy (training
 time only, as the accuracy bench), bytes on the workers' links per batch (both
@@ -32,6 +32,7 @@ from typing import Any
 
 import click
 
+from paramserver.bench.common import LOCAL_INNER, local_outer
 from paramserver.bench.ddp import run_ranks
 from paramserver.bench.throughput.accuracy import BATCH, time_to
 from paramserver.cluster import netns
@@ -54,7 +55,6 @@ class Variant:
     compress: str
     local_steps: int = 0
     policy: str = POLICY
-    outer_momentum: bool = True  # local steps: Nesterov 0.7/0.9; False: plain SGD at 1/workers
 
 
 VARIANTS: dict[str, Variant] = {
@@ -65,14 +65,12 @@ VARIANTS: dict[str, Variant] = {
     "topk": Variant(1, "topk:0.01:bf16"),
     "topk_2shards": Variant(2, "topk:0.01:bf16"),
     # local steps (issue 45): 32 inner steps a push, int8 pseudo-gradients and bf16 pulls,
-    # about 1/80 of DDP's bytes a batch; sync (DiLoCo's rounds) and async. Async under
-    # Nesterov's momentum diverged (10.6% after 3 epochs, 2 workers; momentum 0.5: 67%):
-    # each stale pseudo-gradient fed the momentum of those before it; it applies each
-    # pseudo-gradient with plain SGD at 1/workers instead (86.8%; lr 1: 81.0%)
+    # about 1/80 of DDP's bytes a batch; sync (DiLoCo's rounds) and async. The outer step
+    # is bench.common.local_outer's: Nesterov under sync, Delayed Nesterov under async
+    # (Nesterov's own diverged there: 10.6% after 3 epochs), its rate decaying by cosine
     "local32_int8": Variant(1, "int8", 32, "sync"),
-    "local32_int8_async": Variant(1, "int8", 32, "async", outer_momentum=False),
+    "local32_int8_async": Variant(1, "int8", 32, "async"),
 }
-INNER_LR = 1e-3  # AdamW's, DiLoCo's order of magnitude for this MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +87,32 @@ class Plan:
         return cls(rate, "fashion-mnist", 6, 0.88)
 
 
-def run(plan: Plan) -> tuple[list[tuple[str, str]], dict[str, Any]]:
-    """Every variant and DDP on links of ``plan.rate``: rows and figures (keys end in
-    ``_R``, the rate, and the variants' ratios to DDP have the issue's names too)."""
+def chosen(only: str) -> dict[str, Variant]:
+    """The variants ``only`` names (comma-separated; empty: every one), refused with the
+    names there are before anything runs."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise click.UsageError(
+            f"bench network --only: no variant {', '.join(unknown)}; there are "
+            f"{', '.join(VARIANTS)}."
+        )
+    return {n: VARIANTS[n] for n in names} if names else dict(VARIANTS)
+
+
+def run(
+    plan: Plan, variants: dict[str, Variant] | None = None
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """DDP and ``variants`` (every one by default) on links of ``plan.rate``: rows and
+    figures (keys end in ``_R``, the rate, and the variants' ratios to DDP have the
+    issue's names too)."""
     results: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="paramserver-netrain-") as tmp,
         netns.Network(HOSTS, plan.rate) as net,
     ):
         results["ddp"] = _ddp(net, plan, Path(tmp))
-        for name, variant in VARIANTS.items():
+        for name, variant in (variants if variants is not None else VARIANTS).items():
             results[name] = _paramserver(net, plan, Path(tmp), name, variant)
     return _report(plan, results)
 
@@ -242,16 +256,11 @@ def probe(spec: dict[str, Any]) -> None:
         port=0,
     )
     local: dict[str, Any] = {}
-    if variant.local_steps:  # DiLoCo: Nesterov outside, AdamW inside
-        optimizer = (
-            OptimizerConfig("nesterov", 0.7, momentum=0.9)
-            if variant.outer_momentum
-            else OptimizerConfig("sgd", 1.0 / server.workers)
-        )
-        local = {"push_every": variant.local_steps, "inner_optimizer": "adamw"}
-        local |= {"inner_lr": INNER_LR, "overlap": "off"}
+    steps = planned_optimizer_steps(server, data.train_size(plan.dataset), variant.local_steps or 1)
+    if variant.local_steps:  # DiLoCo: (Delayed) Nesterov outside, AdamW inside
+        optimizer = local_outer(variant.policy, steps)
+        local = {"push_every": variant.local_steps, **LOCAL_INNER}
     else:
-        steps = planned_optimizer_steps(server, data.train_size(plan.dataset))
         optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
     cfg = LaunchConfig(
         server=dataclasses.replace(server, optimizer=optimizer),
