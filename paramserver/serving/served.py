@@ -26,8 +26,8 @@ from paramserver.errors import ConfigError
 from paramserver.serving.layers import Layer, ShardRows, check_chain, read_manifest
 from paramserver.sparse.declared import RowLookup
 from paramserver.sparse.embedding import make_tables, replace_tables
+from paramserver.sparse.initial import initial_values
 from paramserver.sparse.rows import Init, shard_of
-from paramserver.sparse.table import initial_values
 
 
 class ServedTable(RowLookup):

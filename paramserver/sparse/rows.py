@@ -94,16 +94,24 @@ NORMAL = Init()
 
 
 def initial_rows(
-    key: np.uint64, ids: np.ndarray, dim: int, dtype: str = "float32", init: Init = NORMAL
+    key: np.uint64 | np.ndarray,
+    ids: np.ndarray,
+    dim: int,
+    dtype: str = "float32",
+    init: Init = NORMAL,
 ) -> np.ndarray:
-    """The initial values of rows ``ids`` of the table salted by ``key``: (len(ids), dim)."""
+    """The initial values of rows ``ids`` of the table salted by ``key``: (len(ids), dim).
+    ``key`` may also be one per id (uint64), for rows of several tables at once."""
     if init.kind == "constant":
         return np.full((len(ids), dim), init.a, dtype=dtype)
+    salt = np.asarray(key, np.uint64)
+    if salt.ndim:
+        salt = salt[:, None]
     with np.errstate(over="ignore"):
         cells = np.asarray(ids).astype(np.uint64)[:, None] * np.uint64(dim)
         cells = (cells + np.arange(dim, dtype=np.uint64)[None, :]) * np.uint64(2)
-        a = splitmix64(cells ^ key)
-        b = splitmix64((cells + np.uint64(1)) ^ key)
+        a = splitmix64(cells ^ salt)
+        b = splitmix64((cells + np.uint64(1)) ^ salt)
     # 53 random bits each: u in (0, 1], v in [0, 1)
     u = ((a >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
     v = (b >> np.uint64(11)).astype(np.float64) * 2.0**-53

@@ -21,6 +21,7 @@ distinct with one finite row of ``dim`` values each. A bad request raises
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,9 @@ from paramserver.codec.rows import TableSpec
 from paramserver.errors import InvalidRequest
 from paramserver.sparse import lifecycle as life
 from paramserver.sparse.index import index_for
+from paramserver.sparse.initial import Wanted, initial_values, initial_values_many
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
-from paramserver.sparse.rows import Init, initial_rows, shard_of, splitmix64, table_key
-
-INITIAL_CHUNK = 1 << 16  # ids whose initial values are computed at once (bounded temporaries)
+from paramserver.sparse.rows import Init, shard_of, table_key
 
 
 @dataclass(frozen=True)
@@ -54,30 +54,27 @@ class Lookup:
     def complete(self) -> torch.Tensor:
         """The rows of ``ids``: (len(ids), dim); the initial values computed a chunk of
         ``INITIAL_CHUNK`` ids at a time."""
-        out = torch.zeros((len(self.ids), self.dim), dtype=getattr(torch, self.dtype))
-        out[torch.from_numpy(self.held)] = self.values
-        if self.init is not None and not self.held.all():
-            missing = np.flatnonzero(~self.held)
-            out[torch.from_numpy(missing)] = initial_values(
-                self.key, self.ids[missing], self.dim, self.dtype, self.init, self.mix
-            )
-        return out
+        return complete_all([self])[0]
 
 
-def initial_values(
-    key: np.uint64, ids: np.ndarray, dim: int, dtype: str, init: Init, mix: bool = False
-) -> torch.Tensor:
-    """``initial_rows`` of ``ids`` as a tensor, computed ``INITIAL_CHUNK`` ids at a time
-    (bounded temporaries). ``mix`` (an unbounded table's ids, any int64): each id hashed
-    first (``splitmix64``, a bijection), since ``initial_rows`` counts ``id * dim`` cells,
-    which wrap for ids past 2**64 / dim and would repeat other ids' rows."""
-    out = torch.empty((len(ids), dim), dtype=getattr(torch, dtype))
-    if mix:
-        ids = splitmix64(ids.astype(np.uint64)).view(np.int64)
-    for lo in range(0, len(ids), INITIAL_CHUNK):
-        part = ids[lo : lo + INITIAL_CHUNK]
-        out[lo : lo + len(part)] = torch.from_numpy(initial_rows(key, part, dim, dtype, init))
-    return out
+def complete_all(found: Sequence[Lookup]) -> list[torch.Tensor]:
+    """Each lookup's ``complete()``: the initial values of the rows not held, of every
+    lookup of one width, dtype, initialiser and id mixing, computed in one pass (a Criteo
+    pull names 26 tables: one pass instead of 26)."""
+    outs = []
+    wanted: list[Wanted] = []
+    for f in found:
+        out = torch.zeros((len(f.ids), f.dim), dtype=getattr(torch, f.dtype))
+        out[torch.from_numpy(f.held)] = f.values
+        outs.append(out)
+        if f.init is not None and not f.held.all():
+            missing = np.flatnonzero(~f.held)
+            wanted.append((f.key, f.ids[missing], f.dim, f.dtype, f.init, f.mix))
+    values = iter(initial_values_many(wanted))
+    for f, out in zip(found, outs, strict=True):
+        if f.init is not None and not f.held.all():
+            out[torch.from_numpy(np.flatnonzero(~f.held))] = next(values)
+    return outs
 
 
 def _grown_counts(counts: np.ndarray, size: int) -> np.ndarray:
@@ -200,12 +197,15 @@ class ShardTable:
         the push takes the lock its apply holds (``apply``'s ``prepared``). The index is
         read as a hint: a row created or evicted meanwhile costs a computation under the
         lock, never a wrong value."""
-        fresh = np.sort(ids[~self.index.held_hint(ids)])
-        return fresh, self._initial(fresh)
+        return prepare_all([(self, ids)])[0]
+
+    def wanted(self, ids: np.ndarray) -> Wanted:
+        """What ``initial_values_many`` takes for this table's rows ``ids``."""
+        spec = self.spec
+        return (self.key, ids, spec.dim, spec.dtype, self.init, not spec.rows)
 
     def _initial(self, ids: np.ndarray) -> torch.Tensor:
-        spec = self.spec
-        return initial_values(self.key, ids, spec.dim, spec.dtype, self.init, not spec.rows)
+        return initial_values(*self.wanted(ids))
 
     def _create(self, ids: np.ndarray, prepared: Prepared | None = None) -> np.ndarray:
         """Rows for ``ids`` (distinct, not held) at their initial values (those
@@ -362,3 +362,11 @@ class ShardTable:
             self._evict(over, np.empty(0, np.int64), self.optimizer.steps, False)
 
     # saving and restoring: ``tablestate.py``
+
+
+def prepare_all(pushed: Sequence[tuple[ShardTable, np.ndarray]]) -> list[Prepared]:
+    """Each ``table.prepare(ids)``, the initial values of every table's rows computed in
+    one pass (``initial_values_many``)."""
+    fresh = [np.sort(ids[~table.index.held_hint(ids)]) for table, ids in pushed]
+    wanted = [table.wanted(f) for (table, _), f in zip(pushed, fresh, strict=True)]
+    return list(zip(fresh, initial_values_many(wanted), strict=True))

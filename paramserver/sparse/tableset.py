@@ -30,7 +30,7 @@ from paramserver.sparse import tablestate
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows
-from paramserver.sparse.table import Lookup, Prepared, ShardTable
+from paramserver.sparse.table import Lookup, Prepared, ShardTable, complete_all, prepare_all
 from paramserver.sparse.tablestate import TableChanges
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class TableSet:
 
     def pull_many(self, wanted: Iterable[tuple[str, Any]]) -> list[torch.Tensor]:
         """The rows of each ``(table, ids)``, or InvalidRequest; creates no row."""
-        return [found.complete() for found in self.lookup_many(wanted)]
+        return complete_all(self.lookup_many(wanted))
 
     def lookup_many(self, wanted: Iterable[tuple[str, Any]], counted: bool = True) -> list[Lookup]:
         """The rows held of each ``(table, ids)`` (every table's ids checked first, or
@@ -184,7 +184,7 @@ class TableSet:
         """The pushes as ``apply`` takes them (``Checked``: with the initial values of rows
         not held yet), or InvalidRequest; changes nothing. ``nonfinite``: rows with NaN or
         Inf pass (see ``finite``), for ``--skip-nonfinite``."""
-        checked: list[RowGradients] = []
+        valid: list[tuple[str, ShardTable, np.ndarray, torch.Tensor]] = []
         seen: set[str] = set()
         for push in pushes:
             if push.table in seen:
@@ -193,9 +193,12 @@ class TableSet:
                 )
             seen.add(push.table)
             table = self.table(push.table)
-            ids, grads = table.check_push(push.ids, push.grads, nonfinite)
-            checked.append(Checked(push.table, ids, grads, table.prepare(ids)))
-        return checked
+            valid.append((push.table, table, *table.check_push(push.ids, push.grads, nonfinite)))
+        prepared = prepare_all([(table, ids) for _, table, ids, _ in valid])
+        return [
+            Checked(name, ids, grads, ready)
+            for (name, _, ids, grads), ready in zip(valid, prepared, strict=True)
+        ]
 
     def apply(
         self, checked: Iterable[RowGradients], lr: float | None = None, step: int | None = None

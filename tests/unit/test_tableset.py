@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from paramserver.errors import InvalidRequest
-from paramserver.sparse.rows import shard_of
+from paramserver.sparse import initial as initial_module
+from paramserver.sparse.optim import RowOptimizerConfig
+from paramserver.sparse.rows import initial_rows, shard_of
 from paramserver.sparse.table import TableSpec
 from paramserver.sparse.tableset import RowGradients, RowRound, TableSet, row_optimizer
 from tests.unit.rowref import Reference
@@ -147,7 +149,6 @@ def test_whole_tables_are_the_held_rows_over_the_seeded_initial_values():
 def test_a_pull_creates_no_row_and_no_optimizer_state(monkeypatch):
     """Rows come into being with their first push: a pull of ids never pushed gives their
     initial values and stores nothing (issue 27: 1.6M ids pulled held 1.6M rows)."""
-    from paramserver.sparse import table as table_module
 
     tables = TableSet(SPECS, row_optimizer("adam", 0.1), seed=3)
     ids = np.array([5, 7, 5, 199, 0])
@@ -163,7 +164,7 @@ def test_a_pull_creates_no_row_and_no_optimizer_state(monkeypatch):
     torch.testing.assert_close(again[[0, 2, 3, 4]], pulled[[0, 2, 3, 4]])
     assert tables.table("a").state[0].shape == before.shape  # no state grown by the pulls
     # the initial values are computed a bounded chunk at a time, to the same values
-    monkeypatch.setattr(table_module, "INITIAL_CHUNK", 3)
+    monkeypatch.setattr(initial_module, "INITIAL_CHUNK", 3)
     torch.testing.assert_close(
         tables.table("a").read(np.arange(ROWS)), tables.pull_many([("a", np.arange(ROWS))])[0]
     )
@@ -229,15 +230,13 @@ def test_a_checkpoint_of_lazy_adam_before_per_row_steps_resumes_each_row_from_th
 def test_a_push_s_new_rows_start_from_values_computed_before_the_lock(monkeypatch):
     """``check`` (outside the coordinator's lock) computes the initial values of the rows
     not held yet; ``apply`` (under it) computes none, also for a sync round's mean."""
-    from paramserver.sparse import table as table_module
-
-    real, calls = table_module.initial_rows, []
+    real, calls = initial_module.initial_rows, []
 
     def counted(*args, **kwargs):
         calls.append(len(args[1]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(table_module, "initial_rows", counted)
+    monkeypatch.setattr(initial_module, "initial_rows", counted)
     tables = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=1)
     ids, grads = _rows(30, 0)
     first = tables.check([RowGradients("a", ids[:20], grads[:20])])
@@ -293,3 +292,30 @@ def test_the_index_hint_is_right_for_ids_no_concurrent_change_touches():
     finally:
         stop.set()
         writer.join(timeout=30)
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 16])
+def test_many_tables_initial_values_in_one_pass_equal_each_tables_own(monkeypatch, chunk):
+    """A pull or a push of many tables computes the initial rows of all of them in one
+    pass (a key per id, chunks crossing the tables' boundaries): the values each table's
+    own computation gives, for tables of one width and of two."""
+    monkeypatch.setattr(initial_module, "INITIAL_CHUNK", chunk)
+    specs = [TableSpec(f"t{i}", 50, 8 if i < 3 else 4) for i in range(5)]
+    tables = TableSet(specs, RowOptimizerConfig("adam", 0.1))
+    rng = np.random.default_rng(3)
+    wanted = [(spec.name, rng.choice(50, 7, replace=False)) for spec in specs]
+    together = tables.pull_many(wanted)
+    for (name, ids), got in zip(wanted, together, strict=True):
+        table = tables.table(name)
+        own = torch.from_numpy(
+            initial_rows(table.key, ids, table.spec.dim, table.spec.dtype, table.init)
+        )
+        assert torch.equal(got, own), name
+    pushed = [
+        RowGradients(name, ids, torch.ones(len(ids), s.dim))
+        for (name, ids), s in zip(wanted, specs, strict=True)
+    ]
+    for push, (name, ids), got in zip(tables.check(pushed), wanted, together, strict=True):
+        fresh, values = push.prepared
+        assert np.array_equal(fresh, np.sort(ids))
+        assert torch.equal(values, got[torch.from_numpy(np.argsort(ids))]), name

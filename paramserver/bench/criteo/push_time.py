@@ -16,6 +16,7 @@ import torch
 
 from paramserver.bench.criteo.stream import DENSE, make
 from paramserver.codec.rows import RowGradients, TableSpec
+from paramserver.sparse.table import complete_all
 from paramserver.sparse.tableset import TableSet, row_optimizer
 
 DIM, WARM = 16, 20
@@ -42,7 +43,7 @@ def replay(specs: list[TableSpec], pushed: list[Push]) -> dict[str, float]:
         g = torch.Generator().manual_seed(0)
         for n, push in enumerate(pushed):
             t0 = time.perf_counter()
-            [f.complete() for f in tables.lookup_many(push)]
+            complete_all(tables.lookup_many(push))
             t1 = time.perf_counter()
             grads = [
                 RowGradients(t, ids, torch.randn(len(ids), DIM, generator=g)) for t, ids in push

@@ -44,7 +44,7 @@ from paramserver.server.engine.dense_apply import Applies
 from paramserver.server.engine.members import Members
 from paramserver.server.engine.pulls import Pull
 from paramserver.server.engine.saving import Saving
-from paramserver.sparse.tableset import TableSet
+from paramserver.sparse.tableset import TableSet, complete_all
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ class Coordinator:
                 self.membership.touch(worker_id)
             found = tables.lookup_many(wanted, counted=bool(worker_id))
             low = self.membership.min_clock()
-        return [f.complete() for f in found], -1 if low is None else low
+        return complete_all(found), -1 if low is None else low
 
     def pull(
         self,
