@@ -42,6 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import click
 import torch
 
 from paramserver.bench.criteo import case as criteo_case
@@ -166,7 +167,9 @@ def run(quick: bool, only: str = "") -> tuple[list[tuple[str, str]], dict[str, A
     """Cases (a) to (g), then the Criteo case (``bench/criteo/case.py``); ``only`` "criteo": that
     case alone."""
     if only not in ONLY:
-        raise ValueError(f"bench sparse --only is empty or one of {ONLY[1:]}; got {only!r}.")
+        raise click.UsageError(
+            f"bench sparse --only: no case {only!r}; there is {', '.join(ONLY[1:])}."
+        )
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
         rows, figures = ([], {}) if only else first_cases(quick, Path(tmp))
         criteo = Path(tmp) / "criteo"
