@@ -130,3 +130,44 @@ def test_the_pseudo_gradient_goes_into_gradients_that_exist_in_place():
     local.into_grads()
     for p, view in zip(model.parameters(), views, strict=True):
         assert p.grad is view and torch.allclose(view, torch.full_like(view, -0.5))
+
+
+def test_a_worker_joining_mid_round_starts_from_the_current_global_weights(serve):
+    """Worker a trains alone for two rounds, then b joins while a is in the middle of its
+    third round's inner steps: b's replica (and its anchor) is the global model as it is,
+    not b's own initial weights, and the round closes with both pseudo-gradients."""
+    server = serve(
+        _model(),
+        policy="sync",
+        workers=2,
+        min_workers=1,
+        optimizer="nesterov",
+        lr=OUTER_LR,
+        momentum=MOMENTUM,
+    )
+    model_a, model_b = _model(), _model()
+    with ps.Worker(server.address, model_a, name="a", overlap=False) as a:
+        local_a = ps.LocalSteps(a)
+        for _ in range(2):
+            _local(model_a, 0)
+            local_a.sync(samples=H * 16)
+        _local(model_a, 0)  # mid-round: a pulled version 2 and stepped on its own
+        current = [p.detach().clone() for p in server.model_state_dict().values()]
+        assert server.status()["version"] == 2
+        with ps.Worker(server.address, model_b, name="b", overlap=False) as b:
+            local_b = ps.LocalSteps(b)
+            joined = [p.detach().clone() for p in local_b.anchor]
+            _local(model_b, 1)
+            b_sync = WorkerThread(lambda: local_b.sync(samples=H * 16), "b")
+            b_sync.start()
+            local_a.sync(samples=H * 16)
+            b_sync.result()
+            assert all(  # both pulled the round's one outer step
+                torch.equal(x, y)
+                for x, y in zip(model_a.parameters(), model_b.parameters(), strict=True)
+            )
+    for got, want in zip(joined, current, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(joined[0], next(_model().parameters()).detach())
+    status = server.status()
+    assert status["version"] == 3 and status["pushes_applied"] == 4  # a's 3, b's 1
