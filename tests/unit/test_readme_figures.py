@@ -140,6 +140,22 @@ def test_two_dated_runs_are_quoted_side_by_side(tmp_path: Path) -> None:
     assert "1.9" not in block
 
 
+def test_a_run_of_some_cases_leaves_the_other_figures_to_the_runs_that_hold_them(
+    tmp_path: Path,
+) -> None:
+    """``bench network --only`` writes a line with only its variants' figures: each figure
+    is quoted from the two latest dated lines that hold it."""
+    a = {"date": "2026-11-26 10:00 UTC", "push_vs_tcp": 0.81, "push_remote_vs_tcp": 0.5}
+    b = {"date": "2026-11-26 11:00 UTC", "push_vs_tcp": 0.77, "push_remote_vs_tcp": 0.6}
+    some = {"date": "2026-11-27 10:00 UTC", "push_vs_tcp": 0.9}
+    _bench(tmp_path, "transport", a, b, some)
+    block = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
+    push = next(ln for ln in block.splitlines() if "`push_vs_tcp`" in ln)
+    pull = next(ln for ln in block.splitlines() if "`push_remote_vs_tcp`" in ln)
+    assert "| 0.77 / 0.90 × |" in push and "`transport.json` lines 2, 3 |" in push, push
+    assert "| 0.50 / 0.60 × |" in pull and "`transport.json` lines 1, 2 |" in pull, pull
+
+
 def test_a_readme_without_the_markers_is_an_error() -> None:
     with pytest.raises(click.ClickException, match="no block"):
         readme.render("# README\n", [_record("sync", 0.89)], {})

@@ -46,93 +46,117 @@ FIGURES = (
     Figure(
         "transport",
         "push_vs_tcp",
-        "same-host push of 64 MiB (shared memory) against raw loopback TCP",
+        "same-host push of 64 MiB (shared memory) vs raw loopback TCP",
         target="target_push_vs_tcp",
     ),
     Figure(
         "transport",
         "push_remote_vs_tcp",
-        "push of 64 MiB over the data port (loopback)",
+        "push of 64 MiB over the data port (loopback) vs TCP",
         target="target_push_remote_vs_tcp",
     ),
-    Figure("transport", "pull_remote_vs_tcp", "pull of 64 MiB over the data port (loopback)"),
     Figure(
         "step",
         "step_vs_local_64",
-        "a worker's step at batch 64 against a local step (`--overlap off`, the CPU default)",
+        "a worker's step at batch 64 vs a local step (`--overlap off`)",
         target="target_step_vs_local_64",
     ),
     Figure(
         "step",
         "step_vs_local_overlap_256",
-        "a worker's step at batch 256 against a local step, `--overlap on`",
+        "the same at batch 256, `--overlap on`",
         target="target_step_vs_local_256",
     ),
     Figure(
         "straggler",
         "ps_vs_ddp.async",
-        "`async` samples/s against PyTorch DDP, one of 2 workers slowed",
+        "`async` samples/s vs PyTorch DDP, one of 2 workers slowed",
         target="target_ps_vs_ddp",
     ),
     Figure(
         "scaling",
         "delay1_vs_local.1",
-        "2 same-host `delay-1` workers of the MLP against one local process",
+        "2 same-host `delay-1` workers of the MLP vs one local process",
         target="target_2_workers_vs_local",
     ),
     Figure(
         "scaling",
         "delay1_vs_local_all_cores.1",
-        "the same against one local process with a thread per core",
+        "the same vs a local process with a thread per core",
         target="target_2_workers_vs_local_all_cores",
     ),
     Figure(
         "step",
         "step_vs_local_cuda_mlp_64",
-        "on a GPU: a worker's step of the MLP at batch 64 against a local step",
+        "GPU: a worker's step of the MLP at batch 64 vs a local step",
         target="target_step_vs_local_cuda_mlp_64",
     ),
     Figure(
         "step",
         "step_vs_local_cuda_resnet_256",
-        "the same for the ResNet at batch 256",
+        "the same, ResNet at batch 256",
         target="target_step_vs_local_cuda_resnet_256",
     ),
     Figure(
         "step",
         "step_vs_local_cuda_mlp_20m_1024",
-        "the same for the 20M-parameter MLP at batch 1024",
+        "the same, 20M-parameter MLP at batch 1024",
         target="target_step_vs_local_cuda_mlp_20m_1024",
     ),
     Figure(
         "scaling",
         "async_vs_local_cuda_mlp_64.1",
-        "on a GPU: 2 `async` workers of the MLP sharing it against one local process",
+        "GPU: 2 `async` workers of the MLP sharing it vs one local process",
         target="target_2_workers_vs_local_cuda_mlp_64",
     ),
     Figure(
         "scaling",
         "async_vs_local_cuda_resnet_256.1",
-        "the same for the ResNet at batch 256",
+        "the same, ResNet at batch 256",
         target="target_2_workers_vs_local_cuda_resnet_256",
     ),
     Figure(
         "scaling",
         "async_vs_local_cuda_mlp_20m_1024.1",
-        "the same for the 20M-parameter MLP at batch 1024",
+        "the same, 20M-parameter MLP at batch 1024",
         target="target_2_workers_vs_local_cuda_mlp_20m_1024",
+    ),
+    Figure(
+        "network",
+        "local32_int8_time_to_88_vs_ddp_100mbit",
+        "local steps (H 32, int8, `sync`) vs DDP, 100 Mbit/s links: time to 88%",
+        target="target_time_to_88_vs_ddp_100mbit",
+    ),
+    Figure(
+        "network",
+        "local32_int8_accuracy_points_vs_ddp_100mbit",
+        "the same: accuracy after 6 epochs",
+        unit=" points",
+        target="target_accuracy_points_vs_ddp_100mbit",
+    ),
+    Figure(
+        "network",
+        "local32_int8_time_to_88_vs_ddp_10mbit",
+        "the same, 10 Mbit/s: time to 88%",
+        target="target_time_to_88_vs_ddp_10mbit",
+    ),
+    Figure(
+        "straggler",
+        "local_async_vs_sync",
+        "local steps, 1 of 2 workers 3x slower: `async` vs `sync` samples/s",
+        target="target_local_async_vs_sync",
     ),
     Figure(
         "server",
         "sgd_64mib_apply_vs_bound",
-        "one shard's SGD apply of 64 MiB pushes against its memory bound",
+        "one shard's SGD apply of 64 MiB pushes vs its memory bound",
         unit="",
         target="target_apply_vs_bound",
     ),
     Figure(
         "server",
         "adam_64mib_apply_vs_bound",
-        "one shard's Adam apply of 64 MiB pushes against its memory bound",
+        "the same, Adam",
         unit="",
         target="target_apply_vs_bound",
     ),
@@ -158,28 +182,24 @@ def device_of(key: str) -> str:
 
 
 def load_bench(folder: Path) -> dict[str, list[Line]]:
-    """Each benchmark's two latest JSON lines of each device's runs (oldest first, in the
-    file's order), by the benchmark's name (the file's stem)."""
+    """Each benchmark's JSON lines (in the file's order), by the benchmark's name (the
+    file's stem)."""
     found = {}
     for path in sorted(folder.glob("*.json")):
         text = [ln for ln in path.read_text().splitlines() if ln.strip()]
         lines = [Line(n, json.loads(ln)) for n, ln in enumerate(text, 1)]
-        latest = {
-            n
-            for device in {ln.device for ln in lines}
-            for n in [ln.number for ln in lines if ln.device == device][-2:]
-        }
         if lines:
-            found[path.stem] = [ln for ln in lines if ln.number in latest]
+            found[path.stem] = lines
     return found
 
 
-def quoted_runs(lines: list[Line]) -> list[Line]:
-    """The runs a figure is quoted from: the latest line if it is dated, with the one before
-    it if that is dated too; none if the latest is not."""
+def quoted_runs(lines: list[Line], key: str) -> list[Line]:
+    """The runs figure ``key`` is quoted from: the two latest dated lines that hold it (a
+    run of some of a bench's cases, ``bench network --only``, holds only theirs); none if
+    the latest line is not dated."""
     if not lines or "date" not in lines[-1].figures:
         return []
-    return [ln for ln in lines[-2:] if "date" in ln.figures]
+    return [ln for ln in lines if "date" in ln.figures and value(ln.figures, key) is not None][-2:]
 
 
 def value(figures: dict[str, Any], key: str) -> float | None:
@@ -304,24 +324,27 @@ def _row(f: Figure, runs: list[Line], numbered: dict[str, int]) -> str:
 
 def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
     named = {f.bench for f in FIGURES if f.bench in bench}
-    runs = {
-        (name, device): quoted_runs([ln for ln in bench[name] if ln.device == device])
+    lines_of = {
+        (name, device): [ln for ln in bench[name] if ln.device == device]
         for name in named
         for device in {ln.device for ln in bench[name]}
     }
-    undated = sorted({name for (name, _), found in runs.items() if not found})
+    undated = sorted({name for (name, _), got in lines_of.items() if "date" not in got[-1].figures})
     quoted = [
         (f, found)
         for f in FIGURES
         if f.bench in named
         and f.bench not in undated
-        and (found := runs.get((f.bench, device_of(f.key))))
-        and value(found[-1].figures, f.key) is not None
+        and (found := quoted_runs(lines_of.get((f.bench, device_of(f.key)), []), f.key))
     ]
     lines = [
         "Benchmarks (`paramserver bench NAME --json`, each against its baseline in one run;",
         "commands in [docs/BENCHMARKS.md](docs/BENCHMARKS.md))"
-        + (": runs A / B, the two latest lines of each `docs/bench/NAME.json`:" if quoted else "."),
+        + (
+            ": runs A / B, the two latest lines of `docs/bench/NAME.json` that hold each:"
+            if quoted
+            else "."
+        ),
     ]
     if quoted:
         every = sorted(set().union(*(_machines(found) for _, found in quoted)))

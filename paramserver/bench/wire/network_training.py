@@ -202,6 +202,7 @@ def _report(
     r, ddp = plan.rate, results["ddp"]
     ddp_time = time_to(ddp["curve"], plan.target)
     figures: dict[str, Any] = {f"train_target_{r}": plan.target, f"train_dataset_{r}": plan.dataset}
+    figures |= _targets(r)
     rows = [
         (
             f"{r}: training",
@@ -223,6 +224,9 @@ def _report(
         )
         if name != "ddp":
             figures[f"{name}_accuracy_vs_ddp_{r}"] = res["accuracy"] - ddp["curve"][-1][1]
+            figures[f"{name}_accuracy_points_vs_ddp_{r}"] = 100 * (
+                res["accuracy"] - ddp["curve"][-1][1]
+            )
             speed = res["samples_per_s"] / ddp["samples_per_s"]
             time_ratio = seconds / ddp_time if seconds is not None and ddp_time else None
             for key, value in (
@@ -237,6 +241,17 @@ def _report(
             )
         rows.append((f"{r}: {name}", text))
     return rows, figures
+
+
+def _targets(rate: str) -> dict[str, float]:
+    """Issue 45's targets for local steps against DDP on links of ``rate``: time to the
+    target accuracy (0.25x at 100 Mbit/s, 0.1x at 10 Mbit/s), bytes a batch (1/50), and
+    accuracy after the epochs (within 0.5 points)."""
+    out = {f"target_bytes_vs_ddp_{rate}": 1 / 50, f"target_accuracy_points_vs_ddp_{rate}": -0.5}
+    time = {"100mbit": 0.25, "10mbit": 0.1}.get(rate)
+    if time is not None:
+        out[f"target_time_to_88_vs_ddp_{rate}"] = time
+    return out
 
 
 def probe(spec: dict[str, Any]) -> None:
