@@ -371,11 +371,6 @@ def block(records: list[dict[str, Any]], bench: dict[str, list[Line]]) -> str:
     if not main:
         raise click.ClickException("No main-job records in docs/results/: run make results.")
     lines = [BEGIN, *_main_job(main), ""]
-    lines += [
-        "Per-epoch accuracy, the ResNet and what each column measures:",
-        "[docs/RESULTS.md](docs/RESULTS.md).",
-        "",
-    ]
     lines += [*_benchmarks(bench), END]
     return "\n".join(lines)
 
