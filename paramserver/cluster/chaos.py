@@ -150,7 +150,8 @@ def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
         at = server.index("--model")
         server[at + 1] = DENSE_MODEL
         at = server.index("--optimizer")
-        server[at : at + 4] = ["--optimizer", "nesterov", "--lr", "1.0", "--momentum", "0.5"]
+        outer = "nesterov" if cfg.policy == "sync" else "delayed-nesterov"  # see the guide
+        server[at : at + 4] = ["--optimizer", outer, "--lr", "1.0", "--momentum", "0.5"]
         # outer lr 1 and momentum 0.5: this small model stayed near the majority class with
         # DiLoCo's 0.7 and 0.9 (0.64 against 0.70, H = 4, --faults 0)
         worker += ["--push-every", str(cfg.local_steps), "--inner-optimizer", "adamw"]
