@@ -12,6 +12,9 @@ their mean, as a synchronous round of ``N`` workers would:
     every N-th push also:    m = momentum * m + pending / N;  p -= lr * momentum * m;
                              pending = 0
 
+Under ``--coalesce on`` the pushes summed into one step count as one toward ``N`` (their
+immediate part is the same as one at a time: the steps are linear in the sum).
+
 With ``N`` = 1 this is torch's SGD with Nesterov momentum (``m = momentum * m + g``,
 ``p -= lr * (g + momentum * m)``). The paper's variant that also applies a share ``c`` of
 the momentum between the N-th pushes is its ``c`` = 0 here, the form it reports.
