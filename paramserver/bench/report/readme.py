@@ -124,13 +124,13 @@ FIGURES = (
     Figure(
         "network",
         "local32_int8_time_to_88_vs_ddp_100mbit",
-        "local steps (H 32, int8, `sync`) vs DDP, 100 Mbit/s links: time to 88%",
+        "local steps (H 32, int8, `sync`) vs DDP at 100 Mbit/s: time to 88%",
         target="target_time_to_88_vs_ddp_100mbit",
     ),
     Figure(
         "network",
         "local32_int8_accuracy_points_vs_ddp_100mbit",
-        "the same: accuracy after 6 epochs",
+        "the same: accuracy, 6 epochs",
         unit=" points",
         target="target_accuracy_points_vs_ddp_100mbit",
     ),
@@ -143,7 +143,7 @@ FIGURES = (
     Figure(
         "straggler",
         "local_async_vs_sync",
-        "local steps, 1 of 2 workers 3x slower: `async` vs `sync` samples/s",
+        "local steps, 1 of 2 workers 3x slower: async/sync samples/s",
         target="target_local_async_vs_sync",
     ),
     Figure(
@@ -341,7 +341,7 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
         "Benchmarks (`paramserver bench NAME --json`, each against its baseline in one run;",
         "commands in [docs/BENCHMARKS.md](docs/BENCHMARKS.md))"
         + (
-            ": runs A / B, the two latest lines of `docs/bench/NAME.json` that hold each:"
+            ": runs A / B, each figure's two latest lines in `docs/bench/NAME.json`:"
             if quoted
             else "."
         ),
