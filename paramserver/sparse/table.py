@@ -63,6 +63,7 @@ def complete_all(found: Sequence[Lookup]) -> list[torch.Tensor]:
     pull names 26 tables: one pass instead of 26)."""
     outs = []
     wanted: list[Wanted] = []
+    filled: list[tuple[torch.Tensor, np.ndarray]] = []  # (a lookup's rows, where to fill)
     for f in found:
         out = torch.zeros((len(f.ids), f.dim), dtype=getattr(torch, f.dtype))
         out[torch.from_numpy(f.held)] = f.values
@@ -70,10 +71,9 @@ def complete_all(found: Sequence[Lookup]) -> list[torch.Tensor]:
         if f.init is not None and not f.held.all():
             missing = np.flatnonzero(~f.held)
             wanted.append((f.key, f.ids[missing], f.dim, f.dtype, f.init, f.mix))
-    values = iter(initial_values_many(wanted))
-    for f, out in zip(found, outs, strict=True):
-        if f.init is not None and not f.held.all():
-            out[torch.from_numpy(np.flatnonzero(~f.held))] = next(values)
+            filled.append((out, missing))
+    for (out, missing), values in zip(filled, initial_values_many(wanted), strict=True):
+        out[torch.from_numpy(missing)] = values
     return outs
 
 
