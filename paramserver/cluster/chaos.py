@@ -13,7 +13,8 @@ again meanwhile. Then the same run without faults, and the checks:
 
 - exactly once: on every shard, every batch of the run applied once (the server's ledger
   and batch plan), and the workers' own logs (``--batch-log``) agree: no batch outside the
-  run, none missing but the line a killed worker had not written yet (one a kill), and
+  run, none missing but the line a killed worker had not written yet or a worker whose
+  link went down never got the answer for (one a kill-worker or link-down fault), and
   none in two logs unless a shard fault rewound the run past it (its first push undone);
 - no hang: every recovery within ``recover_within`` seconds, and the run ends;
 - equal result: under ``sync`` with only server-side faults, the final weights and table
@@ -301,9 +302,11 @@ def soak(cfg: ChaosConfig) -> dict[str, Any]:
         and hurt.statuses[0].get("batches_done") == total
     )
     # a worker killed after its push was acknowledged and before it wrote the line loses
-    # that line: at most one a kill-worker fault
+    # that line; so does one whose link went down after its push arrived and before the
+    # answer came back, when its lease ran out meanwhile (the retry finds no lease, and the
+    # worker cannot tell that the push was taken): at most one a kill-worker or link-down
     unlogged = set(range(total)) - set(hurt.logged_batches)
-    kills = sum(1 for f in schedule if f.kind == "kill-worker")
+    kills = sum(1 for f in schedule if f.kind in ("kill-worker", "link-down"))
     twice = sorted(b for b, n in hurt.logged_batches.items() if n > 1)
     rewinds = any(f.kind not in WORKER_KINDS for f in schedule)
     checks["workers_logs_agree"] = (
