@@ -81,16 +81,19 @@ def write_result(out: str | Path, result: Any) -> None:
 
 
 def worker_figures(
-    worker: Any, rank: int, steps: int, batch: int, started: float
+    worker: Any, rank: int, steps: int, batch: int, started: float, cpu_started: float = 0.0
 ) -> dict[str, Any]:
     """A bench worker's result once its steps are flushed: steps, samples, seconds since
-    ``started`` and the rows it fetched and pushed (its peak memory is added after it left)."""
+    ``started``, the CPU seconds this process used since ``cpu_started`` (every thread's,
+    ``time.process_time``), and the rows it fetched and pushed (its peak memory is added
+    after it left)."""
     counters = worker.tables.counters
     return {
         "rank": rank,
         "steps": steps,
         "samples": steps * batch,
         "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu_started,
         "rows_fetched": counters.fetched,
         "rows_pushed": counters.pushed,
         "dense_numel": worker.manifest.numel,

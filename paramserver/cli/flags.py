@@ -238,7 +238,7 @@ class Bench:
     only: str = setting(
         "",
         "--only",
-        "sparse: run this case alone; criteo: the Criteo-like recommender case (h)-(k). network: only these training variants beside DDP, comma-separated (fp32, fp32_2shards, bf16, topk, topk_2shards, local32_int8, local32_int8_async), and no link figures [default: every case].",
+        "sparse: run this case alone; criteo: the Criteo-like recommender case (h)-(k); main: the 1M-row DLRM's tables under async, sync and delay-1 against one local process and DDP, and the CPU a step (a), (c), (d). network: only these training variants beside DDP, comma-separated (fp32, fp32_2shards, bf16, topk, topk_2shards, local32_int8, local32_int8_async), and no link figures [default: every case].",
         env="BENCH_ONLY",
     )
     device: str = setting(

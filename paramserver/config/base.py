@@ -16,7 +16,13 @@ DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embe
 
 # nesterov: DiLoCo's outer step; delayed-nesterov: its form for async (server/bookkeeping/outer)
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam", "adamw")
-ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise-adagrad", "adam")  # a sparse table's (sparse/optim)
+ROW_OPTIMIZERS = (
+    "sgd",
+    "adagrad",
+    "rowwise-adagrad",
+    "adam",
+    "sparse-adam",
+)  # a sparse table's (sparse/optim)
 LR_SCHEDULES = ("constant", "cosine")
 LR_SCHEDULE_BY = ("steps", "batches")
 SHM_CHOICES = ("on", "payloads", "off")

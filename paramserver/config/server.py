@@ -152,7 +152,7 @@ class ServerConfig:
     table_optimizer: str = setting(
         "",
         "--table-optimizer",
-        "The sparse tables' row optimizers, comma-separated [TABLE=]OPTIMIZER[:LR] (OPTIMIZER: sgd, adagrad, rowwise-adagrad or adam, lazy; no TABLE=: every table not named; LR: the table's own, constant; no LR: --lr and its schedule). Empty: every table follows --optimizer (adam and adamw: lazy adam; sgd, momentum and nesterov: sgd).",
+        "The sparse tables' row optimizers, comma-separated [TABLE=]OPTIMIZER[:LR] (OPTIMIZER: sgd, adagrad, rowwise-adagrad, sparse-adam: torch's SparseAdam, bias-corrected by the table's steps, or adam: lazy, bias-corrected by each row's; no TABLE=: every table not named; LR: the table's own, constant; no LR: --lr and its schedule). Empty: every table follows --optimizer (adam and adamw: sparse-adam; sgd, momentum, nesterov and delayed-nesterov: sgd).",
     )
     skip_nonfinite: bool = setting(
         False,

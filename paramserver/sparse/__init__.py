@@ -8,8 +8,8 @@ touches them.
   deterministic function of (seed, table, id) whatever the number of shards;
 - ``index``: row ids to storage slots, a vectorised open-addressing hash table;
 - ``optim``: row-wise sgd, adagrad (torch's SGD and Adagrad on the touched rows),
-  rowwise-adagrad (one accumulator a row) and lazy adam (each row bias-corrected by its
-  own steps);
+  rowwise-adagrad (one accumulator a row), sparse-adam (torch's SparseAdam: bias-corrected
+  by the table's steps) and lazy adam (each row bias-corrected by its own steps);
 - ``table``: one shard's rows of a table: created by their first push (a pull creates
   nothing), pulled and pushed by id, checked before anything changes, saved and restored;
 - ``tableset``: every table a shard holds, as the coordinator uses them: a push's rows

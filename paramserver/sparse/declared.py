@@ -80,7 +80,7 @@ class Embedding(RowLookup):
         init: the rows' initialiser: "normal" (nn.Embedding's), "normal:STD", "uniform:B",
             "uniform:LO:HI", "zeros" or "constant:V".
         optimizer: the table's own row optimizer ("sgd", "adagrad", "rowwise-adagrad",
-            "adam"; None: in a cluster the one that stands for the servers' dense
+            "sparse-adam", "adam"; None: in a cluster the one that stands for the servers' dense
             optimizer, on its own sgd), at ``lr`` (a constant rate; None: the servers' --lr
             and schedule, on its own 0.01). A server's ``--table-optimizer`` overrides both.
         lifecycle: admission, capacity, eviction and TTL of its rows (on every shard).

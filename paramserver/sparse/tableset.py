@@ -8,7 +8,7 @@ bookkeeping only, no I/O.
   round's end the mean is their sum over the ``n`` non-empty pushes, as for the dense
   part (``server/bookkeeping/sync_round.py``), so sync stays large-batch SGD for the tables too.
 - ``row_optimizer``: the tables' optimizer for the server's ``--optimizer``: adam and
-  adamw give lazy adam (weight decay is not applied to rows), sgd and momentum give sgd,
+  adamw give sparse-adam (weight decay is not applied to rows), sgd and momentum give sgd,
   at the same learning rate and schedule (the coordinator passes each step's rate to
   ``apply``); ``table_optimizers`` gives each table its own where ``--table-optimizer``
   names one (with its own learning rate, the table keeps it: no schedule).
@@ -47,8 +47,8 @@ class Checked(RowGradients):
 def row_optimizer(name: str, lr: float) -> RowOptimizerConfig:
     """The tables' optimizer for the server's ``--optimizer name`` and ``--lr``."""
     by_server = {
-        "adam": "adam",
-        "adamw": "adam",
+        "adam": "sparse-adam",
+        "adamw": "sparse-adam",
         "sgd": "sgd",
         "momentum": "sgd",
         "nesterov": "sgd",

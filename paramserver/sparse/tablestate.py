@@ -109,6 +109,30 @@ def clear(table: ShardTable) -> None:
     table.removed = []
 
 
+def fitted(table: ShardTable, saved: list[torch.Tensor], hits: np.ndarray) -> list[torch.Tensor]:
+    """Saved optimizer state as this table's optimizer keeps it. Adam's moments are the
+    same in both forms: a run saved under ``adam`` (lazy, each row's steps) resumes under
+    ``sparse-adam`` (the table's, the default for ``--optimizer adam`` since issue 44)
+    without the steps, and one saved under ``sparse-adam`` resumes under ``adam`` with each
+    row's pushes (``hits``) as its steps.
+
+    Raises:
+        ValueError: any other optimizer's state.
+    """
+    name, keeps = table.optimizer.config.name, len(table.state)
+    if name == "sparse-adam" and len(saved) == 3 and saved[2].dtype == torch.int64:
+        return list(saved[:2])
+    if name == "adam" and len(saved) == 2:
+        steps = torch.from_numpy(np.asarray(hits, np.int64)).view(-1, 1).clamp(min=1)
+        return [*saved, steps]
+    if len(saved) != keeps:
+        raise ValueError(
+            f"Table {table.spec.name!r}: the saved optimizer state has {len(saved)} "
+            f"parts; {name} keeps {keeps}."
+        )
+    return list(saved)
+
+
 def put_rows(table: ShardTable, block: RowBlock) -> None:
     """Rows ``block`` set as they were saved (created where not held), unmarked: they are
     on disk already."""
@@ -121,14 +145,10 @@ def put_rows(table: ShardTable, block: RowBlock) -> None:
         slots[new] = table.index.insert(ids[new])
         table._reserve(table.index.slots_used)
         table.slot_ids[slots[new]] = ids[new]
-    if len(block.state) != len(table.state):
-        raise ValueError(
-            f"Table {table.spec.name!r}: the saved optimizer state has {len(block.state)} "
-            f"parts; {table.optimizer.config.name} keeps {len(table.state)}."
-        )
+    states = fitted(table, block.state, block.hits)
     at = torch.from_numpy(slots)
     table.values[at] = block.values.to(table.values.dtype)
-    for mine, theirs in zip(table.state, block.state, strict=True):
+    for mine, theirs in zip(table.state, states, strict=True):
         mine[at] = theirs.to(mine.dtype)
     table.hits[slots] = block.hits
     table.last[slots] = block.last

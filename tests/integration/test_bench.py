@@ -188,6 +188,8 @@ def test_bench_quick_json(name):
             assert set(figures[key]) == {"sync", "delay-1", "async"}
             assert all(math.isfinite(v) for v in figures[key].values())
         assert set(figures["criteo_push_ms"]) == {"pull", "check", "apply"}
+        assert set(figures["cpu_ms_per_step"]) == {"workers", "server", "local"}
+        assert figures["cpu_ms_per_step"]["workers"] > 0
         # the table's rows move, not the table: fewer bytes a step than the dense table's
         assert figures["bytes_per_step_sparse"] < figures["bytes_per_step_dense"]
         assert 0.5 < figures["auc"] < 1 and 0.5 < figures["auc_local"] < 1
@@ -233,6 +235,27 @@ def test_bench_quick_json(name):
         assert set(figures["time_to_target_s"]) == {"local", "ddp", "sync", "delay-1", "async"}
         for curve in figures["curves"].values():
             assert len(curve) == 2 and all(0 < acc <= 1 for _, acc in curve)
+
+
+def test_bench_sparse_only_main_runs_the_dlrm_targets_alone():
+    """``bench sparse --only main``: (a) under each policy against (c) and (d), with the
+    CPU a step, and none of the other cases."""
+    out = subprocess.run(
+        paramserver_cmd("bench", "sparse", "--quick", "--json", "--only", "main"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["only"] == "main" and set(figures["auc_by_policy"]) == {
+        "sync",
+        "delay-1",
+        "async",
+    }
+    assert set(figures["samples_per_s"]) == {"tables", "local", "ddp"}
+    assert 0.5 < figures["auc"] < 1 and figures["cpu_ms_per_step"]["local"] > 0
+    assert "criteo_auc" not in figures and "big_table_mb" not in figures
 
 
 RANK = """

@@ -232,13 +232,21 @@ def test_rows_of_a_push_whose_reply_is_lost_are_applied_once(serve, path, monkey
     assert torch.equal(got, expected)
 
 
-def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
+@pytest.mark.parametrize("rows", ["", "adam"])
+def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path, rows):
+    """Under --optimizer adam's sparse-adam, and lazy adam (--table-optimizer adam)."""
     torch.manual_seed(3)
     model = Clicky()
     start = Clicky()
     start.load_state_dict(model.state_dict())
     server = serve(
-        model, optimizer="adam", lr=0.05, policy="async", workers=1, checkpoint_dir=str(tmp_path)
+        model,
+        optimizer="adam",
+        lr=0.05,
+        policy="async",
+        workers=1,
+        checkpoint_dir=str(tmp_path),
+        table_optimizer=rows,
     )
     with ps.Worker(server.address, model) as worker:
         for x, y in _batches(5):
@@ -248,14 +256,23 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path):
     held = server.coordinator.tables.held
     server.stop()  # writes a last checkpoint
     resumed = serve(
-        start, optimizer="adam", lr=0.05, policy="async", workers=1, checkpoint_dir=str(tmp_path)
+        start,
+        optimizer="adam",
+        lr=0.05,
+        policy="async",
+        workers=1,
+        checkpoint_dir=str(tmp_path),
+        table_optimizer=rows,
     )
     assert resumed.coordinator.tables.held == held
     torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
     saved = tablestate.state_dict(resumed.coordinator.tables.table("emb"))
-    # lazy adam's moments and each row's steps came back
-    assert saved["steps"] == 5 and len(saved["state"]) == 3
-    assert int(saved["state"][2].max()) <= 5
+    # the moments came back, the table's steps (sparse-adam's count), and lazy adam's
+    # each row's steps
+    assert saved["steps"] == 5 and len(saved["state"]) == (3 if rows else 2)
+    assert saved["state"][0].abs().sum() > 0
+    if rows:
+        assert int(saved["state"][2].max()) <= 5
 
 
 @pytest.mark.parametrize("path", ["control-socket", "data-port"])

@@ -49,19 +49,21 @@ def test_a_push_with_one_bad_table_changes_no_table():
         tables.pull("c", [0])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "sparse-adam"])
 def test_a_sync_round_of_row_gradients_is_one_large_batch_step(optimizer):
     """Two workers' half batches through a round and its mean equal torch's sparse
     embedding trained on the whole batch (the mean loss over both halves)."""
     lr, steps = 0.05, 4
-    tables = TableSet([SPECS[0]], row_optimizer(optimizer, lr), seed=2)
+    tables = TableSet([SPECS[0]], RowOptimizerConfig(optimizer, lr), seed=2)
     emb = torch.nn.Embedding(ROWS, DIM, sparse=True)
     with torch.no_grad():
         emb.weight.copy_(tables.table("a").read(np.arange(ROWS)))
-    # the whole batch through torch's SGD, or through lazy adam from its definition
-    # (each row bias-corrected by its own steps: tests/unit/rowref.py)
+    # the whole batch through torch's SGD or SparseAdam, or through lazy adam from its
+    # definition (each row bias-corrected by its own steps: tests/unit/rowref.py)
     ref = Reference(emb.weight.detach(), "adam", lr) if optimizer == "adam" else None
-    opt = torch.optim.SGD([emb.weight], lr=lr)
+    opt: torch.optim.Optimizer = torch.optim.SGD([emb.weight], lr=lr)
+    if optimizer == "sparse-adam":
+        opt = torch.optim.SparseAdam([emb.weight], lr=lr)
     g = torch.Generator().manual_seed(5)
     target = torch.randn(ROWS, DIM, generator=g)
     rnd = RowRound()
@@ -109,7 +111,7 @@ def _shard(i: int) -> int:
 
 
 def test_row_optimizers_follow_the_servers_optimizer():
-    assert row_optimizer("adamw", 0.1).name == "adam"
+    assert row_optimizer("adamw", 0.1).name == "sparse-adam"
     assert row_optimizer("momentum", 0.1).name == "sgd"
     with pytest.raises(ValueError, match="No row-wise optimizer"):
         row_optimizer("lbfgs", 0.1)
@@ -183,8 +185,8 @@ def test_each_table_takes_the_optimizer_table_optimizer_names():
     assert got["b"][0].name == "adagrad" and got["b"][0].lr == 0.001 and got["b"][1]
     plain = table_optimizers(SPECS, {}, "adamw", 0.01)
     assert {n: (c.name, s) for n, (c, s) in plain.items()} == {
-        "a": ("adam", True),
-        "b": ("adam", True),
+        "a": ("sparse-adam", True),
+        "b": ("sparse-adam", True),
     }
     with pytest.raises(ConfigError, match="'c', which the model does not hold"):
         table_optimizers(SPECS, parse_table_optimizers("c=sgd"), "adam", 0.1)
@@ -213,13 +215,13 @@ def test_each_table_takes_the_optimizer_table_optimizer_names():
 
 
 def test_a_checkpoint_of_lazy_adam_before_per_row_steps_resumes_each_row_from_the_tables():
-    tables = TableSet(SPECS[:1], row_optimizer("adam", 0.01), seed=3)
+    tables = TableSet(SPECS[:1], RowOptimizerConfig("adam", 0.01), seed=3)
     ids = np.array([1, 2, 3])
     for _ in range(4):
         tables.apply(tables.check([RowGradients("a", ids, torch.ones(3, DIM))]))
     saved = tables.state_dict()
     saved["a"]["state"] = saved["a"]["state"][:2]  # as written before: the moments only
-    old = TableSet(SPECS[:1], row_optimizer("adam", 0.01), seed=3)
+    old = TableSet(SPECS[:1], RowOptimizerConfig("adam", 0.01), seed=3)
     old.load_state_dict(saved)
     assert old.table("a").state[2][: len(ids)].flatten().tolist() == [4, 4, 4]
     for t in (tables, old):
@@ -319,3 +321,33 @@ def test_many_tables_initial_values_in_one_pass_equal_each_tables_own(monkeypatc
         fresh, values = push.prepared
         assert np.array_equal(fresh, np.sort(ids))
         assert torch.equal(values, got[torch.from_numpy(np.argsort(ids))]), name
+
+
+def test_adam_s_two_forms_resume_each_other_s_rows():
+    """A run saved under lazy adam (each row's steps) resumes under sparse-adam (the
+    table's; the default for --optimizer adam since issue 44) with the same moments, and
+    back, each row's steps then its pushes; another optimizer's state is refused."""
+    import dataclasses
+
+    from paramserver.sparse import tablestate
+
+    ids = np.array([1, 2, 3])
+    lazy = TableSet(SPECS[:1], RowOptimizerConfig("adam", 0.01), seed=3)
+    for n in range(3):
+        pushed = ids[: n + 1]
+        lazy.apply(lazy.check([RowGradients("a", pushed, torch.ones(len(pushed), DIM))]))
+    block = lazy.take_changes()["a"].rows
+    table = TableSet(SPECS[:1], RowOptimizerConfig("sparse-adam", 0.01), seed=3).table("a")
+    tablestate.put_rows(table, block)
+    slots = torch.from_numpy(table.index.find(ids))
+    assert len(table.state) == 2
+    for mine, theirs in zip(table.state, block.state[:2], strict=True):
+        torch.testing.assert_close(mine[slots], theirs, rtol=0, atol=0)
+    back = TableSet(SPECS[:1], RowOptimizerConfig("adam", 0.01), seed=3).table("a")
+    tablestate.put_rows(back, dataclasses.replace(block, state=block.state[:2]))
+    at = torch.from_numpy(back.index.find(ids))
+    assert back.state[2][at].flatten().tolist() == [3, 2, 1]  # each row's pushes
+    torch.testing.assert_close(back.state[0][at], block.state[0], rtol=0, atol=0)
+    other = TableSet(SPECS[:1], RowOptimizerConfig("rowwise-adagrad", 0.01), seed=3).table("a")
+    with pytest.raises(ValueError, match="has 3 parts; rowwise-adagrad keeps 1"):
+        tablestate.put_rows(other, block)

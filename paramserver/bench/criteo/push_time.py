@@ -16,8 +16,9 @@ import torch
 
 from paramserver.bench.criteo.stream import DENSE, make
 from paramserver.codec.rows import RowGradients, TableSpec
+from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.table import complete_all
-from paramserver.sparse.tableset import TableSet, row_optimizer
+from paramserver.sparse.tableset import TableSet
 
 DIM, WARM = 16, 20
 Push = list[tuple[str, np.ndarray]]
@@ -38,7 +39,7 @@ def replay(specs: list[TableSpec], pushed: list[Push]) -> dict[str, float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tables = TableSet(specs, row_optimizer("adam", 0.01))
+        tables = TableSet(specs, RowOptimizerConfig("adam", 0.01))  # the case's: lazy adam
         took = {"pull": 0.0, "check": 0.0, "apply": 0.0}
         g = torch.Generator().manual_seed(0)
         for n, push in enumerate(pushed):

@@ -130,14 +130,14 @@ def ps_main(argv: list[str]) -> None:
     model = build(case.cards, mode, init=False)  # the servers' weights start it
     mine = batches(case, rank, world)[: max_steps or None]
     with Worker(address, model, name=f"criteo-{rank}") as worker:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for part in mine:
             if mode == "declared":  # every table's rows in one request, not one a table
                 worker.prefetch(model.table_ids(train_x[part]))
             F.cross_entropy(model(train_x[part]), train_y[part]).backward()
             worker.step(samples=case.batch)
         worker.flush()
-        figures = worker_figures(worker, rank, len(mine), case.batch, started)
+        figures = worker_figures(worker, rank, len(mine), case.batch, started, cpu_started)
     write_result(out, {**figures, "peak_rss_mb": peak_rss_mb()})
 
 

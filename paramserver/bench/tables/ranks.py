@@ -32,6 +32,7 @@ from torch import nn
 
 from paramserver import models
 from paramserver.sparse import Embedding, Lifecycle, name_tables
+from paramserver.sparse.tableset import row_optimizer
 from paramserver.training import clicks
 from paramserver.training.evaluation import evaluate
 
@@ -147,14 +148,15 @@ def auc(model: nn.Module, test_x: torch.Tensor, test_y: torch.Tensor) -> float:
 def local_run(case: Case, rows: bool = False) -> dict[str, Any]:
     """One process, every batch of the epoch in order: samples/s and test AUC. ``rows``:
     the table declared (``paramserver.sparse.Embedding``) and trained on its own with the
-    servers' row optimizer (lazy adam bias-corrected by each row's own steps, where torch's
-    ``SparseAdam`` counts the table's), the rest as before."""
+    servers' row optimizer (for adam: sparse-adam, as torch's ``SparseAdam`` but from the
+    declared table's own initial rows), the rest as before."""
     torch.set_num_threads(1)
     train_x, train_y, test_x, test_y = data(case)
     torch.manual_seed(0)
     model = models.DLRM(case.fields, case.rows, case.dim, sparse=True, shared=True)
     if rows:
-        model.tables[0] = Embedding(case.table_rows, case.dim, optimizer=case.optimizer, lr=LR)
+        rows_by = row_optimizer(case.optimizer, LR).name  # what the servers run for it
+        model.tables[0] = Embedding(case.table_rows, case.dim, optimizer=rows_by, lr=LR)
         name_tables(model)
     opts = optimizers(model, case)
     batches = case.train // case.batch
@@ -181,13 +183,13 @@ def ps_main(argv: list[str]) -> None:
     model = build_model(case, mode)
     mine = list(range(rank, case.train // case.batch, world))[: max_steps or None]
     with Worker(address, model, cache_rows=case.cache_rows, name=f"bench-{rank}") as worker:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for b in mine:
             part = slice(b * case.batch, (b + 1) * case.batch)
             F.cross_entropy(model(train_x[part]), train_y[part]).backward()
             worker.step(samples=case.batch)
         worker.flush()
-        figures = worker_figures(worker, rank, len(mine), case.batch, started)
+        figures = worker_figures(worker, rank, len(mine), case.batch, started, cpu_started)
     write_result(out, {**figures, "peak_rss_mb": peak_rss_mb()})
 
 

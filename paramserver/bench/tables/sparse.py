@@ -6,14 +6,15 @@ side in one run, then a table too large for a worker.
 (b) dense: the same, the table a dense parameter (every step moves all of it); a few steps
     only, to measure its rate;
 (c) local: one process, SparseAdam on the table and Adam on the rest; its AUC also with the
-    table declared and trained on its own under the servers' row optimizer (lazy adam whose
-    bias correction counts each row's steps: SparseAdam counts the table's);
+    table declared and trained on its own under the servers' row optimizer (sparse-adam:
+    SparseAdam's update, from the declared table's initial rows);
 (d) DDP: 2 processes (gloo), the table's gradients all-reduced sparse.
 
 Each reports samples/s; (a) and (b) their payload bytes per step (ids and values of the rows
 fetched and pushed, and the flat buffer's weights and gradients), (a), (c) and (d) the test
 AUC after one epoch; (a) also under sync and delay-1, each policy's AUC against (c)'s and
-(d)'s. Then:
+(d)'s, and where a step's CPU goes (the workers', the server's, against a local step's).
+Then:
 
 (e) lifecycle: (a) with the table declared (``paramserver.sparse.Embedding``) with a
     lifecycle: ids admitted at their second push, a capacity of a sixteenth of the table's
@@ -29,122 +30,20 @@ AUC after one epoch; (a) also under sync and delay-1, each policy's AUC against 
     shape, one local process; the sparse run's export and serving (``bench/criteo/case.py``).
     ``--only criteo`` runs it alone.
 
-The processes are in ``ranks.py``.
+The processes are in ``ranks.py``, each run in ``runs.py``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import click
-import torch
 
 from paramserver.bench.criteo import case as criteo_case
-from paramserver.bench.ddp import peak_rss_mb, run_ranks
-from paramserver.bench.tables.ranks import (
-    CASES,
-    LR,
-    Case,
-    auc,
-    build_model,
-    data,
-    local_run,
-)
-
-WORLD = 2
-RANKS = "paramserver.bench.tables.ranks"
-
-
-def ps_run(
-    case: Case, mode: str, steps: int, logs: Path, evaluate: bool, policy: str = "async"
-) -> dict[str, Any]:
-    """(a), (b), (e) or (f): a server in this process (``policy``), its table as ``mode``
-    says (``build_model``), and WORLD worker processes."""
-    from paramserver.api import serve
-
-    logging.getLogger("paramserver").setLevel(logging.WARNING)  # the server's joins and leaves
-    saved = logs / f"train-{case.name}.pt"  # made once here, not in each worker
-    if not saved.exists():
-        torch.save(data(case)[:2], saved)
-    rss_before = peak_rss_mb("VmRSS")
-    server = serve(
-        build_model(case, mode),
-        optimizer=case.optimizer,
-        lr=LR,
-        policy=policy,
-        workers=WORLD,
-        lease_seconds=120,
-    )
-    try:
-        name = f"ps-{case.name}-{mode}-{policy}"
-        results = run_ranks(
-            RANKS,
-            ["ps", server.address, case.name, mode, str(steps), str(saved)],
-            WORLD,
-            logs,
-            name,
-            timeout=1800,
-        )
-        status = server.status()
-        server_growth = peak_rss_mb("VmRSS") - rss_before
-        state = server.model_state_dict() if evaluate else None
-    finally:
-        server.stop(grace=0)
-    steps_done = sum(r["steps"] for r in results)
-    moved = sum(
-        (r["rows_fetched"] + r["rows_pushed"]) * case.row_bytes
-        + 2 * 4 * r["dense_numel"] * r["steps"]
-        for r in results
-    )
-    out = {
-        "samples_per_s": sum(r["samples"] for r in results) / max(r["seconds"] for r in results),
-        "bytes_per_step": moved / steps_done,
-        "rows_per_step": sum(r["rows_fetched"] + r["rows_pushed"] for r in results) / steps_done,
-        "worker_rss_mb": max(r["peak_rss_mb"] for r in results),
-        "rows_held": status["rows_held"],
-        "evicted": sum(status["table_evicted"].values()),
-        "dropped": sum(status["table_dropped"].values()),
-        "server_rss_growth_mb": server_growth,
-        "steps": steps_done,
-    }
-    if state is not None:
-        _, _, test_x, test_y = data(case)
-        model = build_model(case, "dense")
-        model.load_state_dict(state, strict=True)
-        out["auc"] = auc(model, test_x, test_y)
-    return out
-
-
-def ddp_run(case: Case, logs: Path) -> dict[str, Any]:
-    """(d), tried twice: torch's sparse all-reduce over gloo once aborted a rank here with
-    glibc's "malloc(): unaligned tcache chunk detected" (heap corruption inside torch)."""
-    try:
-        results = run_ranks(RANKS, [case.name], WORLD, logs, f"ddp-{case.name}", timeout=1800)
-    except RuntimeError as exc:
-        print(f"warning: the DDP baseline failed once, running it again: {exc}", file=sys.stderr)
-        results = run_ranks(RANKS, [case.name], WORLD, logs, f"ddp-{case.name}", timeout=1800)
-    return {
-        "samples_per_s": sum(r["samples"] for r in results) / max(r["seconds"] for r in results),
-        "auc": results[0]["auc"],
-    }
-
-
-def bytes_per_row(rows: int) -> dict[str, Any]:
-    """(g), in a fresh process."""
-    out = subprocess.run(
-        [sys.executable, "-m", "paramserver.bench.tables.row_memory", str(rows)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+from paramserver.bench.tables.ranks import CASES, LR, Case, local_run
+from paramserver.bench.tables.runs import WORLD, bytes_per_row, ddp_run, ps_run
 
 
 class Runs(NamedTuple):
@@ -160,17 +59,20 @@ class Runs(NamedTuple):
     rows: dict[str, Any]
 
 
-ONLY = ("", "criteo")
+ONLY = ("", "criteo", "main")
 
 
 def run(quick: bool, only: str = "") -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """Cases (a) to (g), then the Criteo case (``bench/criteo/case.py``); ``only`` "criteo": that
-    case alone."""
+    case alone; "main": (a) under each policy, (c) and (d) alone."""
     if only not in ONLY:
         raise click.UsageError(
             f"bench sparse --only: no case {only!r}; there is {', '.join(ONLY[1:])}."
         )
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-") as tmp:
+        if only == "main":
+            rows, figures = main_cases(quick, Path(tmp))
+            return rows, {**figures, "only": only}
         rows, figures = ([], {}) if only else first_cases(quick, Path(tmp))
         criteo = Path(tmp) / "criteo"
         criteo.mkdir()
@@ -178,20 +80,39 @@ def run(quick: bool, only: str = "") -> tuple[list[tuple[str, str]], dict[str, A
     return rows + more_rows, {**figures, **more, "only": only}
 
 
+def main_cases(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """(a) under async, sync and delay-1, (c) and (d): the rates, AUCs and CPU of issue
+    44's DLRM targets."""
+    main = CASES["quick-main"] if quick else CASES["main"]
+    local, ddp, policies = _against_baselines(main, logs)
+    tables = policies["async"]
+    figures = main_figures(main, local, ddp, tables)
+    rows = [_setup_row(main), *main_rows(local, ddp, tables, figures)]
+    return rows + per_policy(policies, local, ddp, figures), figures
+
+
+def _against_baselines(
+    main: Case, logs: Path
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    """(c) with its AUC under the servers' row optimizer too, (d), and (a) under each
+    policy (async first)."""
+    local = local_run(main)
+    local["auc_rows"] = local_run(main, rows=True)["auc"]
+    ddp = ddp_run(main, logs)
+    policies = {
+        policy: ps_run(main, "sparse", steps=0, logs=logs, evaluate=True, policy=policy)
+        for policy in ("async", "sync", "delay-1")
+    }
+    return local, ddp, policies
+
+
 def first_cases(quick: bool, logs: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """Cases (a) to (g)."""
     main, big = (
         (CASES["quick-main"], CASES["quick-big"]) if quick else (CASES["main"], CASES["big"])
     )
-    local = local_run(main)
-    local["auc_rows"] = local_run(main, rows=True)["auc"]
-    ddp = ddp_run(main, logs)
-    tables = ps_run(main, "sparse", steps=0, logs=logs, evaluate=True)
-    policies = {
-        policy: ps_run(main, "sparse", steps=0, logs=logs, evaluate=True, policy=policy)
-        for policy in ("sync", "delay-1")
-    }
-    policies["async"] = tables
+    local, ddp, policies = _against_baselines(main, logs)
+    tables = policies["async"]
     dense = ps_run(main, "dense", steps=main.dense_steps, logs=logs, evaluate=False)
     life = ps_run(main, "lifecycle", steps=0, logs=logs, evaluate=True)
     large = ps_run(big, "declared", steps=0, logs=logs, evaluate=False)
@@ -232,11 +153,11 @@ def per_policy(
     ]
 
 
-def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
-    """The report's figures: each way's rate and AUC, the payloads, the big table's memory."""
-    local, ddp, tables, dense, life, large, rows = runs
+def main_figures(
+    main: Case, local: dict[str, Any], ddp: dict[str, Any], tables: dict[str, Any]
+) -> dict[str, Any]:
+    """(a) async against (c) and (d): rates, AUCs, a step's CPU and payload."""
     local_rate = local["samples"] / local["seconds"]
-    big_mb = large["rows_held"] * big.dim * 4 / 2**20
     return {
         "case": main.name,
         "table_rows": main.table_rows,
@@ -244,21 +165,36 @@ def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
         "batch": main.batch,
         "samples_per_s": {
             "tables": tables["samples_per_s"],
-            "dense": dense["samples_per_s"],
             "local": local_rate,
             "ddp": ddp["samples_per_s"],
         },
-        "sparse_vs_dense": tables["samples_per_s"] / dense["samples_per_s"],
         "sparse_vs_ddp": tables["samples_per_s"] / ddp["samples_per_s"],
         "sparse_vs_local": tables["samples_per_s"] / local_rate,
+        # a step's CPU: the workers', the server's, and one local step's (one thread)
+        "cpu_ms_per_step": {
+            **tables["cpu_ms_per_step"],
+            "local": 1e3 * local["seconds"] * main.batch / local["samples"],
+        },
         "auc": tables["auc"],
         "auc_local": local["auc"],
         "auc_local_rows": local["auc_rows"],
         "auc_ddp": ddp["auc"],
         "bytes_per_step_sparse": tables["bytes_per_step"],
-        "bytes_per_step_dense": dense["bytes_per_step"],
         "rows_per_step": tables["rows_per_step"],
         "bytes_per_row_moved": tables["bytes_per_step"] / max(tables["rows_per_step"], 1),
+    }
+
+
+def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
+    """The report's figures: each way's rate and AUC, the payloads, the big table's memory."""
+    local, ddp, tables, dense, life, large, rows = runs
+    figures = main_figures(main, local, ddp, tables)
+    figures["samples_per_s"]["dense"] = dense["samples_per_s"]
+    big_mb = large["rows_held"] * big.dim * 4 / 2**20
+    return {
+        **figures,
+        "sparse_vs_dense": tables["samples_per_s"] / dense["samples_per_s"],
+        "bytes_per_step_dense": dense["bytes_per_step"],
         "big_case": big.name,
         "big_table_declared_mb": big.table_mb,
         "big_table_mb": big_mb,
@@ -282,32 +218,28 @@ def figures_of(main: Case, big: Case, runs: Runs) -> dict[str, Any]:
     }
 
 
-def rows_of(main: Case, big: Case, runs: Runs, figures: dict[str, Any]) -> list[tuple[str, str]]:
-    """The readable table of ``figures``."""
-    local, ddp, tables, dense, life, large, per_row = runs
-    local_rate = figures["samples_per_s"]["local"]
-    big_mb = figures["big_table_mb"]
+def _setup_row(main: Case) -> tuple[str, str]:
+    return (
+        "setup",
+        f"DLRM, one table of {main.table_rows:,} rows x {main.dim} "
+        f"({main.table_mb:.0f} MB), {main.fields} fields, batch {main.batch}, "
+        f"{main.optimizer} lr {LR}, {WORLD} workers async, 1 epoch of {main.train:,}",
+    )
+
+
+def main_rows(
+    local: dict[str, Any], ddp: dict[str, Any], tables: dict[str, Any], figures: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """The readable lines of ``main_figures``."""
     rate = figures["samples_per_s"]
-    rows = [
-        (
-            "setup",
-            f"DLRM, one table of {main.table_rows:,} rows x {main.dim} "
-            f"({main.table_mb:.0f} MB), {main.fields} fields, batch {main.batch}, "
-            f"{main.optimizer} lr {LR}, {WORLD} workers async, 1 epoch of {main.train:,}",
-        ),
+    return [
         (
             "(a) tables",
             f"{rate['tables']:,.0f} samples/s, {tables['bytes_per_step'] / 2**20:.2f} "
             f"MB/step ({tables['rows_per_step']:,.0f} rows), AUC {tables['auc']:.4f}",
         ),
-        (
-            "(b) dense",
-            f"{rate['dense']:,.0f} samples/s, {dense['bytes_per_step'] / 2**20:.1f} "
-            f"MB/step ({main.dense_steps} steps a worker)",
-        ),
-        ("(c) local", f"{local_rate:,.0f} samples/s, AUC {local['auc']:.4f}"),
+        ("(c) local", f"{rate['local']:,.0f} samples/s, AUC {local['auc']:.4f}"),
         ("(d) DDP", f"{rate['ddp']:,.0f} samples/s, AUC {ddp['auc']:.4f}"),
-        ("sparse_vs_dense", f"{figures['sparse_vs_dense']:.1f}x"),
         (
             "sparse_vs_ddp",
             f"{figures['sparse_vs_ddp']:.2f}x  (vs local {figures['sparse_vs_local']:.2f}x)",
@@ -316,8 +248,31 @@ def rows_of(main: Case, big: Case, runs: Runs, figures: dict[str, Any]) -> list[
             "AUC tables - local",
             f"{tables['auc'] - local['auc_rows']:+.4f} against one process with the servers' "
             f"row optimizer (AUC {local['auc_rows']:.4f}); {tables['auc'] - local['auc']:+.4f} "
-            "against torch's SparseAdam, which bias-corrects by the table's steps",
+            "against torch's SparseAdam on an nn.Embedding",
         ),
+        (
+            "(a) CPU a step",
+            "ms: workers {workers:.1f}, server {server:.1f}; one local step {local:.1f} "
+            "(1.0x local on 2 cores needs their sum within 2x local's)".format(
+                **figures["cpu_ms_per_step"]
+            ),
+        ),
+    ]
+
+
+def rows_of(main: Case, big: Case, runs: Runs, figures: dict[str, Any]) -> list[tuple[str, str]]:
+    """The readable table of ``figures``."""
+    local, ddp, tables, dense, life, large, per_row = runs
+    big_mb = figures["big_table_mb"]
+    rows = [
+        _setup_row(main),
+        *main_rows(local, ddp, tables, figures),
+        (
+            "(b) dense",
+            f"{figures['samples_per_s']['dense']:,.0f} samples/s, "
+            f"{dense['bytes_per_step'] / 2**20:.1f} MB/step ({main.dense_steps} steps a worker)",
+        ),
+        ("sparse_vs_dense", f"{figures['sparse_vs_dense']:.1f}x"),
         (
             "(e) lifecycle",
             f"admit at the 2nd push, capacity {figures['lifecycle_capacity']:,}: "
