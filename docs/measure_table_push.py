@@ -1,6 +1,6 @@
 """A server's table work per push, without the wire or the workers: the pushes of
-``bench sparse``'s (a) run (1M x 64 table, lazy adam, batch 256 of the click log, one
-epoch) replayed against one shard's ``TableSet``: a row pull's lookup and initial values,
+``bench sparse``'s (a) run (1M x 64 table, the row optimizer --optimizer adam gives: lazy
+adam until issue 44 made it sparse-adam; batch 256 of the click log, one epoch) replayed against one shard's ``TableSet``: a row pull's lookup and initial values,
 ``check`` (outside the coordinator's lock: it computes a push's new rows' initial values)
 and ``apply`` (under it); ms per push each. Issue 27's note quotes it: run it at two
 commits (``PYTHONPATH=<a checkout>``) to compare them.

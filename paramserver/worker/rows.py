@@ -7,7 +7,8 @@ rows, their prefetch, and what a step pushes of them.
   (a user's loop names its next batch's ids; the daemon, each batch's before its forward
   pass): the rows no cache holds, of every table in one request per shard.
   ``prefetch_later(fn)`` does it on a background thread, ``fn`` giving the ids: the
-  daemon's prefetch of the next batch while this one computes. A step waits for it
+  daemon's prefetch of the next batch while this one computes (``prefetch_soon(ids)``: a
+  user's loop's, ``Worker.prefetch(ids, wait=False)``). A step waits for it
   before staging its push, and rows prefetched and not pushed since are kept at most one
   step (see ``sparse/embedding.py``). Each row carries the slowest live clock when it was
   read (the pull's ``low_clock``): under ``ssp:K`` a row read before that clock reached
@@ -95,15 +96,24 @@ class WorkerTables:
         """Fetch the rows ``ids[table]`` name now, for a forward pass to come: those no cache
         holds, of every table at once (one request per shard)."""
         wanted = {name: np.unique(_host(table_ids)) for name, table_ids in ids.items()}
-        for name in wanted:
-            if name not in self.modules:
-                raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
+        self._known(wanted)
         missing = {name: self.modules[name].missing(i) for name, i in wanted.items()}
         missing = {name: m for name, m in missing.items() if len(m)}
         rows, low = self.remote.pull_many_at(missing) if missing else ({}, -1)
         for name, table_ids in wanted.items():
             got = (missing[name], rows[name]) if name in rows else None
             self.modules[name].prefetch(table_ids, got, low)
+
+    def _known(self, ids: IdsByTable) -> None:
+        for name in ids:
+            if name not in self.modules:
+                raise ValueError(f"No table {name!r} (tables: {', '.join(sorted(self.modules))}).")
+
+    def prefetch_soon(self, ids: IdsByTable) -> None:
+        """``prefetch(ids)`` on the background thread, its tables' names checked now: a
+        user's loop names its next batch's ids before this batch computes."""
+        self._known(ids)
+        self.prefetch_later(lambda: ids)
 
     def prefetch_later(self, ids: Callable[[], IdsByTable | None]) -> None:
         """``prefetch(ids())`` on the background thread (``ids()`` None: nothing to fetch)."""

@@ -1,8 +1,9 @@
 """What a ``Worker`` says about itself: its id, rank, clock and incarnation (shard 0's),
-its shards and rejoins, and how its steps move (``StepMode``)."""
+its shards and rejoins, shard 0's Status, and how its steps move (``StepMode``)."""
 
 from __future__ import annotations
 
+from paramserver._proto import paramserver_pb2 as pb
 from paramserver.policy.staleness import Policy
 from paramserver.worker.pipeline import StepMode, step_mode
 from paramserver.worker.session import Session
@@ -37,6 +38,10 @@ class WorkerView:
     @property
     def rejoins(self) -> int:
         return sum(s.rejoins for s in self.sessions)
+
+    def status(self) -> pb.StatusResponse:
+        """Shard 0's Status (its batches and samples are the run's)."""
+        return self.sessions[0].status()
 
     @property
     def shm_active(self) -> bool:

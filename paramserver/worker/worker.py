@@ -326,10 +326,12 @@ class Worker(WorkerView):
         if pull:
             self.tables.refetch(self.clock, self.policy.bound)
 
-    def prefetch(self, ids: IdsByTable) -> None:
-        """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) now, for the
-        next forward pass; rows it still lacks then are fetched on demand."""
-        self.tables.prefetch(ids)
+    def prefetch(self, ids: IdsByTable, wait: bool = True) -> None:
+        """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) for the next
+        forward pass: now, or (``wait`` False) on a background thread while this batch
+        computes, which the next ``step`` waits for; the policy's bound holds either way
+        (``worker/rows.py``). Rows it still lacks then are fetched on demand."""
+        self.tables.prefetch(ids) if wait else self.tables.prefetch_soon(ids)
 
     def prefetch_next(self, ids_of: Callable[[list[int]], IdsByTable | None]) -> None:
         """Prefetching steps: once the weights for the step after this one have come, fetch
@@ -347,10 +349,6 @@ class Worker(WorkerView):
         because its server restarted is not: the next pull joins the new server)."""
         self._pipe.flush()
         self._pipe.check()
-
-    def status(self) -> pb.StatusResponse:
-        """Shard 0's Status (its batches and samples are the run's)."""
-        return self.sessions[0].status()
 
     # --- leaving ----------------------------------------------------------------------
 

@@ -87,11 +87,24 @@ def test_rows_too_many_for_one_message_follow_the_header_in_chunks(serve, shm, m
     assert chunks and min(chunks) > 2  # every push went as chunks, its tables in pieces
 
 
-def _trains_as_torch(serve, shards: int, shm: bool, wire: str = "auto") -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_next_rows_fetched_while_this_batch_computes_train_as_torch(serve, shards):
+    """Issue 44: ``prefetch(next ids, wait=False)`` before a batch computes fetches the next
+    batch's rows meanwhile, under async; a row this step pushes is fetched again, so one
+    worker still trains exactly as torch, and the rows prefetched are the forward passes'
+    cache hits."""
+    worker = _trains_as_torch(serve, shards, True, policy="async", ahead=True)
+    counters = worker.tables.counters
+    assert counters.hits > 0 and counters.fetched > 0
+
+
+def _trains_as_torch(
+    serve, shards: int, shm: bool, wire: str = "auto", policy: str = "sync", ahead: bool = False
+) -> ps.Worker:
     torch.manual_seed(0)
     model = Clicky()
     servers = [
-        serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=1, shard=i, shards=shards)
+        serve(model, optimizer="sgd", lr=0.1, policy=policy, workers=1, shard=i, shards=shards)
         for i in range(shards)
     ]
     local = _local_twin(model, servers)
@@ -101,7 +114,11 @@ def _trains_as_torch(serve, shards: int, shm: bool, wire: str = "auto") -> None:
     try:
         assert isinstance(model.emb, TableEmbedding) and isinstance(model.bag, TableEmbedding)
         assert [n for n, _ in model.named_parameters()] == ["head.weight", "head.bias"]
-        for x, y in _batches(10):
+        batches = _batches(10)
+        for i, (x, y) in enumerate(batches):
+            if ahead and i + 1 < len(batches):
+                nxt = batches[i + 1][0]
+                worker.prefetch({"emb": nxt, "bag": nxt}, wait=False)
             F.cross_entropy(model(x), y).backward()
             worker.step(samples=len(x))
             opt.zero_grad()
@@ -115,15 +132,17 @@ def _trains_as_torch(serve, shards: int, shm: bool, wire: str = "auto") -> None:
     touched = len(torch.cat([x.flatten() for x, _ in _batches(10)]).unique())
     held = sum(s.coordinator.tables.held for s in servers)
     assert held == 2 * touched  # only the rows touched exist, in each of the two tables
+    return worker
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", ["", "now", "soon"])
 def test_two_sync_workers_are_one_large_batch(serve, prefetch):
     """Two workers, each half of every batch, under sync: the tables end as one local model
     trained on the whole batches (mean of the halves' mean losses). With ``prefetch`` each
-    fetches its next half's rows before its step, while the other's push of the same rows
-    may still be on its way (issue 27: the round changed row 7 after it was prefetched):
-    the rows are fetched again after the round's pull, so the training stays exact."""
+    fetches its next half's rows before its step ("now"), or in the background while this
+    half computes ("soon", ``wait=False``), while the other's push of the same rows may
+    still be on its way (issue 27: the round changed row 7 after it was prefetched): the
+    rows are fetched again after the round's pull, so the training stays exact."""
     torch.manual_seed(1)
     model = Clicky()
     server = serve(model, optimizer="sgd", lr=0.1, policy="sync", workers=2)
@@ -139,9 +158,11 @@ def test_two_sync_workers_are_one_large_batch(serve, prefetch):
             # the rows each forward pass computed with, to hold against the local model's
             replica.emb.register_forward_hook(lambda m, i, out: used[half].append(out.detach()))
             for i, (x, y) in enumerate(batches):
+                ahead = batches[i + 1][0][part] if i + 1 < len(batches) else None
+                if prefetch == "soon" and ahead is not None:
+                    worker.prefetch({"emb": ahead, "bag": ahead}, wait=False)
                 F.cross_entropy(replica(x[part]), y[part]).backward()
-                if prefetch and i + 1 < len(batches):
-                    ahead = batches[i + 1][0][part]
+                if prefetch == "now" and ahead is not None:
                     worker.prefetch({"emb": ahead, "bag": ahead})
                 worker.step(samples=BATCH // 2)
 
