@@ -32,7 +32,7 @@ from paramserver.codec.rows import TableSpec
 from paramserver.errors import InvalidRequest
 from paramserver.sparse import lifecycle as life
 from paramserver.sparse.index import index_for
-from paramserver.sparse.initial import Wanted, initial_values, initial_values_many
+from paramserver.sparse.initial import Recent, Wanted, initial_values, initial_values_many
 from paramserver.sparse.optim import RowOptimizer, RowOptimizerConfig
 from paramserver.sparse.rows import Init, shard_of, table_key
 
@@ -50,6 +50,7 @@ class Lookup:
     dtype: str
     init: Init | None  # None: rows not held read as zeros
     mix: bool = False  # an unbounded table's: see ``initial_values``
+    recent: Recent | None = None  # where its initial values are kept (the shard's)
 
     def complete(self) -> torch.Tensor:
         """The rows of ``ids``: (len(ids), dim); the initial values computed a chunk of
@@ -72,7 +73,8 @@ def complete_all(found: Sequence[Lookup]) -> list[torch.Tensor]:
             missing = np.flatnonzero(~f.held)
             wanted.append((f.key, f.ids[missing], f.dim, f.dtype, f.init, f.mix))
             filled.append((out, missing))
-    for (out, missing), values in zip(filled, initial_values_many(wanted), strict=True):
+    recent = next((f.recent for f in found if f.recent is not None), None)
+    for (out, missing), values in zip(filled, initial_values_many(wanted, recent), strict=True):
         out[torch.from_numpy(missing)] = values
     return outs
 
@@ -104,6 +106,7 @@ class ShardTable:
         self.key = table_key(seed, spec.name)
         self.init = Init.parse(spec.init)
         self.lifecycle = (lifecycle or life.Lifecycle()).checked(spec.name)
+        self.recent: Recent | None = None  # the shard's kept initial values (``TableSet``'s)
         self.sketch = life.Sketch(self.lifecycle.sketch) if self.lifecycle.admit_after > 1 else None
         self.tally = life.Tally()
         self.optimizer = RowOptimizer(optimizer)
@@ -175,7 +178,8 @@ class ShardTable:
         """``ids`` and ``grads`` as a push applies them, or InvalidRequest; changes nothing.
         ``nonfinite``: NaN or Inf passes (the server skips the push, ``--skip-nonfinite``)."""
         arr = self.check_ids(ids, "A push")
-        if len(np.unique(arr)) != len(arr):
+        # a worker's ids come sorted: strictly increasing is distinct, without a sort
+        if not (arr[1:] > arr[:-1]).all() and len(np.unique(arr)) != len(arr):
             raise InvalidRequest(
                 f"A push of table {self.spec.name!r} names an id twice; coalesce the rows first."
             )
@@ -284,7 +288,9 @@ class ShardTable:
         values = self.values[torch.from_numpy(slots[held])]
         init = None if self.lifecycle.unadmitted == "zeros" else self.init
         spec = self.spec
-        return Lookup(arr, held, values, self.key, spec.dim, spec.dtype, init, not spec.rows)
+        return Lookup(
+            arr, held, values, self.key, spec.dim, spec.dtype, init, not spec.rows, self.recent
+        )
 
     def push(self, ids: Any, grads: Any, step: int | None = None) -> None:
         """One optimizer step on rows ``ids`` (distinct) with ``grads`` (one row each)."""
@@ -369,4 +375,5 @@ def prepare_all(pushed: Sequence[tuple[ShardTable, np.ndarray]]) -> list[Prepare
     one pass (``initial_values_many``)."""
     fresh = [np.sort(ids[~table.index.held_hint(ids)]) for table, ids in pushed]
     wanted = [table.wanted(f) for (table, _), f in zip(pushed, fresh, strict=True)]
-    return list(zip(fresh, initial_values_many(wanted), strict=True))
+    recent = next((t.recent for t, _ in pushed if t.recent is not None), None)
+    return list(zip(fresh, initial_values_many(wanted, recent, take=True), strict=True))

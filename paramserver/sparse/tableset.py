@@ -27,6 +27,7 @@ import torch
 from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.errors import ConfigError, InvalidRequest
 from paramserver.sparse import tablestate
+from paramserver.sparse.initial import Recent
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
 from paramserver.sparse.rows import Init, initial_rows
@@ -131,6 +132,9 @@ class TableSet:
             )
             for s in specs
         }
+        self.recent = Recent()  # a row pull's initial values, for the push that follows
+        for table in self.tables.values():
+            table.recent = self.recent
         self.scheduled = {name: chosen[name][1] for name in names}
         self.rows_pulled = 0
         self.rows_pushed = 0

@@ -351,3 +351,51 @@ def test_adam_s_two_forms_resume_each_other_s_rows():
     other = TableSet(SPECS[:1], RowOptimizerConfig("rowwise-adagrad", 0.01), seed=3).table("a")
     with pytest.raises(ValueError, match="has 3 parts; rowwise-adagrad keeps 1"):
         tablestate.put_rows(other, block)
+
+
+def test_a_push_takes_its_new_rows_initial_values_from_the_pull_before_it(monkeypatch):
+    """Issue 44: the initial values a row pull computed for the rows not held are kept (the
+    shard's ``Recent``), and the push of those rows that follows computes none; the rows
+    it creates hold the same values as where nothing was kept."""
+    real, calls = initial_module.initial_rows, []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(initial_module, "initial_rows", counted)
+    tables = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=4)
+    ids, grads = _rows(25, 1)
+    pulled = tables.pull_many([("a", ids), ("b", ids[:5])])
+    assert sorted(calls) == [5, 25] or calls == [30]  # one pass over both tables
+    calls.clear()
+    tables.apply(
+        tables.check([RowGradients("a", ids, grads), RowGradients("b", ids[:5], grads[:5])])
+    )
+    assert calls == []  # every new row's initial value came from the pull
+    assert tables.recent.hits == 30 and tables.recent.misses == 0
+    torch.testing.assert_close(tables.table("a").read(ids), pulled[0] - 0.1 * grads)
+    fresh = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=4)  # nothing kept
+    fresh.apply(fresh.check([RowGradients("a", ids, grads)]))
+    torch.testing.assert_close(
+        fresh.table("a").read(ids), tables.table("a").read(ids), rtol=0, atol=0
+    )
+
+
+def test_recent_initial_values_are_bounded_and_come_back_in_the_order_asked():
+    from paramserver.sparse.initial import Recent
+
+    group = (7, 2, "float32", None, False)
+    block = 3 * 2 * 4 + 3 * 8  # 3 rows of 2 float32 and their ids
+    recent = Recent(blocks=2, budget=3 * block)
+    for first in (0, 10, 20):
+        ids = np.array([first + 2, first, first + 1])  # unsorted: kept sorted
+        recent.keep(group, ids, torch.tensor([[2.0, 2], [0, 0], [1, 1]]) + first)
+    found, values = recent.take(group, np.array([21, 5, 12, 20, 1]))
+    assert found.tolist() == [True, False, True, True, False]  # block 0 went (2 a table)
+    assert values is not None and values[:, 0].tolist() == [21.0, 12.0, 20.0]
+    other = (8, 2, "float32", None, False)
+    for first in (0, 3):  # another table's two: the budget drops the first table's oldest
+        recent.keep(other, np.arange(first, first + 3), torch.zeros(3, 2))
+    assert recent.take(group, np.array([12, 20]))[0].tolist() == [False, True]
+    assert recent.bytes == 3 * block
