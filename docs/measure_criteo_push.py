@@ -1,7 +1,7 @@
 """A server's table work per push on ``bench sparse``'s Criteo case, without the wire or the
 workers (``paramserver.bench.criteo.push_time``, whose total ``bench sparse`` reports as
 ``criteo_push_server_ms``): the pushes of a (h) worker (26 tables of the Criteo Kaggle
-cardinalities x 16, the full case's, lazy adam, batch 1024 of the Criteo-like stream) replayed against
+cardinalities x 16, the full case's, its row optimizer, batch 1024 of the Criteo-like stream) replayed against
 one shard's ``TableSet``, ms per push of a row pull's lookup and initial values, ``check``
 (outside the coordinator's lock) and ``apply`` (under it): with every table on the hashed
 index (as before issue 44's index by id) and as the server builds them now; then the same

@@ -10,8 +10,9 @@ hashing trick).
 
 ``build(cards, mode)`` holds the tables as ``mode`` says:
 
-- "declared": ``paramserver.sparse.Embedding`` declared with the servers' row optimizer
-  (lazy Adam, lr ``LR``): allocated nowhere; a cluster's servers hold the rows, and on its
+- "declared": ``paramserver.sparse.Embedding`` declared with the row optimizer that
+  ``--optimizer adam`` gives (``ROWS``: sparse-adam since issue 44, lazy adam before; lr
+  ``LR``): allocated nowhere; a cluster's servers hold the rows, and on its
   own (one local process) an in-process row store trains them the same way;
 - "dense": ``nn.Embedding`` dense parameters, N(0, 1): every step moves all of them;
 - "small": "dense" with every table cut to at most ``SMALL_ROWS`` rows: the dense DLRM of
@@ -30,6 +31,7 @@ from paramserver.bench.criteo.stream import CARDINALITIES, DENSE, scaled
 from paramserver.sparse import Embedding
 
 LR = 0.01
+ROWS = "sparse-adam"  # the tables' row optimizer: what --optimizer adam gives them
 DIM = 16
 SMALL_ROWS = 1024  # the small dense DLRM's tables, at most
 QUICK_DIVISOR = 1000  # a quick run's cardinalities: the largest 10,131
@@ -85,7 +87,7 @@ def build(cards: tuple[int, ...], mode: str, dim: int = DIM, init: bool = True) 
 
     def table(r: int) -> nn.Module:
         if mode == "declared":
-            return Embedding(r, dim, optimizer="adam", lr=LR)
+            return Embedding(r, dim, optimizer=ROWS, lr=LR)
         return nn.Embedding(r, dim) if init else nn.Embedding(r, dim, _weight=torch.empty(r, dim))
 
     return CriteoDLRM([table(r) for r in rows], rows, dim)

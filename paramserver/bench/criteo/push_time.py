@@ -1,6 +1,6 @@
 """A server's table work per push on the Criteo case, without the wire or the workers (issue
 44's "a Criteo push's server time"): the pushes of one (h) worker (the case's 26 tables x
-16, lazy Adam, its batch of the Criteo-like stream, each batch's ids made distinct as the
+16, the case's row optimizer, its batch of the Criteo-like stream, each batch's ids made distinct as the
 worker makes them) replayed against one shard's ``TableSet``: a row pull's lookup and its
 initial values, ``check`` (outside the coordinator's lock) and ``apply`` (under it), ms a
 push each, past the first ``WARM`` pushes (which create most rows).
@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from paramserver.bench.criteo.model import LR, ROWS
 from paramserver.bench.criteo.stream import DENSE, make
 from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.sparse.optim import RowOptimizerConfig
@@ -39,7 +40,7 @@ def replay(specs: list[TableSpec], pushed: list[Push]) -> dict[str, float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tables = TableSet(specs, RowOptimizerConfig("adam", 0.01))  # the case's: lazy adam
+        tables = TableSet(specs, RowOptimizerConfig(ROWS, LR))  # the case's
         took = {"pull": 0.0, "check": 0.0, "apply": 0.0}
         g = torch.Generator().manual_seed(0)
         for n, push in enumerate(pushed):

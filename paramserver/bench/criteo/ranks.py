@@ -12,8 +12,8 @@ training or serving its DLRM (``model.py``).
   loads a serving snapshot (``paramserver.serving.load``) and answers one batch, timed from
   before ``load`` to the answer, then the test AUC of the served model.
 - ``local_run``: the same model and samples in one process: its tables declared and trained
-  on their own with the servers' row optimizer (lazy Adam, each row's own step count),
-  Adam on the rest at the same lr.
+  on their own with the servers' row optimizer (``model.ROWS``), Adam on the rest at the
+  same lr.
 """
 
 from __future__ import annotations
