@@ -260,15 +260,8 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path, 
     model = Clicky()
     start = Clicky()
     start.load_state_dict(model.state_dict())
-    server = serve(
-        model,
-        optimizer="adam",
-        lr=0.05,
-        policy="async",
-        workers=1,
-        checkpoint_dir=str(tmp_path),
-        table_optimizer=rows,
-    )
+    settings = dict(optimizer="adam", lr=0.05, policy="async", workers=1, table_optimizer=rows)
+    server = serve(model, checkpoint_dir=str(tmp_path), **settings)
     with ps.Worker(server.address, model) as worker:
         for x, y in _batches(5):
             F.cross_entropy(model(x), y).backward()
@@ -276,15 +269,7 @@ def test_a_server_checkpoint_holds_the_tables_and_resumes_them(serve, tmp_path, 
     trained = _table([server], "emb")
     held = server.coordinator.tables.held
     server.stop()  # writes a last checkpoint
-    resumed = serve(
-        start,
-        optimizer="adam",
-        lr=0.05,
-        policy="async",
-        workers=1,
-        checkpoint_dir=str(tmp_path),
-        table_optimizer=rows,
-    )
+    resumed = serve(start, checkpoint_dir=str(tmp_path), **settings)
     assert resumed.coordinator.tables.held == held
     torch.testing.assert_close(_table([resumed], "emb"), trained, rtol=0, atol=0)
     saved = tablestate.state_dict(resumed.coordinator.tables.table("emb"))

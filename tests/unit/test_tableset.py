@@ -229,9 +229,8 @@ def test_a_checkpoint_of_lazy_adam_before_per_row_steps_resumes_each_row_from_th
     torch.testing.assert_close(old.pull("a", ids), tables.pull("a", ids), rtol=0, atol=0)
 
 
-def test_a_push_s_new_rows_start_from_values_computed_before_the_lock(monkeypatch):
-    """``check`` (outside the coordinator's lock) computes the initial values of the rows
-    not held yet; ``apply`` (under it) computes none, also for a sync round's mean."""
+def _count_initial_rows(monkeypatch) -> list[int]:
+    """The number of ids of each ``initial_rows`` call from now on."""
     real, calls = initial_module.initial_rows, []
 
     def counted(*args, **kwargs):
@@ -239,6 +238,13 @@ def test_a_push_s_new_rows_start_from_values_computed_before_the_lock(monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(initial_module, "initial_rows", counted)
+    return calls
+
+
+def test_a_push_s_new_rows_start_from_values_computed_before_the_lock(monkeypatch):
+    """``check`` (outside the coordinator's lock) computes the initial values of the rows
+    not held yet; ``apply`` (under it) computes none, also for a sync round's mean."""
+    calls = _count_initial_rows(monkeypatch)
     tables = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=1)
     ids, grads = _rows(30, 0)
     first = tables.check([RowGradients("a", ids[:20], grads[:20])])
@@ -357,13 +363,7 @@ def test_a_push_takes_its_new_rows_initial_values_from_the_pull_before_it(monkey
     """Issue 44: the initial values a row pull computed for the rows not held are kept (the
     shard's ``Recent``), and the push of those rows that follows computes none; the rows
     it creates hold the same values as where nothing was kept."""
-    real, calls = initial_module.initial_rows, []
-
-    def counted(*args, **kwargs):
-        calls.append(len(args[1]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(initial_module, "initial_rows", counted)
+    calls = _count_initial_rows(monkeypatch)
     tables = TableSet(SPECS, row_optimizer("sgd", 0.1), seed=4)
     ids, grads = _rows(25, 1)
     pulled = tables.pull_many([("a", ids), ("b", ids[:5])])
