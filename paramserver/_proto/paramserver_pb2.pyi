@@ -185,7 +185,7 @@ class JoinResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut", "dtype", "exact")
+    __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut", "dtype", "exact", "ahead")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class PullRequest(_message.Message):
     COMMON_CUT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     incarnation: str
@@ -202,10 +203,11 @@ class PullRequest(_message.Message):
     common_cut: int
     dtype: str
     exact: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., batches: _Optional[int] = ..., common_cut: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., batches: _Optional[int] = ..., common_cut: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished", "shm", "batches", "cut_written", "dtype", "exact", "iteration")
+    __slots__ = ("version", "staleness", "total_bytes", "batch", "finished", "shm", "batches", "cut_written", "dtype", "exact", "iteration", "next_batches")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,7 @@ class PullHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     total_bytes: int
@@ -228,7 +231,8 @@ class PullHeader(_message.Message):
     dtype: str
     exact: int
     iteration: int
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ..., shm: _Optional[bool] = ..., batches: _Optional[_Iterable[int]] = ..., cut_written: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
+    next_batches: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., total_bytes: _Optional[int] = ..., batch: _Optional[int] = ..., finished: _Optional[bool] = ..., shm: _Optional[bool] = ..., batches: _Optional[_Iterable[int]] = ..., cut_written: _Optional[int] = ..., dtype: _Optional[str] = ..., exact: _Optional[int] = ..., iteration: _Optional[int] = ..., next_batches: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -66,7 +66,7 @@ class WorkerConfig:
     overlap: str = setting(
         "auto",
         "--overlap",
-        "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; auto: on for CUDA, off on CPU.",
+        "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; for a model with tables that says its ids (table_ids), also the next batch's rows; auto: on for CUDA, off on CPU.",
         choices=("auto", "on", "off"),
     )
     shm: str = setting(

@@ -136,10 +136,17 @@ class WorkerTables:
         self,
         first: Future[pb.PullHeader | None] | None,
         ids_of: Callable[[list[int]], IdsByTable | None],
+        later: Sequence[int] = (),
     ) -> None:
         """Once ``first`` (shard 0's prefetch of the next weights, if any) has come, fetch
-        the rows of the batches its header names (``ids_of(batches)``) in the background."""
-        if first is None or not self:
+        the rows of the batches its header names (``ids_of(batches)``) in the background;
+        without one, those of batches ``later`` (the next step's, named already)."""
+        if not self:
+            return
+        if first is None:
+            if later:
+                batches = list(later)
+                self.prefetch_later(lambda: ids_of(batches))
             return
 
         def ids() -> IdsByTable | None:

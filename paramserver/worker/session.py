@@ -93,6 +93,7 @@ class Session:
         self.rejoins = 0
         # the newest cut every shard has written, as their last pulls said (PullRequest)
         self.common_cut = 0
+        self.ahead = False  # name the next iteration's batches too (PullRequest.ahead)
         self.channel: Channel = channels(address)
         self.waits = Waits(now=backoff.now)
 
@@ -302,6 +303,7 @@ class Session:
             incarnation=self.incarnation,
             batches=batches,
             common_cut=self.common_cut,
+            ahead=self.ahead,
         )
 
     def status(self) -> pb.StatusResponse:

@@ -1,16 +1,18 @@
 """What a ``Worker`` says about itself: its id, rank, clock and incarnation (shard 0's),
-its shards and rejoins, shard 0's Status, and how its steps move (``StepMode``)."""
+its shards and rejoins, shard 0's Status and the batches its pushes landed, and how its
+steps move (``StepMode``)."""
 
 from __future__ import annotations
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.policy.staleness import Policy
-from paramserver.worker.pipeline import StepMode, step_mode
+from paramserver.worker.pipeline import Pipeline, StepMode, step_mode
 from paramserver.worker.session import Session
 
 
 class WorkerView:
     sessions: list[Session]
+    _pipe: Pipeline
     overlap: bool
     policy: Policy
 
@@ -38,6 +40,11 @@ class WorkerView:
     @property
     def rejoins(self) -> int:
         return sum(s.rejoins for s in self.sessions)
+
+    def landed_batches(self) -> list[tuple[int, ...]]:
+        """The batches of each push shard 0 took since the last call (``--batch-log``;
+        kept from the first call on): ``pushes.Landed``."""
+        return self._pipe.landed.take()
 
     def status(self) -> pb.StatusResponse:
         """Shard 0's Status (its batches and samples are the run's)."""

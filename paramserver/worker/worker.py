@@ -117,6 +117,7 @@ class Worker(WorkerView):
 
     batch: int | None  # the batch to compute next, when the server hands them out
     batches: list[int]  # all of them, with push_every > 1
+    next_batches: list[int]  # the next step's, when the pulls ask ahead (``prefetch_next``)
     finished: bool  # the server has applied every batch of the run
 
     def __init__(
@@ -154,7 +155,7 @@ class Worker(WorkerView):
         self.wire = wire
         self._stop, self._closed, self._drop_step = threading.Event(), False, False
         self.version, self.last_staleness, self.finished = 0, 0, False
-        self.batch, self.batches = None, []
+        self.batch, self.batches, self.next_batches = None, [], []
         channels = channel or grpc_channels(connect_timeout, security, transport)
         backoff = Backoff(server_timeout, now=clock)
         self.flat = flat
@@ -267,7 +268,7 @@ class Worker(WorkerView):
         self.version = first.version
         self.last_staleness = max(h.staleness for h in headers)
         self.batch = first.batch if first.batch >= 0 else None
-        self.batches = list(first.batches)
+        self.batches, self.next_batches = list(first.batches), list(first.next_batches)
         self.finished = first.finished
         common = min(h.cut_written for h in headers)  # every shard has it on disk
         for s in self.sessions:
@@ -334,15 +335,14 @@ class Worker(WorkerView):
         self.tables.prefetch(ids) if wait else self.tables.prefetch_soon(ids)
 
     def prefetch_next(self, ids_of: Callable[[list[int]], IdsByTable | None]) -> None:
-        """Prefetching steps: once the weights for the step after this one have come, fetch
-        the rows of that step's batches (``ids_of(batches)`` names them) in the background,
-        while this step computes. Otherwise nothing: the forward pass fetches them."""
-        self.tables.prefetch_ahead(self._pipe.ahead_first(), ids_of)
-
-    def landed_batches(self) -> list[tuple[int, ...]]:
-        """The batches of each push shard 0 took since the last call (``--batch-log``;
-        kept from the first call on): ``pushes.Landed``."""
-        return self._pipe.landed.take()
+        """With overlap, not under sync: fetch the rows of the next step's batches (named by
+        ``ids_of(batches)``) in the background while this step computes, once the weights
+        for it have come (prefetching steps), or from shard 0's ``next_batches`` (asked for
+        from now on). Otherwise nothing."""
+        ahead = self.overlap and self.policy.bound != 0 and not self.prefetching
+        self.sessions[0].ahead = ahead
+        later = self.next_batches if ahead else []
+        self.tables.prefetch_ahead(self._pipe.ahead_first(), ids_of, later)
 
     def flush(self) -> None:
         """Wait until every push handed to the background has been answered (one dropped

@@ -146,13 +146,15 @@ def test_a_row_pull_that_meets_a_restarted_server_joins_it_again(serve, tmp_path
     assert status["rows_pushed"] == 2 * sum(_distinct(x) for x, _ in batches[4:])
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"])
-def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap, monkeypatch):
+@pytest.mark.parametrize("overlap,shm", [("on", "on"), ("on", "off"), ("off", "on")])
+def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap, shm, monkeypatch):
     """Before each forward pass the daemon fetches the batch's rows that its caches lack, of
-    every table in one request (one shard here), not one a table. With prefetching steps
-    (overlap on, shared memory, async) most came in the background while the previous batch
-    computed: those the last push touched are fetched again, since that push updated them."""
-    if not shm_module.available():
+    every table in one request (one shard here), not one a table. With overlap (async) most
+    came in the background while the previous batch computed: named by the prefetching
+    steps' early pull (shared memory), or over gRPC by the pull before, which names the
+    next step's batches too (issue 44); those the last push touched are fetched again,
+    since that push updated them."""
+    if shm == "on" and not shm_module.available():
         pytest.skip("prefetching steps need a writable /dev/shm")
     requests: list[int] = []  # tables a row pull asked for, one entry a request
     pull_part = RemoteTables._pull_part
@@ -172,15 +174,44 @@ def test_the_daemon_fetches_a_batchs_rows_before_its_forward_pass(serve, overlap
         batch_size=256,
         epochs=1,
     )
-    summary = trainer.run(WorkerConfig(server.address, device="cpu", overlap=overlap, max_steps=30))
+    summary = trainer.run(
+        WorkerConfig(server.address, device="cpu", overlap=overlap, shm=shm, max_steps=30)
+    )
     assert summary.steps == 30
     assert summary.row_cache_hits > 0
     assert summary.row_cache_misses == 0  # every row was there before the forward pass
     if overlap == "off":
         assert requests == [clicks.FIELDS] * 30
-    else:  # the background's request, and one for the rows the last push took out
-        assert sum(requests) > 30 * clicks.FIELDS and len(requests) <= 2 * 30 + 1
+    else:  # the background's request, and one for the rows the last push took out (the
+        # first step's, and over gRPC the second's, fetched before their forward pass)
+        assert sum(requests) > 30 * clicks.FIELDS and len(requests) <= 2 * 30 + 2
+        assert len(requests) > 30
     assert server.status()["rows_pushed"] > 0
+
+
+@pytest.mark.parametrize("policy", ["async", "delay-1"])
+def test_a_daemon_naming_its_next_batches_runs_them_all_once(serve, policy, tmp_path):
+    """Over gRPC with overlap, each pull names the next step's batches too and takes them
+    for the worker (issue 44): the run still ends with every batch applied once, and the
+    worker's batch log lists each once."""
+    server = serve(
+        "tests.sparse_models:dlrm_sparse",
+        optimizer="adam",
+        lr=0.01,
+        policy=policy,
+        workers=1,
+        dataset="clicks",
+        batch_size=8192,
+        epochs=1,
+    )
+    log = tmp_path / "batches.log"
+    cfg = WorkerConfig(server.address, device="cpu", overlap="on", shm="off", batch_log=str(log))
+    summary = trainer.run(cfg)
+    status = server.status()
+    assert status["batches_done"] == status["batches_total"] == clicks.TRAIN // 8192
+    logged = sorted(int(b) for line in log.read_text().split("\n") for b in line.split())
+    assert logged == list(range(status["batches_total"]))
+    assert summary.row_cache_misses == 0 and summary.row_cache_hits > 0
 
 
 def test_the_servers_model_state_dict_holds_the_tables_whole(serve, tmp_path, monkeypatch):

@@ -468,6 +468,31 @@ def test_batches_are_handed_out_and_an_empty_sync_push_counts_for_the_round(
     assert c.pull(a.worker_id, 2, 0).finished
 
 
+def test_a_pull_ahead_names_the_next_batches_which_stay_the_workers(clock: FakeClock) -> None:
+    """Issue 44: a pull that asks ahead also takes the batches of the next iteration for its
+    worker (it fetches their rows meanwhile); its pull of that iteration gets them, a retry
+    the same, and a worker that leaves gives back both: every batch applied once."""
+    c = make("async", 2, clock)
+    a = c.join("a", train_samples=64 * 5)  # 5 batches
+    b = c.join("b", train_samples=64 * 5)
+    first = c.pull(a.worker_id, 0, 0, ahead=True)
+    assert (first.batches, first.next_batches) == ((0,), (1,))
+    assert c.pull(a.worker_id, 0, 0, ahead=True).next_batches == (1,)  # a retried pull
+    assert c.pull(b.worker_id, 0, 0).batches == (2,)  # 1 is a's already
+    c.push(a.worker_id, 0, full(1.0), 64, math.nan)
+    again = c.pull(a.worker_id, 1, 0, ahead=True)
+    assert (again.batches, again.next_batches) == ((1,), (3,))
+    c.leave(a.worker_id)  # 1 and 3 go back
+    c.push(b.worker_id, 0, full(1.0), 64, math.nan)
+    done = [0, 2]
+    for t in range(1, 4):
+        got = c.pull(b.worker_id, t, 0, ahead=True)
+        done += got.batches
+        c.push(b.worker_id, t, full(1.0), 64, math.nan)
+    assert sorted(done) == [0, 1, 2, 3, 4] and c.status().as_dict()["batches_done"] == 5
+    assert c.pull(b.worker_id, 4, 0).finished
+
+
 def test_a_worker_with_other_data_is_refused(clock: FakeClock) -> None:
     c = make("async", 2, clock)
     c.join("a", train_samples=640)

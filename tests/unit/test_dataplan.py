@@ -60,7 +60,8 @@ def test_a_group_goes_out_again_whole_and_an_empty_push_gives_its_batches_back()
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["take", "complete", "leave"]), st.integers(0, 3)), max_size=200
+        st.tuples(st.sampled_from(["take", "ahead", "complete", "leave"]), st.integers(0, 3)),
+        max_size=200,
     )
 )
 def test_any_interleaving_applies_each_batch_at_most_once_and_loses_none(ops) -> None:
@@ -71,6 +72,9 @@ def test_any_interleaving_applies_each_batch_at_most_once_and_loses_none(ops) ->
         w = f"w{i}"
         if op == "take":
             q.take(w, clocks[w], count=1 + i % 3)  # workers with --push-every 1, 2 and 3
+        elif op == "ahead":  # a pull that names the next iteration's batches too
+            q.take(w, clocks[w], count=1 + i % 3)
+            q.take(w, clocks[w] + 1, count=1 + i % 3)
         elif op == "complete" and clocks[w] in q.taken.get(w, {}):
             applied += q.complete(w, clocks[w])
             clocks[w] += 1

@@ -62,6 +62,7 @@ class Steps:
                 request.batches or 1,
                 request.incarnation,
                 self.payloads.destination(request),
+                request.ahead,
             )
         header = pb.PullHeader(
             version=result.version,
@@ -71,6 +72,7 @@ class Steps:
             finished=result.finished,
             cut_written=self.c.cuts.written,
             iteration=result.iteration,
+            next_batches=result.next_batches,
         )
         return header, self.payloads.weights(request, header, result.weights)
 

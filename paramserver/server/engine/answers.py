@@ -30,6 +30,7 @@ class PullResult:
     batches: tuple[int, ...] = ()  # the global batches to compute; none: nothing for now
     finished: bool = False  # every batch of the run is applied
     iteration: int = 0  # the iteration answered (later than asked: a late worker caught up)
+    next_batches: tuple[int, ...] = ()  # asked ahead: the next iteration's, taken already
 
     @property
     def batch(self) -> int:

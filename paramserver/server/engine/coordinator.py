@@ -84,10 +84,8 @@ class Coordinator:
         self.model_numel = store.manifest.numel if model_numel is None else model_numel
         self.shard_offset = shard_offset
         self.incarnation = uuid.uuid4().hex[:12]
-        # the restart this state goes back to (JoinResponse.origin): its own, until a rewind
-        self.origin = self.incarnation
-        self.started_at = now()
-        self._now, self._wall = now, wall
+        self.origin = self.incarnation  # JoinResponse.origin: its own, until a rewind
+        self.started_at, self._now, self._wall = now(), now, wall
         self._cond = threading.Condition()
         self.counters = Counters()
         self.buffers = SharedBuffers(self.manifest)
@@ -317,12 +315,14 @@ class Coordinator:
         batches: int = 1,
         incarnation: str = "",
         sink: Callable[[np.ndarray], None] | None = None,
+        ahead: bool = False,
     ) -> PullResult:
-        """Weights (and up to ``batches`` batches, ``--push-every``) for ``iteration`` once
-        the policy allows (``pulls.Pull``: when no batch is left, and batch -1); an empty id
-        observes. The weights are the last published version's (never waiting for an apply:
-        ``server/engine/dense_apply.py``), handed to ``sink`` (a writer into a worker's shared segment)
-        under the lock, or a snapshot shared by the pulls of one version.
+        """Weights (and up to ``batches`` batches, ``--push-every``; ``ahead``: the next
+        iteration's too) for ``iteration`` once the policy allows (``pulls.Pull``: when no
+        batch is left, and batch -1); an empty id observes. The weights are the last published
+        version's (never waiting for an apply: ``dense_apply.py``), handed to ``sink`` (a
+        writer into a worker's shared segment) under the lock, or a snapshot shared by the
+        pulls of one version.
 
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
@@ -338,7 +338,7 @@ class Coordinator:
             if self.config.backup_workers:  # a late worker: to the round in progress
                 iteration = self.members.caught_up(worker_id, iteration, self.rounds)
             self.members.check_pull(worker_id, iteration, max(self.policy.max_inflight_pushes(), 1))
-            pull = Pull(worker_id, iteration, batches, incarnation, sink)
+            pull = Pull(worker_id, iteration, batches, incarnation, sink, ahead)
             result = pull.wait(self, self._cond, self._now, deadline, is_active)
             return dataclasses.replace(result, iteration=iteration)
 

@@ -9,6 +9,7 @@ holds the lock) between tries, and counts the time waited. No I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class Pull:
     batches: int = 1
     incarnation: str = ""
     sink: Callable[[np.ndarray], None] | None = None
+    ahead: bool = False  # also take the batches of iteration + 1 (``PullResult.next_batches``)
 
     def __post_init__(self) -> None:
         if not 1 <= self.batches <= MAX_PUSH_EVERY:
@@ -117,6 +119,9 @@ class Pull:
             return None
         low = c.applies.low(c.membership)
         result = answer(view, c.counters, low, self.iteration, taken, sink=self.sink)
+        if self.ahead and taken:  # the worker fetches their rows while this one computes
+            after = c.members.hand_out(self.worker_id, self.iteration + 1, self.batches, False)
+            result = dataclasses.replace(result, next_batches=after or ())
         if c.applies.reads is not None:  # what its push is computed on
             c.applies.reads.remember(self.worker_id, self.iteration, view.weights)
         return result
