@@ -218,7 +218,11 @@ class ShardTable:
         self._reserve(self.index.slots_used)
         at = torch.from_numpy(slots)
         have = np.zeros(len(ids), bool)
-        if prepared is not None and len(prepared[0]):
+        if prepared is not None and np.array_equal(prepared[0], ids):  # as a push's check
+            # found them: no row was created or evicted meanwhile
+            self.values[at] = prepared[1]
+            have[:] = True
+        elif prepared is not None and len(prepared[0]):
             pos = np.minimum(np.searchsorted(prepared[0], ids), len(prepared[0]) - 1)
             have = prepared[0][pos] == ids
             self.values[at[torch.from_numpy(have)]] = prepared[1][torch.from_numpy(pos[have])]
