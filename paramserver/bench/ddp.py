@@ -81,7 +81,7 @@ def write_result(out: str | Path, result: Any) -> None:
 
 
 def worker_figures(
-    worker: Any, rank: int, steps: int, batch: int, started: float, cpu_started: float = 0.0
+    worker: Any, rank: int, steps: int, batch: int, started: float, cpu_started: float
 ) -> dict[str, Any]:
     """A bench worker's result once its steps are flushed: steps, samples, seconds since
     ``started``, the CPU seconds this process used since ``cpu_started`` (every thread's,

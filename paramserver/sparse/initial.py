@@ -79,16 +79,17 @@ class Recent:
             kept.append(block)
             self.bytes += size
             if len(kept) > self._blocks:
-                self._drop(kept)
+                self._drop(group)
             while self.bytes > self._budget:
-                self._drop(next(iter(self._kept.values())))
+                self._drop(next(iter(self._kept)))
 
-    def _drop(self, kept: deque[tuple[np.ndarray, torch.Tensor]]) -> None:
-        """The oldest block of ``kept`` (non-empty; a table left without one goes)."""
+    def _drop(self, group: Group) -> None:
+        """The oldest block of table ``group`` (a table left without one goes)."""
+        kept = self._kept[group]
         ids, values = kept.popleft()
         self.bytes -= values.numel() * values.element_size() + ids.nbytes
         if not kept:
-            self._kept = OrderedDict((g, k) for g, k in self._kept.items() if k)
+            del self._kept[group]
 
 
 def initial_values_many(

@@ -32,6 +32,7 @@ import torch
 
 from paramserver.config import ROW_OPTIMIZERS
 
+# torch's; FBGEMM's
 _EPS = {"adagrad": 1e-10, "rowwise-adagrad": 1e-8, "adam": 1e-8, "sparse-adam": 1e-8}
 
 

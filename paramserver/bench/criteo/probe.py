@@ -268,14 +268,14 @@ def worker_main(argv: list[str]) -> None:
     mine = p.batches(rank, world)
     most = 0
     with Worker(address, net, name=f"probe-{rank}") as worker:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for part in mine:
             worker.prefetch(net.table_ids(train_x[part]))
             F.cross_entropy(net(train_x[part]), train_y[part]).backward()
             worker.step(samples=p.batch)
             most = max(most, worker.last_staleness)
         worker.flush()
-        figures = worker_figures(worker, rank, len(mine), p.batch, started)
+        figures = worker_figures(worker, rank, len(mine), p.batch, started, cpu_started)
     write_result(out, {**figures, "staleness": most, "peak_rss_mb": peak_rss_mb()})
 
 
