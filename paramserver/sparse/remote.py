@@ -190,22 +190,26 @@ class RemoteTables:
 
 def stage_rows(
     tables: dict[str, TableEmbedding], shards: int, keep_ahead: bool = True
-) -> dict[int, tuple[Any, ...]]:
-    """Each shard's ``RowGradients`` messages of the rows the tables' forward passes touched
+) -> dict[int, tuple[RowGradients, ...]]:
+    """Each shard's ``RowGradients`` of the rows the tables' forward passes touched
     since the last call (those rows leave the caches: the next forward fetches them after
     the push, but those prefetched since the last push and not pushed now, unless
     ``keep_ahead`` is False)."""
-    by_shard: dict[int, list[pb.RowGradients]] = {}
+    by_shard: dict[int, list[RowGradients]] = {}
     for name, table in tables.items():
         got = table.gradients()
         table.end_step(got[0] if got is not None else np.empty(0, np.int64), keep_ahead)
         if got is None:
             continue
         ids, grads = got
+        if shards == 1:  # the gradients as they are: no copy
+            if len(ids):
+                by_shard.setdefault(0, []).append(RowGradients(name, ids, grads))
+            continue
         for i, where in enumerate(split_by_shard(ids, shards)):
             if len(where):
                 part = RowGradients(name, ids[where], grads[torch.from_numpy(where)])
-                by_shard.setdefault(i, []).append(wire.gradients_to_proto(part))
+                by_shard.setdefault(i, []).append(part)
     return {i: tuple(msgs) for i, msgs in by_shard.items()}
 
 

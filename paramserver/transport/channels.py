@@ -23,6 +23,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
@@ -86,6 +87,12 @@ class PayloadChannel(abc.ABC):
     def stage(self, slot: int, pieces: list[torch.Tensor] | None) -> bool:
         """See ``Channel.stage``: this channel sends from its slots."""
         return False
+
+    def row_messages(
+        self, parts: Sequence[sparse_wire.RowGradients], slot: int
+    ) -> list[pb.RowGradients]:
+        """See ``Channel.row_messages``: here, the values in the messages."""
+        return [sparse_wire.gradients_to_proto(p) for p in parts]
 
 
 class GrpcStreamChannel(PayloadChannel):

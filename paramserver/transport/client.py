@@ -13,7 +13,7 @@ in-process channel at this seam (``tests/inprocess.py``).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
+from paramserver.codec import rows as sparse_wire
 from paramserver.config import Security
 from paramserver.transport import shm as shmem
 from paramserver.transport import tcp
@@ -157,6 +158,15 @@ class Channel(abc.ABC):
         forgotten)."""
         return False
 
+    def row_messages(
+        self, parts: Sequence[sparse_wire.RowGradients], slot: int
+    ) -> list[pb.RowGradients]:
+        """The messages of a push's table rows ``parts`` for the header of the push staged in
+        ``slot``: with their values, or with the values written where the payload path
+        carries them (a shared segment's rows part for that slot). A retry of the push sends
+        the same messages: the slot is the push's until it is answered."""
+        return [sparse_wire.gradients_to_proto(p) for p in parts]
+
 
 ChannelFactory = Callable[[str], Channel]
 
@@ -268,6 +278,11 @@ class GrpcChannel(Channel):
 
     def stage(self, slot: int, pieces: list[torch.Tensor] | None) -> bool:
         return self._path.stage(slot, pieces)
+
+    def row_messages(
+        self, parts: Sequence[sparse_wire.RowGradients], slot: int
+    ) -> list[pb.RowGradients]:
+        return self._path.row_messages(parts, slot)
 
     def push(self, header: pb.PushHeader, slot: int, timeout: float) -> pb.PushResponse:
         return self._path.push(header, slot, timeout)

@@ -2,14 +2,17 @@
 (``shm.py``) that the server mapped at Join; a push and the next pull are one PushPull,
 carried by the server's same-host control socket when it offered one (``ControlSocket``),
 else by a gRPC call. Table rows go through the segment's rows parts: a row pull's values
-(stamped with the pull they answer) and a push's row gradients (all or none of them).
+(stamped with the pull they answer) and a push's row gradients (all or none of them),
+written there from the gradients when the push's header is made (``row_messages``).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import sys
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -89,31 +92,38 @@ class ShmChannel(PayloadChannel):
         del reply.shm_sizes[:]
         return reply
 
-    def _rows_into_segment(self, header: pb.PushHeader, slot: int) -> pb.PushHeader:
-        """The header to send: a copy whose rows' values are in slot ``slot``'s rows part
-        (``RowGradients.shm``), so it is small and the control socket carries it; or
-        ``header`` itself when they do not all fit there, or their ids alone pass a header's
-        rows (row chunks carry them then, values and all). ``header`` is not changed: a
-        retry hands it again, and it is moved again from offset 0, the same bytes."""
+    def row_messages(
+        self, parts: Sequence[sparse_wire.RowGradients], slot: int
+    ) -> list[pb.RowGradients]:
+        """The messages of ``parts`` with their values in slot ``slot``'s rows part
+        (``RowGradients.shm``), written there straight from the gradients, so the header is
+        small and the control socket carries it; or with the values in them when they do
+        not all fit there, or their ids alone pass a header's rows (row chunks carry them
+        then, values and all). A retry sends the same messages: the values stay in the
+        slot's part until the push is answered and the slot is free again."""
         rows = self.segment.rows
-        if not header.rows or not rows or any(m.shm for m in header.rows):
-            return header
-        ids = sum(len(m.ids) for m in header.rows) + 64 * len(header.rows)
+        if not parts or not rows or sys.byteorder != "little":
+            return super().row_messages(parts, slot)
+        ids = sum(len(p.ids) for p in parts) * sparse_wire.IDS.itemsize + 64 * len(parts)
+        sizes = [p.grads.numel() * p.grads.element_size() for p in parts]
         offsets, at = [], 0
-        for msg in header.rows:
+        for n in sizes:
             offsets.append(at)
-            at = -(-(at + len(msg.values)) // 64) * 64
+            at = -(-(at + n) // 64) * 64
         part = rows[1 + slot]
-        if ids > sparse_wire.ROWS_IN_HEADER or offsets[-1] + len(header.rows[-1].values) > len(
-            part
-        ):
-            return header
-        out = pb.PushHeader()
-        out.CopyFrom(header)
-        for msg, offset in zip(out.rows, offsets, strict=True):
-            part[offset : offset + len(msg.values)] = np.frombuffer(msg.values, np.uint8)
-            msg.shm, msg.shm_offset, msg.values = True, offset, b""
-        return out
+        if ids > sparse_wire.ROWS_IN_HEADER or offsets[-1] + sizes[-1] > len(part):
+            return super().row_messages(parts, slot)
+        into = torch.from_numpy(part)
+        messages = []
+        for p, offset, n in zip(parts, offsets, sizes, strict=True):
+            values = p.grads.detach().contiguous().reshape(-1).view(torch.uint8)
+            into[offset : offset + n].copy_(values)
+            messages.append(
+                pb.RowGradients(
+                    table=p.table, ids=sparse_wire.ids_to_bytes(p.ids), shm=True, shm_offset=offset
+                )
+            )
+        return messages
 
     def _push_pull(self, request: pb.PushPullRequest, timeout: float) -> pb.PushPullResponse:
         control = self.control
@@ -146,7 +156,6 @@ class ShmChannel(PayloadChannel):
         header.shm, header.shm_slot = True, slot
         if not header.empty:
             self._rounded(slot, header.iteration)
-            header = self._rows_into_segment(header, slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             return self._push_stream(sent, rows, timeout)
@@ -175,7 +184,6 @@ class ShmChannel(PayloadChannel):
         header.shm, header.shm_slot, request.shm = True, slot, True
         if not header.empty:
             self._rounded(slot, header.iteration)
-            header = self._rows_into_segment(header, slot)
         sent, rows = sparse_wire.split_rows(header)
         if rows:
             self._push_stream(sent, rows, timeout)

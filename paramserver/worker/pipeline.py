@@ -169,7 +169,7 @@ class Pipeline:
             staged.samples,
             staged.loss,
             staged.empty,
-            staged.rows.get(s.reply.shard, ()),
+            s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot),
             staged.row_cache,
             staged.batches,
         )
@@ -208,7 +208,7 @@ class Pipeline:
             staged.samples,
             staged.loss,
             staged.empty,
-            staged.rows.get(s.reply.shard, ()),
+            s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot),
             staged.row_cache,
             staged.batches,
         )

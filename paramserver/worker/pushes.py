@@ -11,7 +11,8 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+
+from paramserver.codec.rows import RowGradients
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class StagedPush:
     samples: int = 0
     loss: float = math.nan
     empty: bool = False
-    rows: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # per shard: its tables' rows
+    rows: dict[int, tuple[RowGradients, ...]] = field(default_factory=dict)  # per shard
     row_cache: tuple[int, int] = (0, 0)  # the tables' cache hits and misses so far
     batches: tuple[int, ...] = ()  # the server-handed batches it was computed on
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec.rows import RowGradients
 from paramserver.sparse.embedding import DEFAULT_CACHE_ROWS, CacheCounters, TableEmbedding
 from paramserver.sparse.memory import fix_mmap_threshold
 from paramserver.sparse.remote import RemoteTables, attach_remote, stage_rows
@@ -165,7 +166,7 @@ class WorkerTables:
 
     # --- steps --------------------------------------------------------------------------
 
-    def stage(self, shards: int) -> dict[int, tuple[Any, ...]]:
+    def stage(self, shards: int) -> dict[int, tuple[RowGradients, ...]]:
         """Each shard's row gradients of this step (``stage_rows``), once the background
         prefetch has landed."""
         self.wait()

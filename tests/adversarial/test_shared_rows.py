@@ -251,32 +251,39 @@ def test_values_stamped_by_another_pull_are_not_used(late):
         segment.close()
 
 
-def test_a_push_moved_into_the_segment_leaves_its_header_for_a_retry():
-    """The header a retry sends again is the caller's, unchanged; moving it again writes the
-    same bytes at the same offsets. Rows that do not all fit stay in the header, all."""
+def test_a_pushs_rows_go_straight_into_the_segment_and_stay_for_a_retry():
+    """A push's row gradients are written into its slot's rows part when its header is made:
+    the messages carry offsets, no values; making them again (nothing does: a retry resends
+    the header) writes the same bytes at the same offsets. Rows that do not all fit travel in
+    the messages, all of them."""
+    from paramserver.codec.rows import RowGradients
     from paramserver.transport.shm_channel import ShmChannel
 
     segment = shm.Segment(1024, SLOTS, sealed=False, rows_bytes=PART)
     try:
         channel = ShmChannel(None, segment)  # type: ignore[arg-type]
-        a = np.full((2, DIM), 1.0, np.float32).tobytes()
-        b = np.full((3, DIM), 2.0, np.float32).tobytes()
-        header = pb.PushHeader(
-            rows=[
-                pb.RowGradients(table="a", ids=np.arange(2, dtype="<i8").tobytes(), values=a),
-                pb.RowGradients(table="b", ids=np.arange(3, dtype="<i8").tobytes(), values=b),
-            ]
-        )
-        first = channel._rows_into_segment(header, 1)
-        again = channel._rows_into_segment(header, 1)
-        assert header.rows[0].values == a and not header.rows[0].shm  # unchanged
-        assert [(m.shm, m.shm_offset) for m in first.rows] == [(True, 0), (True, 64)]
+        a = torch.full((2, DIM), 1.0)
+        b = torch.arange(3 * DIM, dtype=torch.float32).reshape(DIM, 3).t()  # not contiguous
+        parts = [RowGradients("a", np.arange(2), a), RowGradients("b", np.array([7, 8, 9]), b)]
+        first = channel.row_messages(parts, 1)
+        again = channel.row_messages(parts, 1)
+        assert [(m.table, m.shm, m.shm_offset, m.values) for m in first] == [
+            ("a", True, 0, b""),
+            ("b", True, 64, b""),
+        ]
+        assert np.frombuffer(first[1].ids, "<i8").tolist() == [7, 8, 9]
         assert first == again
         part = segment.rows[2]
-        assert part[:32].tobytes() == a and part[64:112].tobytes() == b
-        big = pb.PushHeader()
-        big.CopyFrom(header)
-        big.rows[1].values = bytes(PART)  # b does not fit: neither moves
-        assert channel._rows_into_segment(big, 0) is big
+        assert part[:32].tobytes() == a.numpy().tobytes()
+        assert part[64:112].tobytes() == b.contiguous().numpy().tobytes()
+        assert not segment.rows[1][:112].any()  # slot 0's part: untouched
+        big = [
+            parts[0],
+            RowGradients("b", np.arange(PART // (4 * DIM)), torch.ones(PART // 16, DIM)),
+        ]
+        inline = channel.row_messages(big, 0)  # b does not fit: neither moves
+        assert [m.shm for m in inline] == [False, False]
+        assert inline[0].values == a.numpy().tobytes()
+        assert not segment.rows[1][:64].any()
     finally:
         segment.close()
