@@ -9,58 +9,23 @@ Run: .venv/bin/python docs/measure_worker_profile.py
 import json
 import logging
 import pstats
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from measure_server_profile import case, run  # this folder's: the same run
 
-from paramserver.api import serve
-from paramserver.bench.tables.ranks import CASES, LR, build_model, data
+from paramserver.bench.tables.ranks import data
 
-case = CASES["main"]
 logging.getLogger("paramserver").setLevel(logging.WARNING)
 with tempfile.TemporaryDirectory() as d:
     d = Path(d)
     saved = d / "train.pt"
     torch.save(data(case)[:2], saved)
-    server = serve(
-        build_model(case, "sparse"),
-        optimizer=case.optimizer,
-        lr=LR,
-        policy="async",
-        workers=2,
-        lease_seconds=120,
-    )
-    try:
-        procs = []
-        for rank in range(2):
-            argv = [
-                str(rank),
-                "2",
-                "0",
-                "ps",
-                server.address,
-                case.name,
-                "sparse",
-                "0",
-                str(saved),
-                str(d / f"out{rank}.json"),
-            ]
-            pre = (
-                [sys.executable, "-m", "cProfile", "-o", str(d / "prof0"), "-m"]
-                if rank == 0
-                else [sys.executable, "-m"]
-            )
-            procs.append(subprocess.Popen(pre + ["paramserver.bench.tables.ranks", *argv]))
-        for p in procs:
-            p.wait(timeout=600)
-        for rank in range(2):
-            r = json.loads((d / f"out{rank}.json").read_text())
-            print(rank, {k: r[k] for k in ("steps", "seconds", "cpu_seconds")})
-    finally:
-        server.stop(grace=0)
+    run(d, saved, profile=d / "prof0")
+    for rank in range(2):
+        r = json.loads((d / f"out{rank}.json").read_text())
+        print(rank, {k: r[k] for k in ("steps", "seconds", "cpu_seconds")})
     st = pstats.Stats(str(d / "prof0"))
     st.sort_stats("tottime").print_stats(35)
     st.sort_stats("cumtime").print_stats(

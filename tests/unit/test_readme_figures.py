@@ -156,6 +156,31 @@ def test_a_run_of_some_cases_leaves_the_other_figures_to_the_runs_that_hold_them
     assert "| 0.50 / 0.60 × |" in pull and "`transport.json` lines 1, 2 |" in pull, pull
 
 
+def test_a_grouped_benchmark_is_read_from_its_sub_folder_and_a_shared_source_said_once(
+    tmp_path: Path,
+) -> None:
+    """``docs/bench/sparse/criteo.json`` holds the Criteo figures: its rows name that file;
+    a row whose runs are the row above's says "as above"; an AUC loss's target reads as
+    the least the figure may be. A sub-folder not in ``GROUPED`` is not read."""
+    a = {
+        "date": "2026-11-27 10:00 UTC",
+        "criteo_auc_delta": -0.00031,
+        "criteo_sparse_vs_local": 0.6,
+    }
+    b = {"date": "2026-11-27 11:00 UTC", "criteo_auc_delta": 0.00012, "criteo_sparse_vs_local": 0.9}
+    b["target_criteo_auc_delta"] = 0.002
+    (tmp_path / "sparse").mkdir()
+    _bench(tmp_path / "sparse", "criteo", a, b)
+    (tmp_path / "control-path").mkdir()
+    _bench(tmp_path / "control-path", "transport", {"date": "2026-11-27", "push_vs_tcp": 9.9})
+    block = readme.block([_record("sync", 0.89)], readme.load_bench(tmp_path))
+    auc = next(ln for ln in block.splitlines() if "`criteo_auc_delta`" in ln)
+    speed = next(ln for ln in block.splitlines() if "`criteo_sparse_vs_local`" in ln)
+    assert "| -0.0003 / 0.0001 | ≥ −0.002 | 2026-11-27; `sparse/criteo.json` lines 1, 2 |" in auc
+    assert speed.endswith("| 0.60 / 0.90 × |  | as above |"), speed
+    assert "9.9" not in block and "push_vs_tcp" not in block
+
+
 def test_a_readme_without_the_markers_is_an_error() -> None:
     with pytest.raises(click.ClickException, match="no block"):
         readme.render("# README\n", [_record("sync", 0.89)], {})
