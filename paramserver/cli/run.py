@@ -24,6 +24,7 @@ from paramserver.config import MODEL_DEFAULTS, LaunchConfig, Security, ServerCon
 from paramserver.errors import ConfigError, ParamServerError
 
 log = logging.getLogger("paramserver")
+EVALUATION_WAIT = 600  # --exit-when-done: seconds the last evaluation may take
 
 
 def security_config(kw: dict[str, Any]) -> Security:
@@ -87,13 +88,40 @@ def server(**kw: Any) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    if report.exit_when_done:
+        threading.Thread(
+            target=exit_when_done, args=(app, evaluation, stop), name="ps-done", daemon=True
+        ).start()
     click.echo(f"{READY_MARKER} {app.address}", nl=True)
     sys.stdout.flush()
     stop.wait()
-    log.info("%s received: stopping", signal.Signals(received[0]).name)
+    if received:
+        log.info("%s received: stopping", signal.Signals(received[0]).name)
+    else:
+        log.info("the run is over and every worker has left: stopping (--exit-when-done)")
     if evaluation is not None:
         evaluation.stop(timeout=2.0)  # the last checkpoint first: an evaluation can wait
     app.stop(grace=2.0)
+
+
+def exit_when_done(app: Any, evaluation: Any, stop: threading.Event) -> None:
+    """``--exit-when-done``: set ``stop`` once the run is over and every worker has gone,
+    and the last epoch's evaluation (on the shard that runs it) is written, or
+    ``EVALUATION_WAIT`` seconds have passed. A failure here is logged and tried again."""
+    while not stop.is_set():
+        try:
+            c = app.coordinator
+            if not c.wait_for(lambda c: c.members.done or stop.is_set(), timeout=1.0):
+                continue
+            if stop.is_set():  # a signal came first
+                return
+            waits = evaluation is not None and c.members.finished
+            if waits and not evaluation.finished.wait(EVALUATION_WAIT):
+                log.warning("the last evaluation did not end in %ds: stopping", EVALUATION_WAIT)
+            stop.set()
+        except Exception:
+            log.exception("--exit-when-done's watch failed; it looks again in a second")
+            stop.wait(1.0)
 
 
 @command(*commands.WORKER, elsewhere=commands.servers_own())

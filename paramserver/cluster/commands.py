@@ -62,6 +62,12 @@ class ServerRun:
     data_dir: str | None = dataclasses.field(
         default=None, metadata=LaunchConfig.__dataclass_fields__["data_dir"].metadata
     )
+    exit_when_done: bool = setting(
+        False,
+        "--exit-when-done",
+        "Exit 0 once the run is over and every worker has left (after the last epoch's evaluation, with a last checkpoint, as SIGTERM would): for launchers that wait for every process (torchx). A shard that does not hand out batches learns the end from the workers leaving. Without it, a server runs until SIGTERM.",
+        is_flag=True,
+    )
 
 
 # A server's own place: where it listens, its threads, its shard and whether the workers it

@@ -310,13 +310,14 @@ class Session:
         """The server's Status."""
         return self.call("status", self.channel.status, pb.StatusRequest())  # type: ignore[no-any-return]
 
-    def close(self) -> None:
-        """Leave the run (best effort), then close the channel."""
+    def close(self, finished: bool = False) -> None:
+        """Leave the run (best effort; ``finished``: because the run is over), then close the
+        channel."""
         if self.state is SessionState.CLOSED:
             return
         try:
             if self.worker_id:
-                request = pb.LeaveRequest(worker_id=self.worker_id)
+                request = pb.LeaveRequest(worker_id=self.worker_id, finished=finished)
                 self.call("leave", self.channel.leave, request, 5)
         except ParamServerError as exc:
             log.warning("%s", exc)

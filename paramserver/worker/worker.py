@@ -361,7 +361,7 @@ class Worker(WorkerView):
         self._closed = True
         for s in self.sessions:
             try:
-                s.close()
+                s.close(finished=self.finished)
             except ParamServerError as exc:  # leave is best effort
                 log.warning("%s", exc)
 

@@ -179,9 +179,9 @@ class Coordinator:
             self.membership.touch(worker_id)
             return self.store.version
 
-    def leave(self, worker_id: str) -> None:
+    def leave(self, worker_id: str, finished: bool = False) -> None:
         with self._cond:
-            self._after_leaving(self.members.leave(worker_id))
+            self._after_leaving(self.members.leave(worker_id, finished))
             if not self.membership.members and not self.arrival.round.contributors:
                 end = self.cuts.at_end(self.rounds)  # the last one left: the run's end
                 if end is not None:

@@ -45,6 +45,7 @@ class Members:
         self.membership = membership or Membership(config.workers, config.lease_seconds, now)
         self.queue = queue  # None until a join brings data
         self.started = started  # True once --min-workers workers are live
+        self.told_over = False  # a worker left saying the run is finished
         # the workers a checkpoint brought back, until each joins again (logged then)
         self.returning: set[str] = set(self.membership.members)
 
@@ -159,8 +160,10 @@ class Members:
         )
         return member
 
-    def leave(self, worker_id: str) -> list[Member]:
-        """The worker leaves at its own request: it, or none if it was not live."""
+    def leave(self, worker_id: str, finished: bool = False) -> list[Member]:
+        """The worker leaves at its own request (``finished``: because the run is over): it,
+        or none if it was not live."""
+        self.told_over = self.told_over or finished
         member = self.membership.leave(worker_id)
         if member is None:
             return []
@@ -262,6 +265,13 @@ class Members:
     def finished(self) -> bool:
         """Every batch of the run is applied (never, without a data plan)."""
         return self.queue is not None and self.queue.finished
+
+    @property
+    def done(self) -> bool:
+        """The run is over and every worker has gone (``server --exit-when-done``): every
+        batch applied here (the shard that hands them out), or a worker left saying so."""
+        over = self.finished or self.told_over
+        return over and self.started and not self.membership.members
 
     def batches_of(self, worker_id: str, iteration: int, named: Sequence[int]) -> Sequence[int]:
         """The batches a push of ``iteration`` computed: on the shard that hands them out,
