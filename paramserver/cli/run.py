@@ -19,7 +19,7 @@ import click
 from paramserver import settings
 from paramserver.cli.flags import Chaos
 from paramserver.cli.options import command, derived, fill_defaults, printed
-from paramserver.cluster import commands, roles
+from paramserver.cluster import commands, roles, torchx_roles
 from paramserver.config import MODEL_DEFAULTS, LaunchConfig, Security, ServerConfig, WorkerConfig
 from paramserver.errors import ConfigError, ParamServerError
 
@@ -61,6 +61,9 @@ def server(**kw: Any) -> None:
     if kw["shard"].strip() == "auto":
         shard = roles.auto_shard(socket.gethostname(), os.environ)
         derived(kw, "shard", shard, "--shard auto: the host name and PARAMSERVER_SHARDS")
+    tx = torchx_roles.from_env(os.environ)
+    if tx is not None:
+        fill_defaults(kw, torchx_roles.server_settings(tx, kw["shard"]), torchx_roles.ENV)
     model_defaults(kw)
     cfg = server_config(kw)
     if printed():
@@ -129,11 +132,15 @@ def worker(**kw: Any) -> None:
     """Join a server and train on the batches it hands out until the run is finished.
 
     Under a TF_CONFIG (Kubeflow TFJob, Volcano) a "worker" or "chief" task dials the ps
-    tasks, unless --server is given.
+    tasks, and under torchx (paramserver.launchers.torchx) the server role's replicas,
+    unless --server is given.
     """
     task = roles.tf_config(os.environ)
     if task is not None:
         fill_defaults(kw, roles.worker_settings(task), "TF_CONFIG")
+    tx = torchx_roles.from_env(os.environ)
+    if tx is not None and not kw["server_address"]:
+        fill_defaults(kw, torchx_roles.worker_settings(tx, os.environ), torchx_roles.ENV)
     if not kw["server_address"]:
         raise ConfigError(
             "Give the server's address: --server HOST:PORT (or PARAMSERVER_SERVER, server in "

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"api", "serving"},
     {"training"},
     {"cluster"},
-    {"bench"},
+    {"bench", "launchers"},
     {"cli"},
     {"__init__", "__main__"},
 ]

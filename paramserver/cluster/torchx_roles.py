@@ -1,0 +1,102 @@
+"""Roles under torchx (``paramserver.launchers.torchx``'s component), for settings no source
+gave, as ``roles.py`` reads TF_CONFIG. Torch-free and torchx-free.
+
+The component sets ``PARAMSERVER_TORCHX`` to "RANK0_ENV SHARDS PORT" in both roles: torchx
+replaces its ``${rank0_env}`` macro by the name of the variable its scheduler sets to the
+host of the first role's replica 0, and the server role is the first. Shard ``i`` listens on
+``PORT + 2 * i`` (its data port is the next one up), so shards that share a host do not
+collide. Its host is in the same variable for replica ``i``:
+
+- Slurm: ``SLURM_JOB_NODELIST_HET_GROUP_<i>`` (each replica is its own heterogeneous group,
+  of one node);
+- Kubernetes (Volcano): ``VC_SERVER_<i>_HOSTS``;
+- the local schedulers: ``TORCHX_RANK0_HOST`` (localhost) for every replica.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from paramserver.errors import ConfigError
+
+ENV = "PARAMSERVER_TORCHX"
+
+
+@dataclass(frozen=True)
+class Torchx:
+    """What ``PARAMSERVER_TORCHX`` says."""
+
+    rank0_env: str
+    shards: int
+    port: int
+
+
+def from_env(environ: Mapping[str, str]) -> Torchx | None:
+    """The component's setting; None when it is unset or empty.
+
+    Raises:
+        ConfigError: it is not "RANK0_ENV SHARDS PORT".
+    """
+    raw = environ.get(ENV, "").strip()
+    if not raw:
+        return None
+    parts = raw.split()
+    if (
+        len(parts) != 3
+        or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", parts[0])
+        or not parts[1].isdigit()
+        or not parts[2].isdigit()
+        or int(parts[1]) < 1
+    ):
+        raise ConfigError(
+            f"{ENV} is 'RANK0_ENV SHARDS PORT' (the torchx component sets it); got {raw!r}."
+        )
+    return Torchx(parts[0], int(parts[1]), int(parts[2]))
+
+
+def host_env(rank0_env: str, shard: int) -> str:
+    """The variable holding shard ``shard``'s host: replica 0's name with its index
+    replaced (``..._GROUP_0``, ``VC_SERVER_0_HOSTS``), or the same name where it has none
+    (the local schedulers: one host)."""
+    match = re.fullmatch(r"(.*_)0(_HOSTS)?", rank0_env)
+    if match is None:
+        return rank0_env
+    return f"{match[1]}{shard}{match[2] or ''}"
+
+
+def server_settings(tx: Torchx, shard: str) -> dict[str, Any]:
+    """What the component implies for ``paramserver server --shard I/S``: its port, every
+    interface.
+
+    Raises:
+        ConfigError: the shard is not "I/S" of the component's S.
+    """
+    match = re.fullmatch(r"(\d+)/(\d+)", shard.strip())
+    if match is None or int(match[2]) != tx.shards or int(match[1]) >= tx.shards:
+        raise ConfigError(
+            f"Under {ENV} a server is --shard I/{tx.shards} (the component passes torchx's "
+            f"replica id); got {shard!r}."
+        )
+    return {"port": tx.port + 2 * int(match[1]), "host": "0.0.0.0"}
+
+
+def worker_settings(tx: Torchx, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Every shard's address, in order, for ``paramserver worker``.
+
+    Raises:
+        ConfigError: the scheduler did not set a shard's host variable.
+    """
+    addresses = []
+    for i in range(tx.shards):
+        name = host_env(tx.rank0_env, i)
+        host = environ.get(name, "").split(",")[0].strip()
+        if not host:
+            raise ConfigError(
+                f"{ENV} names {tx.rank0_env} for the servers' hosts, but {name} (shard {i}'s) "
+                "is not set: run the workers under the component's scheduler, or give --server."
+            )
+        addresses.append(f"{host}:{tx.port + 2 * i}")
+    return {"server_address": ",".join(addresses)}
