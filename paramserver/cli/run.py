@@ -140,7 +140,9 @@ def worker(**kw: Any) -> None:
         fill_defaults(kw, roles.worker_settings(task), "TF_CONFIG")
     tx = torchx_roles.from_env(os.environ)
     if tx is not None and not kw["server_address"]:
-        fill_defaults(kw, torchx_roles.worker_settings(tx, os.environ), torchx_roles.ENV)
+        slurm = tx.rank0_env.startswith("SLURM_")
+        resolve = torchx_roles.node_address if slurm else str
+        fill_defaults(kw, torchx_roles.worker_settings(tx, os.environ, resolve), torchx_roles.ENV)
     if not kw["server_address"]:
         raise ConfigError(
             "Give the server's address: --server HOST:PORT (or PARAMSERVER_SERVER, server in "

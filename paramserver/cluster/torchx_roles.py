@@ -16,7 +16,10 @@ collide. Its host is in the same variable for replica ``i``:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +86,11 @@ def server_settings(tx: Torchx, shard: str) -> dict[str, Any]:
     return {"port": tx.port + 2 * int(match[1]), "host": "0.0.0.0"}
 
 
-def worker_settings(tx: Torchx, environ: Mapping[str, str]) -> dict[str, Any]:
-    """Every shard's address, in order, for ``paramserver worker``.
+def worker_settings(
+    tx: Torchx, environ: Mapping[str, str], resolve: Callable[[str], str] = str
+) -> dict[str, Any]:
+    """Every shard's address, in order, for ``paramserver worker``; ``resolve`` turns a host
+    the scheduler names into one to dial (``node_address`` under Slurm).
 
     Raises:
         ConfigError: the scheduler did not set a shard's host variable.
@@ -98,5 +104,25 @@ def worker_settings(tx: Torchx, environ: Mapping[str, str]) -> dict[str, Any]:
                 f"{ENV} names {tx.rank0_env} for the servers' hosts, but {name} (shard {i}'s) "
                 "is not set: run the workers under the component's scheduler, or give --server."
             )
-        addresses.append(f"{host}:{tx.port + 2 * i}")
+        addresses.append(f"{resolve(host)}:{tx.port + 2 * i}")
     return {"server_address": ",".join(addresses)}
+
+
+def node_address(name: str) -> str:
+    """A Slurm node's address: its name where that resolves, else the NodeAddr ``scontrol``
+    gives it (nodes whose names are not host names), else the name."""
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        pass
+    if shutil.which("scontrol") is None:
+        return name
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return name
+    found = re.search(r"\bNodeAddr=(\S+)", out)
+    return found[1] if found else name

@@ -1,10 +1,11 @@
 """deploy/slurm/paramserver.sbatch on a real Slurm (``tests/slurm.py``: munged, slurmctld and
 two slurmd started here, stopped afterwards): the heterogeneous job trains to the end and
 its shards write their last checkpoint; a requeued job resumes from it and applies every
-batch exactly once. Skips, saying why, only where the daemons cannot start."""
+batch exactly once; the torchx component runs on torchx's Slurm scheduler. Skips, saying why, only where the daemons cannot start."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -20,6 +21,7 @@ from tests import slurm
 
 SBATCH = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "paramserver.sbatch"
 BATCHES = 4096 // 64  # synthetic data, batch 64
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,40 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
         f"slurm requeue: resumed at version >= {reached}, done {time.monotonic() - started:.1f} s "
         "after scontrol requeue"
     )
+
+
+def test_the_torchx_component_trains_to_the_end_on_slurm(cluster, tmp_path, monkeypatch):
+    """paramserver.launchers.torchx on torchx's Slurm scheduler: each replica its own
+    heterogeneous group, and Slurm gives each group nodes of its own, so one shard and one
+    worker on the two nodes. The worker dials the shard's node (n1 and n2 are not host
+    names here: its NodeAddr); the shard exits once the run is over. Submitted with
+    torchx's Python API: its CLI, after submitting, asks squeue for the job's state and
+    fails on this Slurm (22.05) while the job is pending (KeyError 'job_resources')."""
+    from torchx.runner import get_runner
+
+    from tests.integration.test_torchx import free_ports
+
+    work = tmp_path / "torchx"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the scheduler writes the replicas' logs here
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    port = free_ports(2)
+    args = ["--workers", "1", "--shards", "1", "--port", str(port), "--device", "cpu"]
+    args += ["--memMB", "0", "--", "--dataset", "synthetic", "--epochs", "1", "--run-dir", "off"]
+    with get_runner() as runner:
+        handle = runner.run_component("paramserver.launchers.torchx:paramserver", args, "slurm")
+    jid = handle.rsplit("/", 1)[-1]
+
+    def states() -> list[str]:
+        text = cluster.run(["scontrol", "show", "job", jid], check=False)
+        found = re.findall(r"JobState=(\w+)", text)
+        return found if found and all(s in ENDED for s in found) else []
+
+    ended = wait("the torchx job done", states, 240)
+    logs = {f.name: f.read_text() for f in work.glob(f"slurm-{jid}-*.err")}
+    assert ended == ["COMPLETED"] * 2, logs
+    server, worker = logs[f"slurm-{jid}-server-0.err"], logs[f"slurm-{jid}-worker-0.err"]
+    assert "every worker has left: stopping (--exit-when-done)" in server
+    assert re.findall(r"rank 0 finished: (\d+) steps", worker) == [str(BATCHES)], worker[-2000:]
+    assert f"joined 127.0.0.1:{port} as" in worker  # the shard's NodeAddr and port
