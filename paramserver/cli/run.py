@@ -63,7 +63,14 @@ def server(**kw: Any) -> None:
         derived(kw, "shard", shard, "--shard auto: the host name and PARAMSERVER_SHARDS")
     tx = torchx_roles.from_env(os.environ)
     if tx is not None:
-        fill_defaults(kw, torchx_roles.server_settings(tx, kw["shard"]), torchx_roles.ENV)
+        placed = torchx_roles.server_settings(tx, kw["shard"])
+        fill_defaults(kw, placed, torchx_roles.ENV)
+        if kw["port"] != placed["port"]:  # the workers dial the component's port + 2i
+            raise ConfigError(
+                f"Under the torchx component shard {kw['shard']} listens on {placed['port']} "
+                f"(its --port + 2i), where the workers dial it; got --port {kw['port']}: give "
+                "the port to the component, not after --."
+            )
     model_defaults(kw)
     cfg = server_config(kw)
     if printed():
@@ -119,7 +126,7 @@ def exit_when_done(app: Any, evaluation: Any, stop: threading.Event) -> None:
             if stop.is_set():  # a signal came first
                 return
             waits = evaluation is not None and c.members.finished
-            if waits and not evaluation.finished.wait(EVALUATION_WAIT):
+            if waits and not evaluation.wait(EVALUATION_WAIT):
                 log.warning("the last evaluation did not end in %ds: stopping", EVALUATION_WAIT)
             stop.set()
         except Exception:

@@ -178,6 +178,12 @@ class ServerEvaluation:
         self._thread.start()
         return self
 
+    def wait(self, timeout: float) -> bool:
+        """Whether the thread has ended within ``timeout`` seconds: after the run's last
+        evaluation and summary, or at once for a run already recorded."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def stop(self, timeout: float = 60.0) -> None:
         """Stop after the evaluation in progress, if any (at most ``timeout`` seconds)."""
         self._stop.set()

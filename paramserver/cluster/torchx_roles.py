@@ -104,6 +104,12 @@ def worker_settings(
                 f"{ENV} names {tx.rank0_env} for the servers' hosts, but {name} (shard {i}'s) "
                 "is not set: run the workers under the component's scheduler, or give --server."
             )
+        if name == tx.rank0_env and i > 0 and host not in ("localhost", "127.0.0.1"):
+            raise ConfigError(
+                f"{tx.rank0_env} is {host!r}, one host for every shard: only a scheduler that "
+                "runs every replica on this host (local_cwd) names the shards so; run more "
+                "than one shard there, or give --server."
+            )
         addresses.append(f"{resolve(host)}:{tx.port + 2 * i}")
     return {"server_address": ",".join(addresses)}
 

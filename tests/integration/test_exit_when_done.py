@@ -4,7 +4,10 @@ each with a last checkpoint; without the flag a server keeps running (SIGTERM en
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from tests.conftest import DEADLINE
@@ -70,6 +73,8 @@ def test_without_the_flag_a_server_outlives_the_run(tmp_path):
         procs += workers
         for w in workers:
             assert w.proc.wait(DEADLINE) == 0, w.tail(20)
-        assert all(s.proc.poll() is None for s in servers)  # still serving
+        for s in servers:  # with the flag, each would be gone within a second or two
+            with pytest.raises(subprocess.TimeoutExpired):
+                s.proc.wait(timeout=3)
     finally:
         stop_all(procs)

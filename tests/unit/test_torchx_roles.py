@@ -3,6 +3,8 @@ each scheduler's host variables mean for a server and a worker, and its errors."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from paramserver.cluster import torchx_roles as tx
@@ -53,3 +55,29 @@ def test_a_worker_dials_every_shard_where_its_scheduler_put_it():
     )
     with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST_HET_GROUP_1 .shard 1's. is not set"):
         tx.worker_settings(slurm, {"SLURM_JOB_NODELIST_HET_GROUP_0": "n1"})
+
+
+def test_a_host_named_once_serves_every_shard_only_on_this_host():
+    """local_docker names the server-0 container for every replica: shard 1 is not there."""
+    t = tx.Torchx("TORCHX_RANK0_HOST", 2, 50051)
+    with pytest.raises(ConfigError, match="one host for every shard"):
+        tx.worker_settings(t, {"TORCHX_RANK0_HOST": "paramserver-server-0"})
+    one = tx.Torchx("TORCHX_RANK0_HOST", 1, 50051)
+    got = tx.worker_settings(one, {"TORCHX_RANK0_HOST": "paramserver-server-0"})
+    assert got == {"server_address": "paramserver-server-0:50051"}
+
+
+def test_a_server_port_after_the_components_arguments_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, tx.ENV: "TORCHX_RANK0_HOST 2 50051", "PARAMSERVER_CONFIG": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "paramserver", "server", "--shard", "1/2", "--port", "6000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "shard 1/2 listens on 50053" in out.stderr and "--port 6000" in out.stderr
