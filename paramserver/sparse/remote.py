@@ -202,14 +202,14 @@ def stage_rows(
         if got is None:
             continue
         ids, grads = got
-        if shards == 1:  # the gradients as they are: no copy
-            if len(ids):
-                by_shard.setdefault(0, []).append(RowGradients(name, ids, grads))
-            continue
         for i, where in enumerate(split_by_shard(ids, shards)):
-            if len(where):
+            if len(where) == len(ids):  # every row is this shard's: the gradients as they are
+                part = RowGradients(name, ids, grads)
+            elif len(where):
                 part = RowGradients(name, ids[where], grads[torch.from_numpy(where)])
-                by_shard.setdefault(i, []).append(part)
+            else:
+                continue
+            by_shard.setdefault(i, []).append(part)
     return {i: tuple(msgs) for i, msgs in by_shard.items()}
 
 

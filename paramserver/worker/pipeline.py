@@ -163,16 +163,23 @@ class Pipeline:
 
     # --- calls ------------------------------------------------------------------------
 
-    def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
-        header = s.push_header(
+    @staticmethod
+    def _header(s: Session, staged: StagedPush, iteration: int) -> pb.PushHeader:
+        """``staged``'s header for ``s``'s shard: its rows' messages made by the channel
+        (their values in the slot's part of a shared segment, where there is one)."""
+        rows = s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot)
+        return s.push_header(
             iteration,
             staged.samples,
             staged.loss,
             staged.empty,
-            s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot),
+            rows,
             staged.row_cache,
             staged.batches,
         )
+
+    def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
+        header = self._header(s, staged, iteration)
         channel = s.channel
         # A push past its deadline (a link down, a server stalled) is retried like one that
         # found no server: a repeat is acknowledged as a duplicate, never applied twice.
@@ -203,15 +210,7 @@ class Pipeline:
     def _push_pull(
         self, s: Session, staged: StagedPush, iteration: int, pull: int, batches: int
     ) -> pb.PullHeader:
-        header = s.push_header(
-            iteration,
-            staged.samples,
-            staged.loss,
-            staged.empty,
-            s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot),
-            staged.row_cache,
-            staged.batches,
-        )
+        header = self._header(s, staged, iteration)
         request = s.pull_request(pull, batches)
         channel = s.channel
         with s.waits.waiting(f"The pull of iteration {pull} from {s.address}"):

@@ -178,15 +178,13 @@ def _machines(runs: list[Line]) -> set[str]:
     }
 
 
-def _row(f: Figure, runs: list[Line], numbered: dict[str, int], above: str = "") -> str:
-    """A figure's row; ``numbered``: the machines listed above the table, by their text
-    (one machine: none, as the header names it); ``above``: the row above's source (the
-    same source reads "as above")."""
+def _row(f: Figure, runs: list[Line], source: str, above: str = "") -> str:
+    """A figure's row; ``source``: where its runs are (``_source``), which reads "as
+    above" where it is ``above``, the row above's."""
     found = [value(run.figures, f.key) for run in runs]
     measured = " / ".join(f"{v:.{f.digits}f}" for v in found if v is not None)
     latest = runs[-1].figures
     target = value(latest, f.target) if f.target else None
-    source = _source(f, runs, numbered)
     return (
         f"| {f.what} (`{f.key}`) | {measured}{f.unit} | "
         + (f"{'≥ −' if f.loss else ''}{target:g}{f.unit}" if target is not None else "")
@@ -195,7 +193,9 @@ def _row(f: Figure, runs: list[Line], numbered: dict[str, int], above: str = "")
 
 
 def _source(f: Figure, runs: list[Line], numbered: dict[str, int]) -> str:
-    """Where a figure's runs are: their days, machines, file and lines."""
+    """Where a figure's runs are: their days, machines, file and lines; ``numbered``: the
+    machines listed above the table, by their text (one machine: none, as the header names
+    it)."""
     machines = (
         ""
         if len(numbered) <= 1
@@ -241,8 +241,9 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
         lines += ["", "| figure | measured | target | measured on |", "| --- | --- | --- | --- |"]
         above = ""
         for f, found in quoted:
-            lines.append(_row(f, found, numbered, above))
-            above = _source(f, found, numbered)
+            source = _source(f, found, numbered)
+            lines.append(_row(f, found, source, above))
+            above = source
     if undated:
         names = ", ".join(f"`{name}`" for name in undated)
         lines += [""] if quoted else []
