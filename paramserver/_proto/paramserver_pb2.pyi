@@ -355,12 +355,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id", "finished")
+    __slots__ = ("worker_id", "finished", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     finished: bool
-    def __init__(self, worker_id: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., finished: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()

@@ -317,7 +317,9 @@ class Session:
             return
         try:
             if self.worker_id:
-                request = pb.LeaveRequest(worker_id=self.worker_id, finished=finished)
+                request = pb.LeaveRequest(
+                    worker_id=self.worker_id, finished=finished, incarnation=self.incarnation
+                )
                 self.call("leave", self.channel.leave, request, 5)
         except ParamServerError as exc:
             log.warning("%s", exc)

@@ -1,18 +1,23 @@
-"""``Members.done`` (``server --exit-when-done``) on a shard that hands out no batches: the
-run is over once a worker left saying so (``LeaveRequest.finished``) and no worker is live;
-a worker that leaves without saying so (killed, or stopped early) ends nothing."""
+"""``Members.done`` (``server --exit-when-done``). On a shard that hands out no batches the
+run is over once a live worker of this incarnation left saying so (``LeaveRequest.finished``)
+and no worker is live; a worker that leaves without saying so (killed, or stopped early)
+ends nothing. The shard that hands out the batches decides for itself and believes no Leave
+(issue 55, defect 1: a Leave from a member with batches left, from an id that never joined,
+or from before a restart with more --epochs made the server exit 0 with the run unfinished)."""
 
 from __future__ import annotations
 
+import math
+
 from tests.conftest import FakeClock
-from tests.unit.test_coordinator import LEASE, make
+from tests.unit.test_coordinator import LEASE, full, make
 
 
 def test_a_run_ends_when_a_worker_said_so_and_none_is_left():
     c = make("async", 2, FakeClock(1000.0))
     assert not c.members.done  # nobody joined: not started
     a, b = c.join("a"), c.join("b")
-    c.leave(a.worker_id, finished=True)
+    c.leave(a.worker_id, finished=True, incarnation=c.incarnation)
     assert not c.members.done  # b is still live
     c.leave(b.worker_id)
     assert c.members.done
@@ -30,7 +35,34 @@ def test_a_lease_that_runs_out_after_the_end_is_as_good_as_a_leave():
     clock = FakeClock(1000.0)
     c = make("async", 2, clock)
     a, _ = c.join("a"), c.join("b")
-    c.leave(a.worker_id, finished=True)
+    c.leave(a.worker_id, finished=True, incarnation=c.incarnation)
     clock.advance(2 * LEASE)
     c.expire_leases()
+    assert c.members.done
+
+
+def test_a_leave_from_an_unknown_id_or_another_incarnation_ends_nothing():
+    c = make("async", 2, FakeClock(1000.0))
+    a, b = c.join("a"), c.join("b")
+    c.leave("never-joined", finished=True, incarnation=c.incarnation)
+    c.leave(a.worker_id, finished=True, incarnation="an-earlier-one")  # before a restart
+    c.leave(b.worker_id, finished=True)  # names no incarnation: proves nothing
+    assert not c.membership.members and not c.members.done
+
+
+def test_the_shard_handing_out_batches_believes_no_leave_until_they_are_all_applied():
+    c = make("async", 2, FakeClock(1000.0))
+    a = c.join("a", train_samples=64 * 3)  # 3 batches
+    b = c.join("b", train_samples=64 * 3)
+    assert c.pull(a.worker_id, 0, 0).batches == (0,)
+    c.push(a.worker_id, 0, full(1.0), 64, math.nan)
+    c.leave(a.worker_id, finished=True, incarnation=c.incarnation)  # 2 batches are left
+    c.leave(b.worker_id, finished=True, incarnation=c.incarnation)
+    assert not c.members.done and c.queue.done == 1
+    w = c.join("w", train_samples=64 * 3)  # the run goes on: 1 and 2 are handed out again
+    for t in range(2):
+        assert c.pull(w.worker_id, t, 0).batches
+        c.push(w.worker_id, t, full(1.0), 64, math.nan)
+    assert not c.members.done  # w is still live
+    c.leave(w.worker_id)  # not even saying so: this shard knows the run is over
     assert c.members.done

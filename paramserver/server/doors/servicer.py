@@ -167,7 +167,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
-        self.c.leave(request.worker_id, request.finished)
+        self.c.leave(request.worker_id, request.finished, request.incarnation)
         self.shared.detach(request.worker_id)
         return pb.LeaveResponse()
 

@@ -179,17 +179,17 @@ class Coordinator:
             self.membership.touch(worker_id)
             return self.store.version
 
-    def leave(self, worker_id: str, finished: bool = False) -> None:
+    def leave(self, worker_id: str, finished: bool = False, incarnation: str = "") -> None:
         with self._cond:
-            self._after_leaving(self.members.leave(worker_id, finished))
+            current = incarnation == self.incarnation  # ``finished`` counts then only
+            self._after_leaving(self.members.leave(worker_id, finished, current))
             if not self.membership.members and not self.arrival.round.contributors:
                 end = self.cuts.at_end(self.rounds)  # the last one left: the run's end
                 if end is not None:
                     self.saving.take(end, self._snapshot(end))
 
     def expire_leases(self, paused: float = 0.0) -> list[Member]:
-        """Drop workers whose lease ran out, so that no barrier waits on them (``paused``:
-        ``Members.expire``'s)."""
+        """Drop workers whose lease ran out: no barrier waits on them (``Members.expire``)."""
         with self._cond:
             dead = self.members.expire(paused)
             self._after_leaving(dead)

@@ -160,15 +160,36 @@ class Members:
         )
         return member
 
-    def leave(self, worker_id: str, finished: bool = False) -> list[Member]:
-        """The worker leaves at its own request (``finished``: because the run is over): it,
-        or none if it was not live."""
-        self.told_over = self.told_over or finished
+    def leave(self, worker_id: str, finished: bool = False, current: bool = True) -> list[Member]:
+        """The worker leaves at its own request: it, or none if it was not live.
+        ``finished``: it says the run is over (``told``); ``current``: its Leave names
+        this incarnation."""
         member = self.membership.leave(worker_id)
+        if finished:
+            self._told(worker_id, member is not None, current)
         if member is None:
             return []
         log.info("worker %s (rank %d) left at clock %d", worker_id, member.rank, member.clock)
         return [member]
+
+    def _told(self, worker_id: str, live: bool, current: bool) -> None:
+        """A Leave says the run is over. The shard that hands out the batches knows
+        whether it is and takes nobody's word for it; another shard believes a live member
+        of this incarnation (``server --exit-when-done``), and no one else: a Leave from
+        an id that holds no lease, or one meant for the server before a restart (with
+        more ``--epochs``, the run goes on), ends nothing."""
+        why = ""
+        if not live:
+            why = "which holds no lease here"
+        elif not current:
+            why = "whose Leave names another incarnation of this server (from before a restart)"
+        elif self.queue is not None and not self.queue.finished:
+            left = self.queue.total - self.queue.done
+            why = f"but {left} of the run's {self.queue.total} batches are not applied yet"
+        if why:
+            log.warning("worker %s left saying the run is finished, %s: ignored", worker_id, why)
+        else:
+            self.told_over = True
 
     def expire(self, paused: float = 0.0) -> list[Member]:
         """Drop the workers whose lease ran out; returns them. ``paused``: seconds this
@@ -269,8 +290,9 @@ class Members:
     @property
     def done(self) -> bool:
         """The run is over and every worker has gone (``server --exit-when-done``): every
-        batch applied here (the shard that hands them out), or a worker left saying so."""
-        over = self.finished or self.told_over
+        batch applied here (the shard that hands them out decides), or elsewhere a live
+        worker of this incarnation left saying so (``_told``)."""
+        over = self.finished if self.queue is not None else self.told_over
         return over and self.started and not self.membership.members
 
     def batches_of(self, worker_id: str, iteration: int, named: Sequence[int]) -> Sequence[int]:
