@@ -145,13 +145,16 @@ def late(iteration: int, rounds_done: int) -> bool:
 
 
 def check_pull_iteration(worker_id: str, iteration: int, clock: int, window: int) -> None:
-    """A worker may pull iterations within ``window`` of its clock (its pushes in flight
-    ahead, a retry behind); any other is OutOfOrder."""
+    """A worker may pull the iteration of its clock, or up to ``window`` past it (its pushes
+    in flight); any other is OutOfOrder. An iteration below its clock is one it pushed
+    already: the batches such a pull took could never be pushed, and the run would stall
+    on them (issue 55)."""
     if iteration > clock + window:
         raise OutOfOrder(
             f"Worker {worker_id} asked for iteration {iteration} but its clock is {clock}."
         )
-    if iteration < clock - window:
+    if iteration < clock:
         raise OutOfOrder(
-            f"Worker {worker_id} asked for iteration {iteration} but its clock is already {clock}."
+            f"Worker {worker_id} asked for iteration {iteration}, which it pushed already: "
+            f"its clock is {clock}."
         )

@@ -537,3 +537,23 @@ def test_checkpoint_state_restores_exactly_and_workers_rejoin_at_their_clock(
     back.push(b.worker_id, 1, full(1.0), 64, math.nan)
     np.testing.assert_array_equal(back.store.weights, full(-2.0 - 3.0))
     assert back.status().as_dict()["pushes_applied"] == 4
+
+
+@pytest.mark.parametrize("policy", ["async", "delay-1", "sync"])
+def test_a_pull_of_an_iteration_already_pushed_is_refused_before_it_takes_a_batch(
+    clock: FakeClock, policy: str
+) -> None:
+    """Issue 55, defect 8: a worker that pulled an iteration it had pushed took batches it
+    could never push (its clock was past them), and the run stalled while it lived."""
+    c = make(policy, 1, clock)
+    a = c.join("a", train_samples=64 * 4)  # 4 batches
+    assert c.pull(a.worker_id, 0, 0).batches == (0,)
+    c.push(a.worker_id, 0, full(1.0), 64, math.nan)
+    for behind in (0, -1):
+        with pytest.raises(OutOfOrder, match="which it pushed already: its clock is 1"):
+            c.pull(a.worker_id, behind, 0)
+    assert c.queue.taken.get(a.worker_id, {}) == {}  # nothing taken by the refused pulls
+    for t in range(1, 4):  # the rest of the run, each batch once
+        assert c.pull(a.worker_id, t, 0).batches == (t,)
+        c.push(a.worker_id, t, full(1.0), 64, math.nan)
+    assert c.members.finished
