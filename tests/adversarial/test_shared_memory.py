@@ -166,6 +166,7 @@ def test_a_truncated_segment_is_refused_and_its_worker_dropped_the_server_goes_o
             ringer.truncate(0)
             request = ringer.push()
             request.pull.CopyFrom(ringer.pull())
+            request.pull.iteration += 1  # a step pulls the iteration after its push
             _refused_and_dropped(
                 server, observer.stub, ringer, lambda: control.push_pull(request, 10)
             )

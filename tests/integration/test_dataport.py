@@ -186,6 +186,48 @@ def test_a_step_that_lies_about_its_size_is_refused_before_its_bulk_is_read(serv
     assert server.status()["version"] == 1
 
 
+def test_a_step_whose_pull_is_refused_applies_nothing_of_its_push(serve):
+    """Issue 55, defect 11: a step whose push was well-formed but whose pull was not (int8
+    weights, which pulls never carry) was refused after its push was applied, so the
+    worker could not know its push counted. A step is checked whole first: refused, it
+    leaves the model and the worker's clock as they were, and a retry done right counts."""
+    server = serve(tiny_model(), policy="async")
+    with ps.Worker(server.address, tiny_model(), shm=False, overlap=False) as w:
+        nbytes = w.manifest.total_bytes
+        ones = torch.ones(nbytes // 4).numpy().tobytes()
+
+        def pull(**fields) -> pb.PullRequest:
+            ids = {"worker_id": w.worker_id, "incarnation": w.incarnation}
+            return pb.PullRequest(**{**ids, "iteration": w.clock + 1, **fields})
+
+        bad_pulls = {
+            "int8 weights": pull(dtype="int8"),
+            "an exact tail past the weights": pull(dtype="bfloat16", exact=nbytes),
+            "the pushed iteration again": pull(iteration=w.clock),
+            "a pull of another incarnation": pull(incarnation="0123456789ab"),
+        }
+        for why, bad in bad_pulls.items():
+            nonce = w.sessions[0].reply.data_nonce
+            data = DataSocket("127.0.0.1", server.data.port, Security(), w.worker_id, nonce, 5.0)
+            request = _step(w)
+            request.pull.CopyFrom(bad)
+            frame = records.Frame(request.SerializeToString(), seconds=DEADLINE, bulk=nbytes)
+            data.sock.sendall(records.encode(frame) + ones)
+            answer = records.recv(data.sock)
+            assert answer is not None and answer.code != records.OK, why
+            with pytest.raises(records.ControlError) as err:
+                records.raise_for(answer)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, why
+            data.close()
+            status = server.status()
+            assert status["version"] == 0, f"{why}: its push was applied"
+            assert server.coordinator.membership.get(w.worker_id).clock == 0, why
+        for p in w.model.parameters():
+            p.grad = torch.ones_like(p)
+        w.step(samples=1)  # the worker's own next step: its push counts once
+    assert server.status()["version"] == 1
+
+
 def _bn() -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))

@@ -183,17 +183,18 @@ class DataPort(Listener):
         """The gradient bytes ``request`` says follow it, its payloads checked first.
 
         Raises:
-            InvalidRequest: a step that is neither, names the segment, or a push header
-                inconsistent with the model (its size, shard or dtype).
+            InvalidRequest: a step that is neither, names the segment, or that
+                ``Steps.check_step`` refuses (a push header inconsistent with the model, a
+                pull in int8, a pull not after its push).
         """
         asks_push, asks_pull = request.HasField("push"), request.HasField("pull")
         if not (asks_push or asks_pull):
             raise InvalidRequest("A step asks for neither a push nor a pull.")
         if (asks_push and request.push.shm) or (asks_pull and request.pull.shm):
             raise InvalidRequest("The data port carries payloads, not shared-memory steps.")
+        self.steps.check_step(request)  # whole, before any of it is applied
         if not asks_push:
             return 0
-        self.steps.check_push_header(request.push)
         return 0 if request.push.empty else int(request.push.total_bytes)
 
     @contextmanager

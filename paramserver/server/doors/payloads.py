@@ -165,6 +165,21 @@ class Payloads:
         self.shared.check(request.worker_id)
         return partial(self.shared.put_weights, request.worker_id)
 
+    def check_pull(self, request: pb.PullRequest, numel: int) -> None:
+        """What ``destination`` and ``weights`` would refuse of a pull of ``numel`` weights,
+        checked before its step does anything (a push-pull's push is applied only when its
+        pull can be answered).
+
+        Raises:
+            InvalidRequest: a streamed pull in an unknown dtype or int8, or with an exact
+                tail longer than the weights.
+        """
+        if request.shm:
+            return
+        codec = self._sent_as(request)
+        if not codec.raw and not 0 <= request.exact <= numel:
+            raise InvalidRequest(f"A pull asks for {request.exact} exact elements of {numel}.")
+
     def _sent_as(self, request: pb.PullRequest) -> type[compression.Codec]:
         """The codec of the weights a streamed pull asks for.
 

@@ -121,6 +121,27 @@ class Steps:
                 f"A push names {len(h.batches)} batches; at most {MAX_PUSH_EVERY} go in one."
             )
 
+    def check_step(self, request: pb.PushPullRequest) -> None:
+        """A step checked whole before any of it is applied, so that a refusal leaves
+        nothing done (issue 55: a push applied, then its pull refused, and the worker could
+        not know its push counted): the push's header, the pull's element type and exact
+        tail, and a pull of the same worker and incarnation, for an iteration after the
+        push's."""
+        push, pull = request.push, request.pull
+        if request.HasField("push"):
+            self.check_push_header(push)
+        if request.HasField("pull"):
+            self.payloads.check_pull(pull, self.c.manifest.numel)
+        if not (request.HasField("push") and request.HasField("pull")):
+            return
+        if (pull.worker_id, pull.incarnation) != (push.worker_id, push.incarnation):
+            raise InvalidRequest("A step's push and pull name other workers or incarnations.")
+        if pull.iteration <= push.iteration:
+            raise InvalidRequest(
+                f"A step pushes iteration {push.iteration} and pulls {pull.iteration}: the "
+                "pull must be of a later iteration."
+            )
+
     def push(
         self,
         header: pb.PushHeader,
@@ -299,6 +320,7 @@ class Steps:
             raise InvalidRequest("A PushPull asks for neither a push nor a pull.")
         if (asks_push and not request.push.shm) or (asks_pull and not request.pull.shm):
             raise InvalidRequest("PushPull carries its payloads in shared memory only.")
+        self.check_step(request)
         push = self.push(request.push, iter(())) if asks_push else None
         if not asks_pull:
             return pb.PushPullResponse(push=push)
