@@ -68,9 +68,16 @@ class RowLookup(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        distinct, inverse = distinct_ids(ids, self.name)
-        rows = self.rows_of(distinct, ids.device)
+        rows, inverse = self._rows(ids)
         return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
+
+    @torch.compiler.disable
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``ids``' distinct ids and where each id's is. Host work (numpy ids,
+        a cache, row pulls) that ``torch.compile`` leaves to eager mode: the pooling after
+        it compiles (dynamo tracing into the row index failed on a numpy global)."""
+        distinct, inverse = distinct_ids(ids, self.name)
+        return self.rows_of(distinct, ids.device), inverse
 
 
 class Embedding(RowLookup):

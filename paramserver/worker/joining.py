@@ -107,11 +107,15 @@ def join(
 def local_model(
     plan: pb.TrainingPlan, model: nn.Module | None, device: str | torch.device | None
 ) -> nn.Module:
-    """``model``, or the one the servers name when it is None.
+    """``model`` (the module inside, for a ``torch.compile``d one), or the one the servers
+    name when it is None.
 
     Raises:
         ConfigError: the servers hold a user-supplied model, so it cannot be built here.
     """
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper (not imported here:
+    if isinstance(inner, nn.Module):  # torch._dynamo is slow to load): it runs this module
+        return inner
     if model is not None:
         return model
     if not plan.model:
