@@ -112,6 +112,9 @@ def server(**kw: Any) -> None:
     if evaluation is not None:
         evaluation.stop(timeout=2.0)  # the last checkpoint first: an evaluation can wait
     app.stop(grace=2.0)
+    unfinished = evaluation.unfinished() if evaluation is not None and not received else None
+    if unfinished:  # --exit-when-done waited for it in vain: not the exit of a run all well
+        raise ParamServerError(unfinished)
 
 
 def exit_when_done(app: Any, evaluation: Any, stop: threading.Event) -> None:

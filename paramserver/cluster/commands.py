@@ -65,7 +65,7 @@ class ServerRun:
     exit_when_done: bool = setting(
         False,
         "--exit-when-done",
-        "Exit 0 once the run is over and every worker has left (after the last epoch's evaluation, with a last checkpoint, as SIGTERM would): for launchers that wait for every process (torchx). A shard that does not hand out batches learns the end from the workers leaving. Without it, a server runs until SIGTERM.",
+        "Exit 0 once the run is over and every worker has left (after the last epoch's evaluation, with a last checkpoint, as SIGTERM would): for launchers that wait for every process (torchx). Exit 1 instead, after the same last checkpoint, if the run's summary.json could not be written within 600 s. A shard that does not hand out batches learns the end from the workers leaving. Without it, a server runs until SIGTERM.",
         is_flag=True,
     )
 

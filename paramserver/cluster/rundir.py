@@ -1,10 +1,19 @@
-"""A run folder: config.json, metrics.jsonl, curve.png, checkpoint.pt, logs."""
+"""A run folder: config.json, metrics.jsonl, curve.png, checkpoint.pt, logs.
+
+Its writes survive a process killed in the middle of one: config.json, summary.json and
+curve.png are written whole or not at all (a temporary file, then a rename), and a line of
+metrics.jsonl cut short is dropped before the next one is appended, so each line is one
+record and a later read never fails on it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +40,29 @@ class RunDir:
         return self.path / name
 
     def write_json(self, name: str, obj: Any) -> None:
-        self.file(name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+        _whole(self.file(name), lambda tmp: tmp.write_text(text))
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.file("metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        """Append one line; a last line cut short (a process killed while it wrote) is
+        dropped first, said in the log: appended to, it would spoil this line too."""
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        with open(self.file("metrics.jsonl"), "a+b") as f:
+            f.seek(0)
+            held = f.read()
+            if held and not held.endswith(b"\n"):
+                keep = held.rfind(b"\n") + 1
+                log.warning("%s: its last line is cut short (dropped): %.60r", f.name, held[keep:])
+                f.truncate(keep)
+            f.write(line)  # one write: a kill leaves the line whole, or cut and dropped later
+
+    def check_writable(self) -> None:
+        """Raises OSError where metrics.jsonl, which each epoch appends to, cannot be opened
+        for it. (A folder that takes no file at all, read-only or on a full disk, already
+        refused config.json, which is written first and whole.)"""
+        metrics = self.file("metrics.jsonl")
+        if metrics.exists():
+            open(metrics, "ab").close()  # appended to after each epoch
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """The lines of metrics.jsonl; a last line cut short (a process killed while it
@@ -124,8 +151,11 @@ class RunDir:
         fig.suptitle(title)
         fig.tight_layout()
         path = Path(out) if out else self.file("curve.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:
+            kind = path.suffix.lstrip(".") or "png"  # as savefig reads it from a name
+            _whole(path, lambda tmp: fig.savefig(tmp, dpi=100, format=kind))
+        finally:
+            plt.close(fig)
         return path
 
     def _title(self) -> str:
@@ -134,6 +164,20 @@ class RunDir:
             return f"{cfg['model']}, {cfg['policy']}, {cfg['workers']} workers"
         except (OSError, KeyError, ValueError):
             return self.path.name
+
+
+def _whole(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` the file at ``path`` whole or not at all: to a temporary file beside it,
+    then renamed over it. A failed write (a full disk, a file-size limit) leaves the old
+    file, if any, and no temporary file behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # never made (a read-only folder): nothing to undo
+            tmp.unlink()
+        raise
 
 
 def throughput(rows: list[dict[str, Any]]) -> list[float]:

@@ -6,12 +6,16 @@ the server's status (``tested_epoch``, ``test_accuracy``, ...). At the end of th
 draws curve.png and writes summary.json.
 
 ``--run-dir auto`` (the default) puts the folder at CHECKPOINT_DIR/run, or without
---checkpoint-dir at runs/STAMP-POLICY; ``off`` evaluates nothing. A shard of a sharded run
-holds a slice of the model and evaluates nothing (``launch`` evaluates a sharded run from
-every shard).
+--checkpoint-dir at runs/STAMP-POLICY; ``off`` evaluates nothing. A folder that cannot be
+written at start (config.json) is said in one warning under ``auto``, and the server trains
+without evaluating; a named one is refused. A shard of a sharded run holds a slice of the
+model and evaluates nothing (``launch`` evaluates a sharded run from every shard).
 
 An evaluation that raises is logged with its traceback, counted (``evaluation_failures``)
-and tried again ``RETRY_SECONDS`` later; training never waits for it.
+and tried again ``RETRY_SECONDS`` later; training never waits for it. An epoch's line is
+written once: a failure after it (curve.png, summary.json) retries only those, and a server
+restarted after it writes them. A run over whose summary is never written is said by
+``unfinished`` (``server --exit-when-done`` then exits 1).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.cluster.epochs import EpochReport, Job
+from paramserver.cluster.epochs import EpochReport, Job, Recorded
 from paramserver.cluster.rundir import RunDir
 from paramserver.codec import layout
 from paramserver.config import ServerConfig
@@ -67,13 +71,13 @@ class Planned:
 
 def plan(cfg: ServerConfig, run_dir: str | None, data_dir: str | None) -> Planned | None:
     """What ``--run-dir`` (and ``--data-dir``, where the test set is) ask of a server about
-    to start: None for ``off`` and for a shard of a sharded run. Under ``auto`` a folder or
-    test set that cannot be had is said in one warning and the server runs without;
-    named, it is refused.
+    to start: None for ``off`` and for a shard of a sharded run. Under ``auto`` a folder that
+    cannot be written (config.json, written here, the proof) or a test set that cannot be
+    had is said in one warning and the server runs without; named, it is refused.
 
     Raises:
         ConfigError: a named --run-dir on a shard of a sharded run, one that holds another
-            run's metrics, or a test set that cannot be loaded.
+            run's metrics or cannot be written, or a test set that cannot be loaded.
     """
     setting = (run_dir or AUTO).strip()
     if setting.lower() == OFF:
@@ -90,7 +94,6 @@ def plan(cfg: ServerConfig, run_dir: str | None, data_dir: str | None) -> Planne
         return None
     try:
         job = Job.prepare(cfg, data_dir)
-        run = _folder(cfg, None if auto else setting)
     except (OSError, ValueError, ParamServerError) as exc:
         if not auto:
             raise ConfigError(f"--run-dir {setting}: {exc}") from exc
@@ -100,7 +103,22 @@ def plan(cfg: ServerConfig, run_dir: str | None, data_dir: str | None) -> Planne
             exc,
         )
         return None
-    run.write_json("config.json", {"server": _shown(cfg)})
+    try:
+        run = _folder(cfg, None if auto else setting)
+        run.write_json("config.json", {"server": _shown(cfg)})
+        run.check_writable()
+    except OSError as exc:  # read-only, a full disk, a file-size limit, not a folder
+        if not auto:
+            raise ConfigError(
+                f"--run-dir {setting} cannot be written ({exc}): give a folder this server "
+                "can write, or --run-dir off."
+            ) from exc
+        log.warning(
+            "this server will not evaluate the model after each epoch: its run folder cannot "
+            "be written (%s); give --run-dir a folder it can write, or --run-dir off to say no",
+            exc,
+        )
+        return None
     log.info("run folder %s: the test figures after each epoch go there", run.path)
     return Planned(run, job, cfg)
 
@@ -168,6 +186,8 @@ class ServerEvaluation:
         self.report = EpochReport(planned.run, planned.job, InProcess(app))
         self._stop = threading.Event()
         self.finished = threading.Event()  # the last epoch evaluated, summary.json written
+        self._last: pb.StatusResponse | None = None  # the last epoch's status, once recorded
+        self._failure: str | None = None  # the last failure, said by ``unfinished``
         self._thread = threading.Thread(target=self._run, name="ps-evaluation", daemon=True)
 
     def start(self) -> ServerEvaluation:
@@ -190,37 +210,69 @@ class ServerEvaluation:
         self.c.notify()
         self._thread.join(timeout)
 
+    def unfinished(self) -> str | None:
+        """For a run that is over (every batch applied): why its summary.json is not
+        written, in a sentence; None once it is, or while the run goes on."""
+        q = self.c.queue
+        if self.finished.is_set() or q is None or not q.finished:
+            return None
+        summary = self.planned.run.file("summary.json")
+        if self._failure is None:  # still evaluating the last epoch: slow, not failing
+            return (
+                f"The run is over but its last evaluation had not ended: {summary} is not written."
+            )
+        return (
+            f"The run is over but {summary} was not written ("
+            f"{self.c.counters.evaluation_failures} evaluation failures, the last: "
+            f"{self._failure}); the log has each one."
+        )
+
     def _run(self) -> None:
         evaluated: int | None = None
         while not self._stop.is_set():
             try:
                 if evaluated is None:
                     evaluated = self._already()
+                if self._last is not None:  # recorded: only curve.png and summary.json to go
+                    self._finish(self._last)
+                    continue
                 due = self._due(evaluated)
                 if due is not None:
-                    evaluated = self._record(*due)
-            except Exception:  # counted, logged and tried again: never a silent end
+                    epoch, last = due
+                    recorded = self._record(epoch)
+                    evaluated = epoch  # recorded once: a failure after this never records again
+                    self._failure = None
+                    if last:
+                        self._last = recorded.status
+            except Exception as exc:  # counted, logged and tried again: never a silent end
+                self._failure = f"{type(exc).__name__}: {exc}"
                 self.c.counters.evaluation_failures += 1
+                what = (
+                    "writing curve.png and summary.json"
+                    if self._last is not None
+                    else f"the evaluation after epoch {(evaluated or 0) + 1}"
+                )
                 log.exception(
-                    "the evaluation after epoch %d failed (%d failures); trying again in %.0fs",
-                    (evaluated or 0) + 1,
+                    "%s failed (%d failures); trying again in %.0fs",
+                    what,
                     self.c.counters.evaluation_failures,
                     self.retry,
                 )
                 self._stop.wait(self.retry)
 
-    def _record(self, epoch: int, last: bool) -> int:
-        """Evaluate after ``epoch`` (``last``: the run's, then write the summary and stop);
-        returns it."""
+    def _record(self, epoch: int) -> Recorded:
+        """Evaluate after ``epoch``: its line of metrics.jsonl and the status' figures."""
         recorded = self.report.record(epoch)
         acc, loss, area = recorded.evaluation
         self.c.counters.tested = Tested(epoch, acc, loss, math.nan if area is None else area)
-        if last:
-            self.report.finish(self.planned.config, recorded.status)
-            log.info("run finished: summary in %s", self.planned.run.file("summary.json"))
-            self.finished.set()
-            self._stop.set()
-        return epoch
+        return recorded
+
+    def _finish(self, st: pb.StatusResponse) -> None:
+        """The run's end: curve.png and summary.json (from the lines recorded), then stop."""
+        self.report.finish(self.planned.config, st)
+        log.info("run finished: summary in %s", self.planned.run.file("summary.json"))
+        self.finished.set()
+        self._stop.set()
 
     def _already(self) -> int:
         """Epochs already in the run folder, or applied before a resume: not evaluated again."""
@@ -250,7 +302,11 @@ class ServerEvaluation:
 
         self.c.wait_for(due, timeout=1.0)
         if not found and not self._stop.is_set() and self._over(evaluated):
-            self._stop.set()  # a finished run already recorded: nothing to do
+            if self.planned.run.file("summary.json").exists():
+                self.finished.set()  # a finished run already recorded: nothing to do
+                self._stop.set()
+            elif self.c.applies.idle:  # its summary failed before a restart: written now
+                self._last = self.c.status().to_proto()
         return found[0] if found else None
 
     def _over(self, evaluated: int) -> bool:

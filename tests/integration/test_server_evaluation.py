@@ -2,13 +2,20 @@
 after each epoch it evaluates the global model on the test set in the background, writes
 metrics.jsonl, and at the end curve.png and summary.json; status and Prometheus show the
 last figures; a failing evaluation is logged, counted and tried again; a resumed run goes on
-in its folder; a shard of a sharded run, ``--run-dir off`` and a missing test set are said."""
+in its folder; a shard of a sharded run, ``--run-dir off`` and a missing test set are said.
+Faults round 4: a failed curve or summary is tried again without recording the epoch again
+(and fails ``--exit-when-done`` when never written), a line cut short by a kill is dropped,
+and a folder that cannot be written is under the same auto-warns, named-refuses rule."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
+import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -17,6 +24,7 @@ from prometheus_client import generate_latest
 
 from paramserver.cluster import server_evaluation
 from paramserver.cluster.epochs import EpochReport
+from paramserver.cluster.procs import READY_MARKER, Child
 from paramserver.cluster.rundir import RunDir
 from paramserver.cluster.server_evaluation import plan
 from paramserver.config import OptimizerConfig, Security, ServerConfig, WorkerConfig
@@ -178,3 +186,195 @@ def test_a_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path, caplog):
     (run / "metrics.jsonl").write_text('{"epoch": 1, "te\n{"epoch": 2}\n')
     with pytest.raises(ConfigError, match="line 1, is not JSON"):
         RunDir("", "", run).read_metrics()
+
+
+def _full(failed: threading.Event | None = None):
+    """A writer stand-in that fails as on a full disk (and says it did)."""
+
+    def write(self, *args, **kwargs):
+        if failed is not None:
+            failed.set()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return write
+
+
+def _epochs(run: Path) -> list[int]:
+    return [json.loads(x)["epoch"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_failed_summary_is_tried_again_without_recording_the_epoch_again(
+    serve, tmp_path, monkeypatch, caplog
+):
+    """curve.png, then summary.json, cannot be written at first (a full disk): each try
+    again writes only them; the last epoch's line is in metrics.jsonl once (round 4,
+    defect 2)."""
+    real_plot, real_json = RunDir.plot, RunDir.write_json
+    tries: list[str] = []
+
+    def plot(self, *args, **kwargs):
+        tries.append("curve.png")
+        if len(tries) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_plot(self, *args, **kwargs)
+
+    def write_json(self, name, obj):
+        if name == "summary.json":
+            tries.append(name)
+            if tries.count(name) == 1:
+                raise OSError(errno.EFBIG, "File too large")
+        return real_json(self, name, obj)
+
+    monkeypatch.setattr(RunDir, "plot", plot)
+    monkeypatch.setattr(RunDir, "write_json", write_json)
+    with caplog.at_level(logging.ERROR, logger=server_evaluation.__name__):
+        app, evaluation = _train(serve, _config(epochs=2), tmp_path / "run", retry=0.01)
+    assert _epochs(tmp_path / "run") == [1, 2]
+    assert tries == ["curve.png", "curve.png", "summary.json", "curve.png", "summary.json"]
+    assert app.status()["evaluation_failures"] == 2
+    assert "writing curve.png and summary.json failed" in caplog.text
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2
+    assert evaluation.unfinished() is None
+
+
+def test_a_summary_never_written_fails_exit_when_done(serve, tmp_path, monkeypatch, capsys):
+    """summary.json cannot ever be written: the server still records the last epoch once,
+    then ``--exit-when-done`` stops it with a last checkpoint and exit status 1, the reason
+    in one line (round 4, defect 2)."""
+    from paramserver import cli
+    from paramserver.server.app import ServerApp
+
+    failed = threading.Event()
+    monkeypatch.setattr(RunDir, "plot", _full(failed))
+    # --exit-when-done's wait for the summary ends once it failed (not after 600 s)
+    real_wait = server_evaluation.ServerEvaluation.wait
+    monkeypatch.setattr(
+        server_evaluation.ServerEvaluation,
+        "wait",
+        lambda self, timeout: failed.wait(DEADLINE) and real_wait(self, 0.0),
+    )
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest's handlers stay
+    workers: list[WorkerThread] = []
+    real_start = ServerApp.start
+
+    def start(self):
+        app = real_start(self)
+        worker = WorkerThread(lambda: run(WorkerConfig(server=app.address, device="cpu")), "w")
+        worker.start()
+        workers.append(worker)
+        return app
+
+    monkeypatch.setattr(ServerApp, "start", start)
+    for name in [n for n in os.environ if n.startswith("PARAMSERVER_")]:
+        monkeypatch.delenv(name)
+    level = logging.getLogger().level
+    args = ["--host", "127.0.0.1", "--port", "0", "--dataset", "synthetic", "--workers", "1"]
+    args += ["--epochs", "1", "--batch-size", str(BATCH), "--checkpoint-dir", str(tmp_path / "c")]
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["server", *args, "--exit-when-done"])
+    finally:
+        logging.getLogger().setLevel(level)
+    workers[0].result()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 1, err
+    assert "was not written" in err[-1] and "No space left on device" in err[-1], err[-1]
+    assert _epochs(tmp_path / "c" / "run") == [1]
+    assert any(p.name.startswith("server") for p in (tmp_path / "c").iterdir())  # checkpoint
+
+
+def test_a_restart_writes_the_summary_that_failed_before_it(serve, tmp_path, monkeypatch):
+    """The server stopped while its summary could not be written; restarted on the finished
+    run, it writes curve.png and summary.json from the lines there, recording nothing again."""
+    failed = threading.Event()
+    monkeypatch.setattr(RunDir, "plot", _full(failed))
+    cfg = _config(epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    planned = plan(cfg, "auto", None)
+    assert planned is not None
+    app = serve(cfg.model, config=cfg)
+    evaluation = planned.start(app, retry=DEADLINE)
+    worker = WorkerThread(lambda: run(WorkerConfig(server=app.address, device="cpu")), "w")
+    worker.start()
+    worker.result()
+    assert failed.wait(DEADLINE)
+    evaluation.stop()
+    app.stop()
+    monkeypatch.undo()
+    run_dir = tmp_path / "ckpt" / "run"
+    assert not (run_dir / "summary.json").exists()
+    again = plan(cfg, "auto", None)
+    assert again is not None and again.run.path == run_dir
+    restarted = again.start(serve(cfg.model, config=cfg))
+    assert restarted.wait(DEADLINE) and restarted.finished.is_set()
+    assert json.loads((run_dir / "summary.json").read_text())["epochs"] == 1
+    assert _epochs(run_dir) == [1]
+
+
+def test_a_line_cut_short_before_a_restart_does_not_spoil_the_next(serve, tmp_path):
+    """Killed while it wrote a line of metrics.jsonl, then restarted: the next epoch's line
+    is whole, every line reads, and the summary is written (round 4, defect 3)."""
+    ckpt = tmp_path / "ckpt"
+    app, _ = _train(serve, _config(epochs=1, checkpoint_dir=str(ckpt)), "auto")
+    app.stop()
+    with open(ckpt / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 2, "test_acc')  # as a kill -9 leaves it
+    _train(serve, _config(epochs=2, checkpoint_dir=str(ckpt)), "auto")
+    assert _epochs(ckpt / "run") == [1, 2]
+    assert json.loads((ckpt / "run" / "summary.json").read_text())["epochs"] == 2
+
+
+def test_a_run_folder_that_cannot_be_written(tmp_path, monkeypatch, caplog):
+    """The folder is there but takes no file (read-only, a full disk on a restart): under
+    auto one warning and the server trains without it; named, refused (round 4, defect 4)."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "run").mkdir(parents=True)  # a restart's: the folder exists
+    monkeypatch.setattr(RunDir, "write_json", _full())
+    with caplog.at_level(logging.WARNING):
+        assert plan(_config(checkpoint_dir=str(ckpt)), "auto", None) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "run folder cannot be written" in warned[0], warned
+    assert "No space left on device" in warned[0]
+    with pytest.raises(ConfigError, match=r"--run-dir \S+ cannot be written \(.*No space left"):
+        plan(_config(), str(ckpt / "run"), None)
+
+
+def _under_a_file_size_limit(tmp_path: Path, args: list[str], lines: list[str]) -> Child:
+    """``paramserver server ARGS`` whose files cannot grow past 512 bytes (config.json is
+    larger), its output lines handed to ``lines``."""
+    limit = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512)); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    common = ["--host", "127.0.0.1", "--port", "0", "--dataset", "synthetic", "--workers", "1"]
+    return Child(
+        "server",
+        ["server", *common, *args],
+        tmp_path / "server.log",
+        prefix=[sys.executable, "-c", limit],
+        tee=lines.append,
+    )
+
+
+def test_a_server_under_a_file_size_limit_starts_or_refuses_in_one_line(tmp_path):
+    """``--run-dir auto``: one warning, and the server serves; a named --run-dir: one line
+    and exit 2, not a traceback (round 4, defect 4)."""
+    lines: list[str] = []
+    named = _under_a_file_size_limit(tmp_path, ["--run-dir", str(tmp_path / "named")], lines)
+    try:
+        assert named.proc.wait(DEADLINE) == 2, named.tail(20)
+        named.drain()
+        assert "Traceback" not in "\n".join(lines)
+        assert lines[-1].startswith("paramserver: error: --run-dir ")
+        assert "cannot be written ([Errno 27] File too large)" in lines[-1]
+    finally:
+        named.stop()
+    lines.clear()
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    auto = _under_a_file_size_limit(tmp_path, ckpt, lines)
+    try:
+        wait_until(lambda: any(READY_MARKER in x for x in lines) or auto.poll() is not None, "up")
+        assert auto.poll() is None, "\n".join(lines)
+        warned = [x for x in lines if "WARNING paramserver.cluster.server_evaluation" in x]
+        assert len(warned) == 1 and "run folder cannot be written" in warned[0], lines
+    finally:
+        auto.stop()
