@@ -116,6 +116,12 @@ class ServerConfig:
         "On resuming from --checkpoint-dir, drop at once the workers the checkpoint names (their batches go back to the queue) instead of waiting three leases for them to come back: for a launcher that started them and knows they are gone (launch sets it on the servers it starts).",
         is_flag=True,
     )
+    switch_optimizer: bool = setting(
+        False,
+        "--switch-optimizer",
+        "On resuming from --checkpoint-dir a checkpoint written under another --optimizer, start this optimizer's state afresh (the weights and the rest of the run go on) instead of refusing to start. A checkpoint of the same optimizer keeps its state either way, stepped with this command line's --lr, --momentum, --weight-decay, --nesterov-period and schedule (the log names those that changed).",
+        is_flag=True,
+    )
     checkpoint_every: str = setting(
         "60s",
         "--checkpoint-every",

@@ -54,7 +54,7 @@ def build_coordinator(
 
     Raises:
         ConfigError: the model cannot be split into ``config.shards``, or the saved state
-            is not this model's.
+            is not this model's, or another optimizer's without ``--switch-optimizer``.
     """
     if model is None:
         model = models.build(config.model, seed=config.seed)
@@ -79,7 +79,17 @@ def build_coordinator(
                 directory, manifest, config.shard, config.shards, config.cuts, config.model
             )
     optimizer = config.outer_optimizer()
-    store = ParameterStore(manifest, flat, optimizer, config.server_device, copy=pieces.copy)
+    store = ParameterStore(
+        manifest,
+        flat,
+        optimizer,
+        config.server_device,
+        copy=pieces.copy,
+        switch=config.switch_optimizer,
+    )
+    if snapshot is not None:  # another optimizer's: refused before the coordinator logs a resume
+        where = f" in {config.checkpoint_dir}" if config.checkpoint_dir else ""
+        store.resumes(snapshot.optimizer_state, f"The checkpoint{where}")
     return Coordinator(
         config,
         store,

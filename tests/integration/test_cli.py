@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from paramserver import models
+from paramserver.config import OptimizerConfig, ServerConfig
+from paramserver.server.build import build_coordinator
 from paramserver.server.disk import checkpoint
+from paramserver.server.disk.checkpoint_writer import Checkpointer
 from tests.conftest import DEADLINE, paramserver_cmd
 
 
@@ -415,3 +418,19 @@ def test_launch_trains_with_the_settings_of_a_config_file(tmp_path):
     run_dir = tmp_path / os.path.basename(summary["run_dir"])
     server = json.loads((run_dir / "config.json").read_text())["server"]
     assert (server["batch_size"], server["optimizer"]["lr"]) == (128, 0.003)
+
+
+def test_a_resume_under_another_optimizer_is_one_line_naming_both_and_the_option(tmp_path):
+    written = ServerConfig(checkpoint_dir=str(tmp_path), optimizer=OptimizerConfig("adam"))
+    Checkpointer(build_coordinator(written), tmp_path, "60s", cuts=False).stop()
+    args = ("server", "--host", "127.0.0.1", "--port", "0", "--dataset", "synthetic")
+    out = run_cli(
+        *args, "--run-dir", "off", "--checkpoint-dir", str(tmp_path), "--optimizer", "sgd"
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"paramserver: error: The checkpoint in {tmp_path} was written by a server of "
+        "--optimizer adam, whose state --optimizer sgd cannot go on from: give "
+        "--switch-optimizer to start sgd's state afresh (the weights and the rest of the run "
+        "go on), or resume with --optimizer adam."
+    )

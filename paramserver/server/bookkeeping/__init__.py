@@ -7,6 +7,8 @@ gRPC. The coordinator (``engine/``) holds these and guards them with its lock.
 - ``ledger``: which handed-out batches this shard applied, so each is applied once;
 - ``buffers``: the model's shared buffers (BatchNorm statistics) per worker;
 - ``store``: the flat model, its version and the server-side optimizer;
+- ``optimizer_resume``: what a resumed optimizer takes from a checkpoint (its state, not
+  its settings; another optimizer's state refused, or with ``--switch-optimizer`` dropped);
 - ``cuts``: when a shard of a sharded run cuts its state (pure decisions);
 - ``write_record``: what the server knows of its own checkpoint writes;
 - ``snapshot``: ``CoordinatorSnapshot``, the coordinator's state as a checkpoint holds it;

@@ -5,7 +5,10 @@ A shard on a GPU (``--server-device``) keeps that buffer and the optimizer's sta
 device, where its fused optimizer steps, and a copy on the host (``weights``) that pulls,
 snapshots and checkpoints read, brought up to date after every change; checkpoints hold the
 optimizer's state on the host, so one written on a GPU resumes on a CPU and the other way
-round (``load_state_dict`` moves the state to the parameters' device)."""
+round (``load_state_dict`` moves the state to the parameters' device).
+
+A resumed store goes on from the checkpoint's optimizer state with its own settings, and
+refuses another optimizer's state unless told to start afresh (``optimizer_resume``)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,10 @@ from torch.optim import optimizer as _torch_optimizer
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
+from paramserver.server.bookkeeping import optimizer_resume
 from paramserver.server.bookkeeping.outer import DelayedNesterov
+
+log = logging.getLogger(__name__)
 
 # Retired snapshots kept for reuse: a pull of one version may still be streaming while the
 # next is published; a fresh 64 MiB buffer costs about 7 ms of page faults.
@@ -79,7 +85,8 @@ class ParameterStore:
     The optimizer sees the parameters' section as one flat tensor; elementwise optimizers
     (SGD, momentum, Adam, AdamW) give exactly the per-tensor result. The buffers' section
     (``manifest.section``: "buffer" and "count") is set by ``set_buffers``. Not
-    thread-safe: the coordinator serialises calls.
+    thread-safe: the coordinator serialises calls. ``switch`` (``--switch-optimizer``): a
+    checkpoint of another optimizer leaves its state behind instead of being refused.
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class ParameterStore:
         device: str | torch.device = "cpu",
         mirrored: bool | None = None,
         copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
+        switch: bool = False,
     ):
         if initial.dtype != manifest.np_dtype or initial.size != manifest.numel:
             raise ValueError(
@@ -98,6 +106,7 @@ class ParameterStore:
             )
         self.manifest = manifest
         self.config = optimizer
+        self.switch = switch
         self._copy = copy  # a snapshot's copy (the server's: split over its threads)
         self.device = torch.device(device)
         # the master on the device and a copy on the host (on a CPU: one tensor; tests
@@ -170,20 +179,71 @@ class ParameterStore:
             self.host[lo:hi].copy_(self.flat[lo:hi])
 
     def optimizer_state(self) -> dict[str, Any]:
-        """A copy of the optimizer's ``state_dict()`` with its tensors on the host: what a
-        checkpoint holds, whatever the device."""
-        return _host_copy(self.optimizer.state_dict())
+        """A copy of the optimizer's ``state_dict()`` with its tensors on the host, and the
+        settings that wrote it (``optimizer_resume.SETTINGS``): what a checkpoint holds,
+        whatever the device."""
+        state = _host_copy(self.optimizer.state_dict())
+        state[optimizer_resume.SETTINGS] = optimizer_resume.recorded(self.config)
+        return state
+
+    def resumes(self, optimizer_state: dict, where: str = "The checkpoint") -> bool:
+        """Whether this optimizer goes on from ``optimizer_state`` (read from ``where``):
+        True for the same optimizer's; False for another's under ``switch``.
+
+        Raises:
+            ConfigError: another optimizer's state, without ``switch``.
+        """
+        return optimizer_resume.check(optimizer_state, self.config, self.switch, where)
 
     def restore(self, weights: np.ndarray, optimizer_state: dict, version: int) -> None:
-        """Take over the weights, optimizer state and version of a checkpoint."""
+        """Take over the weights, optimizer state and version of a checkpoint: the state
+        with this store's settings (its momentum, period, weight decay: the command line
+        wins over the checkpoint's, logged), or under ``switch`` another optimizer's left
+        behind, this one's starting afresh.
+
+        Raises:
+            ConfigError: another optimizer's state, without ``switch``.
+        """
         if weights.size != self.manifest.numel:
             raise ValueError(f"{weights.size} weights for a model of {self.manifest.numel}.")
+        same = self.resumes(optimizer_state)
         with torch.no_grad():
             self.flat.copy_(torch.from_numpy(np.ascontiguousarray(weights, self.manifest.np_dtype)))
         self._mirror(0, self.manifest.numel)
-        self.optimizer.load_state_dict(optimizer_state)
+        if same:
+            self._go_on(optimizer_state)
+        else:
+            self.optimizer.state.clear()  # a rewind's store holds state of its own
+            log.warning(
+                "the checkpoint's server optimizer state is --optimizer %s's, not %s's: "
+                "--switch-optimizer starts %s's afresh; the weights and the rest of the run "
+                "go on",
+                " or ".join(optimizer_resume.saved(optimizer_state)[0]),
+                self.config.name,
+                self.config.name,
+            )
         self.version = version
         self.retire()
+
+    def _go_on(self, optimizer_state: dict) -> None:
+        """Load ``optimizer_state`` under this optimizer's own parameter groups: torch's
+        ``load_state_dict`` would take the saved groups' hyperparameters too (a resumed
+        ``--momentum 0.5`` stepped with the checkpoint's 0.9), and places the state by the
+        groups it is given (a fused step's ``step`` on the device)."""
+        mine = self.optimizer.state_dict()["param_groups"]
+        groups = [
+            {**group, "params": theirs["params"]}
+            for group, theirs in zip(mine, optimizer_state["param_groups"], strict=True)
+        ]
+        self.optimizer.load_state_dict({**optimizer_state, "param_groups": groups})
+        changed = optimizer_resume.changes(optimizer_state, self.config)
+        if changed:
+            log.info(
+                "the server optimizer (%s) goes on from the checkpoint's state with this "
+                "command line's settings, not the checkpoint's: %s",
+                self.config.name,
+                ", ".join(changed),
+            )
 
     def set_buffers(self, values: np.ndarray) -> None:
         """Set the buffers' section (everything after the parameters) to ``values``."""
@@ -236,5 +296,5 @@ def _page_locked(t: torch.Tensor) -> torch.Tensor:
     try:
         return t.pin_memory()
     except RuntimeError as exc:
-        logging.getLogger(__name__).warning("the host copy of the weights stays pageable: %s", exc)
+        log.warning("the host copy of the weights stays pageable: %s", exc)
         return t

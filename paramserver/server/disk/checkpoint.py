@@ -9,7 +9,10 @@ Keys of every checkpoint file (``launch``'s run folder and a server's ``--checkp
 
 A server's checkpoint (``SERVER_FILE`` in ``--checkpoint-dir``) also holds what a resumed
 server needs to go on exactly where it stopped:
-    optimizer_state   the server optimizer's ``state_dict()`` (flat parameter 0)
+    optimizer_state   the server optimizer's ``state_dict()`` (flat parameter 0) and its
+                      ``settings`` ({name, lr, momentum, ...}: the OptimizerConfig that wrote
+                      it; absent from older checkpoints): a resumed server refuses another
+                      optimizer's state (``server/bookkeeping/optimizer_resume.py``)
     rounds            sync rounds completed
     incarnation       the server process that wrote it
     members           [{worker_id, name, rank, clock, samples}]: the clocks say which pushes
