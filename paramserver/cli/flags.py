@@ -11,6 +11,15 @@ from dataclasses import dataclass
 
 import click
 
+from paramserver.config.base import (
+    MAX_INT32,
+    MAX_INT64,
+    MAX_PUSH_EVERY,
+    MAX_SEED,
+    MAX_SHARDS,
+    check_count,
+    check_seconds,
+)
 from paramserver.errors import ConfigError
 from paramserver.settings import REQUIRED, setting
 
@@ -86,8 +95,9 @@ class Status:
     )
 
     def __post_init__(self) -> None:
-        if self.watch is not None and self.watch <= 0:
-            raise ConfigError(f"--watch must be positive; got {self.watch}.")
+        if self.watch is not None:
+            check_seconds("--watch", self.watch)
+        check_seconds("--rpc-timeout", self.timeout)
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,9 @@ class Health:
         "The service to ask about: paramserver.v1.Checkpoints is NOT_SERVING while checkpoint writes fail.",
         env="HEALTH_SERVICE",
     )
+
+    def __post_init__(self) -> None:
+        check_seconds("--rpc-timeout", self.timeout)
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,9 @@ class Export:
         env="EXPORT_BASE",
     )
 
+    def __post_init__(self) -> None:
+        _check_run(self.seed, self.round)
+
 
 @dataclass(frozen=True)
 class Reshard:
@@ -167,6 +183,17 @@ class Reshard:
         env="RESHARD_ROUND",
         type=int,
     )
+
+    def __post_init__(self) -> None:
+        check_count("--shards", self.shards, 1, MAX_SHARDS)
+        _check_run(self.seed, self.round)
+
+
+def _check_run(seed: int, round_: int | None) -> None:
+    """The --seed and --round of the run whose checkpoints are read."""
+    check_count("--seed", seed, 0, MAX_SEED)
+    if round_ is not None:
+        check_count("--round", round_, 0, MAX_INT64)
 
 
 @dataclass(frozen=True)
@@ -214,6 +241,13 @@ class Chaos:
         env="CHAOS_JSON",
         is_flag=True,
     )
+
+    def __post_init__(self) -> None:
+        check_count("--faults", self.faults, 0, MAX_INT32)
+        check_count("--seed", self.seed, 0, MAX_SEED)
+        check_seconds("--lease-timeout", self.lease)
+        check_seconds("--recover-within", self.recover_within)
+        check_count("--local-steps", self.local_steps, 0, MAX_PUSH_EVERY)  # --push-every H
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,11 @@ def server(**kw: Any) -> None:
     from paramserver.cluster import server_evaluation
     from paramserver.cluster.procs import READY_MARKER
     from paramserver.server.app import ServerApp
+    from paramserver.server.disk.checkpoint_writer import checkpoint_folder
 
     log.info("server configuration: %s", cfg)
+    if cfg.checkpoint_dir:  # refused before the run folder in it (--run-dir auto) is planned
+        checkpoint_folder(cfg.checkpoint_dir)
     report = settings.build(commands.ServerRun, kw)
     planned = server_evaluation.plan(cfg, report.run_dir, report.data_dir)
     try:
@@ -234,10 +237,6 @@ def chaos(**kw: Any) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     kinds = soak.linkable(kinds, asked="link-down" in opts.kinds)
-    if opts.faults < 0:
-        raise ConfigError(f"--faults must be 0 or more; got {opts.faults}.")
-    if opts.local_steps < 0:
-        raise ConfigError(f"--local-steps must be 0 or more; got {opts.local_steps}.")
     cfg = soak.ChaosConfig(
         faults=opts.faults,
         seed=opts.seed,

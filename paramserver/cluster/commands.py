@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from paramserver.config import LaunchConfig, OptimizerConfig, Security, ServerConfig, WorkerConfig
+from paramserver.config.base import MAX_LOCAL, check_count
 from paramserver.config.cores import shard_threads
 from paramserver.config.devices import shard_device
-from paramserver.errors import ConfigError
 from paramserver.settings import Part, command_args, setting
 
 # A child's settings are its argv and the variables it inherits, never its parent's
@@ -33,8 +33,7 @@ class Procs:
     )
 
     def __post_init__(self) -> None:
-        if self.procs < 1:
-            raise ConfigError(f"--procs must be at least 1; got {self.procs}.")
+        check_count("--procs", self.procs, 1, MAX_LOCAL)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,44 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "dlrm": {"dataset": "clicks", "epochs": 2, "batch_size": 256, "lr": 1e-2},
 }
 MODEL_DEFAULTS["dlrm-sparse"] = MODEL_DEFAULTS["dlrm"]
+
+
+# The largest value of each kind of numeric setting: what the protocol's fields, the clocks
+# and the host carry, far above any real use. A value past them used to be taken and fail
+# later, far from its cause (a --workers of 2^31 failed every Join with "Value out of range";
+# a --lease-timeout of 1e300 killed the lease reaper). Each check goes through
+# ``check_count`` or ``check_seconds``, which name the option, the value and the bound.
+MAX_INT32 = 2**31 - 1  # an int32 field: the plan's workers and batch size, a rank
+MAX_INT64 = 2**63 - 1  # an int64 field: optimizer steps, clocks, rounds, a table's rows
+MAX_EPOCHS = 10**6  # the run's batches, epochs x batches an epoch, are int64 on the wire
+# A seed: epochs are ordered by torch's generator seeded with seed * 1_000_003 + epoch,
+# which must fit its 64 bits; numpy's generators take no negative seed.
+MAX_SEED = 2**32 - 1
+MAX_LOCAL = 4096  # threads or processes one command starts on its host
+MAX_SHARDS = 4096  # server shards: a process and a file a checkpoint each
+# Seconds: ten years, well inside what threading's waits (TIMEOUT_MAX), time.sleep and
+# gRPC's deadlines (about 7e9 s from now) take.
+MAX_SECONDS = min(10 * 365 * 86400.0, threading.TIMEOUT_MAX)
+
+
+def check_count(name: str, value: int, least: int = 1, most: int = MAX_INT32) -> None:
+    """Raise ConfigError naming ``name``, ``value`` and the bound unless ``least <= value
+    <= most``."""
+    if not value >= least:
+        floor = "zero or more" if least == 0 else f"at least {least}"
+        raise ConfigError(f"{name} must be {floor}; got {value!r}.")
+    if not value <= most:
+        raise ConfigError(f"{name} must be at most {most}; got {value!r}.")
+
+
+def check_seconds(name: str, value: float, *, zero: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is a duration above 0 (with ``zero``, 0 or more)
+    and at most ``MAX_SECONDS``."""
+    (_non_negative if zero else _positive)(name, value)
+    if value > MAX_SECONDS:
+        raise ConfigError(
+            f"{name} must be at most {MAX_SECONDS:.0f} seconds (ten years); got {value!r}."
+        )
 
 
 def _positive(name: str, value: float) -> None:
@@ -146,7 +185,7 @@ class OptimizerConfig:
         _positive("The learning rate (--lr)", self.lr)
         _non_negative("--momentum", self.momentum)
         _non_negative("--weight-decay", self.weight_decay)
-        _non_negative("--nesterov-period", self.period)
+        check_count("--nesterov-period", self.period, 0)
         if self.period and self.name != "delayed-nesterov":
             raise ConfigError(
                 f"--nesterov-period is for --optimizer delayed-nesterov, not {self.name}."
@@ -165,6 +204,8 @@ class OptimizerConfig:
                 "--lr-schedule cosine needs --lr-total-steps, the number of optimizer steps "
                 f"it decays over (at least 1); got {self.total_steps!r}."
             )
+        if self.total_steps is not None:  # optimizer steps: int64 versions on the wire
+            check_count("--lr-total-steps", self.total_steps, 1, MAX_INT64)
 
     def rate(self, step: int, done: tuple[int, int] | None) -> float:
         """The learning rate of optimizer step ``step``; with ``--lr-schedule-by batches``,
@@ -250,11 +291,12 @@ def parse_shard(text: str) -> tuple[int, int]:
     """``--shard I/S`` as (I, S).
 
     Raises:
-        ConfigError: not two integers with 0 <= I < S.
+        ConfigError: not two integers with 0 <= I < S, or S above ``MAX_SHARDS``.
     """
     match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
     if match is None or not 0 <= int(match[1]) < int(match[2]):
         raise ConfigError(f"--shard must be I/S with 0 <= I < S, e.g. 0/2; got {text!r}.")
+    check_count(f"--shard {text.strip()}: S", int(match[2]), 1, MAX_SHARDS)
     return int(match[1]), int(match[2])
 
 
@@ -267,14 +309,16 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
     """``--checkpoint-every``: ``N`` optimizer steps or ``Ns`` seconds (also ``Nm``).
 
     Raises:
-        ConfigError: neither form.
+        ConfigError: neither form, or past ``MAX_INT64`` steps or ``MAX_SECONDS``.
     """
     m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(s|m)?\s*$", text or "")
     if m and m.group(2):
         seconds = float(m.group(1)) * (60 if m.group(2) == "m" else 1)
         if seconds > 0:
+            check_seconds(f"--checkpoint-every {text.strip()}", seconds)
             return None, seconds
     elif m and "." not in m.group(1) and int(m.group(1)) > 0:
+        check_count(f"--checkpoint-every {text.strip()}: N", int(m.group(1)), 1, MAX_INT64)
         return int(m.group(1)), None
     raise ConfigError(
         f"--checkpoint-every must be a number of optimizer steps (500) or of seconds (30s, "

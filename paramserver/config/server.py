@@ -7,11 +7,17 @@ from dataclasses import dataclass, field, replace
 
 from paramserver.config.base import (
     DATASETS,
+    MAX_EPOCHS,
+    MAX_INT64,
+    MAX_LOCAL,
+    MAX_SEED,
+    MAX_SHARDS,
     OptimizerConfig,
     Security,
     _non_negative,
-    _positive,
     _shard_fields,
+    check_count,
+    check_seconds,
     parse_every,
     parse_table_optimizers,
 )
@@ -208,8 +214,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         Policy.parse(self.policy)
-        if self.workers < 1:
-            raise ConfigError(f"--workers must be at least 1; got {self.workers}.")
+        check_count("--workers", self.workers)  # the plan's world size: int32 on the wire
         if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
             raise ConfigError(
                 f"--min-workers must be between 1 and --workers ({self.workers}); got "
@@ -223,14 +228,13 @@ class ServerConfig:
             )
         if self.backup_workers:
             _check_backups(self.backup_workers, self.workers, self.parsed_policy, self.shards)
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1; got {self.batch_size}.")
-        if self.epochs < 1:
-            raise ConfigError(f"--epochs must be at least 1; got {self.epochs}.")
+        check_count("--batch-size", self.batch_size)
+        check_count("--epochs", self.epochs, 1, MAX_EPOCHS)
+        check_count("--seed", self.seed, 0, MAX_SEED)
         self._check_ports()
-        _positive("--lease-timeout", self.lease_seconds)
-        _non_negative("--table-rows", self.table_rows)
-        _non_negative("--checkpoint-delta-every", self.checkpoint_delta_every)
+        check_seconds("--lease-timeout", self.lease_seconds)
+        check_count("--table-rows", self.table_rows, 0, MAX_INT64)
+        check_count("--checkpoint-delta-every", self.checkpoint_delta_every, 0)
         parse_table_optimizers(self.table_optimizer)
         if self.coalesce not in ("on", "off"):
             raise ConfigError(f"--coalesce must be on or off; got {self.coalesce!r}.")
@@ -240,13 +244,14 @@ class ServerConfig:
                 "--chunk-bytes must be a multiple of 4 from 4096 to 16777216 (16 MiB); got "
                 f"{self.chunk_bytes}."
             )
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--server-threads must be at least 1; got {self.threads}.")
-        _positive("--barrier-timeout", self.barrier_timeout)
+        if self.threads is not None:
+            check_count("--server-threads", self.threads, 1, MAX_LOCAL)
+        check_seconds("--barrier-timeout", self.barrier_timeout)
         check_server_device(self.server_device)
-        if not 0 <= self.shard < self.shards:
+        if not 0 <= self.shard < self.shards <= MAX_SHARDS:
             raise ConfigError(
-                f"--shard must be I/S with 0 <= I < S; got {self.shard}/{self.shards}."
+                f"--shard must be I/S with 0 <= I < S <= {MAX_SHARDS}; got "
+                f"{self.shard}/{self.shards}."
             )
         if self.cuts and parse_every(self.checkpoint_every)[0] is None:
             raise ConfigError(

@@ -12,12 +12,15 @@ from paramserver.config.base import (
     AMP_MODES,
     DEFAULT_CACHE_ROWS,
     INNER_OPTIMIZERS,
+    MAX_INT64,
+    MAX_LOCAL,
     MAX_PUSH_EVERY,
     SHM_CHOICES,
     WIRE_CHOICES,
     Security,
-    _non_negative,
     _positive,
+    check_count,
+    check_seconds,
 )
 from paramserver.config.devices import check_gpu
 from paramserver.config.server import ServerConfig
@@ -122,11 +125,11 @@ class WorkerConfig:
         for address in self.addresses:
             _check_address(address)
         _check_compute(self.device, self.threads)
-        _positive("--rpc-timeout", self.rpc_timeout)
-        _positive("--barrier-timeout", self.barrier_timeout)
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps must be at least 1; got {self.max_steps}.")
-        _non_negative("--step-delay", self.step_delay)
+        check_seconds("--rpc-timeout", self.rpc_timeout)
+        check_seconds("--barrier-timeout", self.barrier_timeout)
+        if self.max_steps is not None:
+            check_count("--max-steps", self.max_steps, 1, MAX_INT64)
+        check_seconds("--step-delay", self.step_delay, zero=True)
         _check_overlap(self.overlap)
         _check_shm(self.shm)
         _check_wire(self.wire)
@@ -134,8 +137,8 @@ class WorkerConfig:
         _check_push_every(self.push_every)
         _check_amp(self.amp)
         _check_local(self.inner_optimizer, self.inner_lr, self.overlap, self.amp)
-        _positive("--cache-rows", self.cache_rows)
-        _positive("--server-timeout", self.server_timeout)
+        check_count("--cache-rows", self.cache_rows)  # rows allocated up front, per table
+        check_seconds("--server-timeout", self.server_timeout)
 
     @property
     def addresses(self) -> list[str]:
@@ -151,8 +154,7 @@ class WorkerConfig:
 def _check_compute(device: str, threads: int) -> None:
     if not _DEVICE.match(device):
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}.")
-    if threads < 1:
-        raise ConfigError(f"--threads must be at least 1; got {threads}.")
+    check_count("--threads", threads, 1, MAX_LOCAL)
 
 
 def _check_address(address: str) -> None:
@@ -167,8 +169,7 @@ def _check_address(address: str) -> None:
 
 
 def _check_push_every(value: int) -> None:
-    if not 1 <= value <= MAX_PUSH_EVERY:
-        raise ConfigError(f"--push-every must be 1 to {MAX_PUSH_EVERY}; got {value}.")
+    check_count("--push-every", value, 1, MAX_PUSH_EVERY)
 
 
 def _check_compress(value: str) -> None:
@@ -255,8 +256,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         _check_compute(self.device, self.threads)
         check_gpu(self.device, "--device")  # before anything starts, not in each worker
-        _non_negative("--step-delay", self.step_delay)
-        _positive("--startup-timeout", self.startup_timeout)
+        check_seconds("--step-delay", self.step_delay, zero=True)
+        check_seconds("--startup-timeout", self.startup_timeout)
         _check_overlap(self.overlap)
         _check_shm(self.shm)
         _check_wire(self.wire)
@@ -264,8 +265,8 @@ class LaunchConfig:
         _check_push_every(self.push_every)
         _check_amp(self.amp)
         _check_local(self.inner_optimizer, self.inner_lr, self.overlap, self.amp)
-        if not 1 <= self.servers <= 64:
-            raise ConfigError(f"--servers must be 1 to 64; got {self.servers}.")
+        check_count("--cache-rows", self.cache_rows)
+        check_count("--servers", self.servers, 1, 64)  # processes on this one host
 
     def worker(self, address: str, name: str) -> WorkerConfig:
         """The config of one of this launch's workers: its worker settings are the

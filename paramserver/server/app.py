@@ -20,7 +20,7 @@ from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig
 from paramserver.config.cores import host_cores, server_threads
 from paramserver.errors import ConfigError
 from paramserver.server.build import build_coordinator
-from paramserver.server.disk.checkpoint_writer import Checkpointer
+from paramserver.server.disk.checkpoint_writer import Checkpointer, checkpoint_folder
 from paramserver.server.doors.dataport import data_port
 from paramserver.server.doors.doorbell import Doorbell
 from paramserver.server.doors.servicer import Servicer
@@ -48,6 +48,9 @@ MAX_RECEIVE_BYTES = 17 << 20
 
 # Hosts that bind every interface; clients on this machine dial 127.0.0.1 instead.
 EVERY_INTERFACE = ("0.0.0.0", "::", "[::]", "")
+# The reaper looks a quarter lease apart, but at least this often: it also ends the health
+# watches past WATCH_SECONDS, which a long --lease-timeout must not keep open.
+REAP_EVERY_MAX = 1.0
 
 
 def _grpc_server(config: ServerConfig, timing: grpc.ServerInterceptor) -> grpc.Server:
@@ -75,10 +78,16 @@ class ServerApp:
         config: the validated server settings.
         model: a model instance whose weights start the run; by default the server builds
             ``config.model`` with ``config.seed``.
+
+    Raises:
+        ConfigError: (at construction) --checkpoint-dir cannot be made or written in, or
+            what ``build_coordinator`` refuses.
     """
 
     def __init__(self, config: ServerConfig, model: nn.Module | None = None):
         self.config = config
+        if config.checkpoint_dir:  # a folder it cannot write: refused before anything else
+            checkpoint_folder(config.checkpoint_dir)
         self.threads, self.threads_from = server_threads(config.threads, 1, *host_cores())
         torch.set_num_threads(self.threads)
         pieces.set_threads(self.threads)
@@ -234,15 +243,18 @@ class ServerApp:
 
     def _reap(self) -> None:
         """Drop workers whose lease ran out, and end health watches past their time; a
-        failure is logged and counted, and the loop goes on."""
-        interval = max(self.config.lease_seconds / 4, 0.05)
+        failure (of the wait too) is logged and counted, and the loop goes on."""
+        lease = self.config.lease_seconds
+        interval = min(max(lease / 4, 0.05), REAP_EVERY_MAX)
         last = time.monotonic()
-        while not self._stopped.wait(interval):
-            now = time.monotonic()
-            gap, last = now - last, now
-            # a look later than half a lease past its time: the process was not running
-            paused = gap - interval if gap > interval + self.config.lease_seconds / 2 else 0.0
+        while not self._stopped.is_set():
             try:
+                if self._stopped.wait(interval):
+                    return
+                now = time.monotonic()
+                gap, last = now - last, now
+                # a look later than half a lease past its time: the process was not running
+                paused = gap - interval if gap > interval + lease / 2 else 0.0
                 for member in self.coordinator.expire_leases(paused):
                     self.shared.detach(member.worker_id)
                 self.health.expire()
@@ -251,6 +263,7 @@ class ServerApp:
                 log.exception(
                     "the lease reaper failed (%d times); it goes on", self.reaper_failures
                 )
+                self._stopped.wait(REAP_EVERY_MAX)  # a failure that repeats: not a busy loop
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers as this server holds them now, with its sparse

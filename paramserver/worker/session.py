@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import grpc
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.config.base import MAX_SECONDS
 from paramserver.errors import (
     ClusterFull,
     ParamServerError,
@@ -348,9 +349,11 @@ class Heartbeats:
         self.failures = 0  # rounds that raised (each logged with its traceback)
 
     def interval(self) -> float:
-        """A third of the shortest lease of the sessions joined (a quarter second before)."""
+        """A third of the shortest lease of the sessions joined (a quarter second before),
+        at most ``MAX_SECONDS``: a lease comes from the server, and a wait longer than
+        threading takes would end the thread."""
         leases = [s.lease_seconds for s in self.sessions if s.lease_seconds > 0]
-        return max(min(leases) / 3, 0.05) if leases else 0.25
+        return min(max(min(leases) / 3, 0.05), MAX_SECONDS) if leases else 0.25
 
     def once(self) -> None:
         for s in self.sessions:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import parse_every
-from paramserver.errors import OutOfOrder
+from paramserver.errors import ConfigError, OutOfOrder
 from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
 from paramserver.server.disk import checkpoint
 from paramserver.server.disk.row_writer import RowLog
@@ -53,6 +53,33 @@ def room(directory: Path) -> str:
     if limit != resource.RLIM_INFINITY:
         parts.append(f"file-size limit {limit} bytes")
     return f" ({'; '.join(parts)})"
+
+
+def checkpoint_folder(directory: str | Path) -> Path:
+    """``--checkpoint-dir``, made if it is not there: a server checks it at start-up, before
+    it builds the model or serves, so that a folder it can never write is refused in one
+    line. (A write that fails later, as on a full disk, is logged, counted and retried.)
+
+    Raises:
+        ConfigError: the folder cannot be made, is not a folder, or may not be written in;
+            the message names the path and the reason.
+    """
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"--checkpoint-dir {path} is not a folder.") from None
+    except OSError as exc:
+        above = next((p for p in path.parents if p.exists()), None)  # what stopped it
+        where = f" ({above} is not a folder)" if above and not above.is_dir() else ""
+        raise ConfigError(
+            f"Cannot make --checkpoint-dir {path}: {exc.strerror or exc}{where}."
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        why = "its file system is mounted read-only" if read_only else "permission denied"
+        raise ConfigError(f"Cannot write in --checkpoint-dir {path}: {why}.")
+    return path
 
 
 def saved_state(
@@ -132,7 +159,12 @@ class Checkpointer:
         self._thread = threading.Thread(target=self._loop, name="ps-checkpoint", daemon=True)
 
     def start(self) -> Checkpointer:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Make the folder and start the thread.
+
+        Raises:
+            ConfigError: the folder cannot be made or written in (``checkpoint_folder``).
+        """
+        checkpoint_folder(self.directory)
         if self.cuts:
             clock = self.coordinator.cuts.last
             if clock not in checkpoint.list_cuts(self.directory, self.shard, self.shards):
