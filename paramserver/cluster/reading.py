@@ -123,6 +123,6 @@ def model_state_dict(
         state.update(layout.state_dict(manifest, flat))
         tables = reader.tables(built, models.table_specs(built))
         state.update(reader.whole_tables(tables, "the state dict"))
-        return state
+        return models.with_aliases(state, models.aliases(built))  # a tied head: its trained values
     finally:
         reader.close()

@@ -9,6 +9,7 @@ worker and training sides use it, so it sits below them: it may import ``codec``
 """
 
 from paramserver.models.catalogue import (
+    aliases,
     buffers,
     build,
     import_function,
@@ -17,6 +18,7 @@ from paramserver.models.catalogue import (
     state,
     state_difference,
     table_specs,
+    with_aliases,
 )
 from paramserver.models.zoo import (
     CLICK_FIELDS,
@@ -38,6 +40,7 @@ __all__ = [
     "DLRM",
     "FACTORIES",
     "BasicBlock",
+    "aliases",
     "buffers",
     "build",
     "cnn",
@@ -52,4 +55,5 @@ __all__ = [
     "state",
     "state_difference",
     "table_specs",
+    "with_aliases",
 ]

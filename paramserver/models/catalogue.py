@@ -148,6 +148,33 @@ def state(model: nn.Module) -> tuple[Manifest, list[torch.Tensor]]:
     return manifest, [t for _, t, _ in named]
 
 
+def aliases(model: nn.Module) -> dict[str, str]:
+    """The second names of tensors ``model`` holds under several (a head tied to the token
+    embedding, a shared submodule): ``{alias: the first name}``, the first being the one
+    the servers carry (``named_parameters`` and ``state_dict`` go in the same order)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = id(t)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
+
+
+def with_aliases(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``state`` with each alias of ``names`` (``aliases``) set to its first name's tensor,
+    so that ``load_state_dict(strict=True)`` finds every name and the trained values under
+    each (a dict taken from a fresh model's ``state_dict`` held the alias at its initial
+    values, and loading it overwrote the trained embedding)."""
+    out = dict(state)
+    for alias, name in names.items():
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
 def state_difference(model: nn.Module, state: dict[str, Any]) -> str:
     """How ``state`` fails to load into ``model`` (``load_state_dict(strict=True)``), in one
     line, at most three names of each kind; "" when it loads (torch's own message is many

@@ -14,6 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
+from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import layout
 from paramserver.config import MAX_MESSAGE_BYTES, ServerConfig
@@ -91,6 +92,9 @@ class ServerApp:
         self.threads, self.threads_from = server_threads(config.threads, 1, *host_cores())
         torch.set_num_threads(self.threads)
         pieces.set_threads(self.threads)
+        if model is None:
+            model = models.build(config.model, seed=config.seed)
+        self.aliases = models.aliases(model)  # a tied head's second name, for state dicts
         self.coordinator = build_coordinator(config, model, resume=True)
         manifest = self.coordinator.manifest
         self.checkpointer: Checkpointer | None = None
@@ -287,11 +291,12 @@ class ServerApp:
         c = self.coordinator
         weights, tables = c.checkpoint_state(whole=True)
         layouts = c.tables.layouts() if c.tables is not None else {}
-        return {
+        state = {
             **layout.state_dict(c.manifest, weights),
             **c.frozen,
             **whole_tables(layouts, [tables or {}], where="the state dict"),
         }
+        return models.with_aliases(state, self.aliases)
 
     def status(self) -> dict[str, Any]:
         """The same figures as the Status RPC, as a dict."""
