@@ -51,6 +51,17 @@ class WrongIncarnation(RejoinRequired):
     """The call names a server incarnation that is not this one: the server restarted."""
 
 
+class ServerRewound(ParamServerError):
+    """A server restarted from an older state than this worker had pushed to (a checkpoint
+    behind its last steps, or a push in flight when it stopped): the worker joined it again,
+    and ``Worker.step`` (or ``pull``) raises this once, so that a loop bringing its own data
+    redoes it from ``step`` (the worker's ``clock``): ``lost`` steps are not in the model."""
+
+    def __init__(self, message: str, step: int, lost: int):
+        super().__init__(message)
+        self.step, self.lost = step, lost
+
+
 class Unauthenticated(ParamServerError):
     """The call carries no valid token."""
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec.layout import Manifest
-from paramserver.errors import ConfigError, RejoinRequired, WrongIncarnation
+from paramserver.errors import ConfigError, RejoinRequired, ServerRewound, WrongIncarnation
 from paramserver.worker.session import Session
 
 log = logging.getLogger(__name__)
@@ -146,3 +146,26 @@ def align_clocks(sessions: Sequence[Session], push_empty: Callable[[Session, int
             except RejoinRequired:
                 return  # marked lost: joined again, then aligned again
             s.clock += 1
+
+
+def rewound(sessions: Sequence[Session]) -> ServerRewound | None:
+    """What to tell the loop once servers that restarted behind this worker's pushes are
+    joined again (each session's ``rewound``, cleared here): the step it goes on from and
+    how many of its steps are not in the model; None if none was lost."""
+    hits = [(s.address, s.rewound[0]) for s in sessions if s.rewound is not None]
+    for s in sessions:
+        s.rewound = None
+    if not hits:
+        return None
+    was, now = max(c for _, c in hits), min(s.clock for s in sessions)
+    if now >= was:
+        return None
+    where, lost = ", ".join(a for a, _ in hits), was - now
+    last = "the last one is" if lost == 1 else f"the last {lost} are"
+    return ServerRewound(
+        f"The server at {where} restarted from an older state: it holds {now} of this "
+        f"worker's steps, not {was}, so {last} not in the model. The worker joined it "
+        f"again and goes on from step {now} (worker.clock): redo your data from there.",
+        now,
+        was - now,
+    )

@@ -42,7 +42,7 @@ from paramserver.worker.pipeline import Pipeline
 from paramserver.worker.retry import Backoff
 from paramserver.worker.rows import IdsByTable
 from paramserver.worker.session import Heartbeats, Session
-from paramserver.worker.shards import addresses_of, align_clocks
+from paramserver.worker.shards import addresses_of, align_clocks, rewound
 from paramserver.worker.stages import Stager
 from paramserver.worker.view import WorkerView
 
@@ -78,9 +78,8 @@ class Worker(WorkerView):
         overlap: push in the background while the next step computes (as far as the policy
             allows), instead of waiting for the push before pulling. None: on for CUDA
             models, off on CPU (``docs/api.md`` says why).
-        shm: offer each server a shared-memory segment for the payloads (see
-            ``paramserver.transport.shm``); used only if the server shares this host's /dev/shm,
-            otherwise payloads go as ``wire`` says. ``shm_active`` says which. ``shm_control``:
+        shm: offer each server a shared-memory segment for the payloads, used if it shares
+            this host's /dev/shm, else payloads go as ``wire`` says (``shm_active``). ``shm_control``:
             with shared memory, carry each step's control over the server's same-host
             control socket instead of a gRPC call (``control_active`` says if it does).
         wire: how payloads reach a server that does not share the segment: "auto"
@@ -88,16 +87,13 @@ class Worker(WorkerView):
             it offers one, else gRPC streams; "grpc": gRPC streams always.
             ``data_port_active`` says if every shard's payloads take the data port.
         compress: "auto" (default: a float16/bfloat16 model's own dtype, else none),
-            "none", "fp16" or "bf16": gradients pushed and weights pulled in 16 bits (half
-            the bytes; pushes with error feedback, buffers whole; the server keeps float32
-            masters, widens what it receives and sends a rounded copy).
-            "int8": pushes as int8, a float32 scale per 1024 elements, pulls in bf16; the
-            rounding error goes into the next push (error feedback, as top-k's below).
-            "topk:F" (optionally ":fp16" or ":bf16" after it): each push sends the largest
-            fraction F of its gradient's entries as (index, value) pairs and keeps the rest,
-            per shard, to add to the next push (error feedback; kept across reconnects,
-            dropped with a log line on a rejoin); pulls stay dense. Through shared memory
-            the values are rounded (quantised, sparsified) in place: the same numbers.
+            "none", "fp16" or "bf16": pushes and pulls in 16 bits (pushes with error
+            feedback, buffers whole; the server keeps float32 masters). "int8": pushes as
+            int8, a float32 scale per 1024 elements, pulls in bf16. "topk:F" (optionally
+            ":fp16" or ":bf16" after it): each push sends the largest fraction F of its
+            gradient's entries as (index, value) pairs, the rest kept per shard for the
+            next push; pulls stay dense. int8 and top-k keep their error for the next push
+            (dropped with a log line on a rejoin); ``docs/api.md`` says more.
         push_every: with the server's batches, how many to compute (accumulating their
             gradients) per push: ``batches`` after each pull lists them. Fewer round trips
             per sample, and K times the batch per optimizer step.
@@ -210,8 +206,7 @@ class Worker(WorkerView):
         self.tables.exact = self.policy.synchronous  # sync: rows exact, step for step
 
     def _start(self, rpc_timeout: float, barrier_timeout: float) -> None:
-        """The step's stages over the joined sessions, and the first pull; a failure closes
-        the sessions (their heartbeats, running since the joins, would keep a ghost live)."""
+        """The stages, then the first pull; a failure closes the sessions (no ghost)."""
         try:
             sessions, ranges = self.sessions, self.ranges
             self._pipe = Pipeline(sessions, self._slots, rpc_timeout, barrier_timeout)
@@ -239,20 +234,17 @@ class Worker(WorkerView):
             raise
 
     def _reopened(self) -> None:
-        """The channels' payload paths opened (again): bind the model to the new buffers and
-        pick the exchange (shared memory, and with it prefetching, may have been lost)."""
+        """The payload paths opened (again): bind the model to them, pick the exchange."""
         self._loader.reopened()
         self._exchange = stages.exchange(self.mode, self._pipe, self.push_every)
 
     def _rejoin_mid_step(self) -> None:
-        """A row pull of this step met a restarted server: join again now; ``step()`` drops
-        this step's work (its batch and clock may be another's after the rejoin)."""
+        """A row pull met a restarted server: join again; ``step()`` drops this step."""
         self._rejoin_lost()
         self._drop_step = True
 
     def _rejoin_lost(self) -> None:
-        """Join every lost session again, once the pushes in flight have ended; then make
-        this worker's clock the same on every shard (``shards.align_clocks``)."""
+        """Join every lost session again, then align the clocks (``shards.align_clocks``)."""
         while True:
             self._attacher.rejoin_lost(settle=self.flush, reopened=self._reopened)
             align_clocks(self.sessions, self._pipe.push_empty)
@@ -291,6 +283,14 @@ class Worker(WorkerView):
                 continue  # the session is marked lost: join it again
         self._load(headers)
         self._exchange.then(None)
+        self._told_of_rewinds()
+
+    def _told_of_rewinds(self) -> None:
+        """A loop with its own data learns of the steps a restart lost (``shards.rewound``);
+        the server's batches are handed out again instead."""
+        lost = rewound(self.sessions)
+        if lost is not None and not self.train_samples:
+            raise lost
 
     def step(
         self, samples: int = 0, loss: float = math.nan, pull: bool = True, empty: bool = False
@@ -306,6 +306,8 @@ class Worker(WorkerView):
             empty: push no gradient (a sync worker that got no batch this round).
 
         Raises:
+            ServerRewound: a server restarted behind this worker's steps (its own data:
+                ``train_samples`` 0); joined again, it goes on from the error's ``step``.
             ParamServerError: this or an earlier background push failed.
         """
         self._pipe.check()
@@ -326,6 +328,7 @@ class Worker(WorkerView):
             self.pull()
         if pull:
             self.tables.refetch(self.clock, self.policy.bound)
+        self._told_of_rewinds()
 
     def prefetch(self, ids: IdsByTable, wait: bool = True) -> None:
         """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) for the next
@@ -345,8 +348,7 @@ class Worker(WorkerView):
         self.tables.prefetch_ahead(self._pipe.ahead_first(), ids_of, later)
 
     def flush(self) -> None:
-        """Wait until every push handed to the background has been answered (one dropped
-        because its server restarted is not: the next pull joins the new server)."""
+        """Wait until every push handed to the background is answered (or dropped)."""
         self._pipe.flush()
         self._pipe.check()
 

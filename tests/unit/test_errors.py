@@ -32,7 +32,10 @@ def _all_errors() -> list[type[errors.ParamServerError]]:
 
 @pytest.mark.parametrize("cls", _all_errors(), ids=lambda c: c.__name__)
 def test_a_server_error_comes_back_as_the_class_of_its_code(cls: type) -> None:
-    exc = cls("w1", "gone") if cls in (errors.BrokenSegment, errors.SegmentUnusable) else cls("x")
+    if cls in (errors.BrokenSegment, errors.SegmentUnusable):
+        exc = cls("w1", "gone")
+    else:
+        exc = cls("x", 5, 2) if cls is errors.ServerRewound else cls("x")  # a worker's own
     code, details = errors.to_status(exc)
     back = errors.from_rpc_error(_Failed(code, details), "push to here")
     assert errors.status_code(type(back)) == code

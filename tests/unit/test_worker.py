@@ -249,9 +249,14 @@ def test_a_restarted_server_is_joined_again_and_training_goes_on(clock, overlap)
     worker.flush()
     incarnation = worker.incarnation
     server.restart()  # every call of the old incarnation is now ABORTED
+    rewound = []
     for _ in range(3):
-        one_step(worker, model)
+        try:
+            one_step(worker, model)
+        except ps.ServerRewound as exc:  # the push that met the restart: the loop is told
+            rewound.append((exc.step, exc.lost))
     worker.close()
+    assert rewound == [(3, 1)]
     assert worker.rejoins == 1 and worker.incarnation != incarnation
     assert worker.sessions[0].state is SessionState.CLOSED
     status = server.coordinator.status().as_dict()
@@ -353,9 +358,14 @@ def test_a_restarted_shard_and_the_others_resume_from_one_cut(clock, tmp_path, p
     for _ in range(3):
         one_step(worker, model)
     servers["s1"].restart()  # from its newest cut, at clock 2; s0 is at clock 3
+    rewound = []
     for _ in range(3):
-        one_step(worker, model)
+        try:
+            one_step(worker, model)
+        except ps.ServerRewound as exc:
+            rewound.append((exc.step, exc.lost))
     worker.close()
+    assert rewound == [(2, 2)]  # the cut's clock; the step after it and the one that met it
     assert [s.rejoins for s in worker.sessions] == [1, 1]  # s1 restarted, s0 rewound
     status = [s.coordinator.status() for s in servers.values()]
     # both shards hold the same pushes: the cut's 2, then the 2 after the step whose
