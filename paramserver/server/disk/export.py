@@ -189,7 +189,9 @@ def assemble(
     if tables:
         _fits_in_memory(layouts)
         out.update(whole_tables(layouts, [s.get("tables") or {} for s in states], limit=None))
-    return models.with_aliases(out, models.aliases(model))  # a tied head: its trained values, not its initial
+    return models.with_aliases(
+        out, models.aliases(model)
+    )  # a tied head: its trained values, not its initial
 
 
 def _fits_in_memory(layouts: dict[str, dict[str, Any]]) -> None:
