@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 VOCAB, CONTEXT = 32, 16
 
@@ -74,3 +75,18 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of a (B, T, V) output against (B, T) targets."""
     logits = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def dataset() -> tuple[TensorDataset, TensorDataset]:
+    """``--dataset tests.gpt:dataset``: 512 training and 128 test sequences of ``text``, as
+    (tokens, next tokens) pairs of CONTEXT each: the built-in worker's (B, T) batches."""
+    x, y = text(640, seed=2)
+    return TensorDataset(x[:512], y[:512]), TensorDataset(x[512:], y[512:])
+
+
+def smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``--loss tests.gpt:smoothed``: a user's own loss, label-smoothed token cross-entropy
+    called as ``loss(outputs, targets)``."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=0.1
+    )

@@ -107,20 +107,22 @@ class RowsResponse(_message.Message):
     def __init__(self, values: _Optional[bytes] = ..., more: _Optional[_Iterable[bytes]] = ..., low_clock: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TrainingPlan(_message.Message):
-    __slots__ = ("model", "dataset", "batch_size", "epochs", "seed", "world_size")
+    __slots__ = ("model", "dataset", "batch_size", "epochs", "seed", "world_size", "loss")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dataset: str
     batch_size: int
     epochs: int
     seed: int
     world_size: int
-    def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    loss: str
+    def __init__(self, model: _Optional[str] = ..., dataset: _Optional[str] = ..., batch_size: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., world_size: _Optional[int] = ..., loss: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("name", "worker_id", "train_samples", "shm_name", "shm_nonce", "shm_slots", "shm_rows_bytes", "join_id", "past_ids")
@@ -397,7 +399,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., last_seen_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., lag: _Optional[int] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds", "pulls_answered", "barrier_wait_seconds", "rows_held", "rows_pulled", "rows_pushed", "checkpoint_failures", "checkpoint_failing_seconds", "checkpoint_error", "cuts_pending", "cut_written", "batches_applied", "pushes_repeated", "pushes_late", "pushes_coalesced", "apply_failures", "table_rows", "table_admitted", "table_evicted", "table_dropped", "table_reborn", "pushes_compensated", "pushes_uncompensated", "tested_epoch", "test_accuracy", "test_loss", "test_auc", "evaluation_failures")
+    __slots__ = ("version", "policy", "workers", "pushes_applied", "bytes_in", "bytes_out", "max_staleness", "staleness_histogram", "samples", "train_loss", "train_seconds", "incarnation", "model", "world_size", "workers_joined", "workers_expired", "uptime_seconds", "learning_rate", "batches_done", "batches_total", "pushes_skipped", "duplicates", "checkpoint_version", "checkpoint_age_seconds", "min_workers", "rounds", "pulls_answered", "barrier_wait_seconds", "rows_held", "rows_pulled", "rows_pushed", "checkpoint_failures", "checkpoint_failing_seconds", "checkpoint_error", "cuts_pending", "cut_written", "batches_applied", "pushes_repeated", "pushes_late", "pushes_coalesced", "apply_failures", "table_rows", "table_admitted", "table_evicted", "table_dropped", "table_reborn", "pushes_compensated", "pushes_uncompensated", "tested_epoch", "test_accuracy", "test_loss", "test_auc", "evaluation_failures", "test_perplexity")
     class StalenessHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +495,7 @@ class StatusResponse(_message.Message):
     TEST_LOSS_FIELD_NUMBER: _ClassVar[int]
     TEST_AUC_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TEST_PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
     version: int
     policy: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -546,4 +549,5 @@ class StatusResponse(_message.Message):
     test_loss: float
     test_auc: float
     evaluation_failures: int
-    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ..., pulls_answered: _Optional[int] = ..., barrier_wait_seconds: _Optional[float] = ..., rows_held: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., checkpoint_failing_seconds: _Optional[float] = ..., checkpoint_error: _Optional[str] = ..., cuts_pending: _Optional[int] = ..., cut_written: _Optional[int] = ..., batches_applied: _Optional[int] = ..., pushes_repeated: _Optional[int] = ..., pushes_late: _Optional[int] = ..., pushes_coalesced: _Optional[int] = ..., apply_failures: _Optional[int] = ..., table_rows: _Optional[_Mapping[str, int]] = ..., table_admitted: _Optional[_Mapping[str, int]] = ..., table_evicted: _Optional[_Mapping[str, int]] = ..., table_dropped: _Optional[_Mapping[str, int]] = ..., table_reborn: _Optional[_Mapping[str, int]] = ..., pushes_compensated: _Optional[int] = ..., pushes_uncompensated: _Optional[int] = ..., tested_epoch: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., test_auc: _Optional[float] = ..., evaluation_failures: _Optional[int] = ...) -> None: ...
+    test_perplexity: float
+    def __init__(self, version: _Optional[int] = ..., policy: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., max_staleness: _Optional[int] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., samples: _Optional[int] = ..., train_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., world_size: _Optional[int] = ..., workers_joined: _Optional[int] = ..., workers_expired: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., pushes_skipped: _Optional[int] = ..., duplicates: _Optional[int] = ..., checkpoint_version: _Optional[int] = ..., checkpoint_age_seconds: _Optional[float] = ..., min_workers: _Optional[int] = ..., rounds: _Optional[int] = ..., pulls_answered: _Optional[int] = ..., barrier_wait_seconds: _Optional[float] = ..., rows_held: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., checkpoint_failing_seconds: _Optional[float] = ..., checkpoint_error: _Optional[str] = ..., cuts_pending: _Optional[int] = ..., cut_written: _Optional[int] = ..., batches_applied: _Optional[int] = ..., pushes_repeated: _Optional[int] = ..., pushes_late: _Optional[int] = ..., pushes_coalesced: _Optional[int] = ..., apply_failures: _Optional[int] = ..., table_rows: _Optional[_Mapping[str, int]] = ..., table_admitted: _Optional[_Mapping[str, int]] = ..., table_evicted: _Optional[_Mapping[str, int]] = ..., table_dropped: _Optional[_Mapping[str, int]] = ..., table_reborn: _Optional[_Mapping[str, int]] = ..., pushes_compensated: _Optional[int] = ..., pushes_uncompensated: _Optional[int] = ..., tested_epoch: _Optional[int] = ..., test_accuracy: _Optional[float] = ..., test_loss: _Optional[float] = ..., test_auc: _Optional[float] = ..., evaluation_failures: _Optional[int] = ..., test_perplexity: _Optional[float] = ...) -> None: ...

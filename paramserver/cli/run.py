@@ -209,9 +209,8 @@ def launch(**kw: Any) -> None:
         click.echo(
             f"{summary['policy_label']}, {_count(summary['workers'], 'worker')}, "
             f"{_count(summary['epochs'], 'epoch')}: "
-            f"test accuracy {100 * summary['test_accuracy']:.2f}%, "
-            + (f"test AUC {summary['test_auc']:.4f}, " if "test_auc" in summary else "")
-            + f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
+            f"{_tested(summary)}, "
+            f"{summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.1f}s, "
             f"max staleness {summary['max_staleness']}; run folder {summary['run_dir']}"
         )
     if summary["failed_workers"]:
@@ -249,6 +248,18 @@ def chaos(**kw: Any) -> None:
     )
     if not soak.main(cfg, opts.json):
         sys.exit(1)
+
+
+def _tested(summary: dict[str, Any]) -> str:
+    """A summary's headline test figures: accuracy (the loss where there is none), the AUC
+    and the perplexity where there is one."""
+    accuracy = summary.get("test_accuracy")
+    parts = [f"test accuracy {100 * accuracy:.2f}%" if accuracy is not None else ""]
+    parts.append(f"test loss {summary['test_loss']:.4f}" if accuracy is None else "")
+    parts.append(f"test AUC {summary['test_auc']:.4f}" if "test_auc" in summary else "")
+    ppl = summary.get("test_perplexity")
+    parts.append(f"test perplexity {ppl:.2f}" if ppl is not None else "")
+    return ", ".join(p for p in parts if p)
 
 
 def _count(n: int, noun: str) -> str:

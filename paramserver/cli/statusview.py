@@ -11,6 +11,7 @@ from google.protobuf.json_format import MessageToDict
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.server.bookkeeping.status import TABLE_COUNTS
+from paramserver.training.figures import figures
 
 _INTEGERS = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
 _FLOATS = {FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT}
@@ -106,11 +107,8 @@ def render(st: pb.StatusResponse, address: str) -> str:
             f"{100 * hits / max(looked, 1):.1f}% hits"
         )
     if st.tested_epoch:
-        auc = f", AUC {st.test_auc:.4f}" if math.isfinite(st.test_auc) else ""
-        lines.append(
-            f"test after epoch {st.tested_epoch}: accuracy {100 * st.test_accuracy:.2f}%{auc}, "
-            f"loss {st.test_loss:.4f}"
-        )
+        tested = figures(st.test_accuracy, st.test_loss, st.test_auc, st.test_perplexity)
+        lines.append(f"test after epoch {st.tested_epoch}: {tested}")
     if st.evaluation_failures:
         lines.append(f"EVALUATIONS FAILED {st.evaluation_failures} times (see the server's log)")
     hist = ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items()))

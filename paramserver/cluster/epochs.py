@@ -28,8 +28,9 @@ from paramserver.config import ServerConfig
 from paramserver.errors import ParamServerError
 from paramserver.policy.staleness import Policy
 from paramserver.sparse.embedding import TableEmbedding, make_tables
-from paramserver.training import data
+from paramserver.training import data, losses
 from paramserver.training.evaluation import Evaluation, evaluate_batches
+from paramserver.training.figures import figures, finite
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Job:
     state: tuple[layout.Manifest, list[torch.Tensor]]  # ``models.state(model)``
     specs: list[TableSpec]
     per_epoch: int
+    loss: losses.Loss | None = None  # --loss; None: cross-entropy (its perplexity too)
 
     @classmethod
     def prepare(cls, scfg: ServerConfig, data_dir: str | None) -> Job:
@@ -65,7 +67,8 @@ class Job:
             raise ParamServerError(
                 f"{dataset.train_size} samples do not make one batch of {scfg.batch_size}."
             )
-        return cls(dataset, model, state, models.table_specs(model), per_epoch)
+        loss = losses.resolve(scfg.loss) if scfg.loss else None  # refused here if bad
+        return cls(dataset, model, state, models.table_specs(model), per_epoch, loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +129,15 @@ class EpochReport:
         for module in model.modules():
             if isinstance(module, TableEmbedding):
                 module.forget()  # so that the evaluation reads the tables' current rows
-        result = evaluate_batches(model, dataset.test_batches(2000))
-        acc, loss, area = result
+        result = evaluate_batches(model, dataset.test_batches(2000), self.job.loss)
+        acc, loss, area, perplexity = result
         self.run.append_metrics(
             {
                 "epoch": epoch,
-                "test_accuracy": acc,
+                "test_accuracy": finite(acc),  # None where the outputs are not classes
                 "test_loss": loss,
                 **({"test_auc": area} if area is not None else {}),
+                **({"test_perplexity": finite(perplexity)} if perplexity is not None else {}),
                 "train_loss": st.train_loss if math.isfinite(st.train_loss) else None,
                 "samples": st.samples,
                 "version": version,
@@ -143,11 +147,7 @@ class EpochReport:
                 "train_s": st.train_seconds,  # first applied push to the last one before this
             }
         )
-        auc_text = f", test AUC {area:.4f}" if area is not None else ""
-        self.say(
-            f"epoch {epoch}: test accuracy {100 * acc:.2f}%{auc_text}, test loss {loss:.4f}, "
-            f"version {version}"
-        )
+        self.say(f"epoch {epoch}: test {figures(acc, loss, area, perplexity)}, version {version}")
         return Recorded(st, version, result)
 
     def finish(
@@ -166,6 +166,7 @@ class EpochReport:
             "test_accuracy": last["test_accuracy"],
             "test_loss": last["test_loss"],
             **({"test_auc": last["test_auc"]} if "test_auc" in last else {}),
+            **({"test_perplexity": last["test_perplexity"]} if "test_perplexity" in last else {}),
             "samples": st.samples,
             "samples_per_s": st.samples / st.train_seconds if st.train_seconds > 0 else 0.0,
             "train_s": st.train_seconds,

@@ -129,9 +129,12 @@ class RunDir:
             title = self._title()
         epochs = [r["epoch"] for r in rows]
         fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
-        ax1.plot(epochs, [100 * r["test_accuracy"] for r in rows], "o-")
-        ax1.set_xlabel("epoch")
+        # None: the outputs are not classes (a user's --loss on another kind of target)
+        tested = [(r["epoch"], r["test_accuracy"]) for r in rows if r["test_accuracy"] is not None]
+        if tested:
+            ax1.plot(*zip(*[(e, 100 * a) for e, a in tested], strict=True), "o-")
         ax1.set_ylabel("test accuracy (%)")
+        ax1.set_xlabel("epoch")
         ax1.grid(alpha=0.3)
         ax2.plot(epochs, [r["test_loss"] for r in rows], "o-", label="test")
         train = [(r["epoch"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]

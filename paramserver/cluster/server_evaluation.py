@@ -263,8 +263,15 @@ class ServerEvaluation:
     def _record(self, epoch: int) -> Recorded:
         """Evaluate after ``epoch``: its line of metrics.jsonl and the status' figures."""
         recorded = self.report.record(epoch)
-        acc, loss, area = recorded.evaluation
-        self.c.counters.tested = Tested(epoch, acc, loss, math.nan if area is None else area)
+        acc, loss, area, perplexity = recorded.evaluation
+        nan = math.nan
+        self.c.counters.tested = Tested(
+            epoch,
+            acc,
+            loss,
+            nan if area is None else area,
+            nan if perplexity is None else perplexity,
+        )
         return recorded
 
     def _finish(self, st: pb.StatusResponse) -> None:

@@ -58,6 +58,11 @@ class ServerConfig:
         "--dataset",
         "Training data: fashion-mnist, synthetic, clicks (a synthetic click log, for --model dlrm), or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.",
     )
+    loss: str = setting(
+        "",
+        "--loss",
+        "The training loss the workers compute and the server's test loss: module:function, called as loss(outputs, targets) and returning the batch's mean (torch.nn.functional:l1_loss fits as it is), importable on the workers and the server. Default: cross-entropy, token by token for a sequence model's (B, T, V) logits against (B, T) targets, its test figures per token with the perplexity.",
+    )
     batch_size: int = setting(64, "--batch-size", "Batch size of each worker.")
     epochs: int = setting(1, "--epochs", "Passes over the training set.", cli_default=8)
     seed: int = setting(0, "--seed", "Seeds the initial weights and the data order.")

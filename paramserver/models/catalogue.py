@@ -47,8 +47,9 @@ def _import_here(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def import_function(spec: str, what: str) -> Callable[[], Any]:
-    """The function ``module:function`` names, for a ``what`` (model, dataset).
+def import_function(spec: str, what: str, arguments: int = 0) -> Callable[..., Any]:
+    """The function ``module:function`` names, for a ``what`` (model, dataset, loss) called
+    with ``arguments`` positional arguments.
 
     Raises:
         ConfigError: the module cannot be imported or has no such function.
@@ -67,11 +68,12 @@ def import_function(spec: str, what: str) -> Callable[[], Any]:
             f"Module {module_name!r} has no function {func_name!r} ({what} {spec!r})."
         )
     try:
-        inspect.signature(func).bind()
+        inspect.signature(func).bind(*[None] * arguments)
     except TypeError as exc:  # os:system and the like: not a factory
+        called = f"with {arguments} arguments" if arguments else "without arguments"
+        kind = what if arguments else f"{what} factory"
         raise ConfigError(
-            f"--{what} {spec!r} is not a {what} factory: it cannot be called without "
-            f"arguments ({exc})."
+            f"--{what} {spec!r} is not a {kind}: it cannot be called {called} ({exc})."
         ) from None
     except ValueError:  # no signature to read (some builtins): calling it will tell
         pass

@@ -98,7 +98,13 @@ def _traffic(s: ServerStatus) -> Iterator[Metric]:
     if s.tested_epoch:
         yield _gauge("tested_epoch", "The last epoch the server evaluated.", s.tested_epoch)
         yield _gauge("test_accuracy", "Test accuracy after that epoch.", s.test_accuracy)
-        yield _gauge("test_loss", "Test cross-entropy after that epoch.", s.test_loss)
+        yield _gauge(
+            "test_loss", "Test loss after that epoch (--loss; cross-entropy).", s.test_loss
+        )
+        if math.isfinite(s.test_perplexity):
+            yield _gauge(
+                "test_perplexity", "exp(test cross-entropy) after that epoch.", s.test_perplexity
+            )
         if math.isfinite(s.test_auc):
             yield _gauge("test_auc", "Test AUC after that epoch (click models).", s.test_auc)
     yield _counter(

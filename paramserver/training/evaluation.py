@@ -1,8 +1,12 @@
-"""A model's test figures: accuracy and mean cross-entropy, and for a two-class model (a
-click model) the area under the ROC curve of its click logit."""
+"""A model's test figures: accuracy and mean loss (cross-entropy, or the run's ``--loss``),
+with the perplexity of a cross-entropy, and for a two-class model (a click model) the area
+under the ROC curve of its click logit. A sequence output ((B, T, V) logits against (B, T)
+targets) is counted token by token (``losses.per_token``): a run of 100 sequences of 64
+tokens is 6,400 samples here."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -12,42 +16,61 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.training.clicks import auc
+from paramserver.training.losses import Loss, per_token
 
 
 class Evaluation(NamedTuple):
-    accuracy: float
+    accuracy: float  # nan where the outputs are not classes of the targets
     loss: float
     auc: float | None = None  # two-class models only
+    perplexity: float | None = None  # exp(loss) of a cross-entropy; None for a user's loss
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> Evaluation:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2000, loss: Loss | None = None
+) -> Evaluation:
     """``evaluate_batches`` over ``(x, y)`` in slices of ``batch``."""
     return evaluate_batches(
-        model, ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch))
+        model, ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch)), loss
     )
 
 
 @torch.no_grad()
 def evaluate_batches(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss: Loss | None = None,
 ) -> Evaluation:
-    """Accuracy, mean cross-entropy and (two classes) AUC of ``model`` over ``batches`` of
-    (inputs, labels), in eval mode."""
+    """Accuracy, mean loss, perplexity and (two classes) AUC of ``model`` over ``batches``
+    of (inputs, targets), in eval mode, a sequence's tokens each a sample. ``loss``: the
+    run's own (``--loss``: a batch's mean, weighted by its samples here); None:
+    cross-entropy."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    correct, loss, n = 0, 0.0, 0
+    correct, total, n = 0, 0.0, 0
+    classes = True  # every output a row of class scores for an integer target
     scores: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     for x, y in batches:
-        out = model(x.to(device))
-        target = y.to(device)
-        loss += F.cross_entropy(out, target, reduction="sum").item()
-        correct += (out.argmax(1) == target).sum().item()
+        raw, raw_target = model(x.to(device)), y.to(device)
+        out, target = per_token(raw, raw_target)
+        if loss is None:
+            total += F.cross_entropy(out, target, reduction="sum").item()
+        else:
+            total += float(loss(raw, raw_target)) * len(target)
+        classes = (
+            classes and out.dim() == 2 and target.dim() == 1 and not target.is_floating_point()
+        )
+        if classes:
+            correct += int((out.argmax(1) == target).sum())
         n += len(target)
-        if out.shape[1] == 2:
+        if classes and out.shape[1] == 2:
             scores.append((out[:, 1] - out[:, 0]).float().cpu().numpy())
-            labels.append(y.cpu().numpy())
+            labels.append(target.cpu().numpy())
     model.train(was_training)
-    area = auc(np.concatenate(scores), np.concatenate(labels)) if scores else None
-    return Evaluation(correct / max(n, 1), loss / max(n, 1), area)
+    area = auc(np.concatenate(scores), np.concatenate(labels)) if scores and classes else None
+    mean = total / max(n, 1)
+    perplexity = math.exp(min(mean, 700.0)) if loss is None else None  # exp(710) overflows
+    accuracy = correct / max(n, 1) if classes else math.nan
+    return Evaluation(accuracy, mean, area, perplexity)

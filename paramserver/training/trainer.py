@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.config import WorkerConfig
 from paramserver.errors import ConfigError, ServerUnavailable
-from paramserver.training import data
+from paramserver.training import data, losses
 from paramserver.training.local_steps import LocalSteps
 from paramserver.training.precision import Precision
 from paramserver.worker.worker import Worker
@@ -195,6 +194,7 @@ def _train(
             "as they come: use --amp bf16 (no scaling) for a model with sparse tables."
         )
     local = _local_steps(cfg, worker)
+    loss_fn = losses.resolve(plan.loss)  # the server's --loss (default: cross-entropy)
     if prefetch:
         worker.prefetch_next(prefetch)
     steps = samples = empty = 0
@@ -211,7 +211,7 @@ def _train(
                 local.anchored()
             empty += 1
             continue
-        taken, loss = _compute(worker, order, device, fetch_first, precision, local)
+        taken, loss = _compute(worker, order, device, fetch_first, precision, loss_fn, local)
         if not precision.unscaled(worker.model.parameters()):  # fp16 overflow: not pushed
             for p in worker.model.parameters():
                 if p.grad is not None:
@@ -262,6 +262,7 @@ def _compute(
     device: torch.device,
     fetch_first: Any,
     precision: Precision,
+    loss_fn: losses.Loss,
     local: LocalSteps | None = None,
 ) -> tuple[int, float]:
     """The gradients of this step's batch, or with --push-every K up to K of them: they
@@ -278,7 +279,7 @@ def _compute(
             worker.prefetch(fetch_first(x))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with precision.autocast():  # --amp
-            loss = F.cross_entropy(worker.model(x), y)
+            loss = loss_fn(worker.model(x), y)
         if local is not None and local.inner is not None:  # one local step a batch
             precision.backward(loss)
             local.inner.step()

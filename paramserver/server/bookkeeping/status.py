@@ -93,6 +93,7 @@ class ServerStatus:
     test_loss: float = math.nan
     test_auc: float = math.nan
     evaluation_failures: int = 0
+    test_perplexity: float = math.nan
     table_rows: dict[str, int] = field(default_factory=dict)  # rows held, by table
     # the tables' lifecycle counters, by table (sparse/lifecycle.py)
     table_admitted: dict[str, int] = field(default_factory=dict)
@@ -116,12 +117,14 @@ class ServerStatus:
 
 
 class Tested(NamedTuple):
-    """The global model's test figures after ``epoch`` (``auc``: NaN but for click models)."""
+    """The global model's test figures after ``epoch`` (``auc``: NaN but for click models;
+    ``accuracy``: NaN where the outputs are not classes)."""
 
     epoch: int
     accuracy: float
     loss: float
     auc: float = math.nan
+    perplexity: float = math.nan  # of a cross-entropy; NaN under --loss
 
 
 @dataclass
@@ -288,6 +291,7 @@ def server_status(c: Observed, now: float, wall: float) -> ServerStatus:
         test_accuracy=tested.accuracy,
         test_loss=tested.loss,
         test_auc=tested.auc,
+        test_perplexity=tested.perplexity,
         evaluation_failures=n.evaluation_failures,
         duplicates=n.duplicates,
         checkpoint_version=c.saves.version,

@@ -101,6 +101,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
                 epochs=cfg.epochs,
                 seed=cfg.seed,
                 world_size=cfg.workers,
+                loss=cfg.loss,
             ),
             policy=self.c.policy.name,
             lease_seconds=cfg.lease_seconds,
