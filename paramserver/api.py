@@ -38,7 +38,8 @@ def serve(
             optimizer ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam" or
             "adamw", or a whole OptimizerConfig),
             lr, momentum, weight_decay, lr_schedule and lr_total_steps ("constant", or
-            "cosine" decay to 0 over that many optimizer steps), nesterov_period
+            "cosine" or "linear" decay to lr_floor (a fraction of lr) over that many
+            optimizer steps), lr_warmup (steps of linear warmup first), nesterov_period
             (delayed-nesterov's N).
 
     Returns:

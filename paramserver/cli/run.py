@@ -191,7 +191,7 @@ def launch(**kw: Any) -> None:
 
     model_defaults(kw)
     as_json = settings.build(commands.LaunchOutput, kw).json
-    if kw["lr_schedule"] == "cosine" and kw["lr_total_steps"] is None:
+    if kw["lr_schedule"] != "constant" and kw["lr_total_steps"] is None:
         # The schedule spans the whole run, which launch can work out from the plan.
         plan = server_config({**kw, "lr_schedule": "constant"}, host="127.0.0.1", port=0)
         samples = data.train_size(kw["dataset"], kw["data_dir"])

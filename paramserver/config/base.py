@@ -24,7 +24,7 @@ ROW_OPTIMIZERS = (
     "adam",
     "sparse-adam",
 )  # a sparse table's (sparse/optim)
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 LR_SCHEDULE_BY = ("steps", "batches")
 SHM_CHOICES = ("on", "payloads", "off")
 WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
@@ -151,16 +151,28 @@ class OptimizerConfig:
     schedule: str = setting(
         "constant",
         "--lr-schedule",
-        "constant, or cosine decay to 0 over --lr-total-steps optimizer steps. The default is constant on server, cosine over the whole run on launch: launch starts the workers, so it can count the run's optimizer steps, which a server cannot (it does not know its workers' --push-every).",
+        "constant, or cosine or linear decay to --lr-floor over --lr-total-steps optimizer steps (after --lr-warmup's, which they include). The default is constant on server, cosine over the whole run on launch: launch starts the workers, so it can count the run's optimizer steps, which a server cannot (it does not know its workers' --push-every).",
         choices=LR_SCHEDULES,
         dest="lr_schedule",
     )
     total_steps: int | None = setting(
         None,
         "--lr-total-steps",
-        "Optimizer steps the cosine schedule spans [launch: the whole run].",
+        "Optimizer steps the cosine or linear schedule spans, its warmup included [launch: the whole run].",
         type=int,
         dest="lr_total_steps",
+    )
+    warmup: int = setting(
+        0,
+        "--lr-warmup",
+        "Optimizer steps of linear warmup before the schedule: step i (from 0) at --lr x (i+1)/N, then the schedule from --lr.",
+        dest="lr_warmup",
+    )
+    floor: float = setting(
+        0.0,
+        "--lr-floor",
+        "The fraction of --lr that cosine and linear decay end at (0.1: 10%), from 0 to 1.",
+        dest="lr_floor",
     )
     by: str = setting(
         "steps",
@@ -199,13 +211,22 @@ class OptimizerConfig:
             raise ConfigError(
                 f"--lr-schedule-by must be one of {', '.join(LR_SCHEDULE_BY)}; got {self.by!r}."
             )
-        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps < 1):
+        decays = self.schedule != "constant"
+        if decays and (self.total_steps is None or self.total_steps < 1):
             raise ConfigError(
-                "--lr-schedule cosine needs --lr-total-steps, the number of optimizer steps "
-                f"it decays over (at least 1); got {self.total_steps!r}."
+                f"--lr-schedule {self.schedule} needs --lr-total-steps, the number of "
+                f"optimizer steps it decays over (at least 1); got {self.total_steps!r}."
             )
         if self.total_steps is not None:  # optimizer steps: int64 versions on the wire
             check_count("--lr-total-steps", self.total_steps, 1, MAX_INT64)
+        check_count("--lr-warmup", self.warmup, 0, MAX_INT64)
+        if decays and self.total_steps is not None and self.warmup >= self.total_steps:
+            raise ConfigError(
+                f"--lr-warmup {self.warmup} leaves nothing of --lr-total-steps "
+                f"{self.total_steps} to decay over: the warmup is part of the total."
+            )
+        if not 0.0 <= self.floor <= 1.0:
+            raise ConfigError(f"--lr-floor is a fraction of --lr, from 0 to 1; got {self.floor}.")
 
     def rate(self, step: int, done: tuple[int, int] | None) -> float:
         """The learning rate of optimizer step ``step``; with ``--lr-schedule-by batches``,
@@ -221,11 +242,22 @@ class OptimizerConfig:
         return self.lr_at(min(step, reached))
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based)."""
+        """The learning rate of optimizer step ``step`` (0-based): ``--lr-warmup``'s linear
+        rise, then constant, or cosine or linear decay from ``--lr`` to ``--lr-floor`` of it
+        at ``--lr-total-steps`` (the warmup counted in), and the floor after."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
         if self.schedule == "constant" or self.total_steps is None:
             return self.lr
-        progress = min(step, self.total_steps) / self.total_steps
-        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        span = self.total_steps - self.warmup
+        progress = min(step - self.warmup, span) / span
+        low = self.lr * self.floor
+        shape = (
+            0.5 * (1.0 + math.cos(math.pi * progress))
+            if self.schedule == "cosine"
+            else 1 - progress
+        )
+        return low + (self.lr - low) * shape
 
 
 @dataclass(frozen=True)
