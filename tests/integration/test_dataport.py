@@ -205,6 +205,9 @@ def test_a_step_whose_pull_is_refused_applies_nothing_of_its_push(serve):
             "an exact tail past the weights": pull(dtype="bfloat16", exact=nbytes),
             "the pushed iteration again": pull(iteration=w.clock),
             "a pull of another incarnation": pull(incarnation="0123456789ab"),
+            "too many batches": pull(batches=5000),
+            "a negative count of batches": pull(batches=-1),
+            "a pull far past its push": pull(iteration=w.clock + 10),
         }
         for why, bad in bad_pulls.items():
             nonce = w.sessions[0].reply.data_nonce

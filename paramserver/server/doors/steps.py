@@ -51,6 +51,7 @@ class Steps:
         if remaining is not None:
             timeout = min(timeout, remaining)
         self.c.check_incarnation(request.incarnation)
+        self.check_pull(request)
         if request.common_cut > 0:
             self.c.saving.learn_common_cut(request.common_cut)
         with self._dropping_broken_segments():
@@ -131,15 +132,27 @@ class Steps:
         if request.HasField("push"):
             self.check_push_header(push)
         if request.HasField("pull"):
-            self.payloads.check_pull(pull, self.c.manifest.numel)
+            self.check_pull(pull)
         if not (request.HasField("push") and request.HasField("pull")):
             return
         if (pull.worker_id, pull.incarnation) != (push.worker_id, push.incarnation):
             raise InvalidRequest("A step's push and pull name other workers or incarnations.")
-        if pull.iteration <= push.iteration:
+        window = max(1, self.c.policy.max_inflight_pushes())  # as Members.check_pull allows
+        if not push.iteration < pull.iteration <= push.iteration + 1 + window:
             raise InvalidRequest(
                 f"A step pushes iteration {push.iteration} and pulls {pull.iteration}: the "
-                "pull must be of a later iteration."
+                f"pull must be of one of the {window + 1} iterations after it."
+            )
+
+    def check_pull(self, request: pb.PullRequest) -> None:
+        """A pull's own consistency, before it waits or takes a batch: what its weights are
+        asked in, and how many batches (``Pull`` would refuse them only after a push-pull's
+        push was applied)."""
+        self.payloads.check_pull(request, self.c.manifest.numel)
+        if not 0 <= request.batches <= MAX_PUSH_EVERY:
+            raise InvalidRequest(
+                f"A pull asks for {request.batches} batches; from 1 to {MAX_PUSH_EVERY} go "
+                "in one (0: one)."
             )
 
     def push(

@@ -46,6 +46,7 @@ class Members:
         self.queue = queue  # None until a join brings data
         self.started = started  # True once --min-workers workers are live
         self.told_over = False  # a worker left saying the run is finished
+        self.owner = config.shard == 0  # it hands out the batches, and decides the end
         # the workers a checkpoint brought back, until each joins again (logged then)
         self.returning: set[str] = set(self.membership.members)
 
@@ -123,7 +124,8 @@ class Members:
             InvalidRequest: its data set does not match the one the run's batches come from.
         """
         cfg = self.config
-        self.queue = BatchQueue.plan(self.queue, train_samples, cfg.batch_size, cfg.epochs)
+        if self.owner:  # another shard plans nothing, whatever a Join says of its data
+            self.queue = BatchQueue.plan(self.queue, train_samples, cfg.batch_size, cfg.epochs)
         member = self.membership.members.get(worker_id) if worker_id else None
         for past in past_ids if member is None else ():
             member = self.membership.members.get(past)
@@ -146,6 +148,7 @@ class Members:
             return member
         joined = self.membership.joined_total
         member = self.membership.join(name, start_clock=start, join_id=join_id)
+        self.told_over = False  # a new member: the run goes on (extended, say), until told
         what = "joined" if self.membership.joined_total > joined else "joined (a retry)"
         if not self.started and len(self.membership.members) >= cfg.start_workers:
             self.started = True
@@ -173,22 +176,23 @@ class Members:
         return [member]
 
     def _told(self, worker_id: str, live: bool, current: bool) -> None:
-        """A Leave says the run is over. The shard that hands out the batches knows
-        whether it is and takes nobody's word for it; another shard believes a live member
-        of this incarnation (``server --exit-when-done``), and no one else: a Leave from
-        an id that holds no lease, or one meant for the server before a restart (with
-        more ``--epochs``, the run goes on), ends nothing."""
-        why = ""
-        if not live:
+        """A Leave says the run is over. Shard 0 hands out the batches, knows whether it is
+        and takes nobody's word for it (without a batch plan, a run of the workers' own
+        data, it never ends by itself); another shard believes a live member of this
+        incarnation (``server --exit-when-done``), and no one else: a Leave from an id that
+        holds no lease, or one meant for the server before a restart (with more
+        ``--epochs``, the run goes on), ends nothing."""
+        q, why = self.queue, ""
+        if self.owner and (q is None or not q.finished):
+            left = f"{q.total - q.done} of the run's {q.total}" if q is not None else "all"
+            why = f"but {left} batches are not applied here, which hands them out"
+        elif not live:
             why = "which holds no lease here"
         elif not current:
             why = "whose Leave names another incarnation of this server (from before a restart)"
-        elif self.queue is not None and not self.queue.finished:
-            left = self.queue.total - self.queue.done
-            why = f"but {left} of the run's {self.queue.total} batches are not applied yet"
         if why:
             log.warning("worker %s left saying the run is finished, %s: ignored", worker_id, why)
-        else:
+        elif not self.owner:
             self.told_over = True
 
     def expire(self, paused: float = 0.0) -> list[Member]:
@@ -290,9 +294,9 @@ class Members:
     @property
     def done(self) -> bool:
         """The run is over and every worker has gone (``server --exit-when-done``): every
-        batch applied here (the shard that hands them out decides), or elsewhere a live
+        batch applied here (shard 0, which hands them out, decides), or elsewhere a live
         worker of this incarnation left saying so (``_told``)."""
-        over = self.finished if self.queue is not None else self.told_over
+        over = self.finished if self.owner else self.told_over
         return over and self.started and not self.membership.members
 
     def batches_of(self, worker_id: str, iteration: int, named: Sequence[int]) -> Sequence[int]:
