@@ -21,6 +21,7 @@ restarted after it writes them. A run over whose summary is never written is sai
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -309,12 +310,22 @@ class ServerEvaluation:
 
         self.c.wait_for(due, timeout=1.0)
         if not found and not self._stop.is_set() and self._over(evaluated):
-            if self.planned.run.file("summary.json").exists():
+            if self._summarised():
                 self.finished.set()  # a finished run already recorded: nothing to do
                 self._stop.set()
             elif self.c.applies.idle:  # its summary failed before a restart: written now
                 self._last = self.c.status().to_proto()
         return found[0] if found else None
+
+    def _summarised(self) -> bool:
+        """Whether summary.json is this run's: of as many epochs as its plan now holds (a
+        run restarted with more --epochs, whose new summary failed, keeps the old one)."""
+        try:
+            summary = json.loads(self.planned.run.file("summary.json").read_text())
+        except (OSError, ValueError):
+            return False  # none, or unreadable: written (again)
+        q = self.c.queue
+        return isinstance(summary, dict) and q is not None and summary.get("epochs") == q.epochs
 
     def _over(self, evaluated: int) -> bool:
         q = self.c.queue

@@ -29,6 +29,7 @@ from torch import nn
 
 from paramserver.codec.rows import TableSpec
 from paramserver.config import DEFAULT_CACHE_ROWS
+from paramserver.errors import ConfigError
 from paramserver.sparse.client import Tables
 from paramserver.sparse.declared import (
     Embedding,
@@ -155,7 +156,15 @@ class TableEmbedding(RowLookup):
         super().__init__()
         self.table, self.tables, self.bag = table, tables, bag
         self.spec = tables.spec(table)
-        self.cache = RowCache(self.spec.dim, cache_rows, getattr(torch, self.spec.dtype))
+        rows = min(cache_rows, self.spec.rows) if self.spec.rows else cache_rows  # no more
+        try:  # allocated up front: a cache_rows past this host's memory says so, in a line
+            self.cache = RowCache(self.spec.dim, rows, getattr(torch, self.spec.dtype))
+        except RuntimeError as exc:  # torch's "can't allocate memory"
+            raise ConfigError(
+                f"--cache-rows {cache_rows}: table {table!r}'s cache of {rows} rows of "
+                f"{self.spec.dim} cannot be allocated here ({str(exc).splitlines()[0]}); give "
+                "fewer rows."
+            ) from None
         self._used: list[tuple[np.ndarray, torch.Tensor]] = []
         self.lock = threading.Lock()  # the cache, between a forward pass and a prefetch
 

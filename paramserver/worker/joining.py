@@ -15,6 +15,7 @@ from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.config import MAX_PUSH_EVERY, WIRE_CHOICES
+from paramserver.config.base import check_seconds
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.worker.attach import Attacher
@@ -41,12 +42,15 @@ class Joined:
     attacher: Attacher
 
 
-def check(push_every: int, compress: str, wire: str = "auto") -> None:
-    """The options, checked before anything connects.
+def check(push_every: int, compress: str, wire: str = "auto", **seconds: float) -> None:
+    """The options, checked before anything connects; ``seconds``: the timeouts by name,
+    within what the clocks carry (``check_seconds``), as the worker's options are.
 
     Raises:
         ConfigError: an option out of its range.
     """
+    for name, value in seconds.items():
+        check_seconds(name, value)
     if not 1 <= push_every <= MAX_PUSH_EVERY:
         raise ConfigError(f"push_every must be 1 to {MAX_PUSH_EVERY}; got {push_every}.")
     try:

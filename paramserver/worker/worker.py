@@ -143,7 +143,9 @@ class Worker(WorkerView):
         sleep: Callable[[float], bool] | None = None,
     ):
         self.addresses = addresses_of(address)
-        joining.check(push_every, compress, wire)
+        seconds = {"rpc_timeout": rpc_timeout, "barrier_timeout": barrier_timeout}
+        seconds.update(connect_timeout=connect_timeout, server_timeout=server_timeout)
+        joining.check(push_every, compress, wire, **seconds)
         self.address, self.push_every = ",".join(self.addresses), push_every
         self.compress = compress
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -286,8 +288,7 @@ class Worker(WorkerView):
         self._told_of_rewinds()
 
     def _told_of_rewinds(self) -> None:
-        """A loop with its own data learns of the steps a restart lost (``shards.rewound``);
-        the server's batches are handed out again instead."""
+        """Raise the steps a restart lost (``shards.rewound``) to a loop with its own data."""
         lost = rewound(self.sessions)
         if lost is not None and not self.train_samples:
             raise lost
@@ -331,10 +332,9 @@ class Worker(WorkerView):
         self._told_of_rewinds()
 
     def prefetch(self, ids: IdsByTable, wait: bool = True) -> None:
-        """Fetch the rows of the tables that ``ids`` names (``{table: ids}``) for the next
-        forward pass: now, or (``wait`` False) on a background thread while this batch
-        computes, which the next ``step`` waits for; the policy's bound holds either way
-        (``worker/rows.py``). Rows it still lacks then are fetched on demand."""
+        """Fetch the rows of ``ids`` (``{table: ids}``) for the next forward pass: now, or
+        (``wait`` False) in the background, which the next ``step`` waits for; the policy's
+        bound holds either way (``worker/rows.py``); the rest are fetched on demand."""
         self.tables.prefetch(ids) if wait else self.tables.prefetch_soon(ids)
 
     def prefetch_next(self, ids_of: Callable[[list[int]], IdsByTable | None]) -> None:

@@ -283,9 +283,12 @@ def test_a_summary_never_written_fails_exit_when_done(serve, tmp_path, monkeypat
     assert any(p.name.startswith("server") for p in (tmp_path / "c").iterdir())  # checkpoint
 
 
-def test_a_restart_writes_the_summary_that_failed_before_it(serve, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stale", [False, True], ids=["none", "an-older-runs"])
+def test_a_restart_writes_the_summary_that_failed_before_it(serve, tmp_path, monkeypatch, stale):
     """The server stopped while its summary could not be written; restarted on the finished
-    run, it writes curve.png and summary.json from the lines there, recording nothing again."""
+    run, it writes curve.png and summary.json from the lines there, recording nothing again.
+    A summary.json already there of fewer epochs (the run before it was extended with more
+    --epochs) is not this run's: it is written again (issue 55's review)."""
     failed = threading.Event()
     monkeypatch.setattr(RunDir, "plot", _full(failed))
     cfg = _config(epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
@@ -302,6 +305,8 @@ def test_a_restart_writes_the_summary_that_failed_before_it(serve, tmp_path, mon
     monkeypatch.undo()
     run_dir = tmp_path / "ckpt" / "run"
     assert not (run_dir / "summary.json").exists()
+    if stale:
+        (run_dir / "summary.json").write_text(json.dumps({"epochs": 0}))
     again = plan(cfg, "auto", None)
     assert again is not None and again.run.path == run_dir
     restarted = again.start(serve(cfg.model, config=cfg))

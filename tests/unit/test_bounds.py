@@ -232,3 +232,16 @@ def test_the_code_holds_the_same_bounds_and_threading_waits_the_longest():
         MAX_SECONDS,
     )
     assert MAX_SECONDS <= threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize(
+    "name", ["rpc_timeout", "barrier_timeout", "connect_timeout", "server_timeout"]
+)
+def test_a_python_workers_timeouts_are_bounded_as_the_options_are(name):
+    """Issue 55's review: ``ps.Worker``'s keyword arguments skipped the options' bounds."""
+    from torch import nn
+
+    import paramserver as ps
+
+    with pytest.raises(ConfigError, match=f"{name} must be at most 315360000 seconds"):
+        ps.Worker("127.0.0.1:1", nn.Linear(1, 1), **{name: 1e300})  # before it connects

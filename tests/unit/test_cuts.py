@@ -3,6 +3,7 @@ newest kept, resumed from, and rewound to; what cannot be done says why."""
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import numpy as np
@@ -17,7 +18,7 @@ from paramserver.server.disk.checkpoint_writer import Checkpointer
 from tests.conftest import DEADLINE, FakeClock
 
 
-def _shard(tmp_path, every: str = "2", resume: bool = False):
+def _shard(tmp_path, every: str = "2", resume: bool = False, optimizer: str = "sgd"):
     nn.init.zeros_((model := nn.Linear(4, 1, bias=False)).weight)
     config = ServerConfig(
         policy="sync",
@@ -26,7 +27,7 @@ def _shard(tmp_path, every: str = "2", resume: bool = False):
         shards=2,
         checkpoint_dir=str(tmp_path),
         checkpoint_every=every,
-        optimizer=OptimizerConfig("sgd", lr=1.0),
+        optimizer=OptimizerConfig(optimizer, lr=1.0),
     )
     coordinator = build_coordinator(config, model, now=FakeClock(), resume=resume)
     return coordinator, Checkpointer(coordinator, tmp_path, every, cuts=True)
@@ -203,3 +204,36 @@ def test_a_cut_whose_write_fails_stays_taken_pulls_wait_and_it_lands_once_the_di
     assert not c.saving.cuts_pending and not c.saves.failing and c.saves.failures >= 1
     assert c.pull(a.worker_id, 2, 0.0).version == 2  # and the run goes on
     saver.stop()
+
+
+def test_a_first_cut_that_cannot_be_written_is_refused_at_start_in_one_line(tmp_path, monkeypatch):
+    """Issue 55's review: a fresh shard writes its first cut as it starts; a full disk there
+    was a traceback and exit 1."""
+    _, saver = _shard(tmp_path)
+
+    def full(_state) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(saver, "_write_cut", full)
+    with pytest.raises(ConfigError, match=r"first cut of shard 0/2 .*: No space left on device"):
+        saver.start()
+
+
+def test_a_rewind_to_a_cut_of_another_optimizer_changes_nothing(tmp_path):
+    """Issue 55's review: a cut written before --switch-optimizer, rewound to by a shard
+    started without it, was refused halfway (later cuts deleted, clocks rewound, weights
+    not): it is refused before anything changes."""
+    c, saver = _shard(tmp_path)
+    saver.start()
+    _rounds(c, c.join("a"), 5)
+    saver.stop()  # cuts 0, 2, 4 of sgd's state
+    d, other = _shard(tmp_path, optimizer="adam")  # not resumed: a run of its own
+    b = d.join("b")
+    _rounds(d, b, 1)
+    was = (d.incarnation, d.rounds, d.store.weights.copy())
+    with pytest.raises(ConfigError, match="--optimizer sgd, whose state --optimizer adam"):
+        other.rewind(2, d.incarnation)  # cut 4, later, stays too
+    assert sorted(checkpoint.list_cuts(tmp_path, 0, 2)) == [0, 2, 4]
+    assert (d.incarnation, d.rounds) == was[:2]
+    np.testing.assert_array_equal(d.store.weights, was[2])
+    assert d.membership.get(b.worker_id).clock == 1

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramserver.errors import ConfigError
 from paramserver.sparse.client import LocalTables
 from paramserver.sparse.embedding import TableEmbedding, attach_tables, table_specs
 from paramserver.sparse.optim import RowOptimizerConfig
@@ -131,3 +132,14 @@ def test_attach_refuses_what_a_table_cannot_take():
     dense = nn.Module()
     dense.e = nn.Embedding(ROWS, DIM)  # not sparse: stays a dense parameter
     assert attach_tables(dense, tables) == {} and table_specs(dense) == []
+
+
+def test_a_cache_is_no_larger_than_its_table_and_one_too_large_is_one_line():
+    """Issue 55's review: --cache-rows up to 2**31-1 was taken, and its cache allocated up
+    front whole: a traceback at the join. A bounded table's cache holds at most its rows."""
+    tables = _shards(
+        [TableSpec("t", 100, 8), TableSpec("u", 0, 64)], 1, RowOptimizerConfig("sgd", 0.1)
+    )
+    assert TableEmbedding("t", tables, cache_rows=2**31 - 1).cache.values.shape == (100, 8)
+    with pytest.raises(ConfigError, match=r"--cache-rows 2147483647: table 'u'.*give fewer rows"):
+        TableEmbedding("u", tables, cache_rows=2**31 - 1)  # unbounded: 512 GiB up front

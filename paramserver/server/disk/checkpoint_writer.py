@@ -162,13 +162,20 @@ class Checkpointer:
         """Make the folder and start the thread.
 
         Raises:
-            ConfigError: the folder cannot be made or written in (``checkpoint_folder``).
+            ConfigError: the folder cannot be made or written in (``checkpoint_folder``),
+                or (a shard) the cut a fresh run starts from cannot be written there.
         """
         checkpoint_folder(self.directory)
         if self.cuts:
             clock = self.coordinator.cuts.last
             if clock not in checkpoint.list_cuts(self.directory, self.shard, self.shards):
-                self._write_cut(self.coordinator.checkpoint_state())  # where a fresh run starts
+                try:  # where a fresh run starts: no shard may rewind past it
+                    self._write_cut(self.coordinator.checkpoint_state())
+                except OSError as exc:
+                    raise ConfigError(
+                        f"Cannot write the first cut of shard {self.shard}/{self.shards} in "
+                        f"--checkpoint-dir {self.directory}: {exc.strerror or exc}."
+                    ) from None
         self._thread.start()
         return self
 
@@ -342,6 +349,9 @@ class Checkpointer:
                     "as one model. Restart every shard from the same round's cuts."
                 )
             assert saved is not None
+            # another optimizer's cut (from before --switch-optimizer) is refused before
+            # anything of this shard changes: no cut deleted, no clock rewound
+            self.coordinator.store.resumes(saved.optimizer_state, f"The cut at round {round_}")
             was = self.coordinator.membership.min_clock()
             for later in [r for r in cuts if r > round_]:  # the abandoned rounds' cuts
                 cuts.pop(later).unlink(missing_ok=True)
