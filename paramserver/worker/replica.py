@@ -12,6 +12,7 @@ from torch import nn
 
 from paramserver import models
 from paramserver.codec.layout import flatten_into, spans, unflatten_into, views_of
+from paramserver.errors import ConfigError
 
 
 def sync(device: torch.device) -> None:
@@ -26,9 +27,28 @@ class Replica:
     def __init__(self, model: nn.Module):
         self.manifest, self.tensors = models.state(model)
         self.params = self.tensors[: sum(s.role == "param" for s in self.manifest.tensors)]
+        # which parameters train, as the servers learnt it at the join (``check_trainable``)
+        self._trains = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.bound = 0  # tensors that are views of the weights' buffers (``bind``)
+
+    def check_trainable(self) -> None:
+        """Refuse a step once a parameter was frozen or unfrozen after the join: the servers
+        carry the parameters that trained then, so an unfrozen one would never train and a
+        frozen one would still be stepped (with zeros).
+
+        Raises:
+            ConfigError: naming the first such parameter.
+        """
+        for name, p, trained in self._trains:
+            if p.requires_grad != trained:
+                now = "unfrozen" if p.requires_grad else "frozen"
+                raise ConfigError(
+                    f"Parameter {name!r} was {now} after the worker joined; the servers train "
+                    "the parameters that were trainable at the join. Set requires_grad before "
+                    "the server and the worker are made (a run of its own for the new set)."
+                )
 
     def stage(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Copy the gradients (zeros where a parameter has none), then the buffers' values,

@@ -73,6 +73,7 @@ class Stager:
     def stage(self, samples: int, loss: float, empty: bool, batches: Iterable[int]) -> StagedPush:
         """Copy the gradients into a free push slot of every range (none if ``empty``), zero
         them and advance every session's clock."""
+        self.replica.check_trainable()  # before a slot is taken: a refusal leaves none held
         slot = self.pipe.take_slot() if self._early is None else self._early
         self._early = None
         if not empty:

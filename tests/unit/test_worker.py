@@ -428,3 +428,30 @@ def test_frozen_parameters_are_neither_sent_nor_updated(clock):
     status = server.coordinator.status()
     assert status.version == 3 and status.bytes_in == 3 * 3 * 4  # 3 pushes of 3 floats
     assert not torch.equal(model[1].weight, partly_frozen()[1].weight)  # the rest trained
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["tensors", "flat"])
+def test_a_parameter_frozen_or_unfrozen_after_the_join_is_refused_in_one_line(clock, flat):
+    """Issue 56, must 7: a layer unfrozen after the join was silently never trained (the
+    servers carry the parameters trainable at the join), and one frozen after it was still
+    stepped. Either is refused at the next step, naming it; put back, training goes on."""
+
+    def two_layers() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 1))
+        model[0].requires_grad_(False)
+        return model
+
+    server = FakeServer(two_layers(), clock, policy="async", workers=1)
+    model = two_layers()
+    worker = make_worker(server, model, clock, flat=flat)
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(ps.ConfigError, match=r"Parameter '0.weight' was unfrozen after the worker"):
+        worker.step(samples=1)
+    model[0].weight.requires_grad_(False)
+    model[1].bias.requires_grad_(False)
+    with pytest.raises(ps.ConfigError, match=r"Parameter '1.bias' was frozen after the worker"):
+        worker.step(samples=1)
+    model[1].bias.requires_grad_(True)
+    one_step(worker, model)
+    worker.close()
+    assert server.coordinator.store.version == 1
