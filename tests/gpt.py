@@ -59,10 +59,11 @@ def gpt() -> GPT:
 
 
 def text(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` sequences of CONTEXT tokens and their next tokens, from a seeded Markov chain
-    (so there is something to learn): inputs (n, T) and targets (n, T), int64."""
+    """``n`` sequences of CONTEXT tokens and their next tokens, drawn with ``seed`` from one
+    Markov chain (so there is something to learn, the same whatever the seed): inputs
+    (n, T) and targets (n, T), int64."""
+    table = torch.randint(0, VOCAB, (VOCAB, 2), generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(seed)
-    table = torch.randint(0, VOCAB, (VOCAB, 2), generator=g)
     seq = torch.empty(n, CONTEXT + 1, dtype=torch.int64)
     seq[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
     for t in range(CONTEXT):
@@ -90,3 +91,26 @@ def smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=0.1
     )
+
+
+def groups(model: nn.Module, decay: float) -> list[dict]:
+    """AdamW's two parameter groups as a user writes them: weight decay on the matrices,
+    none on biases, norms and embeddings (the tied head is the token embedding)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    params = list(model.parameters())
+    matrices = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+    rest = [p for p in params if not any(p is m for m in matrices)]
+    return [{"params": matrices, "weight_decay": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def warmup_cosine(warmup: int, total: int, floor: float):
+    """The schedule's factor of step i as a user writes it for ``LambdaLR``: linear warmup,
+    then cosine down to ``floor`` of the rate at ``total``."""
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min(i - warmup, total - warmup) / (total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

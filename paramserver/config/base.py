@@ -17,6 +17,7 @@ DEFAULT_CACHE_ROWS = 1 << 16  # a sparse table's rows on a worker (``sparse/embe
 
 # nesterov: DiLoCo's outer step; delayed-nesterov: its form for async (server/bookkeeping/outer)
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam", "adamw")
+DECAY_ON = ("all", "matrices")  # --weight-decay-on
 ROW_OPTIMIZERS = (
     "sgd",
     "adagrad",
@@ -188,6 +189,25 @@ class OptimizerConfig:
         type=int,
         dest="nesterov_period",
     )
+    decay_on: str = setting(
+        "all",
+        "--weight-decay-on",
+        "all: --weight-decay on every parameter; matrices: only on those of two or more dimensions that are not an embedding's (none on biases, normalisation layers and embeddings: a transformer's two parameter groups).",
+        choices=DECAY_ON,
+        dest="weight_decay_on",
+    )
+    betas: str = setting(
+        "0.9,0.999", "--adam-betas", "adam, adamw: beta1,beta2.", dest="adam_betas"
+    )
+    eps: float = setting(
+        1e-8, "--adam-eps", "adam and adamw: the term added to the denominator.", dest="adam_eps"
+    )
+    clip: float = setting(
+        0.0,
+        "--clip-grad-norm",
+        "Scale the gradient of each optimizer step down to this L2 norm over the whole model when it is larger, as torch.nn.utils.clip_grad_norm_ (0: off). For one server without sparse tables, for now.",
+        dest="clip_grad_norm",
+    )
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -197,6 +217,15 @@ class OptimizerConfig:
         _positive("The learning rate (--lr)", self.lr)
         _non_negative("--momentum", self.momentum)
         _non_negative("--weight-decay", self.weight_decay)
+        _non_negative("--clip-grad-norm", self.clip)
+        _positive("--adam-eps", self.eps)
+        self.parsed_betas  # noqa: B018 - refused here if it does not parse
+        if self.decay_on not in DECAY_ON:
+            raise ConfigError(
+                f"--weight-decay-on must be one of {', '.join(DECAY_ON)}; got {self.decay_on!r}."
+            )
+        if self.decay_on != "all" and self.name == "delayed-nesterov":
+            raise ConfigError("--weight-decay-on matrices is not for --optimizer delayed-nesterov.")
         check_count("--nesterov-period", self.period, 0)
         if self.period and self.name != "delayed-nesterov":
             raise ConfigError(
@@ -227,6 +256,19 @@ class OptimizerConfig:
             )
         if not 0.0 <= self.floor <= 1.0:
             raise ConfigError(f"--lr-floor is a fraction of --lr, from 0 to 1; got {self.floor}.")
+
+    @property
+    def parsed_betas(self) -> tuple[float, float]:
+        """``--adam-betas`` as two floats, each from 0 up to (not including) 1."""
+        try:
+            b1, b2 = (float(b) for b in self.betas.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--adam-betas must be two numbers, beta1,beta2 (0.9,0.999); got {self.betas!r}."
+            ) from None
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ConfigError(f"--adam-betas must each be from 0 to below 1; got {self.betas!r}.")
+        return b1, b2
 
     def rate(self, step: int, done: tuple[int, int] | None) -> float:
         """The learning rate of optimizer step ``step``; with ``--lr-schedule-by batches``,

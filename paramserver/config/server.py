@@ -258,6 +258,11 @@ class ServerConfig:
                 f"--shard must be I/S with 0 <= I < S <= {MAX_SHARDS}; got "
                 f"{self.shard}/{self.shards}."
             )
+        if self.optimizer.clip and self.shards > 1:  # each shard holds a part of the norm
+            raise ConfigError(
+                "--clip-grad-norm takes the norm over the whole model, which a shard of a "
+                "sharded run holds a part of: not built yet; clip with one server."
+            )
         if self.cuts and parse_every(self.checkpoint_every)[0] is None:
             raise ConfigError(
                 "A shard of a sharded run checkpoints every N iterations (sync rounds, or "

@@ -18,6 +18,7 @@ from paramserver import models
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig, parse_table_optimizers
 from paramserver.errors import ConfigError
+from paramserver.server.bookkeeping import step_rules
 from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
 from paramserver.server.bookkeeping.store import ParameterStore
 from paramserver.server.disk import reshard
@@ -86,7 +87,13 @@ def build_coordinator(
         config.server_device,
         copy=pieces.copy,
         switch=config.switch_optimizer,
+        decayed=step_rules.decayed_ranges(model, whole, offset, manifest.section("param")[1]),
     )
+    if optimizer.clip and tables is not None:
+        raise ConfigError(
+            "--clip-grad-norm takes the norm over the whole model, and a sparse table's rows "
+            "are pushed beside it: not built yet for a model with tables."
+        )
     if snapshot is not None:  # another optimizer's: refused before the coordinator logs a resume
         where = f" in {config.checkpoint_dir}" if config.checkpoint_dir else ""
         store.resumes(snapshot.optimizer_state, f"The checkpoint{where}")

@@ -77,6 +77,8 @@ BOUNDS: list[tuple[type, str, str, Any, Any]] = [
     (OptimizerConfig, "period", "--nesterov-period", MAX_INT32, MAX_INT32 + 1),
     (OptimizerConfig, "warmup", "--lr-warmup", MAX_INT64, MAX_INT64 + 1),
     (OptimizerConfig, "floor", "--lr-floor", 1.0, 1.5),
+    (OptimizerConfig, "clip", "--clip-grad-norm", None, math.inf),
+    (OptimizerConfig, "eps", "--adam-eps", None, math.inf),
     (WorkerConfig, "threads", "--threads", MAX_LOCAL, MAX_LOCAL + 1),
     (WorkerConfig, "rpc_timeout", "--rpc-timeout", *SECONDS),
     (WorkerConfig, "barrier_timeout", "--barrier-timeout", *SECONDS),

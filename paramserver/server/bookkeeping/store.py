@@ -25,7 +25,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.server.bookkeeping import optimizer_resume
+from paramserver.server.bookkeeping import optimizer_resume, step_rules
 from paramserver.server.bookkeeping.outer import DelayedNesterov
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,11 @@ def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.o
     thread: momentum 7.4 ms a step against 13.6 for the default; Adam on the MLP's 235k
     parameters 0.27 ms against 0.6-2.3 ms; plain SGD the same either way)."""
     kind: type[torch.optim.Optimizer]
-    kw: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    # --weight-decay-on matrices: the store decays the matrices itself (``step_rules``)
+    kw: dict[str, Any] = {
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay if cfg.decay_on == "all" else 0.0,
+    }
     if cfg.name == "delayed-nesterov":  # no fused kernel: four passes over the buffer
         return DelayedNesterov(params, momentum=cfg.momentum, period=cfg.period or 1, **kw)
     if cfg.name in ("sgd", "momentum", "nesterov"):
@@ -51,6 +55,7 @@ def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.o
             kw["nesterov"] = cfg.name == "nesterov"
     else:
         kind = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+        kw.update(betas=cfg.parsed_betas, eps=cfg.eps)
     try:
         return kind(params, fused=True, **kw)
     except (RuntimeError, TypeError, ValueError):  # a torch or device without it
@@ -98,6 +103,7 @@ class ParameterStore:
         mirrored: bool | None = None,
         copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
         switch: bool = False,
+        decayed: step_rules.Ranges = (),
     ):
         if initial.dtype != manifest.np_dtype or initial.size != manifest.numel:
             raise ValueError(
@@ -107,6 +113,7 @@ class ParameterStore:
         self.manifest = manifest
         self.config = optimizer
         self.switch = switch
+        self.decayed = decayed  # with --weight-decay-on matrices: the elements that decay
         self._copy = copy  # a snapshot's copy (the server's: split over its threads)
         self.device = torch.device(device)
         # the master on the device and a copy on the host (on a CPU: one tensor; tests
@@ -152,7 +159,15 @@ class ParameterStore:
     def step(self, grad: np.ndarray, lr: float) -> None:
         """The optimizer's step with ``grad`` at rate ``lr``, in place; the version and the
         snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``)."""
-        self.param.grad = torch.from_numpy(grad).to(self.device)
+        g = torch.from_numpy(grad).to(self.device)
+        cfg = self.config
+        if cfg.clip:  # a new tensor: the caller's gradient stays as it came
+            g = step_rules.clipped(g, cfg.clip)
+        if cfg.decay_on != "all" and cfg.weight_decay:
+            decoupled = cfg.name == "adamw"
+            g = g if cfg.clip or decoupled else g.clone()
+            step_rules.decay(self.param, g, self.decayed, lr, cfg.weight_decay, decoupled)
+        self.param.grad = g
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self._bare_step is not None and not _hooked(self.optimizer):
