@@ -81,4 +81,6 @@ def test_a_transformer_recipe_on_two_sync_workers_is_the_local_run(serve):
     assert abs(got - want) <= 1e-4, (got, want)
     start = gpt.loss(model.eval(), vx, vy).item()
     assert want < start - 0.1, (want, start)  # it learnt something
-    print(f"max |dparam| {worst:.2e}; validation loss {got:.4f} against {want:.4f} (from {start:.4f})")
+    print(
+        f"max |dparam| {worst:.2e}; validation loss {got:.4f} against {want:.4f} (from {start:.4f})"
+    )
