@@ -7,6 +7,7 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,8 +153,7 @@ class OptimizerConfig:
     schedule: str = setting(
         "constant",
         "--lr-schedule",
-        "constant, or cosine or linear decay to --lr-floor over --lr-total-steps optimizer steps (after --lr-warmup's, which they include). The default is constant on server, cosine over the whole run on launch: launch starts the workers, so it can count the run's optimizer steps, which a server cannot (it does not know its workers' --push-every).",
-        choices=LR_SCHEDULES,
+        "constant, or cosine or linear decay to --lr-floor over --lr-total-steps optimizer steps (after --lr-warmup's, which they include), or module:function: your factory of a torch.optim.lr_scheduler over the optimizer it is given (at --lr), stepped once a server step. The default is constant on server, cosine over the whole run on launch: launch starts the workers, so it can count the run's optimizer steps, which a server cannot (it does not know its workers' --push-every).",
         dest="lr_schedule",
     )
     total_steps: int | None = setting(
@@ -231,16 +231,18 @@ class OptimizerConfig:
             raise ConfigError(
                 f"--nesterov-period is for --optimizer delayed-nesterov, not {self.name}."
             )
-        if self.schedule not in LR_SCHEDULES:
+        if self.schedule not in LR_SCHEDULES and ":" not in self.schedule:
             raise ConfigError(
                 f"Unknown learning-rate schedule (--lr-schedule) {self.schedule!r}: choose one "
-                f"of {', '.join(LR_SCHEDULES)}."
+                f"of {', '.join(LR_SCHEDULES)}, or module:function (an lr_scheduler factory)."
             )
+        if ":" in self.schedule and (self.warmup or self.floor):
+            raise ConfigError("--lr-warmup and --lr-floor shape the built-in schedules only.")
         if self.by not in LR_SCHEDULE_BY:
             raise ConfigError(
                 f"--lr-schedule-by must be one of {', '.join(LR_SCHEDULE_BY)}; got {self.by!r}."
             )
-        decays = self.schedule != "constant"
+        decays = self.schedule in ("cosine", "linear")
         if decays and (self.total_steps is None or self.total_steps < 1):
             raise ConfigError(
                 f"--lr-schedule {self.schedule} needs --lr-total-steps, the number of "
@@ -270,18 +272,17 @@ class OptimizerConfig:
             raise ConfigError(f"--adam-betas must each be from 0 to below 1; got {self.betas!r}.")
         return b1, b2
 
-    def rate(self, step: int, done: tuple[int, int] | None) -> float:
-        """The learning rate of optimizer step ``step``; with ``--lr-schedule-by batches``,
-        at most that of the step the run's plan has reached: ``done`` is (batches done, the
-        run's batches; None: no batch plan). A run on its plan gets each step's rate as by
-        steps (its batches done are those of its steps so far, or one step's more); a run
-        of more, smaller steps than planned moves along its batches instead, and its last
-        step is the plan's last, not rate 0."""
-        total = self.total_steps
+    def rate(
+        self, step: int, done: tuple[int, int] | None, at: Callable[[int], float] | None = None
+    ) -> float:
+        """The learning rate (``at`` a step, default ``lr_at``) of optimizer step ``step``; by
+        batches, at most that of the step the plan reached (``done``: batches done, the run's;
+        None: no plan), so a run of more, smaller steps than planned ends at the plan's last."""
+        total, at = self.total_steps, at or self.lr_at  # ``at``: a factory's (server side)
         if self.by != "batches" or done is None or total is None or done[1] < 1:
-            return self.lr_at(step)
+            return at(step)
         reached = min(done[0] * total // done[1], total - 1)
-        return self.lr_at(min(step, reached))
+        return at(min(step, reached))
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based): ``--lr-warmup``'s linear
@@ -289,16 +290,12 @@ class OptimizerConfig:
         at ``--lr-total-steps`` (the warmup counted in), and the floor after."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        if self.schedule == "constant" or self.total_steps is None:
-            return self.lr
+        if self.schedule not in ("cosine", "linear") or self.total_steps is None:
+            return self.lr  # constant (a factory's rates are the server's: ``UserSchedule``)
         span = self.total_steps - self.warmup
-        progress = min(step - self.warmup, span) / span
+        p = min(step - self.warmup, span) / span
         low = self.lr * self.floor
-        shape = (
-            0.5 * (1.0 + math.cos(math.pi * progress))
-            if self.schedule == "cosine"
-            else 1 - progress
-        )
+        shape = 0.5 * (1.0 + math.cos(math.pi * p)) if self.schedule == "cosine" else 1 - p
         return low + (self.lr - low) * shape
 
 

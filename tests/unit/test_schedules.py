@@ -83,3 +83,60 @@ def test_the_servers_steps_take_the_schedules_rate():
         store.apply(np.ones(3, np.float32))
         moved.append(float(before - store.weights[0]))
     assert moved == pytest.approx([0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5])
+
+
+def _store(schedule: str, **kw):
+    import numpy as np
+
+    from paramserver.codec.layout import Manifest
+    from paramserver.server.bookkeeping.store import ParameterStore
+
+    manifest = Manifest.from_tensors([("w", torch.zeros(3))])
+    cfg = OptimizerConfig("sgd", lr=0.3, schedule=schedule, **kw)
+    return ParameterStore(manifest, np.zeros(3, np.float32), cfg)
+
+
+def test_a_users_scheduler_factory_gives_the_servers_rate_at_each_step():
+    """Issue 56, must 3: ``--lr-schedule module:function``, stepped once a server step;
+    every shard (another store) and a rewind (an earlier step asked again) agree."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    want = []
+    for _ in range(12):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    a, b = _store("tests.user_schedules:step_lr"), _store("tests.user_schedules:step_lr")
+    assert [a.rate(i) for i in range(12)] == pytest.approx(want)
+    assert [b.rate(i) for i in reversed(range(12))] == pytest.approx(want[::-1])
+    assert a.rate(4) == pytest.approx(0.15)  # asked again, after step 11
+    lambda_lr = _store("tests.user_schedules:warmup_cosine")
+    built_in = OptimizerConfig(
+        "sgd", lr=0.3, schedule="cosine", total_steps=100, warmup=20, floor=0.1
+    )
+    assert [lambda_lr.rate(i) for i in range(110)] == pytest.approx(
+        [built_in.lr_at(i) for i in range(110)], rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "schedule, says",
+    [
+        ("tests.user_schedules:not_a_scheduler", "returned int, not a torch.optim.lr_scheduler"),
+        ("tests.user_schedules:broken", "failed: RuntimeError"),
+        ("tests.user_schedules:missing", "has no function 'missing'"),
+    ],
+)
+def test_a_scheduler_factory_that_cannot_serve_is_refused_in_one_line(schedule, says):
+    from paramserver.errors import ConfigError as Refused
+
+    with pytest.raises(Refused, match=says) as err:
+        _store(schedule)
+    assert "\n" not in str(err.value)
+
+
+def test_a_factory_takes_none_of_the_built_in_shapes():
+    with pytest.raises(ConfigError, match="shape the built-in schedules only"):
+        OptimizerConfig("sgd", lr=0.1, schedule="tests.user_schedules:step_lr", warmup=5)
+    with pytest.raises(ConfigError, match="or module:function"):
+        OptimizerConfig("sgd", lr=0.1, schedule="exponential")

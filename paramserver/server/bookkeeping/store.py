@@ -27,6 +27,7 @@ from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
 from paramserver.server.bookkeeping import optimizer_resume, step_rules
 from paramserver.server.bookkeeping.outer import DelayedNesterov
+from paramserver.server.bookkeeping.user_schedule import UserSchedule
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,10 @@ class ParameterStore:
         self.manifest = manifest
         self.config = optimizer
         self.switch = switch
+        # --lr-schedule module:function: its rates, step by step (``user_schedule``)
+        self.schedule = (
+            UserSchedule(optimizer.schedule, optimizer.lr) if ":" in optimizer.schedule else None
+        )
         self.decayed = decayed  # with --weight-decay-on matrices: the elements that decay
         self._copy = copy  # a snapshot's copy (the server's: split over its threads)
         self.device = torch.device(device)
@@ -137,7 +142,8 @@ class ParameterStore:
     def rate(self, version: int) -> float:
         """The learning rate of optimizer step ``version``: the schedule at that step, or
         at the run's batches done (``progress``, set by the coordinator)."""
-        return self.config.rate(version, self.progress())
+        at = self.schedule.lr_at if self.schedule is not None else None
+        return self.config.rate(version, self.progress(), at)
 
     @property
     def lr(self) -> float:
