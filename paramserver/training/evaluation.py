@@ -1,5 +1,5 @@
 """A model's test figures: accuracy and mean loss (cross-entropy, or the run's ``--loss``),
-with the perplexity of a cross-entropy, and for a two-class model (a click model) the area
+with the perplexity of a sequence model's cross-entropy, and for a two-class model (a click model) the area
 under the ROC curve of its click logit. A sequence output ((B, T, V) logits against (B, T)
 targets) is counted token by token (``losses.per_token``): a run of 100 sequences of 64
 tokens is 6,400 samples here."""
@@ -23,7 +23,7 @@ class Evaluation(NamedTuple):
     accuracy: float  # nan where the outputs are not classes of the targets
     loss: float
     auc: float | None = None  # two-class models only
-    perplexity: float | None = None  # exp(loss) of a cross-entropy; None for a user's loss
+    perplexity: float | None = None  # exp(loss) of a sequence model's cross-entropy, else None
 
 
 def evaluate(
@@ -50,11 +50,13 @@ def evaluate_batches(
     device = next(model.parameters()).device
     correct, total, n = 0, 0.0, 0
     classes = True  # every output a row of class scores for an integer target
+    sequence = False  # outputs of tokens: (B, T, V) against (B, T)
     scores: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     for x, y in batches:
         raw, raw_target = model(x.to(device)), y.to(device)
         out, target = per_token(raw, raw_target)
+        sequence = sequence or out.dim() != raw.dim()
         if loss is None:
             total += F.cross_entropy(out, target, reduction="sum").item()
         else:
@@ -71,6 +73,7 @@ def evaluate_batches(
     model.train(was_training)
     area = auc(np.concatenate(scores), np.concatenate(labels)) if scores and classes else None
     mean = total / max(n, 1)
-    perplexity = math.exp(min(mean, 700.0)) if loss is None else None  # exp(710) overflows
+    ppl = loss is None and sequence
+    perplexity = math.exp(min(mean, 700.0)) if ppl else None  # exp(710) overflows
     accuracy = correct / max(n, 1) if classes else math.nan
     return Evaluation(accuracy, mean, area, perplexity)

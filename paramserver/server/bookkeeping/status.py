@@ -124,7 +124,7 @@ class Tested(NamedTuple):
     accuracy: float
     loss: float
     auc: float = math.nan
-    perplexity: float = math.nan  # of a cross-entropy; NaN under --loss
+    perplexity: float = math.nan  # of a sequence model's cross-entropy; else NaN
 
 
 @dataclass
