@@ -87,7 +87,9 @@ def build_coordinator(
         config.server_device,
         copy=pieces.copy,
         switch=config.switch_optimizer,
-        decayed=step_rules.decayed_ranges(model, whole, offset, manifest.section("param")[1]),
+        decayed=step_rules.decayed_ranges(model, whole, offset, manifest.section("param")[1])
+        if optimizer.decay_on == "matrices"
+        else (),
     )
     if optimizer.clip and tables is not None:
         raise ConfigError(

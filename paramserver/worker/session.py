@@ -92,8 +92,8 @@ class Session:
         self.lease_seconds = 0.0
         self.reply = pb.JoinResponse()
         self.rejoins = 0
-        # (clock, the restarted server's clock for this worker) when a restart lost pushes
-        self.rewound: tuple[int, int] | None = None
+        # this worker's clock before a restart that lost some of its pushes (``shards.rewound``)
+        self.rewound: int | None = None
         # the newest cut every shard has written, as their last pulls said (PullRequest)
         self.common_cut = 0
         self.ahead = False  # name the next iteration's batches too (PullRequest.ahead)
@@ -183,7 +183,7 @@ class Session:
         was = (self.worker_id, self.incarnation, self.clock)
         lost = self.state is SessionState.LOST and reply.incarnation != was[1]
         if lost and reply.clock < was[2]:  # a restart behind this worker's pushes: say so once
-            self.rewound = (was[2], reply.clock)
+            self.rewound = was[2]
         if was[0] and was[0] != reply.worker_id:  # remembered: a rewind may bring it back
             self.past_ids = [was[0], *[i for i in self.past_ids if i != reply.worker_id]][:8]
         self.reply = reply

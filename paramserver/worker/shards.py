@@ -152,7 +152,7 @@ def rewound(sessions: Sequence[Session]) -> ServerRewound | None:
     """What to tell the loop once servers that restarted behind this worker's pushes are
     joined again (each session's ``rewound``, cleared here): the step it goes on from and
     how many of its steps are not in the model; None if none was lost."""
-    hits = [(s.address, s.rewound[0]) for s in sessions if s.rewound is not None]
+    hits = [(s.address, s.rewound) for s in sessions if s.rewound is not None]
     for s in sessions:
         s.rewound = None
     if not hits:

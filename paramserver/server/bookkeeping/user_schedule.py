@@ -31,7 +31,6 @@ class UserSchedule:
                 f"--lr-schedule {spec!r} returned {type(self._sched).__name__}, not a "
                 "torch.optim.lr_scheduler.LRScheduler over the optimizer it was given."
             )
-        self.spec = spec
         self._rates = array("d", [self._opt.param_groups[0]["lr"]])
         self._lock = threading.Lock()  # pushes and pulls ask from several threads
 

@@ -189,9 +189,8 @@ def assemble(
     if tables:
         _fits_in_memory(layouts)
         out.update(whole_tables(layouts, [s.get("tables") or {} for s in states], limit=None))
-    return models.with_aliases(
-        out, models.aliases(model)
-    )  # a tied head: its trained values, not its initial
+    # a tied head: under its second name too, with the trained values (not the initial)
+    return models.with_aliases(out, models.aliases(model))
 
 
 def _fits_in_memory(layouts: dict[str, dict[str, Any]]) -> None:
