@@ -4,9 +4,7 @@ bookkeeping only, no I/O.
 - ``TableSet``: the shard's ``ShardTable`` of each table. A push's row gradients (any
   number of tables) are checked whole by ``check`` before ``apply`` changes anything, so a
   push with one bad table, or a bad dense part, changes nothing.
-- ``RowRound``: under ``sync``, the round's row gradients summed per table and id; at the
-  round's end the mean is their sum over the ``n`` non-empty pushes, as for the dense
-  part (``server/bookkeeping/sync_round.py``), so sync stays large-batch SGD for the tables too.
+- The sync round's row gradients: ``sparse/row_round.py``.
 - ``row_optimizer``: the tables' optimizer for the server's ``--optimizer``: adam and
   adamw give sparse-adam (weight decay is not applied to rows), sgd and momentum give sgd,
   at the same learning rate and schedule (the coordinator passes each step's rate to
@@ -263,50 +261,6 @@ class TableSet:
 def finite(checked: Iterable[RowGradients]) -> bool:
     """Whether every row gradient of a push is finite."""
     return all(bool(torch.isfinite(p.grads).all()) for p in checked)
-
-
-class RowRound:
-    """The row gradients of the sync round in progress, summed per table."""
-
-    def __init__(self) -> None:
-        self._parts: dict[str, list[RowGradients]] = {}
-
-    def add(self, checked: Iterable[RowGradients]) -> None:
-        for push in checked:
-            self._parts.setdefault(push.table, []).append(push)
-
-    def take_mean(self, n: int) -> list[RowGradients]:
-        """Per table, each touched id's gradient summed over the round and divided by ``n``
-        (the round's non-empty pushes); starts the next round."""
-        parts, self._parts = self._parts, {}
-        return [_coalesce(table, pushes, n) for table, pushes in sorted(parts.items())]
-
-    def state(self) -> dict[str, Any]:
-        return {
-            table: [(torch.from_numpy(p.ids.copy()), p.grads.clone()) for p in pushes]
-            for table, pushes in self._parts.items()
-        }
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> RowRound:
-        r = cls()
-        for table, pushes in state.items():
-            r._parts[table] = [RowGradients(table, ids.numpy(), grads) for ids, grads in pushes]
-        return r
-
-
-def _coalesce(table: str, pushes: list[RowGradients], n: int) -> RowGradients:
-    ids = np.concatenate([p.ids for p in pushes])
-    unique, inverse = np.unique(ids, return_inverse=True)
-    first = pushes[0].grads
-    total = torch.zeros((len(unique), first.shape[1]), dtype=first.dtype)
-    total.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.cat([p.grads for p in pushes]))
-    ready = [p.prepared for p in pushes if isinstance(p, Checked) and p.prepared is not None]
-    prepared = None
-    if ready:
-        fresh, first_at = np.unique(np.concatenate([i for i, _ in ready]), return_index=True)
-        prepared = (fresh, torch.cat([v for _, v in ready])[torch.from_numpy(first_at)])
-    return Checked(table, unique, total / n, prepared)
 
 
 WHOLE_TABLE_BYTES = 1 << 30  # larger tables are not written whole into a model_state_dict

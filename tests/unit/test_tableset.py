@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from paramserver.errors import InvalidRequest
 from paramserver.sparse import initial as initial_module
 from paramserver.sparse.optim import RowOptimizerConfig
+from paramserver.sparse.row_round import RowRound
 from paramserver.sparse.rows import initial_rows, shard_of
 from paramserver.sparse.table import TableSpec
-from paramserver.sparse.tableset import RowGradients, RowRound, TableSet, row_optimizer
+from paramserver.sparse.tableset import RowGradients, TableSet, row_optimizer
 from tests.unit.rowref import Reference
 
 ROWS, DIM = 200, 4

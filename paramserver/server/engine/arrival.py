@@ -40,7 +40,8 @@ from paramserver.server.bookkeeping.status import Counters
 from paramserver.server.bookkeeping.store import ParameterStore
 from paramserver.server.bookkeeping.sync_round import SyncRound
 from paramserver.server.engine.dense_apply import Applies, Pending
-from paramserver.sparse.tableset import RowRound, TableSet
+from paramserver.sparse.row_round import RowRound
+from paramserver.sparse.tableset import TableSet
 
 log = logging.getLogger("paramserver.server.engine.coordinator")
 
