@@ -25,7 +25,7 @@ from paramserver.server.disk import reshard
 from paramserver.server.disk.checkpoint_writer import saved_state
 from paramserver.server.engine.coordinator import Coordinator
 from paramserver.sparse.declared import declared_choices
-from paramserver.sparse.embedding import make_tables
+from paramserver.sparse.embedding import make_tables, own_rows
 from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold
 from paramserver.sparse.tableset import TableSet, table_optimizers
 from paramserver.transport import pieces
@@ -151,6 +151,7 @@ def _tables_and_frozen(
             specs, chosen, config.optimizer.name, config.optimizer.lr, declared
         )
         tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards, lifecycles)
+        tables.start_from(own_rows(model))  # a module's own rows; declared tables seeded
         fix_mmap_threshold(SERVER_MMAP_THRESHOLD)  # grown-out table arrays go back when freed
     if config.shards == 1:
         frozen = {

@@ -10,11 +10,13 @@ touches them.
 - ``optim``: row-wise sgd, adagrad (torch's SGD and Adagrad on the touched rows),
   rowwise-adagrad (one accumulator a row), sparse-adam (torch's SparseAdam: bias-corrected
   by the table's steps) and lazy adam (each row bias-corrected by its own steps);
-- ``table``: one shard's rows of a table: created by their first push (a pull creates
-  nothing), pulled and pushed by id, checked before anything changes, saved and restored;
+- ``table``: one shard's rows of a table: a module's own rows loaded at start-up, a
+  declared table's created by their first push (a pull creates nothing), pulled and
+  pushed by id, checked before anything changes, saved and restored;
 - ``tableset``: every table a shard holds, as the coordinator uses them: a push's rows
-  checked whole before any table changes, the sync round's row gradients averaged like the
-  dense part's, each table's optimizer (``--table-optimizer``, else the server's);
+  checked whole before any table changes, each table's optimizer (``--table-optimizer``,
+  else the server's), a module's own rows as the start (``start_from``);
+- ``row_round``: the sync round's row gradients, averaged like the dense part's;
 - ``client``: ``Tables`` (pull and push rows by id, one request per shard that holds
   them) and ``LocalTables``, every shard in this process;
 - ``embedding``: ``TableEmbedding`` in place of a sparse ``nn.Embedding`` or

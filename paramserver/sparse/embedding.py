@@ -287,6 +287,19 @@ def table_specs(model: nn.Module) -> list[TableSpec]:
     ]
 
 
+def own_rows(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The rows each table of ``model`` starts from where the module holds them, by table
+    name: a trainable sparse ``nn.Embedding`` or ``nn.EmbeddingBag``'s weight (pretrained,
+    or initialised as the user chose). A declared ``Embedding`` holds no rows of its own
+    (it may have 10**12): its rows are seeded, none here."""
+    name_tables(model)
+    return {
+        name: m.weight.detach().cpu()
+        for name, m in _sparse_embeddings(model)
+        if not isinstance(m, Embedding)
+    }
+
+
 def make_tables(model: nn.Module, min_rows: int = 0, names: Iterable[str] = ()) -> list[str]:
     """Make tables of ``model``'s trainable dense embeddings that have at least ``min_rows``
     rows (0: none by size) or are named in ``names`` (the servers' tables, at join): they

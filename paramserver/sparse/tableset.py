@@ -28,7 +28,7 @@ from paramserver.sparse import tablestate
 from paramserver.sparse.initial import Recent
 from paramserver.sparse.lifecycle import Lifecycle
 from paramserver.sparse.optim import RowOptimizerConfig
-from paramserver.sparse.rows import Init, initial_rows
+from paramserver.sparse.rows import Init, initial_rows, shard_of
 from paramserver.sparse.table import Lookup, Prepared, ShardTable, complete_all, prepare_all
 from paramserver.sparse.tablestate import TableChanges
 
@@ -136,6 +136,24 @@ class TableSet:
         self.scheduled = {name: chosen[name][1] for name in names}
         self.rows_pulled = 0
         self.rows_pushed = 0
+
+    def start_from(self, rows: Mapping[str, torch.Tensor], chunk: int = 1 << 16) -> None:
+        """Each named table's rows that this shard holds set to the module's own
+        (``rows[name]``, the whole table by id: ``sparse.embedding.own_rows``), their
+        optimizer state fresh, ``chunk`` ids at a time. Tables not named keep their seeded
+        initial values."""
+        for name, weight in rows.items():
+            table = self.table(name)
+            if tuple(weight.shape) != (table.spec.rows, table.spec.dim):
+                raise ValueError(
+                    f"Table {name!r}: rows of shape {tuple(weight.shape)} for a table of "
+                    f"({table.spec.rows}, {table.spec.dim})."
+                )
+            for lo in range(0, table.spec.rows, chunk):
+                ids = np.arange(lo, min(lo + chunk, table.spec.rows), dtype=np.int64)
+                if table.shards > 1:
+                    ids = ids[shard_of(ids, table.shards) == table.shard]
+                table.load_rows(ids, weight[torch.from_numpy(ids)])
 
     @property
     def specs(self) -> list[TableSpec]:

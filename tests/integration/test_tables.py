@@ -131,7 +131,9 @@ def _trains_as_torch(
     torch.testing.assert_close(model.head.weight, local.head.weight)
     touched = len(torch.cat([x.flatten() for x, _ in _batches(10)]).unique())
     held = sum(s.coordinator.tables.held for s in servers)
-    assert held == 2 * touched  # only the rows touched exist, in each of the two tables
+    assert held == 2 * ROWS  # each table's own rows, held from the start
+    assert touched < ROWS  # and only the rows touched went over the wire (rows_pushed)
+    assert sum(s.status()["rows_pushed"] for s in servers) <= 2 * 10 * BATCH * FIELDS
     return worker
 
 
@@ -303,7 +305,8 @@ def test_a_push_larger_than_a_control_frame_goes_over_grpc_and_keeps_the_socket(
             F.cross_entropy(model(ids.view(1, -1)), torch.tensor([step % 2])).backward()
             worker.step(samples=1)
         assert active()  # the socket stayed in use for the small requests
-    assert server.coordinator.tables.held == 900
+    assert server.coordinator.tables.held == 1000  # the bag's own rows
+    assert server.status()["rows_pushed"] == 900
     assert server.status()["version"] == 3
 
 
@@ -343,7 +346,7 @@ def test_a_table_trains_with_the_row_optimizer_table_optimizer_names(serve):
                 model(torch.arange(10).view(1, -1) + step), torch.tensor([1])
             ).backward()
             worker.step(samples=1)
-    assert table.held == 12 and [s.shape[1] for s in table.state] == [1]
+    assert table.held == 500 and [s.shape[1] for s in table.state] == [1]
     (spec,) = server._servicer.steps.manifest().tables  # what a join tells the workers
     assert (spec.optimizer, spec.lr) == ("rowwise-adagrad", 0.05)
     fresh = nn.Sequential(nn.EmbeddingBag(500, 8, mode="sum", sparse=True), nn.Linear(8, 2))
