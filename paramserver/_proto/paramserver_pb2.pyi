@@ -245,7 +245,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks", "batches", "exact", "topk", "scale_block")
+    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks", "batches", "exact", "topk", "scale_block", "idle")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class PushHeader(_message.Message):
     EXACT_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     SCALE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     total_bytes: int
@@ -284,7 +285,8 @@ class PushHeader(_message.Message):
     exact: int
     topk: int
     scale_block: int
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ..., batches: _Optional[_Iterable[int]] = ..., exact: _Optional[int] = ..., topk: _Optional[int] = ..., scale_block: _Optional[int] = ...) -> None: ...
+    idle: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ..., batches: _Optional[_Iterable[int]] = ..., exact: _Optional[int] = ..., topk: _Optional[int] = ..., scale_block: _Optional[int] = ..., idle: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "rows")

@@ -127,8 +127,9 @@ class FlatReplica(Replica):
         # the push slot's buffers for early copies, asked for once a bucket is ready
         self.early: Callable[[], Parts | None] | None = None
         self._target: Parts | None = None
+        self._got = [False] * len(self.params)  # a gradient accumulated this step, each
         self._hooks = [
-            self.params[i].register_post_accumulate_grad_hook(self._hook(b))
+            self.params[i].register_post_accumulate_grad_hook(self._hook(b, i))
             for b in self.buckets
             for i in b.members
         ]
@@ -154,11 +155,12 @@ class FlatReplica(Replica):
 
     # --- during backward -------------------------------------------------------------
 
-    def _hook(self, bucket: Bucket) -> Callable[[torch.Tensor], None]:
+    def _hook(self, bucket: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         grads = bucket.block.grads
         assert grads is not None
 
         def fired(_: torch.Tensor) -> None:
+            self._got[i] = True
             bucket.fires += 1
             bucket.block.version = grads._version  # an in-place change after backward moves it
             if bucket.fires == bucket.params and self.early is not None:
@@ -210,6 +212,23 @@ class FlatReplica(Replica):
         for b in self.buckets:  # copied early from the views, which did not hold them
             b.copied_at = -1
 
+    def idle(self) -> list[tuple[int, int]]:
+        """As ``Replica.idle``: the gradients are views that are never None, so a parameter
+        has none when backward accumulated nothing into it this step and its gradient was
+        set to None, or is still its view holding zeros (a gradient written in place, as a
+        local step's pseudo-gradient is, counts: one check, a sync, for such parameters)."""
+        specs = self.manifest.tensors
+        maybe = [i for i, p in enumerate(self.params) if not self._got[i]]
+        views = [i for i in maybe if self.params[i].grad is self.views[i]]
+        written = torch.stack([self.views[i].any() for i in views]).tolist() if views else []
+        nonzero = {i for i, w in zip(views, written, strict=True) if w}
+        return [
+            (specs[i].start, specs[i].start + specs[i].numel)
+            for i in maybe
+            if self.params[i].grad is None
+            or (self.params[i].grad is self.views[i] and i not in nonzero)
+        ]
+
     def stage(self, parts: Parts) -> None:
         """Copy the gradients, then the buffers' values, into each ``(lo, hi, buffer)``:
         one copy a run and range, none for the buckets that went early to these buffers."""
@@ -249,6 +268,7 @@ class FlatReplica(Replica):
                 block.grads.zero_()
         for b in self.buckets:
             b.fires, b.copied_at = 0, -1
+        self._got = [False] * len(self.params)
         self._target = None
 
     def bind(self, parts: Parts) -> None:

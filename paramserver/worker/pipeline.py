@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec.idle import pairs
 from paramserver.errors import RejoinRequired, Timeout
 from paramserver.worker.pushes import Landed, Landing, StagedPush
 from paramserver.worker.session import Session
@@ -168,6 +169,7 @@ class Pipeline:
         """``staged``'s header for ``s``'s shard: its rows' messages made by the channel
         (their values in the slot's part of a shared segment, where there is one)."""
         rows = s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot)
+        idle = staged.idle.get(s.reply.shard, ())
         return s.push_header(
             iteration,
             staged.samples,
@@ -176,6 +178,7 @@ class Pipeline:
             rows,
             staged.row_cache,
             staged.batches,
+            pairs(idle),
         )
 
     def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:

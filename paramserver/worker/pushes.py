@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from paramserver.codec.idle import Idle
 from paramserver.codec.rows import RowGradients
 
 
@@ -28,10 +29,11 @@ class StagedPush:
     rows: dict[int, tuple[RowGradients, ...]] = field(default_factory=dict)  # per shard
     row_cache: tuple[int, int] = (0, 0)  # the tables' cache hits and misses so far
     batches: tuple[int, ...] = ()  # the server-handed batches it was computed on
+    idle: dict[int, Idle] = field(default_factory=dict)  # per shard: no gradient there
 
     def emptied(self) -> StagedPush:
         """The same push without its gradient (it gives its batches back)."""
-        return dataclasses.replace(self, empty=True, rows={}, batches=())
+        return dataclasses.replace(self, empty=True, rows={}, batches=(), idle={})
 
 
 class Landing:

@@ -50,6 +50,17 @@ class Replica:
                     "the server and the worker are made (a run of its own for the new set)."
                 )
 
+    def idle(self) -> list[tuple[int, int]]:
+        """The elements of the flat buffer of each parameter without a gradient now (None:
+        backward did not reach it), sorted: the servers leave them alone, as torch's
+        optimizers do."""
+        specs = self.manifest.tensors
+        return [
+            (specs[i].start, specs[i].start + specs[i].numel)
+            for i, p in enumerate(self.params)
+            if p.grad is None
+        ]
+
     def stage(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Copy the gradients (zeros where a parameter has none), then the buffers' values,
         into each ``(lo, hi, buffer)``: elements [lo, hi) of the flat buffer."""

@@ -287,9 +287,11 @@ class Session:
         rows: Iterable[pb.RowGradients] = (),
         row_cache: tuple[int, int] = (0, 0),
         batches: Iterable[int] = (),
+        idle: Iterable[int] = (),
     ) -> pb.PushHeader:
         return pb.PushHeader(
             batches=() if empty else batches,
+            idle=() if empty else idle,
             worker_id=self.worker_id,
             iteration=iteration,
             samples=samples,

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
+from paramserver.codec.idle import Idle, ranges
 from paramserver.errors import RejoinRequired
 from paramserver.worker.flat import FlatReplica
 from paramserver.worker.pipeline import Pipeline, StepMode
@@ -76,7 +77,11 @@ class Stager:
         self.replica.check_trainable()  # before a slot is taken: a refusal leaves none held
         slot = self.pipe.take_slot() if self._early is None else self._early
         self._early = None
+        idle: dict[int, Idle] = {}
         if not empty:
+            spans = self.replica.idle()
+            if spans:
+                idle = {s.reply.shard: ranges(spans, lo, hi) for s, (lo, hi) in self.parts}
             self.replica.stage(self._copied(slot))
         rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}
         clocks = tuple(s.clock for s in self.sessions)
@@ -90,6 +95,7 @@ class Stager:
             rows,
             (cache.hits, cache.misses),
             () if empty else tuple(batches),
+            idle,
         )
         for s in self.sessions:
             s.clock += 1

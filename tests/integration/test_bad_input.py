@@ -78,6 +78,9 @@ PUSH_FAULTS = [
     # --compress fp16/bf16: an exact tail (the buffers, whole) beyond the model, or bytes
     # that are not 16-bit values and that many whole elements
     "bf16_exact",
+    # the parameters without a gradient (PushHeader.idle): an odd count, a range empty,
+    # unsorted, overlapping or past the parameters
+    "idle",
 ]
 OTHER_FAULTS = [
     "pull_unknown_worker",
@@ -196,6 +199,22 @@ def _push(t: Target, fault: str, data: st.DataObject) -> list[pb.PushChunk]:
         bad = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
         values[data.draw(st.integers(0, len(values) - 1))] = bad
         body = values.tobytes()
+    elif fault == "idle":
+        n = t.server.coordinator.store.n_params
+        h.idle.extend(
+            data.draw(
+                st.one_of(
+                    st.lists(st.integers(0, n), min_size=1, max_size=9).filter(
+                        lambda v: len(v) % 2 == 1
+                    ),
+                    st.integers(0, n).map(lambda a: [a, a]),  # empty
+                    st.integers(1, n).map(lambda a: [a, a - 1]),  # backwards
+                    st.integers(n + 1, 1 << 62).map(lambda b: [0, b]),  # past the parameters
+                    st.integers(-(1 << 62), -1).map(lambda a: [a, 1]),
+                    st.integers(2, n).map(lambda b: [0, b, b - 1, b]),  # overlapping
+                )
+            )
+        )
     elif fault == "unknown_worker":
         h.worker_id = data.draw(st.text(max_size=20).filter(lambda s: s != t.worker_id))
     elif fault == "ahead":

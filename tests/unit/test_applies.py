@@ -34,11 +34,11 @@ class Held:
         self._step = store.step
         store.step = self.step  # type: ignore[method-assign]
 
-    def step(self, grad: np.ndarray, lr: float) -> None:
+    def step(self, grad: np.ndarray, lr: float, idle: tuple = ()) -> None:
         self.steps += 1
         self.entered.set()
         assert self.release.wait(DEADLINE), "the test never released the apply"
-        self._step(grad, lr)
+        self._step(grad, lr, idle)
 
 
 def _coordinator(policy: str = "async", coalesce: str = "off", workers: int = 2) -> Coordinator:
@@ -233,10 +233,10 @@ def _failing_on(c: Coordinator, value: float) -> None:
     """The optimizer's step raises (as out of memory would) on gradients of ``value``."""
     real = c.store.step
 
-    def step(grad: np.ndarray, lr: float) -> None:
+    def step(grad: np.ndarray, lr: float, idle: tuple = ()) -> None:
         if grad[0] == value:
             raise MemoryError("no room for the step")
-        real(grad, lr)
+        real(grad, lr, idle)
 
     c.store.step = step  # type: ignore[method-assign]
 

@@ -315,3 +315,29 @@ def test_a_model_on_two_devices_stays_per_tensor():
     model = bn_model()
     model.register_buffer("elsewhere", torch.zeros(3, device="meta"))
     assert type(replica(model, flat=True)) is Replica
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_parameter_backward_did_not_reach_is_idle_one_written_in_place_is_not(flat):
+    """``idle`` (issue 56, must 7): the parameters a push names as without a gradient. A
+    flat replica's gradients are views that are never None: one that backward did not
+    reach and that holds zeros is idle; one written in place (a local step's pseudo-
+    gradient) is not; ``zero_grad`` starts the next step afresh."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3), nn.Linear(3, 3))
+    rep = FlatReplica(model) if flat else Replica(model)
+    x = torch.randn(4, 6)
+    F.cross_entropy(model[2](model[1](model[0](x))), torch.tensor([0, 1, 2, 0])).backward()
+    last = model[3]
+    start = rep.manifest.tensors[4].start  # model[3].weight, then its bias
+    assert rep.idle() == [(start, start + 9), (start + 9, start + 12)]
+    if flat:  # written in place, as LocalSteps.into_grads writes a pseudo-gradient
+        assert last.weight.grad is not None
+        last.weight.grad.add_(0.5)
+    else:
+        last.weight.grad = torch.full_like(last.weight, 0.5)
+    assert rep.idle() == [(start + 9, start + 12)]
+    rep.zero_grad()
+    backward_all = F.cross_entropy(model(x), torch.tensor([0, 1, 2, 0]))
+    backward_all.backward()
+    assert rep.idle() == []

@@ -195,3 +195,41 @@ def test_the_server_steps_with_torchs_fused_kernel(name):
     (delayed-nesterov is the server's own: a few in-place passes, outer steps being rare)."""
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(4))], OptimizerConfig(name))
     assert opt.defaults.get("fused") is True
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_idle_range_keeps_its_weights_and_state_through_steps(name: str) -> None:
+    """Elements [2, 5) had no gradient at the second and third steps (issue 56, must 7):
+    weights and every per-element state stay as the first step left them, decay and
+    momentum included; the rest moves as without the range."""
+    cfg = OptimizerConfig(
+        name, lr=0.1, momentum=0.9, weight_decay=0.1, period=2 if name == "delayed-nesterov" else 0
+    )
+    plain, skipping = (ParameterStore(MANIFEST, initial(), cfg) for _ in range(2))
+    g = grads(3, 3)
+    for store in (plain, skipping):
+        store.apply(g[0])
+    after_first = skipping.weights.copy()
+    state = skipping.optimizer.state[skipping.param]
+    kept = {k: v[2:5].clone() for k, v in state.items() if v.shape == skipping.param.shape}
+    for step in g[1:]:
+        plain.apply(step)
+        masked = step.copy()
+        masked[2:5] = 0  # as a worker pushes a parameter without a gradient
+        skipping.apply(masked, ((2, 5),))
+    assert np.array_equal(skipping.weights[2:5], after_first[2:5])
+    for k, v in kept.items():
+        assert torch.equal(state[k][2:5], v), k
+    outside = np.r_[0:2, 5 : MANIFEST.numel]
+    assert not np.array_equal(skipping.weights[outside], after_first[outside])
+    assert np.array_equal(skipping.weights[outside], plain.weights[outside])
+
+
+def test_state_an_idle_range_never_had_starts_at_zero() -> None:
+    store = ParameterStore(MANIFEST, initial(), OptimizerConfig("adam", lr=0.1))
+    w0 = store.weights.copy()
+    store.apply(np.ones(MANIFEST.numel, np.float32), ((0, 3),))
+    state = store.optimizer.state[store.param]
+    assert np.array_equal(store.weights[:3], w0[:3])
+    assert not state["exp_avg"][:3].any() and not state["exp_avg_sq"][:3].any()
+    assert state["exp_avg"][3:].all()

@@ -84,3 +84,18 @@ def test_a_rounds_row_mean_does_not_depend_on_the_push_order():
         assert mean.grads.dtype == torch.float32
         means.add(mean.grads.numpy().tobytes())
     assert len(means) == 1
+
+
+def test_a_round_leaves_alone_only_what_no_push_had_a_gradient_of():
+    rounds = SyncRound()
+    rounds.add("a", np.ones(10, np.float32), ((0, 4), (6, 8)))
+    rounds.add("b", np.ones(10, np.float32), ((2, 7),))
+    rounds.add("c", None, ((0, 10),))  # an empty push says nothing of the round
+    assert rounds.idle == ((2, 4), (6, 7))
+    resumed = SyncRound.from_state(rounds.state(), ["a", "b", "c"])
+    assert resumed.idle == ((2, 4), (6, 7))
+    rounds.take_mean()
+    assert rounds.idle is None  # the next round starts with no push
+    older = resumed.state()
+    older.pop("idle")  # a checkpoint from before: every parameter had its gradient
+    assert SyncRound.from_state(older, ["a"]).idle == ()

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
+from paramserver.codec.idle import Idle
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
 from paramserver.server.bookkeeping import optimizer_resume, step_rules
@@ -155,16 +156,55 @@ class ParameterStore:
         """A live numpy view of the weights and buffers (changes with every step)."""
         return self._weights
 
-    def apply(self, grad: np.ndarray) -> None:
+    def apply(self, grad: np.ndarray, idle: Idle = ()) -> None:
         """One optimizer step with ``grad``, the gradient of the parameters' section: the
-        next version."""
-        self.step(grad, self.rate(self.version))
+        next version (``idle``: as ``step``)."""
+        self.step(grad, self.rate(self.version), idle)
         self.version += 1
         self.retire()
 
-    def step(self, grad: np.ndarray, lr: float) -> None:
+    def step(self, grad: np.ndarray, lr: float, idle: Idle = ()) -> None:
         """The optimizer's step with ``grad`` at rate ``lr``, in place; the version and the
-        snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``)."""
+        snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``).
+        ``idle``: ranges of parameters that had no gradient, left as they were, weights and
+        optimizer state (``codec/idle.py``)."""
+        kept = self._keep(idle)
+        self._step(grad, lr)
+        if kept:
+            self._put_back(kept)
+        self._mirror(0, self.n_params)
+
+    def _keep(self, idle: Idle) -> list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]]:
+        """Copies of the weights and per-element optimizer state of each range of ``idle``."""
+        state = self.optimizer.state.get(self.param, {})
+        per_element = {
+            k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == self.param.shape
+        }
+        return [
+            (
+                lo,
+                hi,
+                self.param.data[lo:hi].clone(),
+                {k: v[lo:hi].clone() for k, v in per_element.items()},
+            )
+            for lo, hi in idle
+        ]
+
+    def _put_back(self, kept: list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]]) -> None:
+        """The ranges ``_keep`` copied back as they were; state the step made for the first
+        time starts at zero there (as torch's would when the parameter first steps)."""
+        state = self.optimizer.state.get(self.param, {})
+        with torch.no_grad():
+            for lo, hi, weights, saved in kept:
+                self.param.data[lo:hi] = weights
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.shape == self.param.shape:
+                        if k in saved:
+                            v[lo:hi] = saved[k]
+                        else:
+                            v[lo:hi] = 0
+
+    def _step(self, grad: np.ndarray, lr: float) -> None:
         g = torch.from_numpy(grad).to(self.device)
         cfg = self.config
         if cfg.clip:  # a new tensor: the caller's gradient stays as it came
@@ -181,7 +221,6 @@ class ParameterStore:
         else:
             self.optimizer.step()
         self.param.grad = None
-        self._mirror(0, self.n_params)
 
     def second_moment(self) -> np.ndarray | None:
         """Adam's (AdamW's) mean of the squared gradient, bias-corrected as Adam's step

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from paramserver.codec.idle import Idle, common
 from paramserver.policy import staleness
 
 
@@ -34,14 +35,18 @@ class SyncRound:
         self.givers: set[str] = set()  # the contributors of non-empty gradients
         self.n = 0  # non-empty gradients in the sum
         self.dtype: np.dtype | None = None  # the gradients' own type
+        # the parameters no push of the round had a gradient of (None: no push yet)
+        self.idle: Idle | None = None
         # the last round's buffers, for the next one's: its sum, and its mean's
         self._spare: np.ndarray | None = None
         self._out: np.ndarray | None = None
 
-    def add(self, worker_id: str, grad: np.ndarray | None) -> None:
+    def add(self, worker_id: str, grad: np.ndarray | None, idle: Idle = ()) -> None:
         """Count ``worker_id`` in the round; an empty push (None) adds no gradient. The sum
-        is kept as gradients arrive, in one buffer that every round reuses."""
+        is kept as gradients arrive, in one buffer that every round reuses. ``idle``: the
+        push's parameters without a gradient."""
         if grad is not None:
+            self.idle = common(self.idle, idle)
             wide = _summed_in(grad.dtype)
             if self.sum is not None:
                 self.sum += grad
@@ -91,6 +96,7 @@ class SyncRound:
             "givers": sorted(self.givers),
             "n": self.n,
             "dtype": None if self.dtype is None else self.dtype.name,
+            "idle": None if self.idle is None else [list(r) for r in self.idle],
         }
 
     @classmethod
@@ -105,4 +111,9 @@ class SyncRound:
             r.contributors = set(state["from"]) & set(live)
             r.givers = set(state.get("givers", ())) & set(live)
             r.n = int(state["n"])
+            idle = state.get("idle")  # older checkpoints: every parameter had a gradient
+            if idle is not None:
+                r.idle = tuple((int(a), int(b)) for a, b in idle)
+            elif r.n:
+                r.idle = ()
         return r

@@ -18,8 +18,9 @@ from contextlib import contextmanager
 import numpy as np
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec import compression, wire
+from paramserver.codec import compression, idle, wire
 from paramserver.codec import rows as sparse_wire
+from paramserver.codec.layout import Manifest
 from paramserver.codec.rows import RowGradients, TableSpec
 from paramserver.config import MAX_MESSAGE_BYTES, MAX_PUSH_EVERY
 from paramserver.errors import BrokenSegment, InvalidRequest, SegmentUnusable
@@ -121,6 +122,7 @@ class Steps:
             raise InvalidRequest(
                 f"A push names {len(h.batches)} batches; at most {MAX_PUSH_EVERY} go in one."
             )
+        _idle(h, self.c.manifest)  # its parameters without a gradient
 
     def check_step(self, request: pb.PushPullRequest) -> None:
         """A step checked whole before any of it is applied, so that a refusal leaves
@@ -186,6 +188,7 @@ class Steps:
                 header.batches,
                 finite,
                 keep,
+                _idle(header, self.c.manifest),
             )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate
@@ -339,3 +342,8 @@ class Steps:
             return pb.PushPullResponse(push=push)
         pull, _ = self.pull(request.pull, remaining, is_active)
         return pb.PushPullResponse(push=push, pull=pull)
+
+
+def _idle(h: pb.PushHeader, manifest: Manifest) -> idle.Idle:
+    """The push's parameters without a gradient, or InvalidRequest."""
+    return idle.parse(h.idle, manifest.section("param")[1]) if h.idle else ()

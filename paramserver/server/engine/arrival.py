@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from paramserver.codec.idle import Idle
 from paramserver.codec.rows import RowGradients
 from paramserver.policy import staleness
 from paramserver.policy.staleness import Policy
@@ -85,9 +86,10 @@ class Arrival:
         finite: bool,
         batches: Sequence[int],
         live: list[str],
+        idle: Idle = (),
     ) -> tuple[bool, Pending | None]:
         """Take in an accepted push of ``batches`` (``grad`` None: an empty push; ``rows``:
-        its tables' checked rows); whether a gradient of it reaches the model, and the
+        its tables' checked rows; ``idle``: its parameters without a gradient); whether a gradient of it reaches the model, and the
         gradient waiting for the optimizer (the pusher applies it, or waits until someone
         has: ``Coordinator``), if any.
 
@@ -115,7 +117,7 @@ class Arrival:
             self.counters.bytes_in += grad.nbytes
             self.buffers.record(worker_id, grad[self.store.n_params :])
             grad = grad[: self.store.n_params]
-        waiting = self.arrive(worker_id, iteration, grad, rows, live)
+        waiting = self.arrive(worker_id, iteration, grad, rows, live, idle)
         if grad is not None or not finite:  # a skipped gradient's batches are spent
             self.ledger.add(batches)
         return grad is not None, waiting
@@ -144,6 +146,7 @@ class Arrival:
         grad: np.ndarray | None,
         rows: list[RowGradients],
         live: list[str],
+        idle: Idle = (),
     ) -> Pending | None:
         """``grad``, the parameters' gradient (None: nothing reaches the model), and ``rows``
         of ``worker_id``'s push; the gradient as it waits for the optimizer, if it does."""
@@ -193,13 +196,14 @@ class OnArrival(Arrival):
         grad: np.ndarray | None,
         rows: list[RowGradients],
         live: list[str],
+        idle: Idle = (),
     ) -> Pending | None:
         if grad is None:
             return None
         if self.tables is not None:  # at this step's rate (--lr-schedule); no rows: the TTL
             step = self.applies.next_version
             self.tables.apply(rows, self.store.rate(step), step)
-        waiting = self.applies.add(worker_id, grad, iteration)
+        waiting = self.applies.add(worker_id, grad, iteration, idle)
         self.share(live)
         return waiting
 
@@ -255,8 +259,9 @@ class Rounds(Arrival):
         grad: np.ndarray | None,
         rows: list[RowGradients],
         live: list[str],
+        idle: Idle = (),
     ) -> Pending | None:
-        self.round.add(worker_id, grad)
+        self.round.add(worker_id, grad, idle)
         self.row_round.add(rows)
         return None
 
@@ -265,12 +270,12 @@ class Rounds(Arrival):
         if not self.round.complete(live, self.backups):
             return False
         self.share(self.round.givers)
-        n = self.round.n
+        n, idle = self.round.n, self.round.idle or ()
         mean = self.round.take_mean()
         if self.tables is not None and n:
             self.tables.apply(self.row_round.take_mean(n), self.store.lr, self.store.version + 1)
         if mean is not None:
-            self.store.apply(mean)
+            self.store.apply(mean, idle)
         self.rounds += 1
         return True
 

@@ -229,12 +229,13 @@ class Coordinator:
         batches: Sequence[int] = (),
         finite: bool | None = None,
         keep: Callable[[], Callable[[], None]] | None = None,
+        idle: tuple[tuple[int, int], ...] = (),
     ) -> PushResult:
         """Apply (under sync, accumulate) a gradient and its tables' ``rows``, once per
         (worker, iteration) and per server-handed batch (``batches``; on the shard handing
         them out, those it handed): a repeated batch counts for the clock only. ``grad``
-        None: an empty push (the clock moves on, its batches go back). ``finite``: as found
-        while copied (None: check here). ``keep``: ``Applies.answer_early``."""
+        None: an empty push (its batches go back). ``finite``: as found while copied (None:
+        check here). ``keep``: ``Applies.answer_early``. ``idle``: ``codec/idle.py``."""
         what = f"The gradient of worker {worker_id} for iteration {iteration}"
         skip = self.config.skip_nonfinite
         checked, finite = check_push(
@@ -254,7 +255,7 @@ class Coordinator:
             batches = self.members.batches_of(worker_id, iteration, batches)
             live = self.membership.live_ids()
             applied, waiting = self.arrival.take(
-                worker_id, iteration, grad, checked, finite, batches, live
+                worker_id, iteration, grad, checked, finite, batches, live, idle
             )
             self.members.pushed(worker_id, iteration, empty=grad is None)
             self.membership.advance(worker_id, samples if applied else 0)
@@ -369,9 +370,7 @@ class Coordinator:
             **self.arrival.state(),
         )
 
-    def rewind(
-        self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int], cause: str = ""
-    ) -> None:
+    def rewind(self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int], cause: str = ""):
         """Go back to a cut, as a new incarnation whose origin is ``cause`` (the restarted
         shard's): every call of the old one is refused (ABORTED, waiting pulls too), so
         workers join again at the cut's clocks."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from paramserver.codec.idle import Idle, common
 from paramserver.errors import ParamServerError
 from paramserver.server.bookkeeping.compensation import Reads
 from paramserver.server.bookkeeping.leases import Membership
@@ -63,6 +64,7 @@ class Pending:
     error: BaseException | None = None
     release: Callable[[], None] | None = None
     read: np.ndarray | None = None  # the weights it was computed on (delay compensation)
+    idle: Idle = ()  # its parameters without a gradient (``codec/idle.py``)
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,8 @@ class Applies:
 
     # --- under the coordinator's lock ---------------------------------------------------
 
-    def add(self, worker_id: str, grad: np.ndarray, iteration: int = 0) -> Pending:
-        item = Pending(worker_id, grad)
+    def add(self, worker_id: str, grad: np.ndarray, iteration: int = 0, idle: Idle = ()) -> Pending:
+        item = Pending(worker_id, grad, idle=idle)
         if self.reads is not None:
             item.read = self.reads.take(worker_id, iteration)
             if item.read is None:
@@ -281,12 +283,15 @@ class Applies:
         if self.coalesce and len(taken) > 1:
             rate = self.store.rate(version)
             total = self._summed([self._corrected(item, rate) for item in taken])
-            self.store.step(total, rate)
+            left: Idle | None = None
+            for item in taken:  # left alone only where no push had a gradient
+                left = common(left, item.idle)
+            self.store.step(total, rate, left or ())
             self.stepped = len(taken)
             return
         for i, item in enumerate(taken):
             rate = self.store.rate(version + i)
-            self.store.step(self._corrected(item, rate), rate)
+            self.store.step(self._corrected(item, rate), rate, item.idle)
             self.stepped = i + 1
 
     def _corrected(self, item: Pending, rate: float) -> np.ndarray:
