@@ -19,7 +19,9 @@ from paramserver.errors import InvalidRequest
 # (start, end) pairs of elements of the parameters' section, sorted and disjoint
 Idle = tuple[tuple[int, int], ...]
 
-MAX_RANGES = 1 << 20  # a push naming more ranges is refused (a model has fewer parameters)
+# A push naming more ranges is refused; a worker with more pushes its parameters without
+# a gradient as zeros instead (16 bytes a range: 1 MiB, what a control-socket frame holds)
+MAX_RANGES = 1 << 16
 
 
 def parse(pairs: Sequence[int], n_params: int) -> Idle:

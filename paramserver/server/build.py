@@ -79,6 +79,8 @@ def build_coordinator(
             snapshot = saved_state(
                 directory, manifest, config.shard, config.shards, config.cuts, config.model
             )
+    if tables is not None and snapshot is None:  # a resume takes the checkpoint's rows
+        tables.start_from(own_rows(model))  # a module's own rows; declared tables seeded
     optimizer = config.outer_optimizer()
     store = ParameterStore(
         manifest,
@@ -151,7 +153,6 @@ def _tables_and_frozen(
             specs, chosen, config.optimizer.name, config.optimizer.lr, declared
         )
         tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards, lifecycles)
-        tables.start_from(own_rows(model))  # a module's own rows; declared tables seeded
         fix_mmap_threshold(SERVER_MMAP_THRESHOLD)  # grown-out table arrays go back when freed
     if config.shards == 1:
         frozen = {

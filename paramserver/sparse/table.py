@@ -359,8 +359,9 @@ class ShardTable:
         arr = self.check_ids(ids, "Rows loaded")
         slots = self.index.find(arr)
         new = slots < 0
-        if new.any():
-            slots[new] = self._create(arr[new])
+        if new.any():  # created at the values loaded: no initial values computed
+            fresh = arr[new]
+            slots[new] = self._create(fresh, (fresh, values[torch.from_numpy(new)]))
         at = torch.from_numpy(slots)
         self.values[at] = values.to(self.values.dtype)
         for s in self.state:

@@ -149,6 +149,11 @@ class TableSet:
                     f"Table {name!r}: rows of shape {tuple(weight.shape)} for a table of "
                     f"({table.spec.rows}, {table.spec.dim})."
                 )
+            if not bool(torch.isfinite(weight).all()):
+                raise ConfigError(
+                    f"Table {name!r}: the module's weight, which the table starts from, "
+                    "holds NaN or Inf (a weight left as torch.empty made it?); initialise it."
+                )
             for lo in range(0, table.spec.rows, chunk):
                 ids = np.arange(lo, min(lo + chunk, table.spec.rows), dtype=np.int64)
                 if table.shards > 1:

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.codec.idle import Idle, ranges
+from paramserver.codec import compression
+from paramserver.codec.idle import MAX_RANGES, Idle, ranges
 from paramserver.errors import RejoinRequired
 from paramserver.worker.flat import FlatReplica
 from paramserver.worker.pipeline import Pipeline, StepMode
@@ -49,8 +50,13 @@ class Stager:
         replica: Replica,
         tables: WorkerTables,
         pipe: Pipeline,
+        codec: type[compression.Codec] | None = None,
     ):
         self.parts = list(zip(sessions, ranges, strict=True))
+        # a push keeps a residual (--compress topk, int8, fp16, bf16): a parameter without
+        # a gradient is pushed as zeros, so that its residual still goes out (the server
+        # would leave the range alone, and the residual be lost)
+        self.feedback = codec is not None and issubclass(codec, compression.Feedback)
         self.sessions, self.replica, self.tables, self.pipe = list(sessions), replica, tables, pipe
         self._early: int | None = None  # the slot gradients went to during backward
         if isinstance(replica, FlatReplica):
@@ -78,9 +84,9 @@ class Stager:
         slot = self.pipe.take_slot() if self._early is None else self._early
         self._early = None
         idle: dict[int, Idle] = {}
-        if not empty:
+        if not empty and not self.feedback:
             spans = self.replica.idle()
-            if spans:
+            if 0 < len(spans) <= MAX_RANGES:  # more: pushed as zeros, as before
                 idle = {s.reply.shard: ranges(spans, lo, hi) for s, (lo, hi) in self.parts}
             self.replica.stage(self._copied(slot))
         rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}

@@ -211,8 +211,8 @@ class Worker(WorkerView):
         """The stages, then the first pull; a failure closes the sessions (no ghost)."""
         try:
             sessions, ranges = self.sessions, self.ranges
-            self._pipe = Pipeline(sessions, self._slots, rpc_timeout, barrier_timeout)
-            self._stager = Stager(sessions, ranges, self._replica, self.tables, self._pipe)
+            pipe = self._pipe = Pipeline(sessions, self._slots, rpc_timeout, barrier_timeout)
+            self._stager = Stager(sessions, ranges, self._replica, self.tables, pipe, self._codec)
             self._loader = stages.loader(self.mode, self._replica, sessions, ranges)
             self._reopened()
         except BaseException:

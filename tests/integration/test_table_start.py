@@ -105,3 +105,11 @@ def test_a_declared_table_keeps_its_seeded_rows(serve):
     assert table.held == 0  # created by their first push, as before
     expected = initial_rows(table.key, np.arange(ROWS), DIM)
     assert np.array_equal(table.read(np.arange(ROWS)).numpy(), expected)
+
+
+def test_a_module_whose_rows_hold_nan_is_refused_in_one_line(serve):
+    model = _users_model()
+    with torch.no_grad():
+        model.emb.weight[7, 2] = float("nan")  # as a weight left as torch.empty may
+    with pytest.raises(ps.ConfigError, match="'emb'.*NaN or Inf"):
+        serve(model, optimizer="sgd", lr=0.1, workers=1)

@@ -133,3 +133,18 @@ def test_under_sync_a_parameter_any_worker_reached_is_stepped(serve):
     for name, p in local.named_parameters():
         torch.testing.assert_close(whole[name], p.detach(), msg=name)
     assert torch.equal(whole["unused.weight"], start.unused.weight.detach())
+
+
+def test_with_a_residual_a_parameter_without_a_gradient_is_pushed_as_zeros(serve):
+    """Found by review: under --compress bf16 (error feedback) the codec adds a parameter's
+    residual to its zeros; had the server left the range alone, the residual would be
+    lost. Such a push names no range, and the unused layer is stepped as before (decay)."""
+    torch.manual_seed(3)
+    model = Branchy()
+    start = copy.deepcopy(model)
+    server = serve(model, policy="async", workers=1, **SETTINGS)
+    with ps.Worker(server.address, model, compress="bf16") as worker:
+        for x, y in _data(3):
+            F.cross_entropy(model(x), y).backward()
+            worker.step(samples=len(x))
+    assert not torch.equal(model.unused.weight, start.unused.weight)  # decayed, as before

@@ -99,3 +99,23 @@ def test_a_round_leaves_alone_only_what_no_push_had_a_gradient_of():
     older = resumed.state()
     older.pop("idle")  # a checkpoint from before: every parameter had its gradient
     assert SyncRound.from_state(older, ["a"]).idle == ()
+
+
+def test_a_reshard_moves_the_rounds_idle_ranges_to_the_new_shards_elements():
+    """Found by review: a reshard copied shard 0's ranges (from its own start) to every
+    new shard, which then left the wrong parameters alone."""
+    from paramserver.server.disk.reshard_plan import _idle
+
+    def state(n: int, idle):
+        return {"sync_round": {"n": n, "idle": idle}}
+
+    # one old shard of 200 parameters: [0, 100) had no gradient
+    one = [state(1, [[0, 100]])]
+    assert _idle(one, [200], 0, 100) == [[0, 100]]
+    assert _idle(one, [200], 100, 200) == []  # new shard 1: all of its parameters had one
+    # two old shards of 100 each; shard 1's [20, 30) idle, shard 0 none: to one new shard
+    two = [state(1, []), state(1, [[20, 30]])]
+    assert _idle(two, [100, 100], 0, 200) == [[120, 130]]
+    # an old shard whose round had no push yet: none of its parameters had a gradient
+    assert _idle([state(1, []), state(0, None)], [100, 100], 50, 150) == [[50, 100]]
+    assert _idle([state(0, None), state(0, None)], [100, 100], 0, 200) is None

@@ -110,8 +110,8 @@ def data(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 def build_model(case: Case, mode: str) -> nn.Module:
     """The case's DLRM, seeded, its table as ``mode`` says: "sparse", an ``nn.Embedding``
-    whose storage is ``torch.empty``, pages untouched (the worker replaces it, the server
-    creates rows on first push); "dense", initialised N(0, 1); "declared", a
+    with ``sparse=True`` initialised N(0, 1) (the servers start from its rows); "dense",
+    the same without; "declared", a
     ``paramserver.sparse.Embedding``; "lifecycle", the same with ``case.lifecycle``."""
     if mode not in MODES:
         raise ValueError(f"A table mode is one of {MODES}; got {mode!r}.")
@@ -123,8 +123,7 @@ def build_model(case: Case, mode: str) -> nn.Module:
         model.tables[0] = Embedding(case.table_rows, case.dim, lifecycle=life)
         return model
     weight = torch.empty(case.table_rows, case.dim)
-    if mode == "dense":
-        nn.init.normal_(weight)
+    nn.init.normal_(weight)  # a table starts from its module's rows (the servers load them)
     model.tables[0] = nn.Embedding(
         case.table_rows, case.dim, sparse=mode != "dense", _weight=weight
     )

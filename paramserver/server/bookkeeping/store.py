@@ -168,6 +168,8 @@ class ParameterStore:
         snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``).
         ``idle``: ranges of parameters that had no gradient, left as they were, weights and
         optimizer state (``codec/idle.py``)."""
+        if idle == ((0, self.n_params),):  # no gradient at all: torch steps nothing
+            return
         kept = self._keep(idle)
         self._step(grad, lr)
         if kept:

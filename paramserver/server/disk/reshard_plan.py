@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paramserver.codec import layout
+from paramserver.codec import idle, layout
 from paramserver.codec.layout import Manifest
 from paramserver.errors import ConfigError
 from paramserver.sparse.rows import shard_of
@@ -104,6 +104,25 @@ def _sections(whole: Manifest, source_shards: int, shards: int, shard: int) -> d
     }
 
 
+def _idle(states: list[dict[str, Any]], sizes: list[int], lo: int, hi: int) -> Any:
+    """The round's parameters no push had a gradient of (``codec/idle.py``), each old
+    shard's ranges (from its own start) moved to the whole model's and cut to the new
+    shard's parameters [lo, hi) (an old shard whose round had no push yet: all of its
+    parameters); None where no shard's round had one. A round of an older checkpoint
+    (no ranges): none left alone."""
+    rounds = [s["sync_round"] for s in states]
+    if all(not r.get("n") for r in rounds):
+        return None
+    spans, start = [], 0
+    for r, size in zip(rounds, sizes, strict=True):
+        if not r.get("n"):  # no push reached this shard's parameters yet
+            spans.append((start, start + size))
+        else:
+            spans += [(start + int(a), start + int(b)) for a, b in r.get("idle") or ()]
+        start += size
+    return [list(x) for x in idle.ranges(sorted(x for x in spans if x[0] < x[1]), lo, hi)]
+
+
 def dense_state(source: Source, whole: Manifest, shard: int, shards: int) -> dict[str, Any]:
     """New shard ``shard`` of ``shards``'s state, its tables aside (``tables`` None,
     ``table_layouts`` for the new shard count, ``row_round`` re-hashed): a decision on the
@@ -128,6 +147,7 @@ def dense_state(source: Source, whole: Manifest, shard: int, shards: int) -> dic
     sums = [s["sync_round"].get("sum") for s in source.states]
     if any(x is not None for x in sums):
         state["sync_round"]["sum"] = _per_element(sums, sec["params"], *sec["param_range"])
+    state["sync_round"]["idle"] = _idle(source.states, sec["params"], *sec["param_range"])
     layouts = first.get("table_layouts")
     if layouts:
         state["table_layouts"] = {n: {**lay, "shards": shards} for n, lay in layouts.items()}
