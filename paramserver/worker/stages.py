@@ -84,8 +84,8 @@ class Stager:
         slot = self.pipe.take_slot() if self._early is None else self._early
         self._early = None
         idle: dict[int, Idle] = {}
-        if not empty and not self.feedback:
-            spans = self.replica.idle()
+        if not empty:
+            spans = [] if self.feedback else self.replica.idle()
             if 0 < len(spans) <= MAX_RANGES:  # more: pushed as zeros, as before
                 idle = {s.reply.shard: ranges(spans, lo, hi) for s, (lo, hi) in self.parts}
             self.replica.stage(self._copied(slot))
