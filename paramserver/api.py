@@ -36,7 +36,9 @@ def serve(
             weights and the optimizer live), ...; and the optimizer's by the names of its
             options:
             optimizer ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam" or
-            "adamw", or a whole OptimizerConfig),
+            "adamw"; your factory, a function that takes the model's named parameters and
+            returns a torch.optim.Optimizer with its parameter groups, or its
+            "module:function"; or a whole OptimizerConfig),
             lr, momentum, weight_decay, lr_schedule and lr_total_steps ("constant", or
             "cosine" or "linear" decay to lr_floor (a fraction of lr) over that many
             optimizer steps), lr_warmup (steps of linear warmup first), nesterov_period
@@ -47,8 +49,12 @@ def serve(
     """
     base = config or ServerConfig(**LOCAL)
     optimizer = base.optimizer
-    if isinstance(settings.get("optimizer"), OptimizerConfig):
+    given = settings.get("optimizer")
+    if isinstance(given, OptimizerConfig):
         optimizer = settings.pop("optimizer")
+    elif callable(given):  # the user's factory, named by where it is defined
+        settings["optimizer"] = f"{given.__module__}:{given.__qualname__}"
+        optimizer = dataclasses.replace(optimizer, factory=given)
     chosen = values(OptimizerConfig, settings)  # optimizer, lr, lr_schedule, ...
     if chosen:
         optimizer = dataclasses.replace(optimizer, **chosen)

@@ -2,8 +2,10 @@
 and help (``settings.setting``). Every field is checked in ``__post_init__``; a bad value
 raises ConfigError with a sentence that names the setting (its flag) and the value.
 
-- ``base``: the choices and limits, ``OptimizerConfig``, ``Security``, the ``--shard`` and
-  ``--checkpoint-every`` parsers;
+- ``base``: the choices and limits, ``Security``, the ``--shard`` and ``--checkpoint-every``
+  parsers;
+- ``optimizer``: ``OptimizerConfig``, the server's optimizer (built in, or a user's factory)
+  and its schedule;
 - ``server``: ``ServerConfig``;
 - ``worker``: ``WorkerConfig`` and ``LaunchConfig`` (a server's and its workers');
 - ``cores``: the host's usable cores (affinity, cgroup quota) and a shard's share of them
@@ -24,12 +26,12 @@ from paramserver.config.base import (
     ROW_OPTIMIZERS,
     SHM_CHOICES,
     WIRE_CHOICES,
-    OptimizerConfig,
     Security,
     parse_every,
     parse_shard,
     parse_table_optimizers,
 )
+from paramserver.config.optimizer import OptimizerConfig
 from paramserver.config.server import ServerConfig
 from paramserver.config.worker import LaunchConfig, WorkerConfig
 

@@ -12,7 +12,6 @@ from paramserver.config.base import (
     MAX_LOCAL,
     MAX_SEED,
     MAX_SHARDS,
-    OptimizerConfig,
     Security,
     _non_negative,
     _shard_fields,
@@ -22,6 +21,7 @@ from paramserver.config.base import (
     parse_table_optimizers,
 )
 from paramserver.config.devices import check_server_device
+from paramserver.config.optimizer import OptimizerConfig
 from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.settings import setting

@@ -1,6 +1,8 @@
 """A server shard: the global model's range and its optimizer, behind gRPC, a same-host
-control socket and a data port. Four rooms, lowest first, and the process around them:
+control socket and a data port. Five rooms, lowest first, and the process around them:
 
+- ``optim/``: the optimizer's rules (clip, decay, a step's parameters without a gradient,
+  Delayed Nesterov, a user's schedule or optimizer factory, what a resume takes);
 - ``bookkeeping/``: the state a shard keeps, as plain records (leases, the batch queue,
   the sync round, the ledger, buffers, the store, cuts, the write record, the snapshot,
   the status);

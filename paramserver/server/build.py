@@ -18,12 +18,12 @@ from paramserver import models
 from paramserver.codec.layout import Manifest, flatten_into, shard_manifest, shard_range
 from paramserver.config import ServerConfig, parse_table_optimizers
 from paramserver.errors import ConfigError
-from paramserver.server.bookkeeping import step_rules
 from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
 from paramserver.server.bookkeeping.store import ParameterStore
 from paramserver.server.disk import reshard
 from paramserver.server.disk.checkpoint_writer import saved_state
 from paramserver.server.engine.coordinator import Coordinator
+from paramserver.server.optim import step_rules, user_optimizer
 from paramserver.sparse.declared import declared_choices
 from paramserver.sparse.embedding import make_tables, own_rows
 from paramserver.sparse.memory import SERVER_MMAP_THRESHOLD, fix_mmap_threshold
@@ -82,6 +82,9 @@ def build_coordinator(
     if tables is not None and snapshot is None:  # a resume takes the checkpoint's rows
         tables.start_from(own_rows(model))  # a module's own rows; declared tables seeded
     optimizer = config.outer_optimizer()
+    grouping = None
+    if optimizer.user:  # --optimizer module:function
+        grouping = user_optimizer.grouping(optimizer, model, whole, offset, manifest)
     store = ParameterStore(
         manifest,
         flat,
@@ -92,6 +95,7 @@ def build_coordinator(
         decayed=step_rules.decayed_ranges(model, whole, offset, manifest.section("param")[1])
         if optimizer.decay_on == "matrices"
         else (),
+        grouped=grouping,
     )
     if optimizer.clip and tables is not None:
         raise ConfigError(
@@ -149,9 +153,17 @@ def _tables_and_frozen(
     if specs:
         chosen = parse_table_optimizers(config.table_optimizer)
         declared, lifecycles = declared_choices(model)  # sparse.Embedding's own
-        optimizers = table_optimizers(
-            specs, chosen, config.optimizer.name, config.optimizer.lr, declared
-        )
+        dense = config.optimizer.name
+        if config.optimizer.user:  # the rows' optimizer that stands for the user's class
+            dense = user_optimizer.row_kind(config.optimizer, model)
+        try:
+            optimizers = table_optimizers(specs, chosen, dense, config.optimizer.lr, declared)
+        except ValueError:  # a user's optimizer that no row-wise one stands for
+            raise ConfigError(
+                f"--optimizer {config.optimizer.name} is not Adam, AdamW or SGD, which a "
+                "table's row-wise optimizer stands for: name each table's with "
+                "--table-optimizer (for example 'sparse-adam:0.01')."
+            ) from None
         tables = TableSet(specs, optimizers, config.seed, config.shard, config.shards, lifecycles)
         fix_mmap_threshold(SERVER_MMAP_THRESHOLD)  # grown-out table arrays go back when freed
     if config.shards == 1:

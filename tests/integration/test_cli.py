@@ -55,7 +55,7 @@ def test_every_option_has_help_and_an_environment_variable():
         ),
         (["server", "--workers", "0", "--port", "0"], "--workers must be at least 1; got 0"),
         (["server", "--lr", "-1", "--port", "0"], "learning rate (--lr) must be a positive"),
-        (["server", "--optimizer", "lbfgs"], "'lbfgs' is not one of"),
+        (["server", "--optimizer", "lbfgs"], "Unknown optimizer (--optimizer) 'lbfgs'"),
         (
             ["server", "--lr-schedule", "cosine", "--port", "0"],
             "--lr-schedule cosine needs --lr-total-steps",

@@ -246,7 +246,12 @@ BAD = [
         "is not a valid integer",
     ),
     ("[server]\nworkers = 2.5\n", "server", "[server] workers = 2.5", "not a valid integer"),
-    ('[server]\noptimizer = "lbfgs"\n', "server", '[server] optimizer = "lbfgs"', "is not one of"),
+    (
+        '[server]\noptimizer = "lbfgs"\n',
+        "server",
+        '[server] optimizer = "lbfgs"',
+        "Unknown optimizer",
+    ),
     (
         "[server]\nskip-nonfinite = 1\n",
         "server",

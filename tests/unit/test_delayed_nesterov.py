@@ -1,4 +1,4 @@
-"""Delayed Nesterov (``--optimizer delayed-nesterov``, server/bookkeeping/outer.py): the
+"""Delayed Nesterov (``--optimizer delayed-nesterov``, server/optim/outer.py): the
 outer optimizer of asynchronous local steps. Its steps against the paper's rule worked by
 hand, its period-1 form against torch's Nesterov, and its period resolved from the run."""
 

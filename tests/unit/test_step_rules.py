@@ -13,8 +13,8 @@ from torch import nn
 
 from paramserver import models
 from paramserver.config import OptimizerConfig
-from paramserver.server.bookkeeping import step_rules
 from paramserver.server.bookkeeping.store import ParameterStore
+from paramserver.server.optim import step_rules
 from tests import gpt
 
 

@@ -26,9 +26,10 @@ from torch.optim import optimizer as _torch_optimizer
 from paramserver.codec.idle import Idle
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig
-from paramserver.server.bookkeeping import optimizer_resume, step_rules
-from paramserver.server.bookkeeping.outer import DelayedNesterov
-from paramserver.server.bookkeeping.user_schedule import UserSchedule
+from paramserver.server.optim import optimizer_resume, step_rules
+from paramserver.server.optim.outer import DelayedNesterov
+from paramserver.server.optim.user_optimizer import GroupedOptimizer, Grouping
+from paramserver.server.optim.user_schedule import UserSchedule
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class ParameterStore:
         copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
         switch: bool = False,
         decayed: step_rules.Ranges = (),
+        grouped: Grouping | None = None,
     ):
         if initial.dtype != manifest.np_dtype or initial.size != manifest.numel:
             raise ValueError(
@@ -133,8 +135,13 @@ class ParameterStore:
         self.n_params = manifest.section("param")[1]
         # A view: the optimizer's steps land in the flat buffer that pulls read.
         self.param = torch.nn.Parameter(self.flat[: self.n_params])
-        self.optimizer = build_optimizer([self.param], optimizer)
-        self._bare_step = bare_step(self.optimizer)
+        # --optimizer module:function: the user's class and groups over this shard's pieces
+        self.grouped = GroupedOptimizer(*grouped, self.param.data) if grouped else None
+        if self.grouped is not None:
+            self.optimizer = self.grouped.optimizer
+        else:
+            self.optimizer = build_optimizer([self.param], optimizer)
+        self._bare_step = bare_step(self.optimizer) if self.grouped is None else None
         self.version = 0
         self.progress: Callable[[], tuple[int, int] | None] = lambda: None  # batches done
         self._snapshot: np.ndarray | None = None
@@ -170,43 +177,17 @@ class ParameterStore:
         optimizer state (``codec/idle.py``)."""
         if idle == ((0, self.n_params),):  # no gradient at all: torch steps nothing
             return
-        kept = self._keep(idle)
-        self._step(grad, lr)
-        if kept:
-            self._put_back(kept)
+        if self.grouped is not None:  # its own groups; torch skips a piece without a gradient
+            self.grouped.step(self._gradient(grad, lr), lr / self.config.lr, idle)
+        else:
+            state = self.optimizer.state.get(self.param, {})
+            kept = step_rules.keep(self.param, state, idle)
+            self._step(grad, lr)
+            step_rules.put_back(self.param, self.optimizer.state.get(self.param, {}), kept)
         self._mirror(0, self.n_params)
 
-    def _keep(self, idle: Idle) -> list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]]:
-        """Copies of the weights and per-element optimizer state of each range of ``idle``."""
-        state = self.optimizer.state.get(self.param, {})
-        per_element = {
-            k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == self.param.shape
-        }
-        return [
-            (
-                lo,
-                hi,
-                self.param.data[lo:hi].clone(),
-                {k: v[lo:hi].clone() for k, v in per_element.items()},
-            )
-            for lo, hi in idle
-        ]
-
-    def _put_back(self, kept: list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]]) -> None:
-        """The ranges ``_keep`` copied back as they were; state the step made for the first
-        time starts at zero there (as torch's would when the parameter first steps)."""
-        state = self.optimizer.state.get(self.param, {})
-        with torch.no_grad():
-            for lo, hi, weights, saved in kept:
-                self.param.data[lo:hi] = weights
-                for k, v in state.items():
-                    if torch.is_tensor(v) and v.shape == self.param.shape:
-                        if k in saved:
-                            v[lo:hi] = saved[k]
-                        else:
-                            v[lo:hi] = 0
-
-    def _step(self, grad: np.ndarray, lr: float) -> None:
+    def _gradient(self, grad: np.ndarray, lr: float) -> torch.Tensor:
+        """``grad`` on the device, clipped and decayed as the settings say."""
         g = torch.from_numpy(grad).to(self.device)
         cfg = self.config
         if cfg.clip:  # a new tensor: the caller's gradient stays as it came
@@ -215,7 +196,10 @@ class ParameterStore:
             decoupled = cfg.name == "adamw"
             g = g if cfg.clip or decoupled else g.clone()
             step_rules.decay(self.param, g, self.decayed, lr, cfg.weight_decay, decoupled)
-        self.param.grad = g
+        return g
+
+    def _step(self, grad: np.ndarray, lr: float) -> None:
+        self.param.grad = self._gradient(grad, lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self._bare_step is not None and not _hooked(self.optimizer):
@@ -228,7 +212,7 @@ class ParameterStore:
         """Adam's (AdamW's) mean of the squared gradient, bias-corrected as Adam's step
         reads it (``v / (1 - beta2 ** t)``: the raw running mean starts near 0), on the
         host, the parameters' (None: another optimizer, no step yet, or a GPU shard's)."""
-        state = self.optimizer.state.get(self.param, {})
+        state = self.optimizer.state.get(self.param, {}) if self.grouped is None else {}
         v = state.get("exp_avg_sq")
         if v is None or v.device.type != "cpu":
             return None
@@ -244,7 +228,10 @@ class ParameterStore:
         """A copy of the optimizer's ``state_dict()`` with its tensors on the host, and the
         settings that wrote it (``optimizer_resume.SETTINGS``): what a checkpoint holds,
         whatever the device."""
-        state = _host_copy(self.optimizer.state_dict())
+        if self.grouped is not None:  # the flat form, each piece's step beside it
+            state = _host_copy(self.grouped.flat_state(self.n_params))
+        else:
+            state = _host_copy(self.optimizer.state_dict())
         state[optimizer_resume.SETTINGS] = optimizer_resume.recorded(self.config)
         return state
 
@@ -292,12 +279,15 @@ class ParameterStore:
         ``load_state_dict`` would take the saved groups' hyperparameters too (a resumed
         ``--momentum 0.5`` stepped with the checkpoint's 0.9), and places the state by the
         groups it is given (a fused step's ``step`` on the device)."""
-        mine = self.optimizer.state_dict()["param_groups"]
-        groups = [
-            {**group, "params": theirs["params"]}
-            for group, theirs in zip(mine, optimizer_state["param_groups"], strict=True)
-        ]
-        self.optimizer.load_state_dict({**optimizer_state, "param_groups": groups})
+        if self.grouped is not None:
+            self.grouped.load_flat(optimizer_state)
+        else:
+            mine = self.optimizer.state_dict()["param_groups"]
+            groups = [
+                {**group, "params": theirs["params"]}
+                for group, theirs in zip(mine, optimizer_state["param_groups"], strict=True)
+            ]
+            self.optimizer.load_state_dict({**optimizer_state, "param_groups": groups})
         changed = optimizer_resume.changes(optimizer_state, self.config)
         if changed:
             log.info(

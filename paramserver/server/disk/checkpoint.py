@@ -12,7 +12,7 @@ server needs to go on exactly where it stopped:
     optimizer_state   the server optimizer's ``state_dict()`` (flat parameter 0) and its
                       ``settings`` ({name, lr, momentum, ...}: the OptimizerConfig that wrote
                       it; absent from older checkpoints): a resumed server refuses another
-                      optimizer's state (``server/bookkeeping/optimizer_resume.py``)
+                      optimizer's state (``server/optim/optimizer_resume.py``)
     rounds            sync rounds completed
     incarnation       the server process that wrote it
     members           [{worker_id, name, rank, clock, samples}]: the clocks say which pushes

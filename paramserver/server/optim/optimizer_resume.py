@@ -23,7 +23,11 @@ _MOMENTUM = ("momentum", "nesterov", "delayed-nesterov")  # the optimizers that 
 def recorded(cfg: OptimizerConfig) -> dict[str, Any]:
     """``cfg`` as a checkpoint records it beside the optimizer's state: plain values by
     field name (``torch.load(weights_only=True)`` reads them back)."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(OptimizerConfig)}
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(OptimizerConfig)
+        if "flag" in f.metadata  # not ``factory``, a callable
+    }
 
 
 def saved(state: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:

@@ -9,6 +9,7 @@ the others), on the decayed elements only, so the result is torch's with two gro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,3 +58,28 @@ def decay(
                 param[a:b].mul_(1.0 - lr * wd)
             else:
                 grad[a:b].add_(param[a:b], alpha=wd)
+
+
+# Ranges of parameters without a gradient, with their weights and per-element state
+Kept = list[tuple[int, int, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def keep(param: torch.Tensor, state: dict[str, Any], idle: Sequence[tuple[int, int]]) -> Kept:
+    """Copies of the weights and per-element optimizer ``state`` of each range of ``idle``
+    (``codec/idle.py``), before a step over the whole flat ``param``."""
+    per_element = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == param.shape}
+    return [
+        (lo, hi, param.data[lo:hi].clone(), {k: v[lo:hi].clone() for k, v in per_element.items()})
+        for lo, hi in idle
+    ]
+
+
+def put_back(param: torch.Tensor, state: dict[str, Any], kept: Kept) -> None:
+    """The ranges ``keep`` copied, as they were after the step; state the step made for
+    the first time starts at zero there (as torch's would when the parameter first steps)."""
+    with torch.no_grad():
+        for lo, hi, weights, saved in kept:
+            param.data[lo:hi] = weights
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.shape == param.shape:
+                    v[lo:hi] = saved.get(k, 0)
