@@ -158,7 +158,9 @@ def _tables_and_frozen(
             dense = user_optimizer.row_kind(config.optimizer, model)
         try:
             optimizers = table_optimizers(specs, chosen, dense, config.optimizer.lr, declared)
-        except ValueError:  # a user's optimizer that no row-wise one stands for
+        except ValueError as exc:  # a user's optimizer that no row-wise one stands for
+            if isinstance(exc, ConfigError) or not config.optimizer.user:
+                raise
             raise ConfigError(
                 f"--optimizer {config.optimizer.name} is not Adam, AdamW or SGD, which a "
                 "table's row-wise optimizer stands for: name each table's with "
