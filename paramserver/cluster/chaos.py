@@ -6,8 +6,8 @@ checks, the result's within three points (see ``soak``).
 
 A local cluster (2 server shards with consistent cuts, 3 worker daemons; a model with a
 sparse table and BatchNorm on a click log: ``chaos_cluster.py``) trains while faults of
-mixed kinds (``faults.py``) are injected from a seeded schedule, one at a time at evenly
-spaced points of the run's progress. After each, the time until the run is back past where
+mixed kinds (``faults.py``) are injected from a seeded schedule, one at a time at points
+of the run's progress spaced by the room each takes up (``faults.room``). After each, the time until the run is back past where
 it was is its recovery. A reader loads the newest checkpoint of every shard again and
 again meanwhile. Then the same run without faults, and the checks:
 
@@ -63,7 +63,6 @@ from paramserver.errors import ConfigError, ParamServerError
 log = logging.getLogger(__name__)
 BATCH, SHARDS, WORKERS = 64, 2, 3
 PER_EPOCH = 3072 // BATCH
-DRIFT = 4  # steps a fault: how much later than its point the next one may come, on average
 
 
 @dataclass(frozen=True)
@@ -90,20 +89,20 @@ class ChaosConfig:
         """The run's model (its table dense under local steps)."""
         return dense_model() if self.local_steps else model()
 
-    @property
-    def steps(self) -> int:
-        """The run's optimizer steps: enough for every fault at its own point, a cut past the
-        last recovery at least (``rounds_between``, and ``cut_every`` more after a rewind),
-        ``DRIFT`` steps a fault for the points a recovery's progress pushes later (the
-        seed-2 soak ran out of run before its 30th fault without them), and two cuts' worth
-        after the last fault."""
-        return (self.faults + 1) * self.spacing + self.faults * DRIFT + 2 * self.cut_every
+    def schedule(self) -> list[Fault]:
+        """The run's faults, in order (seeded)."""
+        return fault_kinds.schedule(self.seed, self.faults, self.kinds, SHARDS, WORKERS, self.lease)
+
+    def points(self) -> list[int]:
+        """The step at which each fault is due (``faults.points``)."""
+        return fault_kinds.points(self.schedule(), self.rounds_between + self.cut_every + 1)
 
     @property
-    def spacing(self) -> int:
-        """Steps from one fault to the next: ``rounds_between``, a cut's worth more for a
-        rewind, and as much again for the run's progress while a fault holds."""
-        return 2 * (self.rounds_between + self.cut_every + 1)
+    def steps(self) -> int:
+        """The run's optimizer steps: every fault's room before the last one's point, and
+        past it ``DRIFT``, ``rounds_between`` and two cuts' worth."""
+        last = self.points()[-1] + fault_kinds.DRIFT if self.faults else 0
+        return last + self.rounds_between + 2 * self.cut_every
 
     @property
     def epochs(self) -> int:
@@ -200,9 +199,10 @@ def _run_in(cfg: ChaosConfig, root: Path, schedule: list[Fault], net: Network | 
             cluster.start_worker(j)
         reader.start()
         last = 0  # where the run was back to after the last fault
-        for n, fault in enumerate(schedule, start=1):
+        points = cfg.points() if schedule else []
+        for n, (fault, point) in enumerate(zip(schedule, points, strict=True), start=1):
             # at its point of the run, and a cut past the last recovery at least
-            trigger = max(n * cfg.spacing, last + cfg.cut_every + 1)
+            trigger = max(point, last + cfg.cut_every + 1)
             if not wait_until(
                 lambda t=trigger: (cluster.progress() or 0) >= t or cluster.workers_done(),
                 cfg.recover_within * 4,
@@ -290,7 +290,7 @@ def _accuracy(state: dict[str, np.ndarray], made: torch.nn.Module) -> float:
 def soak(cfg: ChaosConfig) -> dict[str, Any]:
     """Run the schedule and the uninterrupted run; the report, with ``ok`` whether every
     invariant held."""
-    schedule = fault_kinds.schedule(cfg.seed, cfg.faults, cfg.kinds, SHARDS, WORKERS, cfg.lease)
+    schedule = cfg.schedule()
     root = Path(cfg.workdir or tempfile.mkdtemp(prefix="paramserver-chaos-"))
     if root.exists() and any(root.iterdir()):  # its servers would resume another run's files
         raise ConfigError(f"{root} is not empty: give --workdir a new or empty folder.")

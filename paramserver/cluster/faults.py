@@ -20,6 +20,7 @@ Kinds:
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -33,6 +34,13 @@ KINDS = (
     "link-down",
 )
 WORKER_KINDS = frozenset({"kill-worker", "stop-worker", "link-down"})  # the workers' side
+DRIFT = 16  # steps a fault: how far past its point the run is when it is injected
+# (the status polls are slow while the host is busy: 15 steps past on the 2-core machine)
+HOLD_RATE = 12  # steps a second the run makes while a fault holds: 42 in a worker's 5.1 s
+# link-down and 38 in another's 4.5 s stop on the 2-core machine (none in the first 3 s,
+# the lease; about 19 a second after, with two workers)
+RESTART = 2.0  # seconds of a shard's restart to count as a hold: 22 steps went by from a
+# shard's kill to the next fault's point on the 2-core machine
 
 
 @dataclass(frozen=True)
@@ -103,4 +111,24 @@ def schedule(
             elif kind == "link-down":
                 hold = round(rng.uniform(0.5, 2.0) * lease, 1)
             out.append(Fault(kind, target, hold))
+    return out
+
+
+def room(fault: Fault, gap: int) -> int:
+    """The run's steps ``fault`` takes up: ``gap`` (the progress between two faults, a cut's
+    worth for a rewind and one past it: the next fault waits for a cut after this one's
+    recovery), ``DRIFT`` for the polling of progress, and what the run makes while the
+    fault holds (``HOLD_RATE``; a shard's restart counts as ``RESTART`` seconds of it)."""
+    busy = RESTART if fault.kind in ("kill-shard", "kill-all-shards") else fault.hold
+    return gap + DRIFT + math.ceil(busy * HOLD_RATE)
+
+
+def points(faults: list[Fault], gap: int) -> list[int]:
+    """The step at which each fault is due: each after the room the ones before it take up
+    (so a fault that holds long does not push the later ones past the run's end: the
+    seed-2 soak lost its fourth fault that way when each took a fixed room)."""
+    out, at = [], gap
+    for fault in faults:
+        out.append(at)
+        at += room(fault, gap)
     return out
