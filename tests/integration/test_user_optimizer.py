@@ -108,6 +108,47 @@ def test_a_named_factory_resumes_from_its_checkpoint_exactly(serve, tmp_path):
         assert torch.equal(got[name], expected[name]), name
 
 
+def _train_skipping_head(addresses: list[str], start: nn.Module, batches) -> None:
+    """One worker; the head has no gradient at every other batch (not stepped)."""
+    replica = copy.deepcopy(start)
+    with ps.Worker(addresses, replica) as worker:
+        for i, (x, y) in enumerate(batches):
+            F.cross_entropy(replica(x), y).backward()
+            if i % 2 == 1:
+                replica[3].weight.grad = replica[3].bias.grad = None
+            worker.step(samples=len(x))
+
+
+def test_resumed_on_another_shard_count_each_parameter_keeps_its_own_step(serve, tmp_path):
+    """Two shards checkpoint after 4 steps (the head stepped twice, the rest four times);
+    one server resumes there and ends as the uninterrupted run. Before, the reshard gave
+    every parameter shard 0's largest step: the head was bias-corrected as stepped four
+    times, and the run ended elsewhere."""
+    start = model()
+    settings = dict(optimizer=user_optimizers.adamw_groups, policy="sync", workers=1)
+    batches = data(8)
+    whole = serve(copy.deepcopy(start), **settings)
+    _train_skipping_head([whole.address], start, batches)
+    expected = _whole([whole])
+    folder = str(tmp_path)
+    two = [
+        serve(copy.deepcopy(start), shard=i, shards=2, checkpoint_dir=folder,
+              checkpoint_every="4", **settings)
+        for i in range(2)
+    ]  # fmt: skip
+    _train_skipping_head([s.address for s in two], start, batches[:4])
+    for s in two:
+        s.stop()
+    one = serve(copy.deepcopy(start), checkpoint_dir=folder, **settings)
+    assert one.status()["version"] == 4
+    mid = copy.deepcopy(start)
+    mid.load_state_dict(_whole([one]))
+    _train_skipping_head([one.address], mid, batches[4:])
+    got = _whole([one])
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_a_schedule_scales_each_groups_own_rate(serve):
     start = model()
     server = serve(

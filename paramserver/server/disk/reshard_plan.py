@@ -20,6 +20,7 @@ import torch
 from paramserver.codec import idle, layout
 from paramserver.codec.layout import Manifest
 from paramserver.errors import ConfigError
+from paramserver.server.optim.user_optimizer import PIECES
 from paramserver.sparse.rows import shard_of
 
 
@@ -65,8 +66,13 @@ def _per_element(
 
 def _optimizer(states: list[dict[str, Any]], sizes: list[int], lo: int, hi: int) -> dict[str, Any]:
     """The server optimizer's state for the new shard's parameters [lo, hi) (of the
-    parameters' section): per-element state joined and cut, ``step`` as shard 0 had it."""
+    parameters' section): per-element state joined and cut, ``step`` as shard 0 had it, and
+    a user's optimizer's pieces (each with its own step) moved to the new shard."""
     first = copy.deepcopy(states[0]["optimizer_state"])
+    if any(PIECES in s["optimizer_state"] for s in states):
+        first[PIECES] = _pieces(
+            [s["optimizer_state"].get(PIECES) or [] for s in states], sizes, lo, hi
+        )
     held = [s["optimizer_state"].get("state", {}).get(0) for s in states]
     base = next((h for h in held if h), None)
     if base is None:
@@ -79,6 +85,26 @@ def _optimizer(states: list[dict[str, Any]], sizes: list[int], lo: int, hi: int)
             out[key] = _per_element([h.get(key) if h else None for h in held], sizes, lo, hi)
     first["state"] = {0: out}
     return first
+
+
+def _pieces(layouts: list[list[Any]], sizes: list[int], lo: int, hi: int) -> list[list[Any]]:
+    """The old shards' pieces (name, lo, hi, step: from each one's start) as the new shard
+    [lo, hi) holds them: cut at its bounds, from its start, a tensor's consecutive pieces
+    joined (one piece a tensor a shard, as ``user_optimizer.pieces`` makes them)."""
+    out: list[list[Any]] = []
+    start = 0
+    for rows, size in zip(layouts, sizes, strict=True):
+        for name, a, b, step in rows:
+            a, b = max(start + int(a), lo), min(start + int(b), hi)
+            if a >= b:
+                continue
+            if out and out[-1][0] == name and out[-1][2] == a - lo:
+                out[-1][2] = b - lo
+                out[-1][3] = max(out[-1][3], float(step))  # the same on every shard
+            else:
+                out.append([name, a - lo, b - lo, float(step)])
+        start += size
+    return out
 
 
 def whole_optimizer(states: list[dict[str, Any]], whole: Manifest) -> dict[str, Any]:

@@ -176,13 +176,19 @@ class GroupedOptimizer:
         }
 
     def load_flat(self, saved: dict[str, Any]) -> None:
-        """The state ``flat_state`` gave, or a reshard of it: each piece its own step where
-        the saved pieces are these, else the flat ``step`` (another shard count)."""
+        """The state ``flat_state`` gave, or a reshard of it (its pieces moved to this
+        shard: ``reshard_plan``): each piece its own step, by its tensor's name where the
+        saved pieces are cut otherwise; the flat ``step`` where none are saved."""
         one = saved.get("state", {}).get(0, {})
-        layout = saved.get(PIECES) or []
+        layout = saved.get(PIECES)
         mine = [[p.name, p.lo, p.hi] for p in self.pieces]
-        if [row[:3] for row in layout] == mine:
+        if layout is not None and [row[:3] for row in layout] == mine:
             steps = [float(row[3]) for row in layout]
+        elif layout is not None:  # a tensor's pieces step together: its idle ranges are whole
+            by_name: dict[str, float] = {}
+            for name, _, _, step in layout:
+                by_name[name] = max(by_name.get(name, -1.0), float(step))
+            steps = [by_name.get(p.name, -1.0) for p in self.pieces]
         else:
             steps = [float(one["step"]) if "step" in one else -1.0] * len(self.pieces)
         self.optimizer.state.clear()
