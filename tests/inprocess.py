@@ -154,6 +154,9 @@ class InProcessChannel(Channel):
     def pull_rows(self, request: Any, timeout: float | None = None) -> Any:
         return self._call("PullRows", request, timeout)
 
+    def step_norm(self, request: Any, timeout: float | None = None) -> Any:
+        return self._call("StepNorm", request, timeout)
+
     # --- the payload path -------------------------------------------------------------
 
     def offer(self, request: pb.JoinRequest, spec: PayloadSpec) -> None:

@@ -147,7 +147,7 @@ class JoinRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ..., shm_rows_bytes: _Optional[int] = ..., join_id: _Optional[str] = ..., past_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce", "origin")
+    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce", "origin", "relay_norm")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class JoinResponse(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    RELAY_NORM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     clock: int
@@ -184,7 +185,8 @@ class JoinResponse(_message.Message):
     data_port: int
     data_nonce: bytes
     origin: str
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., origin: _Optional[str] = ...) -> None: ...
+    relay_norm: bool
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., origin: _Optional[str] = ..., relay_norm: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut", "dtype", "exact", "ahead")
@@ -343,6 +345,36 @@ class RewindResponse(_message.Message):
     version: int
     incarnation: str
     def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class StepNormRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "round", "has_total", "total")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    round: int
+    has_total: bool
+    total: float
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., round: _Optional[int] = ..., has_total: _Optional[bool] = ..., total: _Optional[float] = ...) -> None: ...
+
+class StepNormResponse(_message.Message):
+    __slots__ = ("part", "closed", "applied", "round", "last_round", "last_total")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    part: float
+    closed: bool
+    applied: bool
+    round: int
+    last_round: int
+    last_total: float
+    def __init__(self, part: _Optional[float] = ..., closed: _Optional[bool] = ..., applied: _Optional[bool] = ..., round: _Optional[int] = ..., last_round: _Optional[int] = ..., last_total: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "incarnation")

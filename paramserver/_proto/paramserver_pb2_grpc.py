@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=paramserver_dot_v1_dot_paramserver__pb2.RowsRequest.SerializeToString,
                 response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RowsResponse.FromString,
                 _registered_method=True)
+        self.StepNorm = channel.unary_unary(
+                '/paramserver.v1.ParameterServer/StepNorm',
+                request_serializer=paramserver_dot_v1_dot_paramserver__pb2.StepNormRequest.SerializeToString,
+                response_deserializer=paramserver_dot_v1_dot_paramserver__pb2.StepNormResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -151,6 +156,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepNorm(self, request, context):
+        """Sync rounds clipped over shards (--clip-grad-norm, JoinResponse.relay_norm): a worker asks
+        each shard for its part of round `round`'s squared norm (waits until the round closed),
+        then gives every shard the parts' sum, with which each applies the round clipped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +212,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PullRows,
                     request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.RowsRequest.FromString,
                     response_serializer=paramserver_dot_v1_dot_paramserver__pb2.RowsResponse.SerializeToString,
+            ),
+            'StepNorm': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepNorm,
+                    request_deserializer=paramserver_dot_v1_dot_paramserver__pb2.StepNormRequest.FromString,
+                    response_serializer=paramserver_dot_v1_dot_paramserver__pb2.StepNormResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +462,33 @@ class ParameterServer:
             '/paramserver.v1.ParameterServer/PullRows',
             paramserver_dot_v1_dot_paramserver__pb2.RowsRequest.SerializeToString,
             paramserver_dot_v1_dot_paramserver__pb2.RowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepNorm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramserver.v1.ParameterServer/StepNorm',
+            paramserver_dot_v1_dot_paramserver__pb2.StepNormRequest.SerializeToString,
+            paramserver_dot_v1_dot_paramserver__pb2.StepNormResponse.FromString,
             options,
             channel_credentials,
             insecure,

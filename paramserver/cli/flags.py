@@ -17,6 +17,7 @@ from paramserver.config.base import (
     MAX_PUSH_EVERY,
     MAX_SEED,
     MAX_SHARDS,
+    _non_negative,
     check_count,
     check_seconds,
 )
@@ -233,6 +234,12 @@ class Chaos:
         "H > 0: the workers take H local AdamW steps and push their pseudo-gradient (--push-every H --inner-optimizer adamw), the shards apply Nesterov's outer step (DiLoCo), and the model's table is dense; 0: gradients.",
         env="CHAOS_LOCAL_STEPS",
     )
+    clip: float = setting(
+        0.0,
+        "--clip-grad-norm",
+        "The servers' --clip-grad-norm: each sync round's gradient clipped by its norm over both shards and the table's rows, relayed by the workers (0: off).",
+        env="CHAOS_CLIP_GRAD_NORM",
+    )
     json: bool = setting(
         False,
         "--json",
@@ -248,6 +255,7 @@ class Chaos:
         check_seconds("--lease-timeout", self.lease)
         check_seconds("--recover-within", self.recover_within)
         check_count("--local-steps", self.local_steps, 0, MAX_PUSH_EVERY)  # --push-every H
+        _non_negative("--clip-grad-norm", self.clip)
 
 
 @dataclass(frozen=True)

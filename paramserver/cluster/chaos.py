@@ -79,6 +79,7 @@ class ChaosConfig:
     start_timeout: float = 120.0
     workdir: str | None = None
     local_steps: int = 0  # H: workers push pseudo-gradients of H inner steps (0: gradients)
+    clip: float = 0.0  # the servers' --clip-grad-norm (under sync: relayed between shards)
 
     @property
     def per_step(self) -> int:
@@ -142,6 +143,7 @@ def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
         "--data-port", "off",
         # the shards share this host's cores, as launch's do
         "--server-threads", str(shard_threads(None, SHARDS)),
+        "--clip-grad-norm", str(cfg.clip),
     ]  # fmt: skip
     worker = [
         "--device", "cpu", "--threads", "1", "--step-delay", str(cfg.step_delay),

@@ -92,7 +92,7 @@ class OptimizerConfig:
     clip: float = setting(
         0.0,
         "--clip-grad-norm",
-        "Scale the gradient of each optimizer step down to this L2 norm over the whole model when it is larger, as torch.nn.utils.clip_grad_norm_ (0: off). For one server without sparse tables, for now.",
+        "Scale the gradient of each optimizer step down to this L2 norm over the whole model when it is larger, as torch.nn.utils.clip_grad_norm_ (0: off): over every shard and a sparse table's rows under sync (the workers relay each round's norm between shards); under ssp:K and async, for one server without sparse tables.",
         dest="clip_grad_norm",
     )
 

@@ -258,10 +258,10 @@ class ServerConfig:
                 f"--shard must be I/S with 0 <= I < S <= {MAX_SHARDS}; got "
                 f"{self.shard}/{self.shards}."
             )
-        if self.optimizer.clip and self.shards > 1:  # each shard holds a part of the norm
-            raise ConfigError(
-                "--clip-grad-norm takes the norm over the whole model, which a shard of a "
-                "sharded run holds a part of: not built yet; clip with one server."
+        if self.optimizer.clip and self.shards > 1 and not self.parsed_policy.synchronous:
+            raise ConfigError(  # a sync round's norm comes through a worker (StepNorm)
+                "--clip-grad-norm on a sharded run takes each step's norm over every shard: "
+                f"built for --policy sync, not yet for {self.policy}; clip with one server."
             )
         if self.cuts and parse_every(self.checkpoint_every)[0] is None:
             raise ConfigError(
@@ -310,6 +310,13 @@ class ServerConfig:
             raise ConfigError(
                 f"--metrics-port must be between 0 and 65535; got {self.metrics_port}."
             )
+
+    def round_clip(self, tables: bool) -> tuple[float, bool]:
+        """``Rounds.clip`` and ``Rounds.relay``: --clip-grad-norm where a sync round's norm
+        spans more than this server's dense part (a shard, a model with sparse ``tables``),
+        and whether the other shards' parts come through a worker (``norm_round.py``)."""
+        spans = self.parsed_policy.synchronous and (self.shards > 1 or tables)
+        return (self.optimizer.clip if spans else 0.0), spans and self.shards > 1
 
     @property
     def parsed_policy(self) -> Policy:

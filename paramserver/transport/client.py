@@ -92,6 +92,12 @@ class Channel(abc.ABC):
     def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
         """Rows of the sparse tables."""
 
+    @abc.abstractmethod
+    def step_norm(
+        self, request: pb.StepNormRequest, timeout: float | None = None
+    ) -> pb.StepNormResponse:
+        """A sync round's norm over the shards (``worker/norm_relay.py``)."""
+
     # --- the payload path -----------------------------------------------------------------
 
     @abc.abstractmethod
@@ -198,6 +204,11 @@ class GrpcChannel(Channel):
 
     def rewind(self, request: pb.RewindRequest, timeout: float | None = None) -> pb.RewindResponse:
         return self.stub.Rewind(request, timeout=timeout)  # type: ignore[no-any-return]
+
+    def step_norm(
+        self, request: pb.StepNormRequest, timeout: float | None = None
+    ) -> pb.StepNormResponse:
+        return self.stub.StepNorm(request, timeout=timeout)  # type: ignore[no-any-return]
 
     def pull_rows(self, request: pb.RowsRequest, timeout: float | None = None) -> pb.RowsResponse:
         """A row pull: its values through the shared segment where the payloads go there."""

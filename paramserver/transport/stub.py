@@ -137,6 +137,7 @@ _UNARY: dict[str, tuple[Any, Any]] = {
     "Status": (pb.StatusRequest, pb.StatusResponse),
     "Rewind": (pb.RewindRequest, pb.RewindResponse),
     "PullRows": (pb.RowsRequest, pb.RowsResponse),
+    "StepNorm": (pb.StepNormRequest, pb.StepNormResponse),
 }
 
 

@@ -6,7 +6,7 @@ weights, load them (``stages``), over the ``Pipeline`` that overlaps pushes and 
 (``pipeline``, ``view``); the model's replica over the flat buffer (``replica``; for a
 GPU model ``flat``: its state as flat device tensors, gradients copied out in buckets
 during backward by ``device_copies``); its
-sparse tables' side (``rows``) and the retry policy (``retry``).
+X
 
 May import: ``transport``, ``models``, ``sparse``, ``codec``, ``policy``, ``config``,
 ``errors``, ``_proto``. Never ``server``, ``training``, ``cluster``, ``bench`` or ``cli``.

@@ -25,6 +25,7 @@ lease), shard 0 gets an empty push, which gives the batches back to the queue.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,10 +35,12 @@ from typing import TypeVar
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec.idle import pairs
 from paramserver.errors import RejoinRequired, Timeout
+from paramserver.worker.norm_relay import NormRelay
 from paramserver.worker.pushes import Landed, Landing, StagedPush
 from paramserver.worker.session import Session
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class StepMode(enum.Enum):
@@ -82,6 +85,8 @@ class Pipeline:
         self.error: BaseException | None = None
         self._closed = threading.Event()
         self.landed = Landed()  # the batches of the pushes shard 0 took: --batch-log's
+        relays = any(s.reply.relay_norm for s in self.sessions)  # --clip-grad-norm, shards
+        self.relay = NormRelay(self.sessions, self._closed) if relays else None
 
     def _took(self, s: Session, staged: StagedPush) -> None:
         if s is self.sessions[0]:  # shard 0 counts the batches done
@@ -164,10 +169,12 @@ class Pipeline:
 
     # --- calls ------------------------------------------------------------------------
 
-    @staticmethod
-    def _header(s: Session, staged: StagedPush, iteration: int) -> pb.PushHeader:
+    def _header(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushHeader:
         """``staged``'s header for ``s``'s shard: its rows' messages made by the channel
-        (their values in the slot's part of a shared segment, where there is one)."""
+        (their values in the slot's part of a shared segment, where there is one). The
+        relay (if any) relays the round's norm."""
+        if self.relay is not None:
+            self.relay.pushed(iteration)
         rows = s.channel.row_messages(staged.rows.get(s.reply.shard, ()), staged.slot)
         idle = staged.idle.get(s.reply.shard, ())
         return s.push_header(
@@ -356,6 +363,12 @@ class Pipeline:
             for f in futures:
                 f.result()
             self._free.append(slot)
+
+    def settle(self) -> None:
+        """Before the worker leaves: the rounds it pushed applied (their norms relayed), or
+        the push's deadline passed."""
+        if self.relay is not None and not self.relay.settle(self.rpc_timeout):
+            log.warning("left before round %d's norm was relayed", self.relay.wanted)
 
     def shutdown(self, wait: bool) -> None:
         self._closed.set()

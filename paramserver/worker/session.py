@@ -38,8 +38,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.transport.client import Channel, ChannelFactory, PayloadSpec
-from paramserver.worker.retry import Backoff
-from paramserver.worker.waits import EVERY, Waits, explain
+from paramserver.worker.waits import EVERY, Backoff, Waits, explain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

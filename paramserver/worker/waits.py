@@ -1,22 +1,58 @@
-"""Waits said aloud: a worker whose call waits says so every ``EVERY`` seconds, for whom
-and why, instead of staying silent until its deadline.
+"""Retries' backoff (``Backoff``: how long between tries of a call that found no server,
+and when to give up), and waits said aloud: a worker whose call waits says so every
+``EVERY`` seconds, for whom and why, instead of staying silent until its deadline.
 
 ``Waits`` records the calls of one session that block on the server (a pull held for
 slower workers or for a run that has not started) and says which are due a report;
 ``explain`` turns the server's status into the reason. The heartbeat thread asks and logs
-(``worker/session.py``). Pure: the clock is injected.
+(``worker/session.py``). Pure: the clock (and the backoff's random source) is injected,
+so a test drives a whole outage without sleeping.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paramserver._proto import paramserver_pb2 as pb
+
+# Capped exponential backoff with full jitter, from 0.1 s up to 2 s between tries.
+FIRST = 0.1
+CAP = 2.0
+
+
+@dataclass
+class Backoff:
+    """Delays for successive retries and the moment to stop retrying.
+
+    Args:
+        budget: seconds from the first failure after which ``expired`` says give up.
+        first, cap: the first delay's upper bound, and the largest.
+        now: a monotonic clock.
+        rng: a source of uniform numbers in [0, 1).
+    """
+
+    budget: float
+    first: float = FIRST
+    cap: float = CAP
+    now: Callable[[], float] = time.monotonic
+    rng: Callable[[], float] = field(default=random.random)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (0 first): uniform in
+        [0, min(cap, first * 2**attempt))."""
+        return self.rng() * min(self.cap, self.first * 2 ** min(attempt, 62))
+
+    def expired(self, since: float) -> bool:
+        """Whether failures that began at ``since`` (a ``now()`` reading) have lasted the
+        whole budget."""
+        return self.now() - since >= self.budget
+
 
 EVERY = 10.0  # seconds between two reports of the same wait
 

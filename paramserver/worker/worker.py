@@ -39,12 +39,12 @@ from paramserver.transport import shm as shmem
 from paramserver.transport.client import ChannelFactory, grpc_channels
 from paramserver.worker import joining, stages
 from paramserver.worker.pipeline import Pipeline
-from paramserver.worker.retry import Backoff
 from paramserver.worker.rows import IdsByTable
 from paramserver.worker.session import Heartbeats, Session
 from paramserver.worker.shards import addresses_of, align_clocks, rewound
 from paramserver.worker.stages import Stager
 from paramserver.worker.view import WorkerView
+from paramserver.worker.waits import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +373,7 @@ class Worker(WorkerView):
             return
         try:
             self.flush()
+            self._pipe.settle()  # the rounds pushed applied: their norms relayed (shards)
         finally:
             self._stop.set()
             self._heartbeats.join(timeout=60)
@@ -396,5 +397,4 @@ class Worker(WorkerView):
         self.close()
 
 
-# One release of grace for code written against the old class: Worker takes the list now.
-ShardedWorker = Worker
+ShardedWorker = Worker  # one release of grace for the old class: Worker takes the list now

@@ -1,7 +1,7 @@
 """``paramserver chaos``, short: a real cluster (2 shards, 3 workers, a sparse table and
 BatchNorm) hurt by 4 seeded server-side faults (kill -9 of every shard at once, of one
-shard, a shard paused past the workers' lease, a shard's checkpoint writes failing), then
-the same run uninterrupted: every batch once, each recovery bounded, every checkpoint
+shard, a shard paused past the workers' lease, a shard's checkpoint writes failing), each
+round clipped by its norm over both shards, then the same run uninterrupted: every batch once, each recovery bounded, every checkpoint
 readable throughout, and the same weights and rows. And worker faults (a kill, a pause
 past the lease, a link down where namespaces can be made) among shard kills: every batch
 once still, and the accuracy of the uninterrupted run."""
@@ -53,7 +53,9 @@ def _every_check_held(report: dict[str, Any], result: str) -> None:
 
 
 def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
-    report = _soak(tmp_path, 4, 2, "server")
+    """With --clip-grad-norm: every sync round waits for its norm over both shards, which
+    the workers relay (issue 56 must 4); a shard's kill used to hang the relay then."""
+    report = _soak(tmp_path, 4, 2, "server", "--clip-grad-norm", "0.5")
     _every_check_held(report, "equal_to_uninterrupted")
     assert len(report["faults"]) == 4 and report["checkpoint_reads"] > 0
     assert {f["fault"].split(" ")[0] for f in report["faults"]} == {

@@ -109,6 +109,7 @@ BOUNDS: list[tuple[type, str, str, Any, Any]] = [
     (flags.Chaos, "lease", "--lease-timeout", *SECONDS),
     (flags.Chaos, "recover_within", "--recover-within", *SECONDS),
     (flags.Chaos, "local_steps", "--local-steps", MAX_PUSH_EVERY, MAX_PUSH_EVERY + 1),
+    (flags.Chaos, "clip", "--clip-grad-norm", None, math.inf),
 ]
 # What a field needs beside it to be checked at all.
 WITH = {

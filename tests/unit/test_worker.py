@@ -17,8 +17,8 @@ import paramserver as ps
 from paramserver.codec import compression
 from paramserver.transport import shm as shmem
 from paramserver.worker.pipeline import StepMode
-from paramserver.worker.retry import Backoff
 from paramserver.worker.session import SessionState
+from paramserver.worker.waits import Backoff
 from tests.conftest import FakeClock
 from tests.inprocess import FakeServer
 

@@ -44,6 +44,9 @@ class CoordinatorSnapshot:
     ledger: dict[str, Any] | None  # Ledger.state(); None in checkpoints from before it
     row_chain: list[str] | None = None  # the row folders of the tables, base first
     row_sums: dict[str, str] | None = None  # their manifests' SHA-256
+    # the last sync round applied with its norm over the shards, and that total (a shard
+    # restarted from the cut after it tells a shard still waiting on the round: norm_round)
+    norm_last: tuple[int, float] = (-1, 0.0)
 
     KEYS: ClassVar[tuple[str, ...]]
 
@@ -87,6 +90,7 @@ class CoordinatorSnapshot:
             ledger=state.get("ledger"),
             row_chain=state.get("row_chain"),
             row_sums=state.get("row_sums"),
+            norm_last=tuple(state.get("norm_last") or (-1, 0.0)),  # type: ignore[arg-type]
         )
 
 

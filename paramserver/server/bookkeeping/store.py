@@ -163,43 +163,47 @@ class ParameterStore:
         """A live numpy view of the weights and buffers (changes with every step)."""
         return self._weights
 
-    def apply(self, grad: np.ndarray, idle: Idle = ()) -> None:
+    def apply(self, grad: np.ndarray, idle: Idle = (), clip: float | None = None) -> None:
         """One optimizer step with ``grad``, the gradient of the parameters' section: the
-        next version (``idle``: as ``step``)."""
-        self.step(grad, self.rate(self.version), idle)
+        next version (``idle``, ``clip``: as ``step``)."""
+        self.step(grad, self.rate(self.version), idle, clip)
         self.version += 1
         self.retire()
 
-    def step(self, grad: np.ndarray, lr: float, idle: Idle = ()) -> None:
+    def step(self, grad: np.ndarray, lr: float, idle: Idle = (), clip: float | None = None) -> None:
         """The optimizer's step with ``grad`` at rate ``lr``, in place; the version and the
         snapshots are the caller's to move on (``apply``, or a publish: ``server/applies``).
         ``idle``: ranges of parameters that had no gradient, left as they were, weights and
-        optimizer state (``codec/idle.py``)."""
+        optimizer state (``codec/idle.py``). ``clip``: the factor ``--clip-grad-norm`` scales
+        the gradient by, where its norm spans more than ``grad`` (``norm_round.py``; None:
+        clipped by ``grad``'s own norm)."""
         if idle == ((0, self.n_params),):  # no gradient at all: torch steps nothing
             return
         if self.grouped is not None:  # its own groups; torch skips a piece without a gradient
-            self.grouped.step(self._gradient(grad, lr), lr / self.config.lr, idle)
+            self.grouped.step(self._gradient(grad, lr, clip), lr / self.config.lr, idle)
         else:
             state = self.optimizer.state.get(self.param, {})
             kept = step_rules.keep(self.param, state, idle)
-            self._step(grad, lr)
+            self._step(grad, lr, clip)
             step_rules.put_back(self.param, self.optimizer.state.get(self.param, {}), kept)
         self._mirror(0, self.n_params)
 
-    def _gradient(self, grad: np.ndarray, lr: float) -> torch.Tensor:
+    def _gradient(self, grad: np.ndarray, lr: float, clip: float | None = None) -> torch.Tensor:
         """``grad`` on the device, clipped and decayed as the settings say."""
         g = torch.from_numpy(grad).to(self.device)
         cfg = self.config
-        if cfg.clip:  # a new tensor: the caller's gradient stays as it came
+        if clip is not None:  # a new tensor: the caller's gradient stays as it came
+            g = g * clip
+        elif cfg.clip:
             g = step_rules.clipped(g, cfg.clip)
         if cfg.decay_on != "all" and cfg.weight_decay:
             decoupled = cfg.name == "adamw"
-            g = g if cfg.clip or decoupled else g.clone()
+            g = g if cfg.clip or clip is not None or decoupled else g.clone()
             step_rules.decay(self.param, g, self.decayed, lr, cfg.weight_decay, decoupled)
         return g
 
-    def _step(self, grad: np.ndarray, lr: float) -> None:
-        self.param.grad = self._gradient(grad, lr)
+    def _step(self, grad: np.ndarray, lr: float, clip: float | None = None) -> None:
+        self.param.grad = self._gradient(grad, lr, clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self._bare_step is not None and not _hooked(self.optimizer):

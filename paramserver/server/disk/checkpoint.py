@@ -31,6 +31,7 @@ server needs to go on exactly where it stopped:
     row_chain         the sparse tables' rows: the row folders beside the file, base first,
                       then the deltas (``server/disk/row_format.py``); None without tables
     row_sums          {folder: SHA-256 of its manifest.json}
+    norm_last         (round, total): the last sync round applied with its norm over shards
     table_layouts     {name: {rows, dim, dtype, key, shards}}; the tables are not in
                       ``model_state_dict`` (``paramserver export`` writes them whole)
     row_round         sync: the row gradients of the round in progress

@@ -20,6 +20,7 @@ from paramserver.server.engine.coordinator import Coordinator
 from paramserver.transport.attachments import Attachments
 
 log = logging.getLogger(__name__)
+NORM_WAIT = 10.0  # seconds a StepNorm waits for its round to close, at most (it is asked again)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -116,6 +117,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             shards=cfg.shards,
             model_numel=self.c.model_numel,
             shard_offset=self.c.shard_offset,
+            relay_norm=cfg.round_clip(self.c.tables is not None)[1],
         )
 
     def _pull(
@@ -158,6 +160,20 @@ class Servicer(pb_grpc.ParameterServerServicer):
         log.warning("worker %s asks to rewind to round %d", request.worker_id, request.round)
         self.rewind(request.round, request.incarnation, request.cause)
         return pb.RewindResponse(version=self.c.store.version, incarnation=self.c.incarnation)
+
+    @_rpc
+    def StepNorm(
+        self, request: pb.StepNormRequest, context: grpc.ServicerContext
+    ) -> pb.StepNormResponse:
+        total = request.total if request.has_total else None
+        wait = min(context.time_remaining() or NORM_WAIT, NORM_WAIT)
+        closing, part, applied, (last, last_total) = self.c.step_norm(
+            request.worker_id, request.incarnation, request.round, total, wait
+        )
+        return pb.StepNormResponse(
+            part=part, closed=closing >= 0, applied=applied, round=closing,
+            last_round=last, last_total=last_total,
+        )  # fmt: skip
 
     @_rpc
     def Heartbeat(

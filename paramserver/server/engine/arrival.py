@@ -34,8 +34,10 @@ from paramserver.codec.idle import Idle
 from paramserver.codec.rows import RowGradients
 from paramserver.policy import staleness
 from paramserver.policy.staleness import Policy
+from paramserver.server.bookkeeping import norm_round
 from paramserver.server.bookkeeping.buffers import SharedBuffers
 from paramserver.server.bookkeeping.ledger import Ledger
+from paramserver.server.bookkeeping.norm_round import Closing
 from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
 from paramserver.server.bookkeeping.status import Counters
 from paramserver.server.bookkeeping.store import ParameterStore
@@ -160,6 +162,20 @@ class Arrival:
         """After workers left (``live``: those still here): whether a round ended."""
         return False
 
+    def waiting(self, round_: int) -> Closing | None:
+        """The round closing for its norm, if it is ``round_`` or earlier (``Rounds``)."""
+        return None
+
+    @property
+    def between_rounds(self) -> bool:
+        """No push in the round in progress, and none closing for its norm."""
+        return not self.round.contributors and self.waiting(self.rounds) is None
+
+    last: tuple[int, float] = (-1, 0.0)  # Rounds': the last round finished, its total
+
+    def finish(self, round_: int, total: float) -> bool:
+        return False  # no round waits for its norm but under sync (``Rounds``)
+
     def share(self, workers: Iterable[str]) -> None:
         """The model's buffers become the combined latest values of ``workers``."""
         if not self.buffers.size:  # a model (or shard) without buffers: nothing to share
@@ -183,6 +199,7 @@ class Arrival:
             "table_layouts": tables.layouts() if tables is not None else None,
             "row_round": self.row_round.state(),
             "ledger": self.ledger.state(),
+            "norm_last": self.last,
         }
 
 
@@ -216,27 +233,35 @@ class OnArrival(Arrival):
 
 class Rounds(Arrival):
     """``sync``: gradients are averaged over a round of every live worker's push, or with
-    ``backups`` B of all live workers' but B (``--backup-workers``)."""
+    ``backups`` B of all live workers' but B (``--backup-workers``). With ``clip`` (a
+    step's norm spanning more than this server's dense part: ``norm_round.py``) a complete
+    round closes (``closing``) until its norm's total is known: at once on one server, from
+    a worker's ``finish`` with ``relay`` (shards); it counts as ended for lateness and
+    newcomers meanwhile, and the next one cannot close."""
 
     in_rounds = True
     waits_for_batch = False  # batch -1: the empty push counts for the round
     backups = 0
+    clip = 0.0
+    relay = False
+    closing: Closing | None = None
+
+    @property
+    def ended(self) -> int:
+        """The rounds complete: applied, and the one closing."""
+        return self.rounds + (self.closing is not None)
 
     def late(self, worker_id: str, iteration: int) -> bool:
         """Whether the push of ``iteration`` comes after its round closed without it: it is
         dropped and counted (the caller gives its batches back)."""
-        if not staleness.late(iteration, self.rounds):
+        if not staleness.late(iteration, self.ended):
             return False
         self.counters.late += 1
         if self.counters.late == 1 or self.counters.late % LATE_LOG_EVERY == 0:
             log.info(
                 "dropped worker %s's gradient for round %d, which closed without it (%d so "
-                "far; --backup-workers %d)",
-                worker_id,
-                iteration,
-                self.counters.late,
-                self.backups,
-            )
+                "far; --backup-workers %d)", worker_id, iteration, self.counters.late, self.backups,
+            )  # fmt: skip
         return True
 
     @classmethod
@@ -250,7 +275,7 @@ class Rounds(Arrival):
         )
 
     def start_clock(self) -> int | None:
-        return self.rounds
+        return self.ended
 
     def arrive(
         self,
@@ -266,18 +291,49 @@ class Rounds(Arrival):
         return None
 
     def settle(self, live: list[str]) -> bool:
-        """Apply the round's mean if every live worker (but the backups) has pushed."""
-        if not self.round.complete(live, self.backups):
+        """Apply the round's mean if every live worker (but the backups) has pushed (with
+        ``clip``: close it, and apply it once its norm is known)."""
+        if self.closing is not None or not self.round.complete(live, self.backups):
             return False
         self.share(self.round.givers)
         n, idle = self.round.n, self.round.idle or ()
         mean = self.round.take_mean()
-        if self.tables is not None and n:
-            self.tables.apply(self.row_round.take_mean(n), self.store.lr, self.store.version + 1)
-        if mean is not None:
-            self.store.apply(mean, idle)
-        self.rounds += 1
+        rows = self.row_round.take_mean(n) if self.tables is not None and n else None
+        if not self.clip:
+            self._apply(mean, rows, idle, None)
+            return True
+        if self.relay and mean is not None:  # the next round's sum may reuse its buffer
+            mean = mean.copy()
+        self.closing = Closing(self.rounds, mean, rows, idle, norm_round.part_of(mean, rows))
+        return not self.relay and self.finish(self.rounds, self.closing.part)
+
+    def waiting(self, round_: int) -> Closing | None:
+        return self.closing if self.closing and self.closing.round <= round_ else None
+
+    def finish(self, round_: int, total: float) -> bool:
+        """Apply round ``round_`` if it is the one closing, clipped by ``total`` (its
+        squared norm over every shard); whether it did.
+
+        Raises:
+            InvalidRequest: ``total`` cannot hold this shard's part (``check_total``).
+        """
+        c = self.closing
+        if c is None or c.round != round_:
+            return False
+        norm_round.check_total(total, c.part)
+        self.closing, self.last = None, (round_, total)
+        factor = norm_round.scale(self.clip, total)
+        self._apply(c.mean, norm_round.scaled(c.rows, factor), c.idle, factor)
         return True
+
+    def _apply(
+        self, mean: np.ndarray | None, rows: list[RowGradients] | None, idle: Idle, factor: float | None
+    ) -> None:  # fmt: skip
+        if rows is not None:
+            self.tables.apply(rows, self.store.lr, self.store.version + 1)  # type: ignore[union-attr]
+        if mean is not None:
+            self.store.apply(mean, idle, factor)
+        self.rounds += 1
 
     def left(self, live: list[str]) -> bool:
         # A departed worker's gradient already in the round stays: it is valid work.
@@ -294,12 +350,13 @@ def arrival(
     live: Sequence[str] = (),
     backups: int = 0,
     applies: Applies | None = None,
+    clip: tuple[float, bool] = (0.0, False),
 ) -> Arrival:
     """The strategy of ``policy`` over the model (``store``, ``tables``, ``buffers``). With a
     snapshot ``saved`` the model goes on from it: its weights, optimizer state, tables, the
     buffers of the ``live`` workers, the batches applied and the rounds (the round in
     progress less the contributors not ``live``; one resumed under another policy is
-    dropped).
+    dropped). ``clip``: ``Rounds.clip`` and ``Rounds.relay``.
 
     Raises:
         ValueError: the model has sparse tables and the snapshot none.
@@ -309,6 +366,8 @@ def arrival(
     made.applies = applies or made.applies
     if isinstance(made, Rounds):
         made.backups = backups
+        made.clip, made.relay = clip
+        made.last = saved.norm_last if saved is not None else made.last
     return made
 
 

@@ -30,13 +30,10 @@ from paramserver.policy.staleness import Policy
 from paramserver.server.bookkeeping.batch_queue import BatchQueue
 from paramserver.server.bookkeeping.buffers import SharedBuffers
 from paramserver.server.bookkeeping.compensation import Reads
-from paramserver.server.bookkeeping.cuts import Cuts
 from paramserver.server.bookkeeping.leases import Member, Membership
-from paramserver.server.bookkeeping.ledger import Ledger
 from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
 from paramserver.server.bookkeeping.status import Counters, ServerStatus, server_status
 from paramserver.server.bookkeeping.store import ParameterStore
-from paramserver.server.bookkeeping.write_record import Saves
 from paramserver.server.engine.answers import PullResult, PushResult, answer
 from paramserver.server.engine.arrival import Arrival, arrival
 from paramserver.server.engine.checks import check_push
@@ -111,10 +108,10 @@ class Coordinator:
 
     def _arrival(self, s: CoordinatorSnapshot | None) -> Arrival:
         """The policy's strategy over the model, going on from ``s`` if given."""
-        live = self.membership.live_ids()
-        c = self.config
+        c, live = self.config, self.membership.live_ids()
         parts = (self.policy, self.store, self.tables, self.buffers, self.counters)
-        return arrival(*parts, s, live, c.backup_workers, self.applies)
+        clip = c.round_clip(self.tables is not None)
+        return arrival(*parts, s, live, c.backup_workers, self.applies, clip)
 
     # --- its parts, as status and the tests read them -----------------------------------
 
@@ -130,17 +127,9 @@ class Coordinator:
     def rounds(self) -> int:  # sync rounds completed
         return self.arrival.rounds
 
-    @property
-    def ledger(self) -> Ledger:  # the server-handed batches this shard applied
-        return self.arrival.ledger
-
-    @property
-    def cuts(self) -> Cuts[CoordinatorSnapshot]:
-        return self.saving.cuts
-
-    @property
-    def saves(self) -> Saves:
-        return self.saving.saves
+    ledger = property(lambda self: self.arrival.ledger)  # the batches this shard applied
+    cuts = property(lambda self: self.saving.cuts)  # Cuts[CoordinatorSnapshot]
+    saves = property(lambda self: self.saving.saves)  # Saves
 
     def check_incarnation(self, incarnation: str) -> None:
         """A call meant for an earlier incarnation of the server (a restart, or a rewind to
@@ -154,20 +143,12 @@ class Coordinator:
     # --- membership -------------------------------------------------------------------
 
     def join(
-        self,
-        name: str,
-        worker_id: str = "",
-        train_samples: int = 0,
-        join_id: str = "",
+        self, name: str, worker_id: str = "", train_samples: int = 0, join_id: str = "",
         past_ids: Sequence[str] = (),
-    ) -> Member:
+    ) -> Member:  # fmt: skip
         """Admit a worker, or take back one that knows its id (or one of its ``past_ids``), or
-        a retry of a join attempt (``join_id``): ``Members.join``.
-
-        Raises:
-            ClusterFull: ``--workers`` workers are live.
-            InvalidRequest: its data set does not match the one the run's batches come from.
-        """
+        a retry of a join attempt (``join_id``): ``Members.join`` (ClusterFull: ``--workers``
+        are live; InvalidRequest: its data set is not the one the run's batches come from)."""
         with self._cond:
             start = self.arrival.start_clock()
             member = self.members.join(name, worker_id, train_samples, join_id, start, past_ids)
@@ -183,7 +164,7 @@ class Coordinator:
         with self._cond:
             current = incarnation == self.incarnation  # ``finished`` counts then only
             self._after_leaving(self.members.leave(worker_id, finished, current))
-            if not self.membership.members and not self.arrival.round.contributors:
+            if not self.membership.members and self.arrival.between_rounds:
                 end = self.cuts.at_end(self.rounds)  # the last one left: the run's end
                 if end is not None:
                     self.saving.take(end, self._snapshot(end))
@@ -232,10 +213,10 @@ class Coordinator:
         idle: tuple[tuple[int, int], ...] = (),
     ) -> PushResult:
         """Apply (under sync, accumulate) a gradient and its tables' ``rows``, once per
-        (worker, iteration) and per server-handed batch (``batches``; on the shard handing
-        them out, those it handed): a repeated batch counts for the clock only. ``grad``
-        None: an empty push (its batches go back). ``finite``: as found while copied (None:
-        check here). ``keep``: ``Applies.answer_early``. ``idle``: ``codec/idle.py``."""
+        (worker, iteration) and per server-handed batch (``batches``): a repeated batch
+        counts for the clock only. ``grad`` None: an empty push (its batches go back).
+        ``finite``: as found while copied (None: check here). ``keep``:
+        ``Applies.answer_early``. ``idle``: ``codec/idle.py``."""
         what = f"The gradient of worker {worker_id} for iteration {iteration}"
         skip = self.config.skip_nonfinite
         checked, finite = check_push(
@@ -268,6 +249,30 @@ class Coordinator:
         if waiting is not None and not early:
             self.applies.apply(waiting, self._published)
         return PushResult(self.store.version, clock, False)
+
+    def step_norm(
+        self, worker_id: str, incarnation: str, round_: int, total: float | None, timeout: float
+    ) -> tuple[int, float, bool, tuple[int, float]]:
+        """A sync round clipped over shards (``norm_round.py``): without ``total``, once round
+        ``round_`` (or an earlier one) closed or within ``timeout``, the round closing and
+        its part of the squared norm (-1: none), whether ``round_`` is applied, and the last
+        round finished with its total; with ``total``, round ``round_`` applied with it (if
+        it is the one closing: its cut). From a worker holding a lease (else UnknownWorker)."""
+        with self._cond:
+            self.check_incarnation(incarnation)
+            self.membership.touch(worker_id)
+            if total is None:
+                done = lambda: self.arrival.waiting(round_) or self.rounds > round_  # noqa: E731
+                self._cond.wait_for(lambda: incarnation != self.incarnation or done(), timeout)
+                self.check_incarnation(incarnation)
+                closing = self.arrival.waiting(round_)
+                found = (closing.round, closing.part) if closing else (-1, 0.0)
+                return *found, self.rounds > round_, self.arrival.last
+            if self.arrival.finish(round_, total):
+                self._settled(True)
+                self._settled(self.arrival.settle(self.membership.live_ids()))
+                self._cond.notify_all()
+            return -1, 0.0, self.rounds > round_, self.arrival.last
 
     def _published(self) -> None:
         """After an apply published its gradients (under the lock): a cut may fall now."""
@@ -318,12 +323,10 @@ class Coordinator:
         sink: Callable[[np.ndarray], None] | None = None,
         ahead: bool = False,
     ) -> PullResult:
-        """Weights (and up to ``batches`` batches, ``--push-every``; ``ahead``: the next
-        iteration's too) for ``iteration`` once the policy allows (``pulls.Pull``: when no
-        batch is left, and batch -1); an empty id observes. The weights are the last published
-        version's (never waiting for an apply: ``dense_apply.py``), handed to ``sink`` (a
-        writer into a worker's shared segment) under the lock, or a snapshot shared by the
-        pulls of one version.
+        """Weights (and up to ``batches`` batches; ``ahead``: the next iteration's too) for
+        ``iteration`` once the policy allows (``pulls.Pull``); an empty id observes. The
+        last published version's weights (``dense_apply.py``), handed to ``sink`` (a writer
+        into a worker's segment) under the lock, or a snapshot shared by one version's pulls.
 
         Raises:
             Timeout: the policy did not allow the pull within ``timeout`` seconds.
@@ -346,10 +349,9 @@ class Coordinator:
     # --- checkpoints ------------------------------------------------------------------
 
     def checkpoint_state(self, whole: bool = False) -> Any:
-        """A consistent copy of everything a resumed server needs (see ``checkpoint``): the
-        gradients accepted and not yet applied are applied first. ``whole``: instead, the
-        flat weights and every table whole (``TableSet.state_dict``), copied, leaving what a
-        checkpoint takes (the tables' changes) as it is."""
+        """A consistent copy of everything a resumed server needs (see ``checkpoint``), the
+        gradients accepted applied first. ``whole``: instead, the flat weights and every
+        table whole, copied, leaving the tables' changes for the next checkpoint."""
         with self.applies.lock, self._cond:
             if self.applies.drain():
                 self._published()  # a cut may fall now: it is taken before this state
@@ -389,8 +391,7 @@ class Coordinator:
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self), timeout)
 
-    def notify(self) -> None:
-        """Wake every waiting pull (a client went away)."""
+    def notify(self) -> None:  # wake every waiting pull (a client went away)
         with self._cond:
             self._cond.notify_all()
 

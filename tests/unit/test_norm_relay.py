@@ -1,0 +1,172 @@
+"""A sync round clipped over shards (issue 56 must 4), its parts alone: a shard's round
+closes with its part of the squared norm and waits for a total that cannot be smaller than
+its part (a worker that lies is refused); meanwhile it counts as ended for lateness and
+newcomers. A worker's relay gives the parts' sum to every shard closed at one round, and a
+total one shard applied already to the shards it did not reach (a worker that died
+between them); it gives nothing while a shard's round is still open."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from paramserver._proto import paramserver_pb2 as pb
+from paramserver.errors import InvalidRequest, WrongIncarnation
+from paramserver.server.bookkeeping import norm_round
+from paramserver.worker.norm_relay import NormRelay
+
+
+class FakeStore:
+    lr = 0.1
+    version = 0
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[np.ndarray, float | None]] = []
+
+    def apply(self, grad, idle=(), clip=None) -> None:
+        self.applied.append((grad.copy(), clip))
+        self.version += 1
+
+
+def _rounds(clip: float, relay: bool):
+    from paramserver.server.bookkeeping.buffers import SharedBuffers
+    from paramserver.server.bookkeeping.status import Counters
+    from paramserver.server.engine.arrival import Rounds
+
+    store = FakeStore()
+    buffers = SharedBuffers.__new__(SharedBuffers)
+    buffers.size = 0  # a model without buffers
+    r = Rounds(store, None, buffers, Counters())  # type: ignore[arg-type]
+    r.clip, r.relay = clip, relay
+    return r, store
+
+
+def test_a_round_closes_with_its_part_and_applies_with_the_total_clipped():
+    r, store = _rounds(1.0, relay=True)
+    for w, g in (("a", [3.0, 0.0]), ("b", [1.0, 0.0])):
+        r.arrive(w, 0, np.array(g, np.float32), [], ["a", "b"])
+    assert not r.settle(["a", "b"])  # closed, not applied: it waits for the total
+    closing = r.waiting(0)
+    assert closing is not None and closing.part == pytest.approx(4.0)  # mean (2, 0)
+    assert r.ended == 1 and r.rounds == 0 and r.late("c", 0) and r.start_clock() == 1
+    with pytest.raises(InvalidRequest, match="cannot hold this shard's own part"):
+        r.finish(0, 3.9)  # smaller than this shard's own part: a lie
+    with pytest.raises(InvalidRequest):
+        r.finish(0, math.nan)
+    assert not r.finish(1, 16.0)  # not the round closing
+    assert r.finish(0, 16.0)  # the other shard's part was 12: norm 4, clipped to 1
+    ((grad, factor),) = store.applied
+    assert factor == pytest.approx(1.0 / (4.0 + norm_round.EPS))
+    assert r.rounds == 1 and r.closing is None and r.last == (0, 16.0)
+
+
+def test_the_next_round_cannot_close_while_one_waits():
+    r, store = _rounds(1.0, relay=True)
+    r.arrive("a", 0, np.ones(2, np.float32), [], ["a"])
+    assert not r.settle(["a"])
+    r.arrive("a", 1, np.ones(2, np.float32), [], ["a"])  # a push of the next round
+    assert not r.settle(["a"]) and r.waiting(5).round == 0
+    assert r.finish(0, 2.0) and r.settle(["a"]) is False and r.waiting(1).round == 1
+
+
+def test_on_one_server_the_total_is_its_own_part_at_once():
+    r, store = _rounds(0.5, relay=False)
+    r.arrive("a", 0, np.array([3.0, 4.0], np.float32), [], ["a"])
+    assert r.settle(["a"]) and r.rounds == 1  # norm 5 -> clipped to 0.5
+    assert store.applied[0][1] == pytest.approx(0.5 / (5.0 + norm_round.EPS))
+
+
+def test_the_part_counts_the_rows_in_float64():
+    from paramserver.codec.rows import RowGradients
+
+    rows = [RowGradients("t", np.array([1, 2]), torch.tensor([[1.0, 2.0], [2.0, 0.0]]))]
+    assert norm_round.part_of(np.array([2.0], np.float32), rows) == pytest.approx(13.0)
+
+
+class FakeSession:
+    """A shard's session whose StepNorm answers are scripted: ``state`` is the round
+    closing (with its part), or "applied" with the last total."""
+
+    def __init__(self, closing: int, part: float, last: tuple[int, float] = (-1, 0.0)):
+        self.worker_id, self.incarnation, self.address = "w", "i", "fake"
+        self.closing, self.part, self.last = closing, part, last
+        self.given: list[tuple[int, float]] = []
+        self.channel = self
+
+    def step_norm(self, request: pb.StepNormRequest, timeout: float | None = None):
+        if request.has_total:
+            self.given.append((request.round, request.total))
+            if request.round == self.closing:
+                self.last, self.closing = (request.round, request.total), -1
+            return pb.StepNormResponse(round=-1)
+        applied = self.last[0] >= request.round
+        return pb.StepNormResponse(
+            part=self.part if self.closing >= 0 else 0.0,
+            closed=self.closing >= 0,
+            round=self.closing,
+            applied=applied,
+            last_round=self.last[0],
+            last_total=self.last[1],
+        )
+
+    def call(self, what, method, request, timeout=None):
+        return method(request, timeout=timeout)
+
+    def leave(self, request: pb.LeaveRequest, timeout: float | None = None):
+        self.left = True
+        return pb.LeaveResponse()
+
+
+class Restarted(FakeSession):
+    """A shard that restarted since the worker joined it: every call is ABORTED."""
+
+    def step_norm(self, request, timeout=None):
+        raise WrongIncarnation("restarted")
+
+
+def _relay(sessions) -> NormRelay:
+    closed = threading.Event()
+    closed.set()  # its thread ends at once: the test drives ``relay``
+    relay = NormRelay(sessions, closed)
+    relay._thread.join(5)
+    return relay
+
+
+def test_the_relay_gives_the_sum_to_every_shard_closed_at_the_round():
+    shards = [FakeSession(3, 1.5), FakeSession(3, 2.25)]
+    relay = _relay(shards)
+    assert not relay.relay(3)  # gave the totals; asked again, it is applied
+    assert [s.given for s in shards] == [[(3, 3.75)], [(3, 3.75)]]
+    assert relay.relay(3)
+
+
+def test_a_total_one_shard_applied_goes_to_the_shards_a_dead_worker_did_not_reach():
+    shards = [FakeSession(-1, 0.0, last=(3, 9.0)), FakeSession(3, 2.0)]
+    relay = _relay(shards)
+    relay.relay(3)
+    assert shards[0].given == [] and shards[1].given == [(3, 9.0)]
+    assert relay.relay(3)
+
+
+def test_nothing_is_given_while_a_shards_round_is_still_open():
+    shards = [FakeSession(3, 1.0), FakeSession(-1, 0.0, last=(2, 5.0))]
+    relay = _relay(shards)
+    assert not relay.relay(3)
+    assert shards[0].given == [] and shards[1].given == []
+
+
+def test_a_restarted_shard_makes_the_worker_leave_the_shards_whose_round_waits():
+    """Their round will never have its total (the restarted shard lost its part), and the
+    worker's pull there waits on it: leaving ends that pull, and the worker joins again
+    and rewinds every shard to the restarted one's cut. Without it a chaos run with the
+    clip hung at the first shard kill."""
+    shards = [Restarted(-1, 0.0), FakeSession(3, 1.0), FakeSession(-1, 0.0)]
+    relay = _relay(shards)
+    with pytest.raises(WrongIncarnation):
+        relay.relay(3)
+    assert getattr(shards[1], "left", False) and not getattr(shards[2], "left", False)
+    assert relay.freed == 1 and shards[1].given == []
