@@ -36,6 +36,15 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def _servers(serve, start: nn.Module, shards: int, **optimizer) -> list[ps.ServerApp]:
+    """``shards`` sync servers of two workers clipping at CLIP."""
+    return [
+        serve(copy.deepcopy(start), policy="sync", workers=2, clip_grad_norm=CLIP, shard=i,
+              shards=shards, **optimizer)
+        for i in range(shards)
+    ]  # fmt: skip
+
+
 def _train(addresses: list[str], start: nn.Module, batches, workers: int = 2, **how) -> None:
     """Each worker its half of every batch (all of it for one worker)."""
 
@@ -79,11 +88,7 @@ def _local(start: nn.Module, batches, opt, workers: int = 2) -> tuple[nn.Module,
 )
 def test_a_sync_round_is_clipped_by_its_norm_over_every_shard(serve, shards, how):
     start = model()
-    servers = [
-        serve(copy.deepcopy(start), optimizer="adam", lr=0.01, policy="sync", workers=2,
-              clip_grad_norm=CLIP, shard=i, shards=shards)
-        for i in range(shards)
-    ]  # fmt: skip
+    servers = _servers(serve, start, shards, optimizer="adam", lr=0.01)
     batches = data(10)
     _train([s.address for s in servers], start, batches, **how)
     local, norms = _local(start, batches, lambda p: torch.optim.Adam(p, lr=0.01))
@@ -112,11 +117,7 @@ def _table_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("shards", [1, 2])
 def test_a_tables_rows_count_in_the_norm_and_are_clipped_with_it(serve, shards):
     start = _tables_model()
-    servers = [
-        serve(copy.deepcopy(start), optimizer="sgd", lr=0.5, policy="sync", workers=2,
-              clip_grad_norm=CLIP, shard=i, shards=shards)
-        for i in range(shards)
-    ]  # fmt: skip
+    servers = _servers(serve, start, shards, optimizer="sgd", lr=0.5)
     batches = _table_batches(6)
     _train([s.address for s in servers], start, batches)
     local, norms = _local(start, batches, lambda p: torch.optim.SGD(p, lr=0.5))

@@ -56,21 +56,14 @@ def test_the_users_groups_step_as_torch_over_any_shards(cuts):
         GroupedOptimizer(template, pieces(sp, group, lo, hi), flat[lo:hi])
         for lo, hi in zip(bounds, bounds[1:], strict=False)
     ]
-    for step, gs in enumerate(grads(m, 6)):
-        skip_head = step % 2 == 1  # the last layer has no gradient every other step
-        for p, g in zip(ref.parameters(), gs, strict=True):
+    gs = grads(m, 6)
+    for step, gset in enumerate(gs):
+        for p, g in zip(ref.parameters(), gset, strict=True):
             p.grad = g.clone()
-        if skip_head:
+        if step % 2 == 1:  # the last layer has no gradient every other step
             ref[2].weight.grad = ref[2].bias.grad = None
         opt_ref.step()
-        flat_grad = torch.cat([g.reshape(-1) for g in gs])
-        head = sp[4][1]
-        idle = ((head, n),) if skip_head else ()
-        for (lo, hi), shard in zip(zip(bounds, bounds[1:], strict=False), shards, strict=True):
-            local = tuple(
-                (max(a, lo) - lo, min(b, hi) - lo) for a, b in idle if max(a, lo) < min(b, hi)
-            )
-            shard.step(flat_grad[lo:hi], 1.0, local)
+    _run(shards, bounds, gs, sp, n, range(6))
     expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
     torch.testing.assert_close(flat, expected, rtol=1e-6, atol=1e-7)
 
@@ -150,7 +143,7 @@ def test_a_reshard_keeps_each_pieces_own_step(before, after):
     ref = copy.deepcopy(m)
     opt_ref = factory(ref.named_parameters())
     gs = grads(m, 7)
-    for step, gset in enumerate(gs):
+    for step, gset in enumerate(gs):  # torch's, the head without a gradient every other step
         for p, g in zip(ref.parameters(), gset, strict=True):
             p.grad = g.clone()
         if step % 2 == 1:
