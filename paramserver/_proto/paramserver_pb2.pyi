@@ -147,7 +147,7 @@ class JoinRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., worker_id: _Optional[str] = ..., train_samples: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., shm_slots: _Optional[int] = ..., shm_rows_bytes: _Optional[int] = ..., join_id: _Optional[str] = ..., past_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce", "origin", "relay_norm")
+    __slots__ = ("worker_id", "rank", "clock", "manifest", "plan", "policy", "lease_seconds", "chunk_bytes", "incarnation", "shm", "shard", "shards", "model_numel", "shard_offset", "shm_control", "data_port", "data_nonce", "origin", "relay_norm", "push_norm")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class JoinResponse(_message.Message):
     DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     RELAY_NORM_FIELD_NUMBER: _ClassVar[int]
+    PUSH_NORM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     rank: int
     clock: int
@@ -186,7 +187,8 @@ class JoinResponse(_message.Message):
     data_nonce: bytes
     origin: str
     relay_norm: bool
-    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., origin: _Optional[str] = ..., relay_norm: _Optional[bool] = ...) -> None: ...
+    push_norm: bool
+    def __init__(self, worker_id: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., plan: _Optional[_Union[TrainingPlan, _Mapping]] = ..., policy: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., shm: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., model_numel: _Optional[int] = ..., shard_offset: _Optional[int] = ..., shm_control: _Optional[str] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., origin: _Optional[str] = ..., relay_norm: _Optional[bool] = ..., push_norm: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "iteration", "incarnation", "shm", "batches", "common_cut", "dtype", "exact", "ahead")
@@ -247,7 +249,7 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks", "batches", "exact", "topk", "scale_block", "idle")
+    __slots__ = ("worker_id", "iteration", "total_bytes", "samples", "loss", "incarnation", "empty", "dtype", "shard", "shm", "shm_slot", "rows", "row_cache_hits", "row_cache_misses", "row_chunks", "batches", "exact", "topk", "scale_block", "idle", "norm_sq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +270,7 @@ class PushHeader(_message.Message):
     TOPK_FIELD_NUMBER: _ClassVar[int]
     SCALE_BLOCK_FIELD_NUMBER: _ClassVar[int]
     IDLE_FIELD_NUMBER: _ClassVar[int]
+    NORM_SQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     iteration: int
     total_bytes: int
@@ -288,7 +291,8 @@ class PushHeader(_message.Message):
     topk: int
     scale_block: int
     idle: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ..., batches: _Optional[_Iterable[int]] = ..., exact: _Optional[int] = ..., topk: _Optional[int] = ..., scale_block: _Optional[int] = ..., idle: _Optional[_Iterable[int]] = ...) -> None: ...
+    norm_sq: float
+    def __init__(self, worker_id: _Optional[str] = ..., iteration: _Optional[int] = ..., total_bytes: _Optional[int] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., incarnation: _Optional[str] = ..., empty: _Optional[bool] = ..., dtype: _Optional[str] = ..., shard: _Optional[int] = ..., shm: _Optional[bool] = ..., shm_slot: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowGradients, _Mapping]]] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_chunks: _Optional[int] = ..., batches: _Optional[_Iterable[int]] = ..., exact: _Optional[int] = ..., topk: _Optional[int] = ..., scale_block: _Optional[int] = ..., idle: _Optional[_Iterable[int]] = ..., norm_sq: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "rows")

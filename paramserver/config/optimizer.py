@@ -92,7 +92,7 @@ class OptimizerConfig:
     clip: float = setting(
         0.0,
         "--clip-grad-norm",
-        "Scale the gradient of each optimizer step down to this L2 norm over the whole model when it is larger, as torch.nn.utils.clip_grad_norm_ (0: off): over every shard and a sparse table's rows under sync (the workers relay each round's norm between shards); under ssp:K and async, for one server without sparse tables.",
+        "Scale the gradient of each optimizer step down to this L2 norm over the whole model when it is larger, as torch.nn.utils.clip_grad_norm_ (0: off), over every shard and every sparse table's rows: under sync the workers relay each round's norm between the shards; under ssp:K and async each push says its own (taken before a lossy --compress).",
         dest="clip_grad_norm",
     )
 

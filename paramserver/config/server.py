@@ -258,11 +258,6 @@ class ServerConfig:
                 f"--shard must be I/S with 0 <= I < S <= {MAX_SHARDS}; got "
                 f"{self.shard}/{self.shards}."
             )
-        if self.optimizer.clip and self.shards > 1 and not self.parsed_policy.synchronous:
-            raise ConfigError(  # a sync round's norm comes through a worker (StepNorm)
-                "--clip-grad-norm on a sharded run takes each step's norm over every shard: "
-                f"built for --policy sync, not yet for {self.policy}; clip with one server."
-            )
         if self.cuts and parse_every(self.checkpoint_every)[0] is None:
             raise ConfigError(
                 "A shard of a sharded run checkpoints every N iterations (sync rounds, or "
@@ -312,11 +307,17 @@ class ServerConfig:
             )
 
     def round_clip(self, tables: bool) -> tuple[float, bool]:
-        """``Rounds.clip`` and ``Rounds.relay``: --clip-grad-norm where a sync round's norm
-        spans more than this server's dense part (a shard, a model with sparse ``tables``),
-        and whether the other shards' parts come through a worker (``norm_round.py``)."""
-        spans = self.parsed_policy.synchronous and (self.shards > 1 or tables)
-        return (self.optimizer.clip if spans else 0.0), spans and self.shards > 1
+        """``Arrival.clip`` and ``Rounds.relay``: --clip-grad-norm where a step's norm spans
+        more than this server's dense part (a shard, a model with sparse ``tables``), and
+        whether a sync round's other parts come through a worker (``norm_round.py``; under
+        ssp:K and async each push says its norm: ``push_norm``)."""
+        spans = self.shards > 1 or tables
+        sync = self.parsed_policy.synchronous
+        return (self.optimizer.clip if spans else 0.0), bool(spans and sync and self.shards > 1)
+
+    def push_norm(self, tables: bool) -> bool:
+        """Whether each push must say its squared norm over the whole model (JoinResponse)."""
+        return bool(self.round_clip(tables)[0]) and not self.parsed_policy.synchronous
 
     @property
     def parsed_policy(self) -> Policy:

@@ -57,9 +57,10 @@ REAP_EVERY_MAX = 1.0
 def _grpc_server(config: ServerConfig, timing: grpc.ServerInterceptor) -> grpc.Server:
     """The gRPC server of ``config`` (its security's interceptors, then ``timing``), not
     yet bound or started."""
-    # Each worker holds at most a pull, a push and a heartbeat at once; blocked pulls
-    # hold a thread each, so the pool is sized to never starve a push.
-    threads = 3 * config.workers + 8
+    # Each worker holds at most a pull, a push, a heartbeat and its norm relay's StepNorm
+    # (which waits up to 10 s) at once; blocked calls hold a thread each, so the pool is
+    # sized to never starve a push.
+    threads = 4 * config.workers + 8
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc"),
         options=[

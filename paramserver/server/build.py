@@ -97,11 +97,6 @@ def build_coordinator(
         else (),
         grouped=grouping,
     )
-    if optimizer.clip and tables is not None and not config.parsed_policy.synchronous:
-        raise ConfigError(  # a sync round's rows count in its norm (norm_round.py)
-            "--clip-grad-norm takes the norm over the whole model, a sparse table's rows "
-            f"too: built for --policy sync, not yet for {config.policy}."
-        )
     if snapshot is not None:  # another optimizer's: refused before the coordinator logs a resume
         where = f" in {config.checkpoint_dir}" if config.checkpoint_dir else ""
         store.resumes(snapshot.optimizer_state, f"The checkpoint{where}")

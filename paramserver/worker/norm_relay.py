@@ -50,7 +50,9 @@ class NormRelay:
         self._thread.start()
 
     def pushed(self, round_: int) -> None:
-        """A push of ``round_`` goes out: relay its norm (and any earlier round's)."""
+        """A push of ``round_`` goes out, or a pull of ``round_ + 1`` (a worker that joined
+        while the round before waits: every worker that pushed it may be gone): relay its
+        norm (and any earlier round's)."""
         with self._cond:
             if round_ > self.wanted:
                 self.wanted = round_
@@ -63,7 +65,13 @@ class NormRelay:
             return self._cond.wait_for(lambda: self.done >= self.wanted, timeout)
 
     def _loop(self) -> None:
+        seen: tuple[str, ...] = ()
         while not self._closed.is_set():
+            now = tuple(s.incarnation for s in self.sessions)
+            if now != seen:  # joined again after a restart or a rewind: rounds are redone
+                seen = now
+                with self._cond:
+                    self.done = -1
             with self._cond:
                 self._cond.wait_for(lambda: self.wanted > self.done or self._closed.is_set(), 1.0)
                 target = self.wanted
@@ -77,7 +85,8 @@ class NormRelay:
             except ParamServerError as exc:  # the main path recovers: ask again after it
                 self._failed(target, exc)
             except Exception as exc:  # noqa: BLE001 - a defect: said with its trace, retried
-                log.exception("relaying round %d's norm failed", target)
+                if self.failures % 100 == 0:
+                    log.exception("relaying round %d's norm failed", target)
                 self._failed(target, exc)
 
     def _failed(self, target: int, exc: BaseException) -> None:
@@ -86,9 +95,12 @@ class NormRelay:
             log.warning("relaying round %d's norm: %s (%d so far)", target, exc, self.failures)
         self._closed.wait(RETRY)
 
-    def _ask(self, s: Session, round_: int, total: float | None = None) -> pb.StepNormResponse:
+    def _ask(
+        self, s: Session, round_: int, total: float | None = None, *, who: str, inc: str
+    ) -> pb.StepNormResponse:
+        """StepNorm to ``s``'s shard as worker ``who`` of its incarnation ``inc``."""
         request = pb.StepNormRequest(
-            worker_id=s.worker_id, incarnation=s.incarnation, round=round_,
+            worker_id=who, incarnation=inc, round=round_,
             has_total=total is not None, total=total or 0.0,
         )  # fmt: skip
         answer: pb.StepNormResponse = s.call("step norm", s.channel.step_norm, request, ASK)
@@ -103,34 +115,41 @@ class NormRelay:
             RejoinRequired: a shard restarted (or rewound, or dropped this worker) since the
                 worker joined it: the shards whose round waits are left first (``_free``).
         """
+        asked = [(s.worker_id, s.incarnation) for s in self.sessions]
         answers: list[pb.StepNormResponse | None] = []
         stale: RejoinRequired | None = None
-        for s in self.sessions:
+        for s, (who, inc) in zip(self.sessions, asked, strict=True):
             try:
-                answers.append(self._ask(s, target))
+                answers.append(self._ask(s, target, who=who, inc=inc))
             except RejoinRequired as exc:
                 answers.append(None)
                 stale = exc
         if stale is not None:
-            self._free(answers)
+            self._free(answers, asked)
             raise stale
-        return self._give(target, [a for a in answers if a is not None])
+        if asked != [(s.worker_id, s.incarnation) for s in self.sessions]:
+            return False  # joined again meanwhile: an answer may be of a state rewound since
+        return self._give(target, [a for a in answers if a is not None], asked)
 
-    def _free(self, answers: list[pb.StepNormResponse | None]) -> None:
+    def _free(
+        self, answers: list[pb.StepNormResponse | None], asked: list[tuple[str, str]]
+    ) -> None:
         """A shard this worker knows restarted: its round there is lost, so the round waiting
         on the others will never have its total; and the worker's pull there waits on that
         round, so it would never learn of the restart. Leave those shards: the pull ends
         (the lease is gone), and the worker joins every shard again and rewinds them to
         the restarted one's cut (``shards.rewind_ahead``) as after any restart."""
-        for s, a in zip(self.sessions, answers, strict=True):
-            if a is not None and a.closed:
+        for s, a, (who, inc) in zip(self.sessions, answers, asked, strict=True):
+            if a is not None and a.closed and (s.worker_id, s.incarnation) == (who, inc):
                 log.warning("a shard restarted while the round at %s waits: leaving it", s.address)
                 self.freed += 1
-                request = pb.LeaveRequest(worker_id=s.worker_id, incarnation=s.incarnation)
+                request = pb.LeaveRequest(worker_id=who, incarnation=inc)
                 with contextlib.suppress(ParamServerError):
                     s.call("leave", s.channel.leave, request, ASK)
 
-    def _give(self, target: int, answers: list[pb.StepNormResponse]) -> bool:
+    def _give(
+        self, target: int, answers: list[pb.StepNormResponse], asked: list[tuple[str, str]]
+    ) -> bool:
         if all(a.applied for a in answers):
             return True
         closing = [a.round for a in answers if a.closed]
@@ -145,8 +164,8 @@ class NormRelay:
             total = 0.0
             for a in answers:  # in shard order: every worker's sum is the same
                 total += a.part
-        for s, a in zip(self.sessions, answers, strict=True):
-            if a.closed and a.round == q:
-                self._ask(s, q, total)
+        for s, a, (who, inc) in zip(self.sessions, answers, asked, strict=True):
+            if a.closed and a.round == q:  # as asked: a shard rewound since refuses it
+                self._ask(s, q, total, who=who, inc=inc)
         self.relayed += 1
         return False  # asked again: ``target`` may be a later round

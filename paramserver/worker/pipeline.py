@@ -186,6 +186,7 @@ class Pipeline:
             staged.row_cache,
             staged.batches,
             pairs(idle),
+            staged.norm_sq,
         )
 
     def _push(self, s: Session, staged: StagedPush, iteration: int) -> pb.PushResponse:
@@ -207,6 +208,8 @@ class Pipeline:
         return self._push(s, StagedPush(0, (iteration,), empty=True), iteration)
 
     def _pull(self, s: Session, iteration: int, batches: int) -> pb.PullHeader:
+        if self.relay is not None:  # it waits for the round before: relay it if need be
+            self.relay.pushed(iteration - 1)
         request = s.pull_request(iteration, batches)
         channel = s.channel
         with s.waits.waiting(f"The pull of iteration {iteration} from {s.address}"):

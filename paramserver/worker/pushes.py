@@ -30,10 +30,11 @@ class StagedPush:
     row_cache: tuple[int, int] = (0, 0)  # the tables' cache hits and misses so far
     batches: tuple[int, ...] = ()  # the server-handed batches it was computed on
     idle: dict[int, Idle] = field(default_factory=dict)  # per shard: no gradient there
+    norm_sq: float | None = None  # its squared norm over the whole model, where asked for
 
     def emptied(self) -> StagedPush:
         """The same push without its gradient (it gives its batches back)."""
-        return dataclasses.replace(self, empty=True, rows={}, batches=(), idle={})
+        return dataclasses.replace(self, empty=True, rows={}, batches=(), idle={}, norm_sq=None)
 
 
 class Landing:

@@ -287,8 +287,9 @@ class Session:
         row_cache: tuple[int, int] = (0, 0),
         batches: Iterable[int] = (),
         idle: Iterable[int] = (),
+        norm_sq: float | None = None,
     ) -> pb.PushHeader:
-        return pb.PushHeader(
+        header = pb.PushHeader(
             batches=() if empty else batches,
             idle=() if empty else idle,
             worker_id=self.worker_id,
@@ -302,6 +303,9 @@ class Session:
             row_cache_hits=row_cache[0],
             row_cache_misses=row_cache[1],
         )
+        if norm_sq is not None and not empty:  # the servers clip it by this norm
+            header.norm_sq = norm_sq
+        return header
 
     def pull_request(self, iteration: int, batches: int) -> pb.PullRequest:
         return pb.PullRequest(

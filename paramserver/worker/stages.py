@@ -29,6 +29,7 @@ import torch
 from paramserver._proto import paramserver_pb2 as pb
 from paramserver.codec import compression
 from paramserver.codec.idle import MAX_RANGES, Idle, ranges
+from paramserver.codec.rows import RowGradients
 from paramserver.errors import RejoinRequired
 from paramserver.worker.flat import FlatReplica
 from paramserver.worker.pipeline import Pipeline, StepMode
@@ -57,6 +58,8 @@ class Stager:
         # a gradient is pushed as zeros, so that its residual still goes out (the server
         # would leave the range alone, and the residual be lost)
         self.feedback = codec is not None and issubclass(codec, compression.Feedback)
+        # the servers clip each push by its norm over the whole model (JoinResponse.push_norm)
+        self.norms = any(s.reply.push_norm for s in sessions)
         self.sessions, self.replica, self.tables, self.pipe = list(sessions), replica, tables, pipe
         self._early: int | None = None  # the slot gradients went to during backward
         if isinstance(replica, FlatReplica):
@@ -90,6 +93,7 @@ class Stager:
                 idle = {s.reply.shard: ranges(spans, lo, hi) for s, (lo, hi) in self.parts}
             self.replica.stage(self._copied(slot))
         rows = self.tables.stage(len(self.sessions)) if self.tables and not empty else {}
+        norm_sq = _norm_sq(self.replica.params, rows) if self.norms and not empty else None
         clocks = tuple(s.clock for s in self.sessions)
         cache = self.tables.counters
         staged = StagedPush(
@@ -102,6 +106,7 @@ class Stager:
             (cache.hits, cache.misses),
             () if empty else tuple(batches),
             idle,
+            norm_sq,
         )
         for s in self.sessions:
             s.clock += 1
@@ -118,6 +123,18 @@ class Stager:
             if not s.channel.stage(slot, pieces):
                 copied.append((lo, hi, buffer))
         return copied
+
+
+def _norm_sq(params: Sequence[torch.Tensor], rows: dict[int, tuple[RowGradients, ...]]) -> float:
+    """The squared L2 norm of a step's gradients and every shard's rows, in float64 (before
+    any lossy --compress: ``norm_round.py``)."""
+    total = 0.0
+    for g in [p.grad for p in params if p.grad is not None]:
+        total += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+    for part in rows.values():
+        for r in part:
+            total += float(torch.linalg.vector_norm(r.grads, dtype=torch.float64)) ** 2
+    return total
 
 
 class Exchange(abc.ABC):

@@ -5,7 +5,8 @@ shard's round closes with its part of the squared norm; the workers relay the pa
 sum between the shards (``worker/norm_relay.py``). Two sync workers over one, two and
 three shards end where one process running torch's Adam with the clip ends; a model with
 sparse tables, on one server and on two, where torch's SGD with the clip over its dense
-gradients ends. On d1479b8 a sharded run or a model with tables refused the option."""
+gradients ends. Under ssp:K and async each push is clipped by the norm its worker says.
+On d1479b8 a sharded run or a model with tables refused the option."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _servers(serve, start: nn.Module, shards: int, **optimizer) -> list[ps.ServerApp]:
-    """``shards`` sync servers of two workers clipping at CLIP."""
+def _servers(serve, start: nn.Module, shards: int, **settings) -> list[ps.ServerApp]:
+    """``shards`` servers (sync of two workers unless ``settings`` say) clipping at CLIP."""
+    settings = {"policy": "sync", "workers": 2, **settings}
     return [
-        serve(copy.deepcopy(start), policy="sync", workers=2, clip_grad_norm=CLIP, shard=i,
-              shards=shards, **optimizer)
+        serve(copy.deepcopy(start), clip_grad_norm=CLIP, shard=i, shards=shards, **settings)
         for i in range(shards)
-    ]  # fmt: skip
+    ]
 
 
 def _train(addresses: list[str], start: nn.Module, batches, workers: int = 2, **how) -> None:
@@ -127,8 +128,31 @@ def test_a_tables_rows_count_in_the_norm_and_are_clipped_with_it(serve, shards):
         torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_clipping_over_shards_is_refused_in_one_line_where_not_built(serve):
-    with pytest.raises(ps.ConfigError, match="built for --policy sync, not yet for async"):
-        serve(model(), policy="async", clip_grad_norm=1.0, shard=0, shards=2)
-    with pytest.raises(ps.ConfigError, match="built for --policy sync, not yet for ssp:1"):
-        serve(_tables_model(), policy="ssp:1", clip_grad_norm=1.0)
+@pytest.mark.parametrize("policy", ["async", "ssp:1"])
+@pytest.mark.parametrize("tables, shards", [(False, 2), (True, 1), (True, 2)])
+def test_under_ssp_and_async_each_push_is_clipped_by_the_norm_its_worker_says(
+    serve, policy, tables, shards
+):
+    """A step is one push there: its worker says its squared norm over every shard and
+    table (PushHeader.norm_sq), and every shard scales it by the same factor. One worker:
+    each of its pushes is torch's step on its batch, clipped."""
+    start = _tables_model() if tables else model()
+    batches = _table_batches(6) if tables else data(6)
+    servers = _servers(serve, start, shards, optimizer="sgd", lr=0.5, policy=policy, workers=1)
+    _train([s.address for s in servers], start, batches, workers=1)
+    local, norms = _local(start, batches, lambda p: torch.optim.SGD(p, lr=0.5), workers=1)
+    assert min(norms) > CLIP
+    got = ps.model_state_dict([s.address for s in servers], _tables_model() if tables else model())
+    for name, p in local.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_push_that_does_not_say_its_norm_is_refused_where_the_servers_need_it(serve):
+    from paramserver.server.bookkeeping.norm_round import push_factor
+
+    with pytest.raises(ps.InvalidRequest, match="the push must say it"):
+        push_factor(CLIP, None)
+    with pytest.raises(ps.InvalidRequest, match="finite and >= 0"):
+        push_factor(CLIP, float("nan"))
+    server = _servers(serve, model(), 2, policy="async", workers=1)[0]
+    assert server.status()["version"] == 0  # it starts: the option is taken there now

@@ -34,11 +34,13 @@ class Held:
         self._step = store.step
         store.step = self.step  # type: ignore[method-assign]
 
-    def step(self, grad: np.ndarray, lr: float, idle: tuple = ()) -> None:
+    def step(
+        self, grad: np.ndarray, lr: float, idle: tuple = (), clip: float | None = None
+    ) -> None:
         self.steps += 1
         self.entered.set()
         assert self.release.wait(DEADLINE), "the test never released the apply"
-        self._step(grad, lr, idle)
+        self._step(grad, lr, idle, clip)
 
 
 def _coordinator(policy: str = "async", coalesce: str = "off", workers: int = 2) -> Coordinator:
@@ -233,10 +235,10 @@ def _failing_on(c: Coordinator, value: float) -> None:
     """The optimizer's step raises (as out of memory would) on gradients of ``value``."""
     real = c.store.step
 
-    def step(grad: np.ndarray, lr: float, idle: tuple = ()) -> None:
+    def step(grad: np.ndarray, lr: float, idle: tuple = (), clip: float | None = None) -> None:
         if grad[0] == value:
             raise MemoryError("no room for the step")
-        real(grad, lr, idle)
+        real(grad, lr, idle, clip)
 
     c.store.step = step  # type: ignore[method-assign]
 

@@ -170,3 +170,40 @@ def test_a_restarted_shard_makes_the_worker_leave_the_shards_whose_round_waits()
         relay.relay(3)
     assert getattr(shards[1], "left", False) and not getattr(shards[2], "left", False)
     assert relay.freed == 1 and shards[1].given == []
+
+
+def test_a_round_that_waits_is_held_by_a_checkpoint_as_a_complete_round():
+    """A shard stopped while its round waits writes it as a round complete and not applied
+    (its batches are in the ledger already): resumed, the round closes again with the same
+    mean. Before, the state left it out."""
+    from paramserver.server.bookkeeping.sync_round import SyncRound
+
+    r, _ = _rounds(1.0, relay=True)
+    for w, g in (("a", [3.0, 1.0]), ("b", [1.0, 0.0])):
+        r.arrive(w, 0, np.array(g, np.float32), [], ["a", "b"])
+    r.settle(["a", "b"])
+    saved = r.closing.round_state()["sync_round"]
+    again = SyncRound.from_state(saved, ["a", "b"])
+    assert again.complete(["a", "b"])
+    np.testing.assert_array_equal(again.take_mean(), np.array([2.0, 0.5], np.float32))
+
+
+def test_the_relay_relays_rounds_done_again_after_the_worker_joined_again():
+    """A rewind makes rounds the relay had seen applied close again; its pushes of them may
+    be skipped (every session lost). It relays them once the sessions' incarnations change."""
+    shards = [FakeSession(3, 1.0), FakeSession(3, 3.0)]
+    closed = threading.Event()
+    relay = NormRelay(shards, closed)
+    try:
+        relay.pushed(3)
+        assert relay.settle(5.0) and relay.done == 3
+        for s in shards:  # joined again after a rewind to round 2: it closes again
+            s.incarnation, s.closing, s.last = "j", 2, (1, 0.5)
+        deadline = threading.Event()
+        for _ in range(50):
+            if all(s.given[-1:] == [(2, 4.0)] for s in shards):
+                break
+            deadline.wait(0.1)
+        assert [s.given[-1] for s in shards] == [(2, 4.0), (2, 4.0)]
+    finally:
+        closed.set()

@@ -118,6 +118,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             model_numel=self.c.model_numel,
             shard_offset=self.c.shard_offset,
             relay_norm=cfg.round_clip(self.c.tables is not None)[1],
+            push_norm=cfg.push_norm(self.c.tables is not None),
         )
 
     def _pull(

@@ -189,6 +189,7 @@ class Steps:
                 finite,
                 keep,
                 _idle(header, self.c.manifest),
+                header.norm_sq if header.HasField("norm_sq") else None,
             )
         return pb.PushResponse(
             version=result.version, clock=result.clock, duplicate=result.duplicate

@@ -1,11 +1,9 @@
 """What of a push reaches the model, and when: the one place the staleness policies differ
-on the server's side, as a strategy the coordinator chooses once (``arrival``) when it is
-built.
+on the server's side, as a strategy the coordinator chooses once (``arrival``).
 
 Every push goes through ``Arrival.take``: a gradient of batches this shard applied already
-(``server/bookkeeping/ledger.py``) or a non-finite one (``--skip-nonfinite``) counts for the worker's
-clock and reaches nothing; the buffers' values after the gradient are recorded
-(``server/bookkeeping/buffers.py``); then the strategy:
+(``bookkeeping/ledger.py``) or a non-finite one (``--skip-nonfinite``) counts for the
+worker's clock and reaches nothing; the buffers' values after it are recorded; then:
 
 - ``Rounds`` (``sync``): the gradient joins the round in progress (``SyncRound``, and its
   rows ``RowRound``); when every live worker has pushed, the round's mean is applied, the
@@ -56,6 +54,7 @@ class Arrival:
     rounds completed (kept under every policy, so a checkpoint moves between them)."""
 
     in_rounds = False  # cuts fall at the end of rounds (``Cuts.synchronous``)
+    clip = 0.0  # --clip-grad-norm where a step's norm spans more than the dense part here
     waits_for_batch = True  # a pull with no batch left waits for one, or for the end
 
     def __init__(
@@ -89,11 +88,13 @@ class Arrival:
         batches: Sequence[int],
         live: list[str],
         idle: Idle = (),
+        norm_sq: float | None = None,
     ) -> tuple[bool, Pending | None]:
         """Take in an accepted push of ``batches`` (``grad`` None: an empty push; ``rows``:
-        its tables' checked rows; ``idle``: its parameters without a gradient); whether a gradient of it reaches the model, and the
-        gradient waiting for the optimizer (the pusher applies it, or waits until someone
-        has: ``Coordinator``), if any.
+        its tables' checked rows; ``idle``: its parameters without a gradient; ``norm_sq``:
+        its squared norm over the whole model); whether a gradient of it reaches the model,
+        and the gradient waiting for the optimizer (the pusher applies it, or waits until
+        someone has: ``Coordinator``), if any.
 
         Raises:
             InvalidRequest: it names batches of which this shard applied some, not all.
@@ -101,25 +102,20 @@ class Arrival:
         if grad is not None and self.ledger.seen(batches, f"Worker {worker_id}'s push"):
             self.ledger.repeated += 1
             log.warning(
-                "worker %s pushed batches %s, which this shard applied already: "
-                "counted for its clock, not applied",
-                worker_id,
-                list(batches),
-            )
+                "worker %s pushed batches %s, which this shard applied already: counted for "
+                "its clock, not applied", worker_id, list(batches),
+            )  # fmt: skip
             grad, rows, finite = None, [], True
         if not finite:
             self.counters.skipped += 1
-            log.warning(
-                "skipped the non-finite gradient of worker %s for iteration %d",
-                worker_id,
-                iteration,
-            )
+            log.warning("skipped the non-finite gradient of worker %s for iteration %d",
+                        worker_id, iteration)  # fmt: skip
             grad, rows = None, []
         elif grad is not None:  # its buffers' values follow the parameters' gradient
             self.counters.bytes_in += grad.nbytes
             self.buffers.record(worker_id, grad[self.store.n_params :])
             grad = grad[: self.store.n_params]
-        waiting = self.arrive(worker_id, iteration, grad, rows, live, idle)
+        waiting = self.arrive(worker_id, iteration, grad, rows, live, idle, norm_sq)
         if grad is not None or not finite:  # a skipped gradient's batches are spent
             self.ledger.add(batches)
         return grad is not None, waiting
@@ -149,6 +145,7 @@ class Arrival:
         rows: list[RowGradients],
         live: list[str],
         idle: Idle = (),
+        norm_sq: float | None = None,
     ) -> Pending | None:
         """``grad``, the parameters' gradient (None: nothing reaches the model), and ``rows``
         of ``worker_id``'s push; the gradient as it waits for the optimizer, if it does."""
@@ -214,13 +211,15 @@ class OnArrival(Arrival):
         rows: list[RowGradients],
         live: list[str],
         idle: Idle = (),
+        norm_sq: float | None = None,
     ) -> Pending | None:
         if grad is None:
             return None
+        factor = norm_round.push_factor(self.clip, norm_sq) if self.clip else None
         if self.tables is not None:  # at this step's rate (--lr-schedule); no rows: the TTL
             step = self.applies.next_version
-            self.tables.apply(rows, self.store.rate(step), step)
-        waiting = self.applies.add(worker_id, grad, iteration, idle)
+            self.tables.apply(norm_round.times(rows, factor), self.store.rate(step), step)
+        waiting = self.applies.add(worker_id, grad, iteration, idle, factor)
         self.share(live)
         return waiting
 
@@ -242,7 +241,6 @@ class Rounds(Arrival):
     in_rounds = True
     waits_for_batch = False  # batch -1: the empty push counts for the round
     backups = 0
-    clip = 0.0
     relay = False
     closing: Closing | None = None
 
@@ -285,6 +283,7 @@ class Rounds(Arrival):
         rows: list[RowGradients],
         live: list[str],
         idle: Idle = (),
+        norm_sq: float | None = None,
     ) -> Pending | None:
         self.round.add(worker_id, grad, idle)
         self.row_round.add(rows)
@@ -297,6 +296,7 @@ class Rounds(Arrival):
             return False
         self.share(self.round.givers)
         n, idle = self.round.n, self.round.idle or ()
+        pushed = (sorted(self.round.contributors), sorted(self.round.givers))
         mean = self.round.take_mean()
         rows = self.row_round.take_mean(n) if self.tables is not None and n else None
         if not self.clip:
@@ -304,19 +304,22 @@ class Rounds(Arrival):
             return True
         if self.relay and mean is not None:  # the next round's sum may reuse its buffer
             mean = mean.copy()
-        self.closing = Closing(self.rounds, mean, rows, idle, norm_round.part_of(mean, rows))
+        part = norm_round.part_of(mean, rows)
+        self.closing = Closing(self.rounds, mean, rows, idle, part, n, pushed)
         return not self.relay and self.finish(self.rounds, self.closing.part)
 
-    def waiting(self, round_: int) -> Closing | None:
+    def waiting(self, round_: int) -> Closing | None:  # the round closing, if <= round_
         return self.closing if self.closing and self.closing.round <= round_ else None
 
-    def finish(self, round_: int, total: float) -> bool:
-        """Apply round ``round_`` if it is the one closing, clipped by ``total`` (its
-        squared norm over every shard); whether it did.
+    def state(self) -> dict[str, Any]:
+        out = super().state()
+        if self.closing is not None:  # complete and not applied: a resumed server closes it
+            out.update(self.closing.round_state())
+        return out
 
-        Raises:
-            InvalidRequest: ``total`` cannot hold this shard's part (``check_total``).
-        """
+    def finish(self, round_: int, total: float) -> bool:
+        """Apply round ``round_`` if it is the one closing, clipped by ``total`` (its squared
+        norm over every shard); whether it did (InvalidRequest: ``norm_round.check_total``)."""
         c = self.closing
         if c is None or c.round != round_:
             return False
@@ -356,7 +359,7 @@ def arrival(
     snapshot ``saved`` the model goes on from it: its weights, optimizer state, tables, the
     buffers of the ``live`` workers, the batches applied and the rounds (the round in
     progress less the contributors not ``live``; one resumed under another policy is
-    dropped). ``clip``: ``Rounds.clip`` and ``Rounds.relay``.
+    dropped). ``clip``: ``Arrival.clip`` and ``Rounds.relay``.
 
     Raises:
         ValueError: the model has sparse tables and the snapshot none.
@@ -364,9 +367,9 @@ def arrival(
     chosen = Rounds if policy.synchronous else OnArrival
     made = _made(chosen, store, tables, buffers, counters, saved, live)
     made.applies = applies or made.applies
+    made.clip = clip[0]
     if isinstance(made, Rounds):
-        made.backups = backups
-        made.clip, made.relay = clip
+        made.backups, made.relay = backups, clip[1]
         made.last = saved.norm_last if saved is not None else made.last
     return made
 

@@ -99,8 +99,7 @@ class Coordinator:
                 self._after_leaving(self.members.forgotten())
 
     def _take_over(self, s: CoordinatorSnapshot) -> None:
-        """Go on from snapshot ``s``: its workers come back with a fresh lease (``Members``),
-        the model and its rounds as they were (``arrival``)."""
+        """Go on from ``s``: its workers with a fresh lease, the model and rounds as were."""
         self.members = Members.restored(self.config, self._now, s)  # logs it
         self.arrival = self._arrival(s)
         self.saving.resumed(s)
@@ -211,12 +210,13 @@ class Coordinator:
         finite: bool | None = None,
         keep: Callable[[], Callable[[], None]] | None = None,
         idle: tuple[tuple[int, int], ...] = (),
+        norm_sq: float | None = None,
     ) -> PushResult:
         """Apply (under sync, accumulate) a gradient and its tables' ``rows``, once per
         (worker, iteration) and per server-handed batch (``batches``): a repeated batch
         counts for the clock only. ``grad`` None: an empty push (its batches go back).
-        ``finite``: as found while copied (None: check here). ``keep``:
-        ``Applies.answer_early``. ``idle``: ``codec/idle.py``."""
+        ``finite``: as found while copied (None: check here). ``keep``: ``answer_early``.
+        ``idle``, ``norm_sq``: ``codec/idle.py``, ``norm_round.py``."""
         what = f"The gradient of worker {worker_id} for iteration {iteration}"
         skip = self.config.skip_nonfinite
         checked, finite = check_push(
@@ -236,7 +236,7 @@ class Coordinator:
             batches = self.members.batches_of(worker_id, iteration, batches)
             live = self.membership.live_ids()
             applied, waiting = self.arrival.take(
-                worker_id, iteration, grad, checked, finite, batches, live, idle
+                worker_id, iteration, grad, checked, finite, batches, live, idle, norm_sq
             )
             self.members.pushed(worker_id, iteration, empty=grad is None)
             self.membership.advance(worker_id, samples if applied else 0)

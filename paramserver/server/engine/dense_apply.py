@@ -65,6 +65,7 @@ class Pending:
     release: Callable[[], None] | None = None
     read: np.ndarray | None = None  # the weights it was computed on (delay compensation)
     idle: Idle = ()  # its parameters without a gradient (``codec/idle.py``)
+    clip: float | None = None  # the factor its norm over the whole model clips it by
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,11 @@ class Applies:
 
     # --- under the coordinator's lock ---------------------------------------------------
 
-    def add(self, worker_id: str, grad: np.ndarray, iteration: int = 0, idle: Idle = ()) -> Pending:
-        item = Pending(worker_id, grad, idle=idle)
+    def add(
+        self, worker_id: str, grad: np.ndarray, iteration: int = 0, idle: Idle = (),
+        clip: float | None = None,
+    ) -> Pending:  # fmt: skip
+        item = Pending(worker_id, grad, idle=idle, clip=clip)
         if self.reads is not None:
             item.read = self.reads.take(worker_id, iteration)
             if item.read is None:
@@ -282,17 +286,23 @@ class Applies:
         (``coalesce``), else one step each; ``stepped`` counts those in the weights."""
         if self.coalesce and len(taken) > 1:
             rate = self.store.rate(version)
-            total = self._summed([self._corrected(item, rate) for item in taken])
+            total = self._summed([self._clipped(item, rate) for item in taken])
             left: Idle | None = None
             for item in taken:  # left alone only where no push had a gradient
                 left = common(left, item.idle)
-            self.store.step(total, rate, left or ())
+            clipped = 1.0 if taken[0].clip is not None else None  # each push by its own norm
+            self.store.step(total, rate, left or (), clipped)
             self.stepped = len(taken)
             return
         for i, item in enumerate(taken):
             rate = self.store.rate(version + i)
-            self.store.step(self._corrected(item, rate), rate, item.idle)
+            self.store.step(self._corrected(item, rate), rate, item.idle, item.clip)
             self.stepped = i + 1
+
+    def _clipped(self, item: Pending, rate: float) -> np.ndarray:
+        """``_corrected``, scaled by the push's clip factor where it has one (coalesced)."""
+        grad = self._corrected(item, rate)
+        return grad if item.clip is None or item.clip == 1.0 else grad * grad.dtype.type(item.clip)
 
     def _corrected(self, item: Pending, rate: float) -> np.ndarray:
         """``item``'s gradient, delay-compensated for where the weights went since it was
