@@ -102,15 +102,6 @@ def check_total(total: float, part: float) -> None:
         )
 
 
-def scaled(rows: list[RowGradients] | None, factor: float) -> list[RowGradients] | None:
-    """``rows`` with their gradients multiplied by ``factor`` (in place: a round's means are
-    its own)."""
-    if factor != 1.0:
-        for r in rows or ():
-            r.grads.mul_(factor)
-    return rows
-
-
 def push_factor(max_norm: float, norm_sq: float | None) -> float:
     """The factor a push that says its squared norm ``norm_sq`` is scaled by.
 
@@ -128,9 +119,9 @@ def push_factor(max_norm: float, norm_sq: float | None) -> float:
     return scale(max_norm, norm_sq)
 
 
-def times(rows: list[RowGradients], factor: float | None) -> list[RowGradients]:
+def times(rows: list[RowGradients] | None, factor: float | None) -> list[RowGradients] | None:
     """``rows`` with their gradients multiplied by ``factor``, copied (a push's rows may be
     views of the worker's segment, which a retry sends again); as they are for None."""
-    if factor is None or factor == 1.0:
+    if rows is None or factor is None or factor == 1.0:
         return rows
     return [dataclasses.replace(r, grads=r.grads * factor) for r in rows]

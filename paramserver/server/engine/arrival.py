@@ -218,7 +218,7 @@ class OnArrival(Arrival):
         factor = norm_round.push_factor(self.clip, norm_sq) if self.clip else None
         if self.tables is not None:  # at this step's rate (--lr-schedule); no rows: the TTL
             step = self.applies.next_version
-            self.tables.apply(norm_round.times(rows, factor), self.store.rate(step), step)
+            self.tables.apply(norm_round.times(rows, factor) or [], self.store.rate(step), step)
         waiting = self.applies.add(worker_id, grad, iteration, idle, factor)
         self.share(live)
         return waiting
@@ -326,7 +326,7 @@ class Rounds(Arrival):
         norm_round.check_total(total, c.part)
         self.closing, self.last = None, (round_, total)
         factor = norm_round.scale(self.clip, total)
-        self._apply(c.mean, norm_round.scaled(c.rows, factor), c.idle, factor)
+        self._apply(c.mean, norm_round.times(c.rows, factor), c.idle, factor)
         return True
 
     def _apply(
