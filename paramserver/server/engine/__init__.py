@@ -1,8 +1,10 @@
 """The server's state machine: the decisions taken under the coordinator's one lock, and
 the dense apply beside it. No gRPC, no sockets, no files.
 
-- ``coordinator``: the lock, the condition pulls wait on, and the only code that assigns
-  its fields; it orchestrates the parts below;
+- ``coordinator``: the lock, the condition pulls wait on, and with ``state_io`` the only
+  code that assigns its fields; it orchestrates the parts below;
+- ``state_io``: the coordinator's state in and out (its base class): the cuts that fall,
+  the copy a checkpoint or a cut holds, and such a copy taken over (a start, a rewind);
 - ``members``: who is in, their clocks and batches, joins and departures, exactly once;
 - ``arrival``: what of a push reaches the model and when (a sync round, or on arrival),
   chosen once from the policy;

@@ -4,11 +4,12 @@ No gRPC here: the servicer decodes requests, calls these methods and encodes rep
 Waiting (for a barrier) happens on a condition variable that every state change notifies;
 whether a waiting pull may have its answer, and the answer, are ``pulls``'s (``Pull``).
 
-Its parts own their state (only this module assigns the coordinator's fields): ``members``
-(who is in the run, their clocks and batches), ``arrival`` (what of a push reaches the model
-and when: a sync round or on arrival, chosen once from the policy) and ``saving`` (cuts
-waiting for the disk, the checkpointer's writes). Built from a ``CoordinatorSnapshot``
-(``snapshot=``), it takes one (``checkpoint_state``, cuts); a rewind takes one over."""
+Its parts own their state (only this module and ``state_io`` assign the coordinator's
+fields): ``members`` (who is in the run, their clocks and batches), ``arrival`` (what of a
+push reaches the model and when: a sync round or on arrival, chosen once from the policy)
+and ``saving`` (cuts waiting for the disk, the checkpointer's writes). Its state in and out (the cuts, a
+``CoordinatorSnapshot`` taken by ``checkpoint_state``, one taken over at the start,
+``snapshot=``, or by a rewind) is its base class's, ``state_io.StateInOut``."""
 
 from __future__ import annotations
 
@@ -30,23 +31,24 @@ from paramserver.policy.staleness import Policy
 from paramserver.server.bookkeeping.batch_queue import BatchQueue
 from paramserver.server.bookkeeping.buffers import SharedBuffers
 from paramserver.server.bookkeeping.compensation import Reads
-from paramserver.server.bookkeeping.leases import Member, Membership
+from paramserver.server.bookkeeping.leases import Member
 from paramserver.server.bookkeeping.snapshot import CoordinatorSnapshot
 from paramserver.server.bookkeeping.status import Counters, ServerStatus, server_status
 from paramserver.server.bookkeeping.store import ParameterStore
 from paramserver.server.engine.answers import PullResult, PushResult, answer
-from paramserver.server.engine.arrival import Arrival, arrival
+from paramserver.server.engine.arrival import Arrival
 from paramserver.server.engine.checks import check_push
 from paramserver.server.engine.dense_apply import Applies
 from paramserver.server.engine.members import Members
 from paramserver.server.engine.pulls import Pull
 from paramserver.server.engine.saving import Saving
+from paramserver.server.engine.state_io import StateInOut
 from paramserver.sparse.tableset import TableSet, complete_all
 
 log = logging.getLogger(__name__)
 
 
-class Coordinator:
+class Coordinator(StateInOut):
     """Serialises every decision of the server; thread-safe.
 
     Args:
@@ -98,36 +100,13 @@ class Coordinator:
             with self._cond:  # --forget-workers
                 self._after_leaving(self.members.forgotten())
 
-    def _take_over(self, s: CoordinatorSnapshot) -> None:
-        """Go on from ``s``: its workers with a fresh lease, the model and rounds as were."""
-        self.members = Members.restored(self.config, self._now, s)  # logs it
-        self.arrival = self._arrival(s)
-        self.saving.resumed(s)
-        self.counters.load(s.counters)
-
-    def _arrival(self, s: CoordinatorSnapshot | None) -> Arrival:
-        """The policy's strategy over the model, going on from ``s`` if given."""
-        c, live = self.config, self.membership.live_ids()
-        parts = (self.policy, self.store, self.tables, self.buffers, self.counters)
-        clip = c.round_clip(self.tables is not None)
-        return arrival(*parts, s, live, c.backup_workers, self.applies, clip)
-
     # --- its parts, as status and the tests read them -----------------------------------
-
-    @property
-    def membership(self) -> Membership:
-        return self.members.membership
 
     @property
     def queue(self) -> BatchQueue | None:
         return self.members.queue
 
-    @property
-    def rounds(self) -> int:  # sync rounds completed
-        return self.arrival.rounds
-
     ledger = property(lambda self: self.arrival.ledger)  # the batches this shard applied
-    cuts = property(lambda self: self.saving.cuts)  # Cuts[CoordinatorSnapshot]
     saves = property(lambda self: self.saving.saves)  # Saves
 
     def check_incarnation(self, incarnation: str) -> None:
@@ -274,23 +253,6 @@ class Coordinator:
                 self._cond.notify_all()
             return -1, 0.0, self.rounds > round_, self.arrival.last
 
-    def _published(self) -> None:
-        """After an apply published its gradients (under the lock): a cut may fall now."""
-        self._settled(False)
-        self._cond.notify_all()
-
-    def _settled(self, round_ended: bool) -> None:
-        """After a push or a departure: take the cut that falls now, if any (at the end of
-        a sync round; otherwise once every live clock reaches it)."""
-        if round_ended:
-            cut = self.cuts.after_round(self.rounds)
-        elif not self.applies.idle:
-            return  # the cut waits until the weights hold every clock counted
-        else:
-            cut = self.cuts.reached(self.membership.min_clock())
-        if cut is not None:
-            self.saving.take(cut, self._snapshot(cut))
-
     # --- pull -------------------------------------------------------------------------
 
     def pull_rows(
@@ -345,44 +307,6 @@ class Coordinator:
             pull = Pull(worker_id, iteration, batches, incarnation, sink, ahead)
             result = pull.wait(self, self._cond, self._now, deadline, is_active)
             return dataclasses.replace(result, iteration=iteration)
-
-    # --- checkpoints ------------------------------------------------------------------
-
-    def checkpoint_state(self, whole: bool = False) -> Any:
-        """A consistent copy of everything a resumed server needs (see ``checkpoint``), the
-        gradients accepted applied first. ``whole``: instead, the flat weights and every
-        table whole, copied, leaving the tables' changes for the next checkpoint."""
-        with self.applies.lock, self._cond:
-            if self.applies.drain():
-                self._published()  # a cut may fall now: it is taken before this state
-            if whole:
-                tables = self.tables.state_dict() if self.tables is not None else None
-                return self.store.weights.copy(), tables
-            return self._snapshot(self.cuts.last)
-
-    def _snapshot(self, cut: int) -> CoordinatorSnapshot:
-        """Everything a resumed server needs, copied; the caller holds the lock."""
-        return CoordinatorSnapshot(
-            cut=cut,
-            policy=self.policy.name,
-            incarnation=self.incarnation,
-            counters=self.counters.state(),
-            frozen=self.frozen,  # constants: not copied
-            **self.members.state(),
-            **self.arrival.state(),
-        )
-
-    def rewind(self, snapshot: CoordinatorSnapshot, on_disk: Iterable[int], cause: str = ""):
-        """Go back to a cut, as a new incarnation whose origin is ``cause`` (the restarted
-        shard's): every call of the old one is refused (ABORTED, waiting pulls too), so
-        workers join again at the cut's clocks."""
-        with self.applies.lock, self._cond:
-            self.incarnation = uuid.uuid4().hex[:12]
-            self.origin = cause or self.incarnation
-            self.applies.discard(WrongIncarnation("The server rewound before applying this push."))
-            self.saving.rewound(snapshot.cut, on_disk)
-            self._take_over(snapshot)
-            self._cond.notify_all()
 
     # --- waiting and status -----------------------------------------------------------
 
