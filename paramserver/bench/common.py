@@ -201,12 +201,15 @@ def worker_children(
 
 def report(name: str, rows: list[tuple[str, str]], figures: dict[str, Any], as_json: bool) -> None:
     """A readable table, or with ``--json`` one JSON line of the figures, with the date and
-    the machine they were measured on (README quotes a line's figures only with them)."""
+    the machine they were measured on (README quotes a line's figures only with them), and
+    the commit of the tree measured where it is a git checkout."""
     if as_json:
-        from paramserver.bench.report.results import machine
+        from paramserver.bench.report.results import commit, machine
 
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         line = {"bench": name, **figures, "date": when, "machine": machine()}
+        if (measured := commit()) is not None:
+            line["commit"] = measured
         click.echo(json.dumps(line, sort_keys=True))
         return
     width = max(len(k) for k, _ in rows)

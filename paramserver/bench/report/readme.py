@@ -192,10 +192,10 @@ def _row(f: Figure, runs: list[Line], source: str, above: str = "") -> str:
     )
 
 
-def _source(f: Figure, runs: list[Line], numbered: dict[str, int]) -> str:
-    """Where a figure's runs are: their days, machines, file and lines; ``numbered``: the
-    machines listed above the table, by their text (one machine: none, as the header names
-    it)."""
+def _source(f: Figure, runs: list[Line], numbered: dict[str, int], commits: bool) -> str:
+    """Where a figure's runs are: their days, machines, file and lines (``commits``: and the
+    commits they measured); ``numbered``: the machines listed above the table, by their
+    text (one machine: none, as the header names it)."""
     machines = (
         ""
         if len(numbered) <= 1
@@ -204,11 +204,21 @@ def _source(f: Figure, runs: list[Line], numbered: dict[str, int]) -> str:
     days = span(sorted({run.figures["date"][:10] for run in runs}))  # the lines hold the hour
     numbers = ", ".join(str(run.number) for run in runs)
     file = runs[-1].file or f"{f.bench}.json"
-    return f"{days}{machines}; `{file}` line{'s' if len(runs) > 1 else ''} {numbers}"
+    where = f"{days}{machines}; `{file}` line{'s' if len(runs) > 1 else ''} {numbers}"
+    if not commits:
+        return where
+    known = [str(run.figures["commit"]) for run in runs if "commit" in run.figures]
+    said = ", ".join(dict.fromkeys(known)) if known else "not recorded"
+    return f"{where}; commit {said}"
 
 
-def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
-    named = {f.bench for f in FIGURES if f.bench in bench}
+def quoted_figures(
+    figures: tuple[Figure, ...], bench: dict[str, list[Line]]
+) -> tuple[list[tuple[Figure, list[Line]]], list[str]]:
+    """The figures of ``figures`` that can be quoted, each with the runs it is quoted from
+    (``quoted_runs``, among the lines of its device), and the benchmarks named whose latest
+    line carries no date (none of their figures is quoted)."""
+    named = {f.bench for f in figures if f.bench in bench}
     lines_of = {
         (name, device): [ln for ln in bench[name] if ln.device == device]
         for name in named
@@ -217,11 +227,34 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
     undated = sorted({name for (name, _), got in lines_of.items() if "date" not in got[-1].figures})
     quoted = [
         (f, found)
-        for f in FIGURES
+        for f in figures
         if f.bench in named
         and f.bench not in undated
         and (found := quoted_runs(lines_of.get((f.bench, device_of(f.key)), []), f.key))
     ]
+    return quoted, undated
+
+
+def figure_table(quoted: list[tuple[Figure, list[Line]]], commits: bool = False) -> list[str]:
+    """The machines the runs were measured on, then a row per figure with its runs
+    (``commits``: naming the commits they measured)."""
+    every = sorted(set().union(*(_machines(found) for _, found in quoted)))
+    numbered = {m: i for i, m in enumerate(every, 1)}
+    if len(every) == 1:
+        lines = [f"All measured on {every[0]}."]
+    else:  # each named once, a row gives its number
+        lines = [f"- machine {i}: {m}" for m, i in numbered.items()]
+    lines += ["", "| figure | measured | target | measured on |", "| --- | --- | --- | --- |"]
+    above = ""
+    for f, found in quoted:
+        source = _source(f, found, numbered, commits)
+        lines.append(_row(f, found, source, above))
+        above = source
+    return lines
+
+
+def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
+    quoted, undated = quoted_figures(FIGURES, bench)
     lines = [
         "Benchmarks (`paramserver bench NAME --json`, each against its baseline in one run;",
         "commands in [docs/BENCHMARKS.md](docs/BENCHMARKS.md))"
@@ -232,18 +265,7 @@ def _benchmarks(bench: dict[str, list[Line]]) -> list[str]:
         ),
     ]
     if quoted:
-        every = sorted(set().union(*(_machines(found) for _, found in quoted)))
-        numbered = {m: i for i, m in enumerate(every, 1)}
-        if len(every) == 1:
-            lines += ["", f"All measured on {every[0]}."]
-        else:  # each named once, a row gives its number
-            lines += [""] + [f"- machine {i}: {m}" for m, i in numbered.items()]
-        lines += ["", "| figure | measured | target | measured on |", "| --- | --- | --- | --- |"]
-        above = ""
-        for f, found in quoted:
-            source = _source(f, found, numbered)
-            lines.append(_row(f, found, source, above))
-            above = source
+        lines += ["", *figure_table(quoted)]
     if undated:
         names = ", ".join(f"`{name}`" for name in undated)
         lines += [""] if quoted else []

@@ -3,7 +3,8 @@ with ``--resnet``, of the ResNet) is measured with ``paramserver launch --json``
 one JSON record in ``docs/results/`` with its command, date and machine; the page is then
 written from those records alone, so its figures are never typed by hand. README's results
 block is written too, from the same records and the benchmarks' latest dated lines
-(``paramserver.bench.report.readme``).
+(``paramserver.bench.report.readme``), and so are docs/BENCHMARKS.md's tables
+(``paramserver.bench.report.benchmarks``).
 
     python -m paramserver.bench.report.results            # measure every run, then write the pages
     python -m paramserver.bench.report.results --render   # write the pages from the records kept
@@ -23,7 +24,7 @@ from typing import Any
 
 import click
 
-from paramserver.bench.report import readme
+from paramserver.bench.report import benchmarks, readme
 
 POLICIES = ("sync", "delay-1", "ssp:3", "async")
 
@@ -85,6 +86,27 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def commit() -> str | None:
+    """The commit of the tree the figures were measured from (short; "+changes" where the
+    tracked files differ from it), or None outside a git checkout."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=here, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return f"{head}+changes" if changed else head
 
 
 def epoch_accuracies(run_dir: str) -> list[float]:
@@ -247,20 +269,37 @@ def load(folder: Path) -> list[dict[str, Any]]:
 @click.option(
     "--bench", default="docs/bench", show_default=True, help="The benchmarks' JSON lines."
 )
+@click.option(
+    "--benchmarks",
+    "benchmarks_path",
+    default="docs/BENCHMARKS.md",
+    show_default=True,
+    help="The page whose benchmarks' blocks to rewrite.",
+)
 def main(
-    render_only: bool, resnet: bool, records: str, out: str, readme_path: str, bench: str
+    render_only: bool,
+    resnet: bool,
+    records: str,
+    out: str,
+    readme_path: str,
+    bench: str,
+    benchmarks_path: str,
 ) -> None:
-    """Measure the runs RESULTS.md reports, then write it and README's block from the records."""
+    """Measure the runs RESULTS.md reports, then write it, README's block and the benchmarks'
+    blocks of BENCHMARKS.md from the records."""
     folder = Path(records)
     if not render_only:
         for run in runs(resnet):
             measure(run, folder)
     kept = load(folder)
-    page, front = Path(out), Path(readme_path)
-    text = readme.render(front.read_text(), kept, readme.load_bench(Path(bench)))
+    page, front, bench_page = Path(out), Path(readme_path), Path(benchmarks_path)
+    lines = readme.load_bench(Path(bench))
+    text = readme.render(front.read_text(), kept, lines)
+    bench_text = benchmarks.render(bench_page.read_text(), lines)
     page.write_text(render(kept))
     front.write_text(text)
-    click.echo(f"wrote {out} and the results block of {readme_path}", err=True)
+    bench_page.write_text(bench_text)
+    click.echo(f"wrote {out}, the results block of {readme_path} and {benchmarks_path}", err=True)
 
 
 if __name__ == "__main__":
