@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The main job: a local cluster training on Fashion-MNIST.
 RUN_ARGS ?= --workers 2 --policy delay-1 --model mlp --epochs 8
 
-.PHONY: install data proto lint typecheck test run results image clean
+.PHONY: install data proto lint typecheck test test-unit run results image clean
 
 install: $(VENV)/.installed data
 
@@ -48,8 +48,15 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy paramserver
 
+# The whole suite on TEST_JOBS processes (pytest-xdist); a test file that uses a machine-wide
+# resource (namespaces, docker, Slurm) runs on one of them (tests/conftest.py, MACHINE_WIDE).
+TEST_JOBS ?= 4
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+
+# A faster subset for work in progress: tests/unit alone.
+test-unit: install
+	$(PY) -m pytest -q -n $(TEST_JOBS) tests/unit
 
 run: install
 	$(PY) -m paramserver launch $(RUN_ARGS)

@@ -20,6 +20,12 @@ import paramserver as ps
 
 DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
 
+# `make test` runs the suite on several processes (pytest-xdist, ``--dist loadgroup``;
+# servers bind port 0, every test has its own tmp_path). A test that uses a machine-wide
+# resource is marked ``xdist_group(NAME)``, so that tests of one group run one at a time on
+# one process: "netns" (network namespaces on one fixed subnet, which some tests count
+# machine-wide), "docker" (the one daemon) and "slurm" (its daemons).
+
 
 class FakeClock:
     """An injectable monotonic clock that moves only when told to."""

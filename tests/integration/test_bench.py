@@ -144,7 +144,14 @@ KEYS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(KEYS))
+# ``bench network`` makes network namespaces: one such test at a time (tests/conftest.py).
+NAMES = [
+    pytest.param(name, marks=pytest.mark.xdist_group("netns")) if name == "network" else name
+    for name in sorted(KEYS)
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_bench_quick_json(name):
     if name == "network" and (why := netns.unavailable()) is not None:
         pytest.skip(why)

@@ -19,6 +19,10 @@ from paramserver.cli import cli
 from tests import netns
 from tests.conftest import DEADLINE
 
+# Network namespaces on one fixed subnet, counted machine-wide: one such test at a time
+# under `make test`'s processes (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("netns")
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BASE, GPU, ENV_EXAMPLE = (

@@ -34,6 +34,9 @@ import pytest
 from tests.conftest import free_port, paramserver_cmd
 from tests.integration.test_deploy import BASE
 
+# The one docker daemon: one such test at a time under `make test`'s processes.
+pytestmark = pytest.mark.xdist_group("docker")
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs/deploy.md"
 DOCKER, DOCKERD = shutil.which("docker"), shutil.which("dockerd")

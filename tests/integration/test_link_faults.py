@@ -21,7 +21,12 @@ from paramserver.cluster import netns
 from paramserver.cluster.commands import CHILD_ENV
 from paramserver.cluster.procs import READY_MARKER
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+# Network namespaces on one fixed subnet, counted machine-wide: one such test at a time
+# under `make test`'s processes (tests/conftest.py).
+pytestmark = [
+    pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable())),
+    pytest.mark.xdist_group("netns"),
+]
 
 DEADLINE = 120.0
 PORT = 50051

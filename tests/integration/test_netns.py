@@ -12,6 +12,10 @@ import pytest
 from paramserver.cluster import netns
 from paramserver.errors import ConfigError
 
+# Network namespaces on one fixed subnet, counted machine-wide: one such test at a time
+# under `make test`'s processes (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("netns")
+
 
 def test_rates_in_tcs_units() -> None:
     assert netns.rate_bits("100mbit") == 100e6

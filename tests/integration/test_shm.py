@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/sh
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("paramserver-")}
+    # This process's only (its name holds the pid): other test processes run beside it.
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"paramserver-{os.getpid()}-")}
 
 
 def _train(server: ps.ServerApp, model: torch.nn.Module, steps: int, **worker_kw) -> ps.Worker:

@@ -18,6 +18,10 @@ import pytest
 
 from paramserver.server.disk import checkpoint
 from tests import slurm
+from tests.integration.test_torchx import free_ports
+
+# Slurm's daemons: one such test at a time under `make test`'s processes.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 SBATCH = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "paramserver.sbatch"
 BATCHES = 4096 // 64  # synthetic data, batch 64
@@ -40,13 +44,15 @@ def cluster() -> Iterator[slurm.Cluster]:
 
 
 def submit(cluster: slurm.Cluster, workdir: Path, **settings: str) -> str:
-    env = dict(
-        cluster.env,
-        PARAMSERVER_CMD=f"{sys.executable} -m paramserver",
-        PARAMSERVER_DATASET="synthetic",
-        PARAMSERVER_DEVICE="cpu",
+    env = {
+        **cluster.env,
+        # not the job's default 50051: other tests' servers on this host bind ports beside it
+        "PARAMSERVER_PORT": str(free_ports(2)),  # and the data port above it
+        "PARAMSERVER_CMD": f"{sys.executable} -m paramserver",
+        "PARAMSERVER_DATASET": "synthetic",
+        "PARAMSERVER_DEVICE": "cpu",
         **settings,
-    )
+    }
     workdir.mkdir()
     out = cluster.run_env(
         ["sbatch", "--parsable", "--export=ALL", f"--chdir={workdir}", str(SBATCH)], env
@@ -75,7 +81,8 @@ def saved_version(directory: Path) -> int:
 
 def test_the_heterogeneous_job_trains_to_the_end(cluster, tmp_path):
     started = time.monotonic()
-    jid = submit(cluster, tmp_path / "run", PARAMSERVER_EPOCHS="2")
+    port = free_ports(2)
+    jid = submit(cluster, tmp_path / "run", PARAMSERVER_EPOCHS="2", PARAMSERVER_PORT=str(port))
     state = wait(
         "the job done",
         lambda: (j := job(cluster, jid))["JobState"] in ("COMPLETED", "FAILED", "CANCELLED") and j,
@@ -83,7 +90,7 @@ def test_the_heterogeneous_job_trains_to_the_end(cluster, tmp_path):
     )
     log = (tmp_path / "run" / f"paramserver-{jid}.out").read_text()
     assert state["JobState"] == "COMPLETED", log[-3000:]
-    assert "1 shard(s) at 127.0.0.1:50051, 2 worker(s)" in log
+    assert f"1 shard(s) at 127.0.0.1:{port}, 2 worker(s)" in log
     # both workers finished, between them every batch of 2 epochs of 64 once (the server
     # hands batches to whoever asks, so a faster worker may take one or two more)
     steps = [int(n) for n in re.findall(r"rank \d finished: (\d+) steps", log)]
@@ -137,8 +144,6 @@ def test_the_torchx_component_trains_to_the_end_on_slurm(cluster, tmp_path, monk
     torchx's Python API: its CLI, after submitting, asks squeue for the job's state and
     fails on this Slurm (22.05) while the job is pending (KeyError 'job_resources')."""
     from torchx.runner import get_runner
-
-    from tests.integration.test_torchx import free_ports
 
     work = tmp_path / "torchx"
     work.mkdir()
