@@ -311,9 +311,8 @@ class ServerConfig:
         more than this server's dense part (a shard, a model with sparse ``tables``), and
         whether a sync round's other parts come through a worker (``norm_round.py``; under
         ssp:K and async each push says its norm: ``push_norm``)."""
-        spans = self.shards > 1 or tables
-        sync = self.parsed_policy.synchronous
-        return (self.optimizer.clip if spans else 0.0), bool(spans and sync and self.shards > 1)
+        clip = self.optimizer.clip if self.shards > 1 or tables else 0.0
+        return clip, bool(clip and self.parsed_policy.synchronous and self.shards > 1)
 
     def push_norm(self, tables: bool) -> bool:
         """Whether each push must say its squared norm over the whole model (JoinResponse)."""

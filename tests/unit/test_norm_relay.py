@@ -207,3 +207,26 @@ def test_the_relay_relays_rounds_done_again_after_the_worker_joined_again():
         assert [s.given[-1] for s in shards] == [(2, 4.0), (2, 4.0)]
     finally:
         closed.set()
+
+
+@pytest.mark.parametrize(
+    ("clip", "shards", "policy", "tables", "want"),
+    [
+        (0.0, 2, "sync", False, (0.0, False)),  # no clip: no relay (a relay thread, and a
+        (0.0, 2, "sync", True, (0.0, False)),  # leave waiting on it, were paid for nothing)
+        (1.0, 2, "sync", False, (1.0, True)),
+        (1.0, 2, "async", False, (1.0, False)),  # each push says its norm instead
+        (1.0, 1, "sync", True, (1.0, False)),  # one shard: the rows' part is its own
+        (1.0, 1, "sync", False, (0.0, False)),  # the store clips its own dense part
+    ],
+)
+def test_a_round_waits_for_a_relayed_norm_only_under_a_clip_over_shards(
+    clip, shards, policy, tables, want
+) -> None:
+    from paramserver.config import ServerConfig
+    from paramserver.config.optimizer import OptimizerConfig
+
+    config = ServerConfig(
+        policy=policy, shards=shards, optimizer=OptimizerConfig(clip=clip, name="sgd")
+    )
+    assert config.round_clip(tables) == want
