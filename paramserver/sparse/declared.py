@@ -53,6 +53,10 @@ class RowLookup(nn.Module):
 
     bag: str | None = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        _leave_rows_to_eager_mode()
+
     @property
     def name(self) -> str:
         """The table's name, for errors."""
@@ -71,13 +75,21 @@ class RowLookup(nn.Module):
         rows, inverse = self._rows(ids)
         return lookup(rows, inverse, self.bag, offsets, per_sample_weights)
 
-    @torch.compiler.disable
     def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``ids``' distinct ids and where each id's is. Host work (numpy ids,
         a cache, row pulls) that ``torch.compile`` leaves to eager mode: the pooling after
         it compiles (dynamo tracing into the row index failed on a numpy global)."""
         distinct, inverse = distinct_ids(ids, self.name)
         return self.rows_of(distinct, ids.device), inverse
+
+
+def _leave_rows_to_eager_mode() -> None:
+    """``torch.compiler.disable`` on ``RowLookup._rows``, once, when the first table is made:
+    the decorator imports torch._dynamo, which took half of a server's or a worker's start
+    (about 2 s of CPU on the 2-core machine) in every process, tables or none."""
+    if not getattr(RowLookup._rows, "_eager", False):
+        RowLookup._rows = torch.compiler.disable(RowLookup._rows)  # type: ignore[method-assign]
+        RowLookup._rows._eager = True  # type: ignore[attr-defined]
 
 
 class Embedding(RowLookup):

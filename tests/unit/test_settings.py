@@ -129,6 +129,26 @@ def test_status_and_health_do_not_import_torch():
     assert "torch imported: False" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_server_or_a_worker_starts_without_torchs_compiler():
+    """torch._dynamo is loaded by the first table made (``torch.compiler.disable`` on its
+    host lookup), not by importing the server or the worker: it was half of each process's
+    start."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import paramserver.server.app, paramserver.worker.worker, paramserver.cli.main\n"
+        "print('dynamo:', 'torch._dynamo' in sys.modules)\n"
+        "from paramserver.sparse.declared import Embedding\n"
+        "Embedding(10, 4)\n"
+        "print('dynamo after a table:', 'torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "dynamo: False" in out.stdout, out.stdout + out.stderr
+    assert "dynamo after a table: True" in out.stdout, out.stdout + out.stderr
+
+
 def test_a_launch_config_survives_argv_and_the_command_line():
     from paramserver.cluster.launch import launch_args
 
