@@ -48,9 +48,11 @@ lint: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy paramserver
 
-# The whole suite on TEST_JOBS processes (pytest-xdist); a test file that uses a machine-wide
-# resource (namespaces, docker, Slurm) runs on one of them (tests/conftest.py, MACHINE_WIDE).
-TEST_JOBS ?= 4
+# The whole suite; TEST_JOBS=N runs it on N processes (pytest-xdist), the tests of one
+# machine-wide resource one at a time (xdist_group, tests/conftest.py). 0, the default: one
+# process, because on 2 cores the timed benches and chaos soaks starve each other beside
+# other tests (issue 57: not yet green on 4).
+TEST_JOBS ?= 0
 test: install
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 

@@ -24,7 +24,8 @@ DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
 # servers bind port 0, every test has its own tmp_path). A test that uses a machine-wide
 # resource is marked ``xdist_group(NAME)``, so that tests of one group run one at a time on
 # one process: "netns" (network namespaces on one fixed subnet, which some tests count
-# machine-wide), "docker" (the one daemon) and "slurm" (its daemons).
+# machine-wide), "docker" (the one daemon), "slurm" (its daemons) and "bench" (the quick
+# benchmarks, whose short windows other benchmarks beside them starve).
 
 
 class FakeClock:
