@@ -111,42 +111,41 @@ def test_every_launch_setting_of_a_worker_is_the_worker_daemons_own():
             assert f.default == worker[f.name].default
 
 
-def test_status_and_health_do_not_import_torch():
+def _printed(*lines: str) -> str:
+    """What a fresh interpreter running ``lines`` prints (and says on stderr)."""
     import subprocess
     import sys
 
-    code = (
-        "import sys\n"
-        "from paramserver import cli\n"
-        "for command in ('status', 'health'):\n"
-        "    try:\n"
-        "        cli.main([command, '--server', '127.0.0.1:1', '--rpc-timeout', '0.05'])\n"
-        "    except SystemExit:\n"
-        "        pass\n"
-        "print('torch imported:', 'torch' in sys.modules)\n"
+    code = "\n".join(["import sys", *lines])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return out.stdout + out.stderr
+
+
+def test_status_and_health_do_not_import_torch():
+    out = _printed(
+        "from paramserver import cli",
+        "for command in ('status', 'health'):",
+        "    try:",
+        "        cli.main([command, '--server', '127.0.0.1:1', '--rpc-timeout', '0.05'])",
+        "    except SystemExit:",
+        "        pass",
+        "print('torch imported:', 'torch' in sys.modules)",
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "torch imported: False" in out.stdout, out.stdout + out.stderr
+    assert "torch imported: False" in out, out
 
 
 def test_a_server_or_a_worker_starts_without_torchs_compiler():
     """torch._dynamo is loaded by the first table made (``torch.compiler.disable`` on its
     host lookup), not by importing the server or the worker: it was half of each process's
     start."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "import paramserver.server.app, paramserver.worker.worker, paramserver.cli.main\n"
-        "print('dynamo:', 'torch._dynamo' in sys.modules)\n"
-        "from paramserver.sparse.declared import Embedding\n"
-        "Embedding(10, 4)\n"
-        "print('dynamo after a table:', 'torch._dynamo' in sys.modules)\n"
+    out = _printed(
+        "import paramserver.server.app, paramserver.worker.worker, paramserver.cli.main",
+        "print('dynamo:', 'torch._dynamo' in sys.modules)",
+        "from paramserver.sparse.declared import Embedding",
+        "Embedding(10, 4)",
+        "print('dynamo after a table:', 'torch._dynamo' in sys.modules)",
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "dynamo: False" in out.stdout, out.stdout + out.stderr
-    assert "dynamo after a table: True" in out.stdout, out.stdout + out.stderr
+    assert "dynamo: False" in out and "dynamo after a table: True" in out, out
 
 
 def test_a_launch_config_survives_argv_and_the_command_line():
