@@ -148,7 +148,7 @@ def cluster_rate(
 
 # Local steps in the benchmarks (issue 45): DiLoCo's outer step on the server, lr 0.7 and
 # momentum 0.9 (under async and ssp:K its delayed form, Liu et al. 2024: Nesterov's momentum
-# over stale pseudo-gradients diverged, see docs/BENCHMARKS.md), AdamW's inner steps (lr
+# over stale pseudo-gradients diverged, see docs/architecture.md), AdamW's inner steps (lr
 # 1e-3) on the workers.
 def local_outer(policy: str, steps: int | None = None) -> OptimizerConfig:
     """The outer optimizer; with ``steps``, the run's outer steps, its rate decays by

@@ -26,8 +26,9 @@ from paramserver.errors import ConfigError
 from paramserver.policy.staleness import Policy
 from paramserver.settings import setting
 
-# --delay-compensation's C for a model with sparse tables (docs/BENCHMARKS.md: the Criteo-like
-# DLRM's 2 async workers, C 1 and 3 against 0 at a tenth of its size, 3 at full size).
+# --delay-compensation's C for a model with sparse tables (docs/architecture.md, What the
+# benchmarks taught: the Criteo-like DLRM's 2 async workers, C 1 and 3 against 0 at a tenth
+# of its size, 3 at full size).
 DEFAULT_COMPENSATION = 3.0
 _WITH_SECOND_MOMENT = ("adam", "adamw")  # the optimizers whose v the compensation scales by
 

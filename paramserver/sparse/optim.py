@@ -12,7 +12,7 @@ do, and keeps state (adagrad's sums, adam's moments) for rows that were touched.
   this shard; every push reaches every shard when its batch names rows there, which a
   batch of any size does on every shard). A rare row's first steps are then up to 3.16 x
   ``lr`` (its moments start at 0 while the table's count is high): on the click log's 1M-row
-  DLRM this reached 0.7567 AUC in one process where ``adam`` reached 0.7366 (BENCHMARKS.md,
+  DLRM this reached 0.7567 AUC in one process where ``adam`` reached 0.7366 (docs/architecture.md,
   issue 44). The default for a table under ``--optimizer adam`` or ``adamw``.
 - ``adam``: lazy Adam whose bias correction counts the steps of each row (its pushes), as
   DeepRec's AdamAsync does: a row trains the same whichever shard holds it and however

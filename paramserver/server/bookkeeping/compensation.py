@@ -13,8 +13,8 @@ blow the first steps' correction up) as DC-ASGD-a scales by its mean square. DC-
 ``lambda`` is ``C / lr`` here: an Adam step moves a weight by about ``lr``, so
 ``(w_now - w_read) / lr`` counts the steps missed and ``C`` does not change with the rate
 (the step's own, under a schedule). Measured on the
-Criteo-like DLRM, where one step of staleness of the dense part costs 0.019 AUC:
-docs/BENCHMARKS.md.
+Criteo-like DLRM, where one step of staleness of the dense part costs 0.019 AUC (git
+history of docs/BENCHMARKS.md, issue 44; docs/architecture.md, What the benchmarks taught).
 
 ``Reads`` keeps the weights each pull answered, by (worker, iteration), until that
 worker's push for the iteration takes them (a prefetching worker may hold the next

@@ -3,7 +3,7 @@
 arrival order; the threads that read requests (gRPC's pool, the control socket's
 connections) hand their pushes over and wait for the result.
 
-Off by default, by measurement (``docs/BENCHMARKS.md``, 2-core machine): the hand-over adds
+Off by default, by measurement (``bench scaling``, 2-core machine; docs/architecture.md): the hand-over adds
 two thread wake-ups a push, 0.02-0.12 ms of the server's CPU; 2 workers under async train
 20% slower (44k against 55-57k samples/s) and under sync as fast (43-45k against 42-44k).
 In CPython the optimizer holds the GIL between its kernels, so a thread of its own
