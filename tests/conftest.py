@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import paramserver as ps
+from tests import cpu_account
 
 DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
 
@@ -26,6 +27,10 @@ DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
 # one process: "netns" (network namespaces on one fixed subnet, which some tests count
 # machine-wide), "docker" (the one daemon), "slurm" (its daemons) and "bench" (the quick
 # benchmarks, whose short windows other benchmarks beside them starve).
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cpu_account.register(config)
 
 
 class FakeClock:
