@@ -24,6 +24,13 @@ SERVICE = "paramserver.v1.ParameterServer"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # gRPC's own reconnect backoff (1 s, x1.6 a failed try, up to 120 s) left a worker whose
+    # server was down ten seconds waiting about six more once it was back, past a lease.
+    # The worker's retries already have their budget and jitter (worker/waits.py): the
+    # channel tries again at least once a second.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
