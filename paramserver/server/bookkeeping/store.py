@@ -25,11 +25,13 @@ from torch.optim import optimizer as _torch_optimizer
 
 from paramserver.codec.idle import Idle
 from paramserver.codec.layout import Manifest
-from paramserver.config import OptimizerConfig
+from paramserver.config import OptimizerConfig, lazy_dynamo
 from paramserver.server.optim import optimizer_resume, step_rules
 from paramserver.server.optim.outer import DelayedNesterov
 from paramserver.server.optim.user_optimizer import GroupedOptimizer, Grouping
 from paramserver.server.optim.user_schedule import UserSchedule
+
+lazy_dynamo.install()  # a shard's optimizer without torch._dynamo (2 s of CPU at its start)
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,31 @@ def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.o
 
 
 def bare_step(opt: torch.optim.Optimizer) -> Callable[[], Any] | None:
-    """``opt.step`` without torch's wrapper around it (a profiler range, and the step
-    hooks, which a server registers none of): the MLP's Adam step through ``apply`` 0.29
-    ms instead of 0.33-0.35 here (``docs/measure_store_step.py``). None where torch did not
-    wrap it as expected."""
+    """``opt.step`` without torch's wrappers around it: the profiler range and the step
+    hooks (which a server registers none of; the MLP's Adam step through ``apply`` 0.29 ms
+    instead of 0.33-0.35 here, ``docs/measure_store_step.py``), and the grad-mode wrapper,
+    which imports torch._dynamo on the first step for the graph breaks it marks for
+    ``torch.compile`` (2 s of CPU; the server compiles no step: ``config/lazy_dynamo.py``):
+    here the step runs under its grad mode as that wrapper sets it. None where torch did
+    not wrap it as expected."""
     step = type(opt).step
     inner = getattr(step, "__wrapped__", None)
     if not getattr(step, "hooked", False) or inner is None:
         return None
-    return functools.partial(inner, opt)
+    raw = getattr(inner, "__wrapped__", None)
+    if (
+        getattr(inner, "__code__", None) is None
+        or inner.__code__.co_name != "_use_grad"
+        or raw is None
+    ):
+        return functools.partial(inner, opt)
+    differentiable = bool(opt.defaults.get("differentiable", False))
+
+    def stepped() -> Any:
+        with torch.set_grad_enabled(differentiable):
+            return raw(opt)
+
+    return stepped
 
 
 def _hooked(opt: torch.optim.Optimizer) -> bool:
