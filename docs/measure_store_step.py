@@ -1,6 +1,6 @@
 """The server's optimizer step on the default MLP's flat parameters (235,146 float32, Adam,
 one torch thread): ``ParameterStore.apply`` through torch's ``optimizer.step()`` wrapper
-(a profiler range and the step hooks) against the bare step (``store.bare_step``), ms a
+(a profiler range and the step hooks) against the bare step (``config/lazy_dynamo.bare_step``), ms a
 step, alternating, medians of 5 rounds of 2,000 steps. Issue 26's note quotes it.
 
 Run: .venv/bin/python docs/measure_store_step.py

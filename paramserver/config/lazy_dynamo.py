@@ -14,6 +14,11 @@ It relies on ``torch._compile._disable_dynamo``'s cache (the ``__dynamo_disable`
 attribute of the wrapped function); a torch whose wrapper looks different is left as it is
 (slower to start, the same results). ``tests/unit/test_lazy_dynamo.py`` checks both sides:
 no torch._dynamo at start, and a compiled function calling the methods as in eager mode.
+
+Each step's own wrapper imports torch._dynamo as well, for the graph breaks it marks for a
+compiled step: ``bare_step`` runs the step beneath it, for the loops that call a step we
+built and never compile (a server shard's, the worker daemon's inner optimizer's:
+``stepper``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 _CACHE = "__dynamo_disable"  # torch._compile's attribute on the function it wraps
@@ -64,3 +70,49 @@ def _until_dynamo(fn: Callable[..., Any], recursive: bool) -> Callable[..., Any]
         return disabled(*args, **kwargs)
 
     return call
+
+
+def bare_step(opt: torch.optim.Optimizer) -> Callable[[], Any] | None:
+    """``opt.step`` without torch's wrappers around it: the profiler range and the step
+    hooks (which a server registers none of; the MLP's Adam step through a shard's apply
+    0.29 ms instead of 0.33-0.35, ``docs/measure_store_step.py``), and the grad-mode
+    wrapper, which imports torch._dynamo on the first step for the graph breaks it marks
+    for ``torch.compile`` (2 s of CPU): the step runs under the grad mode that wrapper
+    sets. None where torch did not wrap it as expected."""
+    step = type(opt).step
+    inner = getattr(step, "__wrapped__", None)
+    if not getattr(step, "hooked", False) or inner is None:
+        return None
+    raw = getattr(inner, "__wrapped__", None)
+    code = getattr(inner, "__code__", None)
+    if code is None or code.co_name != "_use_grad" or raw is None:
+        return functools.partial(inner, opt)
+    differentiable = bool(opt.defaults.get("differentiable", False))
+
+    def stepped() -> Any:
+        with torch.set_grad_enabled(differentiable):
+            return raw(opt)
+
+    return stepped
+
+
+def hooked(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step hook is registered, for every optimizer or for ``opt``."""
+    return bool(
+        getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
+        or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None)
+        or getattr(opt, "_optimizer_step_pre_hooks", None)
+        or getattr(opt, "_optimizer_step_post_hooks", None)
+    )
+
+
+def stepper(opt: torch.optim.Optimizer) -> Callable[[], Any]:
+    """``opt``'s step: the bare one (``bare_step``) unless a hook is registered when it
+    is called, else ``opt.step()``, which runs the hooks."""
+    bare = bare_step(opt)
+    install()
+
+    def step() -> Any:
+        return bare() if bare is not None and not hooked(opt) else opt.step()
+
+    return step

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from paramserver.config import lazy_dynamo
 from paramserver.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class LocalSteps:
         self.params = [p for p in worker.model.parameters() if p.requires_grad]
         self.anchor = [p.detach().clone() for p in self.params]
         self.inner = inner  # the inner optimizer, where the caller hands it over (trainer)
+        # its step without torch's wrappers (``config/lazy_dynamo.py``): the trainer's loop
+        self.inner_step = lazy_dynamo.stepper(inner) if inner is not None else None
 
     def into_grads(self) -> None:
         """Each parameter's gradient := the weights pulled minus the weights now."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.config import WorkerConfig
+from paramserver.config import WorkerConfig, lazy_dynamo
 from paramserver.errors import ConfigError, ServerUnavailable
 from paramserver.training import data, losses
 from paramserver.training.local_steps import LocalSteps
@@ -253,6 +253,7 @@ def _local_steps(cfg: WorkerConfig, worker: Worker) -> LocalSteps | None:
         return None
     kind = torch.optim.AdamW if cfg.inner_optimizer == "adamw" else torch.optim.SGD
     params = [p for p in worker.model.parameters() if p.requires_grad]
+    lazy_dynamo.install()  # the inner optimizer without torch._dynamo (2 s of CPU)
     return LocalSteps(worker, kind(params, lr=cfg.inner_lr))
 
 
@@ -272,6 +273,7 @@ def _compute(
     assert worker.batch is not None, "the caller steps empty-handed when there is no batch"
     batches = worker.batches or [worker.batch]
     taken, losses = 0, 0.0
+    inner_step = local.inner_step if local is not None else None
     for batch in batches:
         idx = order.rows(batch)
         x, y = order.dataset.batch(idx)
@@ -282,7 +284,8 @@ def _compute(
             loss = loss_fn(worker.model(x), y)
         if local is not None and local.inner is not None:  # one local step a batch
             precision.backward(loss)
-            local.inner.step()
+            assert inner_step is not None
+            inner_step()
             local.inner.zero_grad()
         else:
             precision.backward(loss / len(batches))

@@ -31,6 +31,14 @@ for name in ("sgd", "momentum", "nesterov", "delayed-nesterov", "adam", "adamw")
     opt = store.optimizer
     opt.load_state_dict(opt.state_dict())
     opt.zero_grad()
+from paramserver.config import lazy_dynamo
+p = torch.nn.Parameter(torch.ones(3))
+inner = torch.optim.AdamW([p], lr=0.1)  # the worker daemon's inner optimizer (local steps)
+step = lazy_dynamo.stepper(inner)
+for _ in range(2):
+    p.grad = torch.ones(3)
+    step()
+    inner.zero_grad()
 server = ps.serve("mlp", port=0, policy="sync", workers=1)
 model = models.resolve("mlp")()
 ds = data.synthetic(train=64, test=16)
@@ -54,6 +62,34 @@ def test_a_server_and_a_worker_train_without_torchs_compiler():
     out = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "version 3 dynamo False" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_the_stepper_is_the_optimizer_s_step_and_runs_hooks_registered_later():
+    """The inner optimizer's bare step (``stepper``) gives optimizer.step()'s weights and
+    state bit for bit; a hook registered after it was made still runs."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen: list[str] = []
+    for kind in (torch.optim.AdamW, torch.optim.SGD):
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 5)) for _ in range(2)]
+        opts = [kind([p], lr=0.1) for p in params]
+        steps = [lazy_dynamo.stepper(opts[0]), opts[1].step]
+        for i in range(3):
+            for p, step in zip(params, steps, strict=True):
+                p.grad = torch.full((5,), float(i) - 0.5)
+                step()
+        assert torch.equal(params[0], params[1]), kind
+        mine, theirs = (o.state_dict()["state"] for o in opts)  # plain SGD keeps none
+        assert mine.keys() == theirs.keys() == ({0} if kind is torch.optim.AdamW else set())
+        for k in mine:
+            assert mine[k].keys() == theirs[k].keys()
+            assert all(torch.equal(mine[k][n], theirs[k][n]) for n in mine[k]), kind
+        handle = register_optimizer_step_post_hook(lambda opt, *_: seen.append("hook"))
+        try:
+            steps[0]()
+        finally:
+            handle.remove()
+    assert seen == ["hook", "hook"]
 
 
 def test_a_compiled_function_calls_the_optimizer_as_eager_mode_does():

@@ -13,7 +13,6 @@ refuses another optimizer's state unless told to start afresh (``optimizer_resum
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -21,11 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.optim import optimizer as _torch_optimizer
 
 from paramserver.codec.idle import Idle
 from paramserver.codec.layout import Manifest
 from paramserver.config import OptimizerConfig, lazy_dynamo
+from paramserver.config.lazy_dynamo import bare_step, hooked
 from paramserver.server.optim import optimizer_resume, step_rules
 from paramserver.server.optim.outer import DelayedNesterov
 from paramserver.server.optim.user_optimizer import GroupedOptimizer, Grouping
@@ -65,44 +64,6 @@ def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.o
         return kind(params, fused=True, **kw)
     except (RuntimeError, TypeError, ValueError):  # a torch or device without it
         return kind(params, **kw)
-
-
-def bare_step(opt: torch.optim.Optimizer) -> Callable[[], Any] | None:
-    """``opt.step`` without torch's wrappers around it: the profiler range and the step
-    hooks (which a server registers none of; the MLP's Adam step through ``apply`` 0.29 ms
-    instead of 0.33-0.35 here, ``docs/measure_store_step.py``), and the grad-mode wrapper,
-    which imports torch._dynamo on the first step for the graph breaks it marks for
-    ``torch.compile`` (2 s of CPU; the server compiles no step: ``config/lazy_dynamo.py``):
-    here the step runs under its grad mode as that wrapper sets it. None where torch did
-    not wrap it as expected."""
-    step = type(opt).step
-    inner = getattr(step, "__wrapped__", None)
-    if not getattr(step, "hooked", False) or inner is None:
-        return None
-    raw = getattr(inner, "__wrapped__", None)
-    if (
-        getattr(inner, "__code__", None) is None
-        or inner.__code__.co_name != "_use_grad"
-        or raw is None
-    ):
-        return functools.partial(inner, opt)
-    differentiable = bool(opt.defaults.get("differentiable", False))
-
-    def stepped() -> Any:
-        with torch.set_grad_enabled(differentiable):
-            return raw(opt)
-
-    return stepped
-
-
-def _hooked(opt: torch.optim.Optimizer) -> bool:
-    """Whether a step hook is registered, for every optimizer or for ``opt``."""
-    return bool(
-        getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None)
-        or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None)
-        or getattr(opt, "_optimizer_step_pre_hooks", None)
-        or getattr(opt, "_optimizer_step_post_hooks", None)
-    )
 
 
 class ParameterStore:
@@ -224,7 +185,7 @@ class ParameterStore:
         self.param.grad = self._gradient(grad, lr, clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self._bare_step is not None and not _hooked(self.optimizer):
+        if self._bare_step is not None and not hooked(self.optimizer):
             self._bare_step()
         else:
             self.optimizer.step()
