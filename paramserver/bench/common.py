@@ -85,6 +85,11 @@ def _wait_until_training(stub: Stub, children: list[Any], policy: str) -> None:
         time.sleep(0.1)
 
 
+# A window in which nothing was applied (a short --quick window on a host loaded by other
+# work) goes on until something is, up to this long: the rate is then over the time taken.
+STALLED_WINDOW_S = 60.0
+
+
 def cluster_rate(
     policy: str,
     delays: list[float],
@@ -131,6 +136,9 @@ def cluster_rate(
             t1, s1, cpu1 = _sample(stub, server.proc.pid, pids)
             time.sleep(window)
             t2, s2, cpu2 = _sample(stub, server.proc.pid, pids)
+            while s2.samples == s1.samples and t2 - t1 < STALLED_WINDOW_S:  # a loaded host
+                time.sleep(0.25)
+                t2, s2, cpu2 = _sample(stub, server.proc.pid, pids)
         finally:
             channel.close()
             stop_all(children)

@@ -92,14 +92,14 @@ KEYS = {
     "server": [
         "sgd_16mib_apply_vs_bound",
         "adam_16mib_apply_vs_bound",
-        "sgd_1mib_net_pushes_per_s",
+        "sgd_16mib_net_pushes_per_s",
         "adam_16mib_applied_gbps",
         "adam_16mib_bound_gbps",
         "two_shards_vs_one",
         "adam_16mib_4p_coalesce_apply_vs_bound",
         "adam_16mib_4p_coalesce_coalesced_share",
         "adam_apply_80mb_threads2_vs_1",
-        "sgd_16mib_coalesce_vs_off",
+        "adam_16mib_coalesce_vs_off",
     ],
     "sparse": [
         "sparse_vs_dense",

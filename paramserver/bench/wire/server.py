@@ -8,7 +8,9 @@ one shard with ``--coalesce on``.
 Pushes/s come from the server's own counter (``pushes_applied``) over a window once every
 pusher runs. The pushers never pull, so no apply copies the version it replaces for pulls
 (``server/engine/dense_apply.py``; with workers that pull, one more read and write of the model a
-push). Two shards: through shared memory, at 64 MiB (``--quick``: its larger size) only.
+push). Two shards: through shared memory, at 64 MiB only. ``--quick`` runs each path once at
+16 MiB (``Plan``): SGD and Adam through shared memory, SGD over the data port, two shards
+and ``--coalesce`` with Adam.
 
 The bound, measured in the same run: the in-place pass an apply cannot avoid, on tensors
 of the same size with one torch thread (the server's default ``--server-threads``): SGD
@@ -39,7 +41,7 @@ import numpy as np
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.bench.common import median_seconds, server_process
+from paramserver.bench.common import STALLED_WINDOW_S, median_seconds, server_process
 from paramserver.bench.ddp import start_rank
 from paramserver.bench.wire.transport import MIB, Blob
 from paramserver.cluster.procs import _PARENT_ENV
@@ -203,6 +205,9 @@ def pushes_per_second(
             t1, before = time.perf_counter(), [_status(s) for s in stubs]
             time.sleep(window)
             t2, after = time.perf_counter(), [_status(s) for s in stubs]
+            while _none_applied(before, after) and t2 - t1 < STALLED_WINDOW_S:  # a loaded host
+                time.sleep(0.25)
+                t2, after = time.perf_counter(), [_status(s) for s in stubs]
         finally:
             for p, _ in pushers:
                 p.kill()
@@ -212,6 +217,11 @@ def pushes_per_second(
         together = after[0].pushes_coalesced - before[0].pushes_coalesced
         coalesced.append(together / max(applied[0], 1))
     return min(applied) / (t2 - t1)
+
+
+def _none_applied(before: list[pb.StatusResponse], after: list[pb.StatusResponse]) -> bool:
+    """Whether some shard applied no push between the two looks."""
+    return any(b.pushes_applied == a.pushes_applied for a, b in zip(before, after, strict=True))
 
 
 def _status(stub: Stub) -> pb.StatusResponse:
@@ -233,31 +243,72 @@ def _wait_until_all_push(stub: Stub, pushers: list[tuple[Any, Path]]) -> None:
         time.sleep(0.1)
 
 
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The runs of one bench: ``singles`` (size MiB, optimizer, through shared memory) on
+    one shard, then two shards and ``--coalesce`` on ``size`` with ``pair`` optimizers.
+    The quick run keeps each path once (shared memory with either optimizer, the data
+    port, two shards, coalescing on and off) instead of their cross product: each run
+    costs a server and its pushers, processes that start torch."""
+
+    sizes: tuple[int, ...]
+    singles: tuple[tuple[int, str, bool], ...]
+    size: int
+    pair: tuple[str, ...]
+    warmup: float
+    window: float
+    bound_reps: int
+    apply_reps: int
+
+    @classmethod
+    def of(cls, quick: bool) -> Plan:
+        if quick:
+            quick_runs = ((16, "sgd", True), (16, "adam", True), (16, "sgd", False))
+            return cls((16,), quick_runs, 16, ("adam",), 0.5, 1.5, 5, 7)
+        sizes = (1, 64, 256)
+        singles = tuple((s, o, shm) for s in sizes for o in OPTIMIZERS for shm in (True, False))
+        return cls(sizes, singles, 64, OPTIMIZERS, 1.0, 4.0, 20, 21)
+
+
 def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
-    sizes = (1, 16) if quick else (1, 64, 256)
-    warmup, window = (0.5, 1.5) if quick else (1.0, 4.0)
-    figures: dict[str, Any] = {"pushers": PUSHERS, "window_s": window, "sizes_mib": list(sizes)}
+    plan = Plan.of(quick)
+    warmup, window = plan.warmup, plan.window
+    figures: dict[str, Any] = {
+        "pushers": PUSHERS,
+        "window_s": window,
+        "sizes_mib": list(plan.sizes),
+    }
     rows: list[tuple[str, str]] = [
         ("load", f"{PUSHERS} pusher processes, async, window {window:g} s after {warmup:g} s"),
     ]
-    apply_threads(figures, rows, 7 if quick else 21)
+    apply_threads(figures, rows, plan.apply_reps)
     with tempfile.TemporaryDirectory(prefix="paramserver-bench-server-") as tmp:
         logs = Path(tmp)
-        for size in sizes:
-            nbytes = size * MIB
-            for optimizer in ("sgd", "adam"):
-                bound = bound_gbps(nbytes, optimizer, 5 if quick else 20)
-                key = f"{optimizer}_{size}mib"
-                figures[f"{key}_bound_gbps"] = bound
-                cfg = _config(size, optimizer)
-                for channel, shm in (("shm", True), ("net", False)):
-                    rate = pushes_per_second(cfg, 1, nbytes, shm, warmup, window, logs)
-                    name = key if shm else f"{key}_net"
-                    _record(figures, rows, name, rate, nbytes, bound, channel)
+        for size in plan.sizes:
+            for optimizer in OPTIMIZERS:
+                bound = bound_gbps(size * MIB, optimizer, plan.bound_reps)
+                figures[f"{optimizer}_{size}mib_bound_gbps"] = bound
+        for size, optimizer, shm in plan.singles:
+            key = f"{optimizer}_{size}mib"
+            cfg = _config(size, optimizer)
+            rate = pushes_per_second(cfg, 1, size * MIB, shm, warmup, window, logs)
+            bound = figures[f"{key}_bound_gbps"]
+            _record(
+                figures,
+                rows,
+                key if shm else f"{key}_net",
+                rate,
+                size * MIB,
+                bound,
+                "shm" if shm else "net",
+            )
         # Two shards, each a process holding half the model, on the middle size.
-        size = sizes[-1] if quick else 64
+        size = plan.size
         half = server_threads(None, 2, *host_cores())[0]  # as launch gives two shards
-        for optimizer in ("sgd", "adam"):
+        for optimizer in plan.pair:
             key = f"{optimizer}_{size}mib"
             cfg = dataclasses.replace(_config(size, optimizer), threads=half)
             rate = pushes_per_second(cfg, 2, size * MIB, True, warmup, window, logs)
@@ -266,22 +317,18 @@ def run(quick: bool) -> tuple[list[tuple[str, str]], dict[str, Any]]:
             figures[f"{key}_two_shards_vs_one"] = rate / figures[f"{key}_pushes_per_s"]
         figures["two_shards_vs_one"] = figures[f"adam_{size}mib_two_shards_vs_one"]
         figures["target_apply_vs_bound"] = 0.5  # at 64 MiB, both optimizers
-        _coalesced(figures, rows, size, warmup, window, logs)
+        _coalesced(figures, rows, plan, logs)
     return rows, figures
 
 
 def _coalesced(
-    figures: dict[str, Any],
-    rows: list[tuple[str, str]],
-    size: int,
-    warmup: float,
-    window: float,
-    logs: Path,
+    figures: dict[str, Any], rows: list[tuple[str, str]], plan: Plan, logs: Path
 ) -> None:
     """One shard with ``--coalesce on`` (pushes that arrive during an apply summed into
     one step) against off, ``COALESCE_PUSHERS`` pushers through shared memory
     (``coalesce_vs_off``; ``coalesced_share``: the pushes applied with others)."""
-    for optimizer in ("sgd", "adam"):
+    size = plan.size
+    for optimizer in plan.pair:
         key = f"{optimizer}_{size}mib"
         bound = figures[f"{key}_bound_gbps"]
         rates = {}
@@ -290,7 +337,7 @@ def _coalesced(
             cfg = dataclasses.replace(cfg, workers=COALESCE_PUSHERS)
             share: list[float] = []
             rates[coalesce] = pushes_per_second(
-                cfg, 1, size * MIB, True, warmup, window, logs, COALESCE_PUSHERS, share
+                cfg, 1, size * MIB, True, plan.warmup, plan.window, logs, COALESCE_PUSHERS, share
             )
             name = f"{key}_{COALESCE_PUSHERS}p" + ("_coalesce" if coalesce == "on" else "")
             channel = f"shm, {COALESCE_PUSHERS} pushers, --coalesce {coalesce}"
