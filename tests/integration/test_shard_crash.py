@@ -14,6 +14,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 
 from paramserver import models
 from paramserver._proto import paramserver_pb2 as pb
@@ -268,8 +269,16 @@ def _clock(st: pb.StatusResponse) -> int:
     return min((w.clock for w in st.workers), default=0)
 
 
-def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_path):
-    clean, _ = _run(tmp_path, "clean", crash=False)
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> np.ndarray:
+    """The MLP's sync run uninterrupted, which four tests compare with: run once (a sync
+    run over shards is the same to the bit each time, as the test of a shard killed after
+    the run's end asserts)."""
+    weights, _ = _run(tmp_path_factory.mktemp("uninterrupted"), "clean", crash=False)
+    return weights
+
+
+def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_path, clean):
     crashed, statuses = _run(tmp_path, "crash", crash=True)
     for st in statuses:
         assert st.rounds == ROUNDS  # both shards end at the same round
@@ -278,35 +287,35 @@ def test_a_sharded_run_whose_shard_is_killed_ends_as_an_uninterrupted_run(tmp_pa
     np.testing.assert_allclose(crashed, clean, rtol=1e-6, atol=1e-7)
 
 
-def test_a_shard_killed_after_the_run_ended_resumes_at_its_end(tmp_path):
+def test_a_shard_killed_after_the_run_ended_resumes_at_its_end(tmp_path, clean):
     """Round 96 is past the last scheduled cut (95): the last worker's leaving cuts there,
     so a shard killed after the run resumes at its end, with nobody left to train again."""
-    clean, _ = _run(tmp_path, "clean", crash=False)
     ended, statuses = _run(tmp_path, "ended", crash=False, at_end=True)
     assert ROUNDS % CUT_EVERY and [st.rounds for st in statuses] == [ROUNDS, ROUNDS]
     np.testing.assert_array_equal(ended, clean)
 
 
-def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path):
+def test_a_sharded_run_whose_slow_shard_is_killed_keeps_a_common_cut(tmp_path, clean):
     """Nothing lost when shards crash: shard 1's writes
     fail while shard 0's succeed; shard 0 deletes no cut that shard 1 may restart from, and
     shard 1's cuts waiting for its disk are bounded (the run waits for them). kill -9 of
     shard 1 then, and a restart: the run recovers and ends as an uninterrupted run."""
-    _ends_as_an_uninterrupted_run(tmp_path, "slow", kill=_kill_while_its_writes_fail)
+    _ends_as_an_uninterrupted_run(tmp_path, clean, "slow", kill=_kill_while_its_writes_fail)
 
 
-def test_a_sharded_run_whose_every_shard_is_killed_at_once_ends_as_an_uninterrupted_run(tmp_path):
+def test_a_sharded_run_whose_every_shard_is_killed_at_once_ends_as_an_uninterrupted_run(
+    tmp_path, clean
+):
     """Every shard killed at once (shard 1's writes failing, so its newest cut is older than
     shard 0's) restarts from its own newest cut; the workers bring shard 0 back to shard
     1's (which it keeps: guarantee 2 of "Recovery that never loses or doubles work"), and
     the run ends as an uninterrupted one."""
-    _ends_as_an_uninterrupted_run(tmp_path, "every", every=True)
+    _ends_as_an_uninterrupted_run(tmp_path, clean, "every", every=True)
 
 
-def _ends_as_an_uninterrupted_run(tmp_path, tag: str, **crash) -> None:
+def _ends_as_an_uninterrupted_run(tmp_path, clean: np.ndarray, tag: str, **crash) -> None:
     """A sync run crashed as ``crash`` says ends at the last round with every batch once and
-    the weights of the same run uninterrupted."""
-    clean, _ = _run(tmp_path, f"{tag}-clean", crash=False)
+    the weights of the same run uninterrupted (``clean``)."""
     crashed, statuses = _run(tmp_path, f"{tag}-crash", crash=True, **crash)
     for st in statuses:
         assert st.rounds == ROUNDS
