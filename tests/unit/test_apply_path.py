@@ -103,7 +103,10 @@ def test_a_hundred_pushes_allocate_no_buffer_the_size_of_the_model(
     steps = _steps(policy, workers, optimizer)
     ids = [steps.c.join(f"w{i}").worker_id for i in range(workers)]
     codec, payload = _payload(compress)
-    _run(steps, ids, 3, 0, codec, payload, wire)  # warm: buffers, moments, snapshots
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        # warm: buffers, moments, snapshots, and what the profiler imports on its first use
+        # (torch._dynamo, which no step imports any more: config/lazy_dynamo.py)
+        _run(steps, ids, 3, 0, codec, payload, wire)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
