@@ -12,6 +12,7 @@ evaluates after each epoch (outside the timed part) and writes the curve to OUT.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -64,6 +65,9 @@ def _epoch(
 def local_curve(dataset: str, epochs: int) -> list[tuple[float, float]]:
     """(training seconds, test accuracy) after each epoch of one local process."""
     torch.set_num_threads(1)
+    # The first step's grad-mode wrapper imports torch._dynamo (1-2 s of CPU): here, before
+    # the clock, as when the optimizer's constructor imported it (``config/lazy_dynamo.py``).
+    importlib.import_module("torch._dynamo")
     ds = data.load_builtin(dataset)
     model = models.build("mlp", seed=0)
     cfg = _schedule(epochs, data.batches_per_epoch(len(ds.train_x), BATCH))
