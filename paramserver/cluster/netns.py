@@ -5,24 +5,35 @@ with ``tc ... tbf`` in both directions (this kernel has no ``netem``: no added d
 Needs root and iproute2; ``unavailable()`` says why not.
 
 Everything a ``Network`` makes (namespaces, veths, the bridge, /etc/netns folders, one
-iptables rule) is removed by ``close()``, which ``with`` calls also when the body fails;
-``leftovers()`` lists what a network with a given tag left behind, for tests to check.
-Addresses are the private 10.213.0.0/24, only the namespaces' own.
+iptables rule) is removed by ``close()``, which ``with`` calls also when the body fails or
+SIGTERM lands; ``leftovers()`` lists what a network with a given tag left behind, for tests
+to check. A process killed with -9 cannot remove its network: each network records its
+owner (pid and start time) under /run/paramserver-netns first, and the next one made on the
+host removes every network whose owner is gone (``sweep``); a bridge left holding the root
+namespace's address would otherwise take its replies, and the new run's workers would wait
+for servers they cannot reach. Addresses are the private 10.213.0.0/24, only the
+namespaces' own.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 
 from paramserver.errors import ConfigError
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
 ROOT_ADDRESS = "10.213.0.254"  # the root namespace's, on the bridge (``Network.reach_root``)
+OWNERS = Path("/run/paramserver-netns")  # OWNERS/TAG: "PID STARTTIME" of a network's maker
+
+log = logging.getLogger(__name__)
 
 
 def unavailable() -> str | None:
@@ -75,6 +86,9 @@ class Network:
         self._made: list[str] = []
         self._links: list[str] = []
         self._forward = False
+        self._sigterm: object = None
+        sweep()
+        _record_owner(self.tag)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -123,16 +137,41 @@ class Network:
         subprocess.run(argv, check=True, capture_output=True, text=True)
 
     def __enter__(self) -> Network:
+        """SIGTERM, while the body runs in the main thread, raises SystemExit there so that
+        ``close`` removes the network (the default action would leave it behind)."""
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm = signal.signal(signal.SIGTERM, _terminated)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)  # type: ignore[arg-type]
+                self._sigterm = None
 
     def reach_root(self) -> str:
         """Give the root namespace an address on the bridge: a process there (a server)
-        listening at it serves the namespaces' hosts; gone with the bridge in ``close``."""
+        listening at it serves the namespaces' hosts; gone with the bridge in ``close``.
+
+        Raises:
+            ConfigError: a network of a process still running holds the address.
+        """
+        held = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show", "to", ROOT_ADDRESS],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        if len(held) > 1 and held[1] != self.bridge:
+            raise ConfigError(
+                f"{ROOT_ADDRESS} is on {held[1]} already, the network of a run still going "
+                f"(pid {_owner_pid(held[1])}): one run with its servers on the bridge at a "
+                "time on a host; wait for it to end, or stop it."
+            )
         _ip("addr", "add", f"{ROOT_ADDRESS}/24", "dev", self.bridge)
         return ROOT_ADDRESS
 
@@ -202,27 +241,107 @@ class Network:
             self._iptables("-D")
             self._forward = False
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        (OWNERS / str(self.tag)).unlink(missing_ok=True)
 
     def _iptables(self, action: str) -> int:
         """Insert (-I) or delete (-D) the rule that accepts traffic across the bridge."""
         if shutil.which("iptables") is None:
             return 1
-        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
-        return subprocess.run(["iptables", action, *rule], capture_output=True).returncode
+        return _iptables(action, self.bridge)
+
+
+def _iptables(action: str, bridge: str) -> int:
+    rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+    return subprocess.run(["iptables", action, *rule], capture_output=True).returncode
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(f"signal {signum}: removing the network namespaces this run made")
+
+
+def _start_time(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks after boot), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _record_owner(tag: int) -> None:
+    OWNERS.mkdir(parents=True, exist_ok=True)
+    (OWNERS / str(tag)).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+
+def _owner_pid(bridge: str) -> str:
+    try:
+        return (OWNERS / bridge.removeprefix("psbr")).read_text().split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def _alive(tag: int) -> bool:
+    """Whether the process that made network ``tag`` still runs (the same process: its
+    start time as recorded). A network from before owners were recorded has none: its
+    tag was its maker's pid, which is then checked."""
+    try:
+        pid, started = (OWNERS / str(tag)).read_text().split()
+    except (OSError, ValueError):
+        return _start_time(tag) is not None
+    return _start_time(int(pid)) == started
+
+
+def _tags() -> set[int]:
+    """The tags of every network on the host, whole or in pieces."""
+    found = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found += subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    etc = Path("/etc/netns")
+    found += " ".join(p.name for p in etc.iterdir()) if etc.exists() else ""
+    if shutil.which("iptables") is not None:
+        found += subprocess.run(
+            ["iptables", "-S", "FORWARD"], capture_output=True, text=True
+        ).stdout
+    found += " ".join(f"ps{p.name}-" for p in OWNERS.iterdir()) if OWNERS.exists() else ""
+    return {int(t) for t in re.findall(r"\bps(?:br|v)?(\d+)(?:-|x|y|\b)", found)}
+
+
+def sweep() -> list[int]:
+    """Remove every network whose maker is gone (killed with -9, say); the tags removed."""
+    gone = sorted(t for t in _tags() if not _alive(t))
+    for tag in gone:
+        log.warning("removing network namespaces a run that is gone left (tag %d)", tag)
+        for name in leftovers(tag):
+            if name.startswith("/etc/netns/"):
+                shutil.rmtree(name, ignore_errors=True)
+            elif name.startswith(str(OWNERS)):
+                continue  # below, once the rest is gone
+            elif name.startswith("-A FORWARD"):
+                _iptables("-D", f"psbr{tag}")
+            elif name.startswith(f"ps{tag}-"):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            else:
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+        (OWNERS / str(tag)).unlink(missing_ok=True)
+    return gone
 
 
 def leftovers(tag: int) -> list[str]:
-    """What networks with ``tag`` left behind: namespaces, links, /etc/netns folders, and
-    the iptables rule for the bridge."""
+    """What networks with ``tag`` left behind: namespaces, links, /etc/netns folders, the
+    iptables rule for the bridge, and the owner's record."""
     found = []
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found += [n.split()[0] for n in names.splitlines() if n.startswith(f"ps{tag}-")]
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     ours = (f"psbr{tag}:", f"psv{tag}x")
-    found += [ln.split(":")[1].strip() for ln in links.splitlines() if any(o in ln for o in ours)]
+    found += [
+        ln.split(":")[1].strip().split("@")[0]
+        for ln in links.splitlines()
+        if any(o in ln for o in ours)
+    ]
     etc = Path("/etc/netns")
     found += [str(p) for p in etc.glob(f"ps{tag}-*")] if etc.exists() else []
     if shutil.which("iptables") is not None:
         rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True)
         found += [r for r in rules.stdout.splitlines() if f"-i psbr{tag} " in r]
+    found += [str(OWNERS / str(tag))] if (OWNERS / str(tag)).exists() else []
     return found

@@ -120,3 +120,76 @@ def _namespaces() -> list[str]:
 
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+HOLD = """
+import sys, time
+from paramserver.cluster import netns
+with netns.Network(["a"]) as net:
+    net.reach_root()
+    print(net.tag, flush=True)
+    time.sleep(600)
+"""
+
+
+def _holder():
+    import subprocess
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    line = holder.stdout.readline() if holder.stdout else ""
+    assert line.strip(), holder.stderr.read() if holder.stderr else ""
+    return holder, int(line)
+
+
+@needs_namespaces
+def test_a_network_whose_maker_was_killed_is_removed_by_the_next_one() -> None:
+    """The CI failure of stop 65: a soak killed by the test's timeout left its bridge holding
+    the root address, and the next soak's workers waited four minutes for servers whose
+    replies went to the dead bridge. Now the next network removes it, and reaches the root."""
+    import signal
+    import socket
+
+    holder, tag = _holder()
+    try:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        assert netns.leftovers(tag), "a network killed with -9 left nothing to remove?"
+        with netns.Network(["b"]) as net:
+            assert netns.leftovers(tag) == []
+            root = net.reach_root()
+            server = socket.create_server((root, 0))
+            port = server.getsockname()[1]
+            code = f"import socket; socket.create_connection(('{root}', {port}), timeout=5)"
+            done = net.call("b", [sys.executable, "-c", code], dict(os.environ), timeout=30)
+            server.close()
+            assert done.returncode == 0, done.stderr
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=30)
+        netns.sweep()
+
+
+@needs_namespaces
+def test_a_running_network_keeps_the_root_address_and_sigterm_removes_it() -> None:
+    """A second run's ``reach_root`` while the first one's network lives: a clear error,
+    not a stolen route; the first, sent SIGTERM, removes its network as it ends."""
+    import signal
+
+    holder, tag = _holder()
+    try:
+        with netns.Network(["b"]) as net:
+            assert netns.sweep() == []  # its maker is alive: kept
+            with pytest.raises(ConfigError, match=f"pid {holder.pid}"):
+                net.reach_root()
+        holder.send_signal(signal.SIGTERM)
+        _, err = holder.communicate(timeout=60)
+        assert "removing the network namespaces" in err
+        assert netns.leftovers(tag) == []
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=30)
+        netns.sweep()
