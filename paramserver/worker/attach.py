@@ -107,15 +107,20 @@ class Attacher:
     def rejoin_lost(self, settle: Callable[[], None], reopened: Callable[[], None]) -> None:
         """Join every lost session again, once ``settle()`` has ended the pushes in flight;
         ``reopened()`` after each round. After a shard restarted, bring every shard back to
-        one round."""
-        while lost := [i for i, s in enumerate(self.sessions) if s.lost]:
-            settle()
-            was = [self.sessions[i].incarnation for i in lost]
-            for i in lost:
-                self.attach(i, retry=True)
-            reopened()  # into the new buffers
-            restarted = any(
-                self.sessions[i].incarnation != w for i, w in zip(lost, was, strict=True)
-            )
+        one round: also after a restart that a join found with no session lost (a worker
+        starting, whose two joins of a shard met two incarnations: its clocks there are the
+        restarted cut's and the other shards' rounds, which empty pushes must not bridge)."""
+        while True:
+            lost = [i for i, s in enumerate(self.sessions) if s.lost]
+            if lost:
+                settle()
+                for i in lost:
+                    self.attach(i, retry=True)
+                reopened()  # into the new buffers
+            restarted = [s for s in self.sessions if s.restarted]
+            for s in restarted:
+                s.restarted = False
             if restarted and len(self.sessions) > 1:
-                rewind_ahead(self.sessions)
+                rewind_ahead(self.sessions)  # the shards ahead: lost, joined next round
+            elif not lost:
+                return

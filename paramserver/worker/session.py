@@ -93,6 +93,11 @@ class Session:
         self.rejoins = 0
         # this worker's clock before a restart that lost some of its pushes (``shards.rewound``)
         self.rewound: int | None = None
+        # a join found the server restarted since the last one (a new incarnation): the
+        # other shards are brought back to its cut (``Attacher.rejoin_lost``), also when it
+        # was the second join of a worker starting, which no heartbeat had marked lost
+        self.restarted = False
+        self.first_clock: int | None = None  # the lowest clock joined at: its steps are after
         # the newest cut every shard has written, as their last pulls said (PullRequest)
         self.common_cut = 0
         self.ahead = False  # name the next iteration's batches too (PullRequest.ahead)
@@ -180,9 +185,14 @@ class Session:
             also=(ClusterFull, Timeout),
         )
         was = (self.worker_id, self.incarnation, self.clock)
-        lost = self.state is SessionState.LOST and reply.incarnation != was[1]
-        if lost and reply.clock < was[2]:  # a restart behind this worker's pushes: say so once
+        restarted = bool(was[1]) and reply.incarnation != was[1]
+        lost = self.state is SessionState.LOST and restarted
+        pushed = self.first_clock is not None and was[2] > self.first_clock
+        if lost and pushed and reply.clock < was[2]:  # behind this worker's pushes: say so once
             self.rewound = was[2]
+        low = self.first_clock
+        self.first_clock = reply.clock if low is None else min(low, reply.clock)
+        self.restarted |= restarted
         if was[0] and was[0] != reply.worker_id:  # remembered: a rewind may bring it back
             self.past_ids = [was[0], *[i for i in self.past_ids if i != reply.worker_id]][:8]
         self.reply = reply
@@ -193,6 +203,15 @@ class Session:
         self.origin = reply.origin or reply.incarnation  # servers before origins: their own
         self.lease_seconds = reply.lease_seconds
         self.common_cut = 0  # what the shards said before may not hold after a rewind
+        if restarted and self.state is not SessionState.LOST:
+            log.warning(
+                "%s restarted between two joins (incarnation %s, was %s): at clock %d (was %d)",
+                self.address,
+                reply.incarnation,
+                was[1],
+                reply.clock,
+                was[2],
+            )
         if self.state is SessionState.LOST:
             self.rejoins += 1
             log.warning(
