@@ -18,9 +18,14 @@ import pytest
 from paramserver.cluster import netns
 from tests.conftest import paramserver_cmd
 
+# the soak's own deadlines end it first; past this it is sent SIGTERM, and unwinds (its
+# network namespaces removed), where the suite's timeout would kill it with -9
+SOAK_TIMEOUT = 480
+pytestmark = pytest.mark.timeout(SOAK_TIMEOUT + 90)
+
 
 def _soak(tmp_path, faults: int, seed: int, kinds: str, *more: str) -> dict[str, Any]:
-    result = subprocess.run(
+    soak = subprocess.Popen(
         [
             *paramserver_cmd(),
             "chaos",
@@ -35,13 +40,23 @@ def _soak(tmp_path, faults: int, seed: int, kinds: str, *more: str) -> dict[str,
             str(tmp_path),
             "--json",
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
-    assert result.stdout.strip(), result.stderr[-3000:]
-    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    assert result.returncode == (0 if report["ok"] else 1)
+    try:
+        out, err = soak.communicate(timeout=SOAK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        soak.terminate()
+        out, err = soak.communicate(timeout=60)
+        pytest.fail(f"the soak ran past {SOAK_TIMEOUT}s; its end:\n{err[-3000:]}")
+    finally:
+        if soak.poll() is None:
+            soak.kill()
+            soak.wait(timeout=30)
+    assert out.strip(), err[-3000:]
+    report: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert soak.returncode == (0 if report["ok"] else 1)
     return report
 
 
