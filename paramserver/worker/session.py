@@ -93,9 +93,7 @@ class Session:
         self.rejoins = 0
         # this worker's clock before a restart that lost some of its pushes (``shards.rewound``)
         self.rewound: int | None = None
-        # a join found the server restarted since the last one (a new incarnation): the
-        # other shards are brought back to its cut (``Attacher.rejoin_lost``), also when it
-        # was the second join of a worker starting, which no heartbeat had marked lost
+        # a join met a new incarnation (lost or not): the shards go back to its cut (attach.py)
         self.restarted = False
         self.first_clock: int | None = None  # the lowest clock joined at: its steps are after
         # the newest cut every shard has written, as their last pulls said (PullRequest)
@@ -175,10 +173,8 @@ class Session:
         # one id for this attempt and its retries: a retry whose first reply was lost gets
         # the member that reply named, not a second one
         request.join_id = uuid.uuid4().hex
-        # A full cluster waits for a slot: a departed worker's lease runs out, or a requeued
-        # job's new workers meet the old ones restored from a checkpoint. A join past its
-        # deadline (a link just back, a server busy) is tried again: its join_id makes a
-        # repeat the same join.
+        # A full cluster waits for a slot (a lease runs out, a requeued job meets its old
+        # workers); a join past its deadline is tried again: its join_id makes it the same.
         reply = self.retrying(
             "rejoin" if retry else "join",
             lambda: self.channel.join(request, timeout=self.rpc_timeout),
@@ -187,11 +183,10 @@ class Session:
         was = (self.worker_id, self.incarnation, self.clock)
         restarted = bool(was[1]) and reply.incarnation != was[1]
         lost = self.state is SessionState.LOST and restarted
-        pushed = self.first_clock is not None and was[2] > self.first_clock
-        if lost and pushed and reply.clock < was[2]:  # behind this worker's pushes: say so once
+        first = reply.clock if self.first_clock is None else self.first_clock
+        if lost and first < was[2] and reply.clock < was[2]:  # behind its pushes: say so once
             self.rewound = was[2]
-        low = self.first_clock
-        self.first_clock = reply.clock if low is None else min(low, reply.clock)
+        self.first_clock = min(first, reply.clock)
         self.restarted |= restarted
         if was[0] and was[0] != reply.worker_id:  # remembered: a rewind may bring it back
             self.past_ids = [was[0], *[i for i in self.past_ids if i != reply.worker_id]][:8]
@@ -203,19 +198,12 @@ class Session:
         self.origin = reply.origin or reply.incarnation  # servers before origins: their own
         self.lease_seconds = reply.lease_seconds
         self.common_cut = 0  # what the shards said before may not hold after a rewind
-        if restarted and self.state is not SessionState.LOST:
+        if restarted or self.state is SessionState.LOST:
+            # a restart no heartbeat had seen: a worker's second join met another incarnation
+            self.rejoins += self.state is SessionState.LOST
             log.warning(
-                "%s restarted between two joins (incarnation %s, was %s): at clock %d (was %d)",
-                self.address,
-                reply.incarnation,
-                was[1],
-                reply.clock,
-                was[2],
-            )
-        if self.state is SessionState.LOST:
-            self.rejoins += 1
-            log.warning(
-                "rejoined %s (incarnation %s, was %s) as %s (was %s) at clock %d (was %d)",
+                "%s %s (incarnation %s, was %s) as %s (was %s) at clock %d (was %d)",
+                "rejoined" if self.state is SessionState.LOST else "restarted between joins:",
                 self.address,
                 self.incarnation,
                 was[1],
@@ -359,14 +347,11 @@ class Session:
 
 
 class Heartbeats:
-    """Threads that renew every session's lease from its join on (a worker that builds its
-    model and loads its data after joining kept no lease: with a 2 s one, every worker of a
-    chaos run was dropped at start and the first back trained rounds alone), each a third
-    of the shortest lease; one
-    a session, so that a server that does not answer (paused, or cut off: each call waits
-    out its timeout) holds back no other server's heartbeats, which would let their leases
-    run out (``paramserver chaos`` found it: a shard paused for 3.7 s made the other drop
-    two workers). ``once`` is a round of every session's, the loops' body."""
+    """Threads that renew every session's lease from its join on (a worker building its model
+    after joining kept none: a chaos run's 2 s leases dropped every worker at start), each a
+    third of the shortest lease; one a session, so that a server that does not answer (each
+    call waits out its timeout) holds back no other's heartbeats (chaos: a shard paused for
+    3.7 s made the other drop two workers). ``once``: a round of every session's."""
 
     def __init__(self, sessions: list[Session], stop: threading.Event):
         self.sessions = sessions
