@@ -96,6 +96,25 @@ class FakeServer:
         return InProcessChannel(self)
 
 
+def shards_with_cuts(
+    model: nn.Module, clock: FakeClock, checkpoint_dir: str, **settings: Any
+) -> dict[str, FakeServer]:
+    """Two shards of ``model``, ``s0`` and ``s1``, writing a consistent cut every 2 rounds
+    into ``checkpoint_dir`` (so that ``restart()`` goes back to the newest one)."""
+    return {
+        f"s{i}": FakeServer(
+            model,
+            clock,
+            shard=i,
+            shards=2,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every="2",
+            **settings,
+        )
+        for i in range(2)
+    }
+
+
 class InProcessChannel(Channel):
     """A worker session's channel, answered by ``server``'s servicer. Payloads go through a
     shared segment when the session offers one (the server maps it as a real one does), else

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import threading
 
-import torch
 from torch import nn
 
 import paramserver as ps
-from tests.conftest import FakeClock, WorkerThread
-from tests.inprocess import FakeServer
+from tests.conftest import FakeClock, WorkerThread, ones_step
+from tests.inprocess import shards_with_cuts
 
 
 def _zero_model() -> nn.Module:
@@ -24,34 +23,17 @@ def _zero_model() -> nn.Module:
     return model
 
 
-def _step(worker: ps.Worker, model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    worker.step(samples=1)
-
-
 def test_a_shard_restarting_between_a_new_workers_joins_rewinds_the_others(tmp_path):
     clock = FakeClock()
-    servers = {
-        f"s{i}": FakeServer(
-            _zero_model(),
-            clock,
-            policy="sync",
-            workers=2,
-            min_workers=1,
-            shard=i,
-            shards=2,
-            checkpoint_dir=str(tmp_path),
-            checkpoint_every="2",
-        )
-        for i in range(2)
-    }
+    servers = shards_with_cuts(
+        _zero_model(), clock, str(tmp_path), policy="sync", workers=2, min_workers=1
+    )
     first_model = _zero_model()
     first = ps.Worker(
         list(servers), first_model, channel=lambda a: servers[a].channel(a), shm=False, clock=clock
     )
     for _ in range(3):
-        _step(first, first_model)  # clock 3 on both shards; their newest cut is at 2
+        ones_step(first, first_model)  # clock 3 on both shards; their newest cut is at 2
 
     joins = {"s0": 0, "s1": 0}
 
@@ -88,7 +70,7 @@ def test_a_shard_restarting_between_a_new_workers_joins_rewinds_the_others(tmp_p
         assert [s.coordinator.rounds for s in servers.values()] == [2, 2]  # s0 rewound
         # the run goes on as one model: the first worker joins both again at the cut
         try:
-            _step(first, first_model)
+            ones_step(first, first_model)
         except ps.ServerRewound as exc:
             assert exc.step == 2
         assert [s.clock for s in first.sessions] == [2, 2]

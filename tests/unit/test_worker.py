@@ -20,7 +20,7 @@ from paramserver.worker.pipeline import StepMode
 from paramserver.worker.session import SessionState
 from paramserver.worker.waits import Backoff
 from tests.conftest import FakeClock
-from tests.inprocess import FakeServer
+from tests.inprocess import FakeServer, shards_with_cuts
 
 LR = 0.5
 LEASE = 10.0
@@ -338,19 +338,7 @@ def test_one_worker_drives_every_shard_through_one_flat_buffer(clock, shards, sh
 
 @pytest.mark.parametrize("policy", ["sync", "delay-1", "async"])
 def test_a_restarted_shard_and_the_others_resume_from_one_cut(clock, tmp_path, policy):
-    servers = {
-        f"s{i}": FakeServer(
-            zero_model(6),
-            clock,
-            policy=policy,
-            workers=1,
-            shard=i,
-            shards=2,
-            checkpoint_dir=str(tmp_path),
-            checkpoint_every="2",
-        )
-        for i in range(2)
-    }
+    servers = shards_with_cuts(zero_model(6), clock, str(tmp_path), policy=policy, workers=1)
     model = zero_model(6)
     worker = ps.Worker(
         list(servers), model, channel=lambda a: servers[a].channel(a), shm=False, clock=clock
