@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 import paramserver as ps
+from paramserver.cluster import procs
+from paramserver.cluster.zygote import Forked
 from tests import cpu_account
 
 DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
@@ -195,7 +197,22 @@ def ones_step(worker: ps.Worker, model: nn.Module, samples: int = 1) -> None:
 
 def cli(*args: str, timeout: float = DEADLINE) -> subprocess.CompletedProcess[str]:
     """``paramserver ARGS`` in a child process, its output captured."""
-    return subprocess.run(paramserver_cmd(*args), capture_output=True, text=True, timeout=timeout)
+    return paramserver_run(*args, timeout=timeout)
+
+
+def paramserver_popen(*args: str, **kwargs: Any) -> subprocess.Popen | Forked:
+    """``subprocess.Popen(paramserver_cmd(*args), **kwargs)``, forked from the suite's zygote
+    (a process of its own, as fast to start as a fork: see ``paramserver.cluster.zygote``).
+    Takes stdin, stdout, stderr, env, cwd, start_new_session and text."""
+    return procs.start(paramserver_cmd(*args), **kwargs)
+
+
+def paramserver_run(
+    *args: str, timeout: float = DEADLINE, capture: bool = True, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(paramserver_cmd(*args), capture_output=capture, text=True, ...)``
+    through the zygote: killed on ``timeout`` (then TimeoutExpired)."""
+    return procs.run(paramserver_cmd(*args), timeout, capture, **kwargs)
 
 
 def wait_until(check: Callable[[], bool], what: str) -> None:
@@ -214,31 +231,26 @@ def paramserver_cmd(*args: str) -> list[str]:
 def launch_clicks(runs_dir: Path, model: str) -> subprocess.CompletedProcess[str]:
     """``paramserver launch --json`` of ``model`` on the click log: 1 epoch, batch 256, 2 CPU
     workers, its run folder in ``runs_dir``."""
-    return subprocess.run(
-        paramserver_cmd(
-            "launch",
-            "--model",
-            model,
-            "--dataset",
-            "clicks",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "256",
-            "--lr",
-            "0.01",
-            "--workers",
-            "2",
-            "--device",
-            "cpu",
-            "--json",
-            "--no-progress",
-            "--runs-dir",
-            str(runs_dir),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
+    return paramserver_run(
+        "launch",
+        "--model",
+        model,
+        "--dataset",
+        "clicks",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "256",
+        "--lr",
+        "0.01",
+        "--workers",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--runs-dir",
+        str(runs_dir),
     )
 
 

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from paramserver import models
+from paramserver.cluster.procs import Forked
+from paramserver.cluster.procs import start as start_child
 from paramserver.config import OptimizerConfig
 from paramserver.server.bookkeeping.store import build_optimizer
 
@@ -163,10 +165,10 @@ def start_rank(
     log_path: Path,
     prefix: list[str] | None = None,
     env: dict[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
+) -> subprocess.Popen | Forked:
     """``python -m MODULE *ARGV`` after ``prefix``, its stderr into ``log_path``."""
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
+        return start_child(  # forked from the zygote: no seconds of imports per rank
             [*(prefix or []), sys.executable, "-m", module, *argv],
             stdout=subprocess.DEVNULL,
             stderr=log,
@@ -180,7 +182,7 @@ def master() -> str:
 
 
 def check_rank(
-    p: subprocess.Popen[bytes], timeout: float, out: Path, log_path: Path, who: str
+    p: subprocess.Popen | Forked, timeout: float, out: Path, log_path: Path, who: str
 ) -> None:
     """Wait up to ``timeout`` seconds for the rank ``who`` that ``p`` runs to finish.
 

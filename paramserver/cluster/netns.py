@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from paramserver.cluster import procs
 from paramserver.errors import ConfigError
 
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
@@ -82,7 +83,7 @@ class Network:
         self.ns = {h: f"ps{self.tag}-{h}" for h in hosts}
         self.addr = {h: f"10.213.0.{i + 1}" for i, h in enumerate(hosts)}
         self.rate = rate
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen | procs.Forked] = []
         self._made: list[str] = []
         self._links: list[str] = []
         self._forward = False
@@ -203,10 +204,10 @@ class Network:
 
     def run(
         self, host: str, argv: list[str], env: dict[str, str], log: Path
-    ) -> subprocess.Popen[bytes]:
+    ) -> subprocess.Popen | procs.Forked:
         """Start ``argv`` inside ``host``'s namespace, output to ``log``; ``close`` kills it."""
         with open(log, "wb") as out:
-            proc = subprocess.Popen(
+            proc = procs.start(  # a python -m there is forked, in the namespace
                 self.argv(host, argv),
                 env=env,
                 stdout=out,
@@ -219,9 +220,7 @@ class Network:
     def call(
         self, host: str, argv: list[str], env: dict[str, str], timeout: float
     ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.argv(host, argv), env=env, capture_output=True, text=True, timeout=timeout
-        )
+        return procs.run(self.argv(host, argv), timeout, env=env)
 
     def close(self) -> None:
         """Kills what ``run`` started and removes everything made; safe to call twice."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from paramserver.cluster.zygote import Forked, Zygote, ZygoteLost, fork
 from paramserver.errors import ParamServerError, Timeout
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,26 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_ENV = "PARAMSERVER_PARENT_PID"
 # What `paramserver server` prints on stdout, then its address, once it serves.
 READY_MARKER = "paramserver server listening on"
+_NETNS_EXEC = ["ip", "netns", "exec"]
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def shared_zygote() -> Zygote | None:
+    """This process's zygote: the one that forked it, or one started on first use (again
+    if it died); None where none can start (then children are exec'd)."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote.lost:
+            if _zygote is not None:
+                log.warning("%s; starting another", _zygote.lost)
+            inherited, fork.INHERITED = fork.INHERITED, None  # forked by one: use it
+            try:
+                _zygote = Zygote(sock=inherited) if inherited else Zygote()
+            except OSError as exc:
+                log.warning("no zygote (%s): children start as fresh interpreters", exc)
+                return None
+        return _zygote
 
 
 def die_with_parent_if_asked() -> None:
@@ -40,6 +61,41 @@ def die_with_parent_if_asked() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def start(argv: Sequence[str], fork: bool = True, **popen: Any) -> subprocess.Popen | Forked:
+    """``subprocess.Popen(argv, **popen)``; forked from this process's zygote instead when
+    ``argv`` is ``[ip netns exec NS] PYTHON -m MODULE ARGS`` with this interpreter (and
+    ``fork``). ``popen`` as ``Zygote.popen`` takes it (stdin, stdout, stderr, env, cwd,
+    start_new_session, text)."""
+    netns = None
+    rest = list(argv)
+    if rest[:3] == _NETNS_EXEC and len(rest) > 3:
+        netns, rest = rest[3], rest[4:]
+    zygote = shared_zygote() if fork and rest[:2] == [sys.executable, "-m"] else None
+    if zygote is not None and len(rest) > 2:
+        try:
+            return zygote.popen(rest[3:], module=rest[2], netns=netns, **popen)
+        except ZygoteLost as exc:
+            log.warning("%s: starting %s as a fresh interpreter", exc, rest[2:4])
+    return subprocess.Popen(list(argv), **popen)
+
+
+def run(
+    argv: Sequence[str], timeout: float, capture: bool = True, **popen: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=capture, text=True, timeout=timeout, ...)``
+    through ``start``: killed on ``timeout`` (then TimeoutExpired)."""
+    pipe = subprocess.PIPE if capture else popen.pop("stdout", None)
+    err = subprocess.PIPE if capture else popen.pop("stderr", None)
+    with start(argv, stdout=pipe, stderr=err, text=True, **popen) as proc:
+        try:
+            out, errs = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(list(argv), proc.wait(), out, errs)
+
+
 class Child:
     """One child process running ``python -m paramserver ...``, logging to a file."""
 
@@ -52,10 +108,13 @@ class Child:
         env: dict[str, str] | None = None,
         prefix: Sequence[str] = (),
         tee: Callable[[str], None] | None = None,
+        fork: bool = True,
     ):
         """``prefix``: a command that runs the rest in place (it must exec it, keeping its
         pid: ``ip netns exec NS``). ``tee``: also hand every line the child writes (stdout
-        and stderr) to it, as it comes (``worker --procs`` shows them on the terminal)."""
+        and stderr) to it, as it comes (``worker --procs`` shows them on the terminal).
+        ``fork``: fork it from the shared zygote (no prefix or ``ip netns exec``) rather
+        than exec a fresh interpreter, which spends seconds of CPU on imports."""
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in reap()
@@ -64,12 +123,13 @@ class Child:
         )
         self._write = threading.Lock()  # two tee threads write the one log
         piped = subprocess.PIPE if tee is not None else self._log
-        self.proc = subprocess.Popen(
+        self.proc = start(
             [*prefix, sys.executable, "-m", "paramserver", *args],
+            fork,
             stdin=subprocess.DEVNULL,
+            env=env,
             stdout=subprocess.PIPE if capture_stdout else piped,
             stderr=piped,
-            env=env,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._tees: list[threading.Thread] = []
@@ -150,9 +210,9 @@ class Child:
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0fs of SIGTERM; killing it", self.name, grace)
                 self.proc.kill()
-                self.proc.wait()
+        code = self.proc.wait()
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def stop_all(children: Sequence[Child], grace: float = 5.0) -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
 from paramserver import models
 from paramserver.training import data
-from tests.conftest import paramserver_cmd
+from tests.conftest import paramserver_run
 
 
 @pytest.mark.slow
@@ -20,26 +19,22 @@ def test_one_epoch_of_fashion_mnist_reaches_84_percent(tmp_path):
         data.load_idx_folder()
     except data.DataUnavailable as exc:  # say exactly what is missing, do not skip silently
         pytest.fail(f"{exc} (`make install` installs it as root)")
-    out = subprocess.run(
-        paramserver_cmd(
-            "launch",
-            "--workers",
-            "2",
-            "--policy",
-            "delay-1",
-            "--model",
-            "mlp",
-            "--epochs",
-            "1",
-            "--device",
-            "cpu",
-            "--json",
-            "--no-progress",
-            "--runs-dir",
-            str(tmp_path),
-        ),
-        capture_output=True,
-        text=True,
+    out = paramserver_run(
+        "launch",
+        "--workers",
+        "2",
+        "--policy",
+        "delay-1",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "--json",
+        "--no-progress",
+        "--runs-dir",
+        str(tmp_path),
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]

@@ -19,7 +19,7 @@ from paramserver.cluster.procs import READY_MARKER
 from paramserver.config import ServerConfig
 from paramserver.errors import ConfigError
 from paramserver.server.app import ServerApp
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import DEADLINE, paramserver_run
 
 MAX_INT32 = 2**31 - 1  # the largest an int32 field of the wire carries
 LOCAL = {"host": "127.0.0.1", "port": "0", "model": "mlp", "dataset": "synthetic"}
@@ -28,13 +28,7 @@ LOCAL = {"host": "127.0.0.1", "port": "0", "model": "mlp", "dataset": "synthetic
 def server_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     flags = [f"--{key}={value}" for key, value in LOCAL.items()]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSERVER_")}
-    return subprocess.run(
-        paramserver_cmd("server", *flags, *args),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-        env={**clean, **(env or {})},
-    )
+    return paramserver_run("server", *flags, *args, env={**clean, **(env or {})})
 
 
 def refused(out: subprocess.CompletedProcess) -> str:

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests import netns
-from tests.conftest import paramserver_cmd
+from tests.conftest import paramserver_run
 
 
 def _namespaces() -> set[str]:
@@ -160,12 +160,7 @@ def test_bench_quick_json(name):
     namespaces_before = _namespaces()
     # the CPU figures, also on a GPU host (where --device auto would measure the GPU's)
     device = ("--device", "cpu") if name in ("step", "scaling") else ()
-    out = subprocess.run(
-        paramserver_cmd("bench", name, "--quick", "--json", *device),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = paramserver_run("bench", name, "--quick", "--json", *device, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["bench"] == name and figures["quick"] is True
@@ -250,12 +245,7 @@ def test_bench_quick_json(name):
 def test_bench_sparse_only_main_runs_the_dlrm_targets_alone():
     """``bench sparse --only main``: (a) under each policy against (c) and (d), with the
     CPU a step, and none of the other cases."""
-    out = subprocess.run(
-        paramserver_cmd("bench", "sparse", "--quick", "--json", "--only", "main"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = paramserver_run("bench", "sparse", "--quick", "--json", "--only", "main", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["only"] == "main" and set(figures["auc_by_policy"]) == {

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from paramserver.cluster import netns
-from tests.conftest import paramserver_cmd
+from tests.conftest import paramserver_popen
 
 # the soak's own deadlines end it first; past this it is sent SIGTERM, and unwinds (its
 # network namespaces removed), where the suite's timeout would kill it with -9
@@ -25,21 +25,11 @@ pytestmark = pytest.mark.timeout(SOAK_TIMEOUT + 90)
 
 
 def _soak(tmp_path, faults: int, seed: int, kinds: str, *more: str) -> dict[str, Any]:
-    soak = subprocess.Popen(
-        [
-            *paramserver_cmd(),
-            "chaos",
-            *more,
-            "--faults",
-            str(faults),
-            "--seed",
-            str(seed),
-            "--kinds",
-            kinds,
-            "--workdir",
-            str(tmp_path),
-            "--json",
-        ],
+    soak = paramserver_popen(
+        "chaos",
+        *more,
+        *("--faults", str(faults), "--seed", str(seed), "--kinds", kinds),
+        *("--workdir", str(tmp_path), "--json"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

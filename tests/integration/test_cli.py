@@ -16,19 +16,13 @@ from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.build import build_coordinator
 from paramserver.server.disk import checkpoint
 from paramserver.server.disk.checkpoint_writer import Checkpointer
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import DEADLINE, paramserver_popen, paramserver_run
 
 
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = DEADLINE
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        paramserver_cmd(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return paramserver_run(*args, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_every_option_has_help_and_an_environment_variable():
@@ -140,8 +134,12 @@ def test_health_says_serving_and_status_watch_redraws(serve):
     out = run_cli("health", "--server", server.address)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{server.address} SERVING"
-    proc = subprocess.Popen(
-        paramserver_cmd("status", "--server", server.address, "--watch", "0.2"),
+    proc = paramserver_popen(
+        "status",
+        "--server",
+        server.address,
+        "--watch",
+        "0.2",
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -236,13 +234,9 @@ def test_launch_fails_fast_when_a_worker_cannot_start(tmp_path):
         "        raise RuntimeError('this worker cannot build the model')\n"
         "    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
     )
-    out = subprocess.run(
-        paramserver_cmd(
-            *("launch", "--model", "workerless:model", "--dataset", "synthetic"),
-            *("--workers", "2", "--device", "cpu", "--no-progress", "--runs-dir", "runs"),
-        ),
-        capture_output=True,
-        text=True,
+    out = paramserver_run(
+        *("launch", "--model", "workerless:model", "--dataset", "synthetic"),
+        *("--workers", "2", "--device", "cpu", "--no-progress", "--runs-dir", "runs"),
         timeout=90,
         cwd=tmp_path,
     )

@@ -12,7 +12,7 @@ import time
 
 import paramserver as ps
 from paramserver.training import data
-from tests.conftest import DEADLINE, ones_step, paramserver_cmd, tiny_model, wait_until
+from tests.conftest import DEADLINE, ones_step, paramserver_popen, tiny_model, wait_until
 
 LEASE = 1.0
 
@@ -36,18 +36,16 @@ def test_sync_run_survives_a_killed_worker(serve, children, tmp_path):
         log = open(tmp_path / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
         children.append(
-            subprocess.Popen(
-                paramserver_cmd(
-                    "worker",
-                    "--server",
-                    server.address,
-                    "--device",
-                    "cpu",
-                    "--name",
-                    f"w{i}",
-                    "--rpc-timeout",
-                    "60",
-                ),
+            paramserver_popen(
+                "worker",
+                "--server",
+                server.address,
+                "--device",
+                "cpu",
+                "--name",
+                f"w{i}",
+                "--rpc-timeout",
+                "60",
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, paramserver_cmd
+from tests.conftest import free_port, paramserver_run
 from tests.integration.test_deploy import BASE
 
 # The one docker daemon: one such test at a time under `make test`'s processes.
@@ -279,11 +279,8 @@ def test_compose_cluster_trains_and_survives_kill_9_of_the_server(docker_env, im
     address = f"127.0.0.1:{port}"
 
     def status() -> dict | None:
-        out = subprocess.run(
-            paramserver_cmd("status", "--server", address, "--json", "--rpc-timeout", "2"),
-            capture_output=True,
-            text=True,
-            timeout=30,
+        out = paramserver_run(
+            "status", "--server", address, "--json", "--rpc-timeout", "2", timeout=30
         )
         return json.loads(out.stdout) if out.returncode == 0 else None
 

@@ -5,7 +5,6 @@ table's rows, frozen parameters), from the last checkpoints or a consistent cut.
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from paramserver import models
 from paramserver.errors import ConfigError
 from paramserver.server.disk import checkpoint
 from paramserver.server.disk.export import Final, choose, export
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import paramserver_run
 
 MODEL, SEED, STEPS = "tests.sparse_models:Mixed", 3, 12
 
@@ -79,21 +78,15 @@ def test_export_falls_back_to_a_consistent_cut_and_names_what_it_lacks(serve, tm
     # cuts every 5 rounds, and one at the run's end (round 12: the last worker left)
     assert set(checkpoint.list_cuts(tmp_path, 0, 2)) >= {10, 12}
     (tmp_path / checkpoint.server_file(1, 2)).unlink()  # shard 1's last checkpoint is lost
-    result = subprocess.run(
-        [
-            *paramserver_cmd(),
-            "export",
-            str(tmp_path),
-            "--model",
-            MODEL,
-            "--seed",
-            str(SEED),
-            "--out",
-            str(tmp_path / "cut.pt"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
+    result = paramserver_run(
+        "export",
+        str(tmp_path),
+        "--model",
+        MODEL,
+        "--seed",
+        str(SEED),
+        "--out",
+        str(tmp_path / "cut.pt"),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (
@@ -139,12 +132,7 @@ def test_equal_versions_holding_different_pushes_are_not_mixed():
 
 def test_export_of_another_model_says_so_in_one_line(serve, tmp_path):
     _train(serve, tmp_path, 1)
-    result = subprocess.run(
-        [*paramserver_cmd(), "export", str(tmp_path), "--model", "mlp"],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    result = paramserver_run("export", str(tmp_path), "--model", "mlp")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "is --model the run's?" in lines[0], result.stderr

@@ -19,7 +19,15 @@ from paramserver.cluster.procs import READY_MARKER, Child, stop_all
 from paramserver.errors import ServerUnavailable
 from paramserver.transport import stub
 from paramserver.worker import waits
-from tests.conftest import DEADLINE, WorkerThread, cli, free_port, paramserver_cmd, tiny_model
+from tests.conftest import (
+    DEADLINE,
+    WorkerThread,
+    cli,
+    free_port,
+    paramserver_cmd,
+    paramserver_run,
+    tiny_model,
+)
 
 
 def test_a_worker_at_a_wrong_port_says_whom_it_waits_for_and_until_when():
@@ -232,9 +240,7 @@ def test_status_and_health_take_the_workers_list_of_shards_and_ask_the_first(ser
     shards = f"{server.address},127.0.0.1:{free_port()}"
     env = {**os.environ, "PARAMSERVER_SERVER": shards}
     for command in (["status", "--json"], ["health"]):
-        out = subprocess.run(
-            paramserver_cmd(*command), capture_output=True, text=True, timeout=DEADLINE, env=env
-        )
+        out = paramserver_run(*command, env=env)
         assert out.returncode == 0, out.stderr
     line = json.loads(cli("status", "--server", shards, "--json").stdout)
     assert line["incarnation"] == server.status()["incarnation"]

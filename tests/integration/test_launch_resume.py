@@ -9,22 +9,23 @@ import signal
 import subprocess
 from pathlib import Path
 
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import DEADLINE, paramserver_cmd, paramserver_run
 
 
 def _launch(runs: Path, checkpoints: Path) -> list[str]:
-    return paramserver_cmd(
+    """``paramserver launch``'s arguments."""
+    return [
         *("launch", "--model", "mlp", "--dataset", "synthetic", "--workers", "2"),
         *("--epochs", "8", "--batch-size", "16", "--policy", "async", "--device", "cpu"),
         *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "20"),
         *("--runs-dir", str(runs), "--no-progress", "--json"),
-    )
+    ]
 
 
 def test_a_resumed_launch_goes_on_at_once_from_the_epoch_it_is_in(tmp_path):
     runs, checkpoints = tmp_path / "runs", tmp_path / "ckpt"
-    first = subprocess.Popen(
-        _launch(runs, checkpoints),
+    first = subprocess.Popen(  # an exec: preexec_fn
+        paramserver_cmd(*_launch(runs, checkpoints)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -45,9 +46,7 @@ def test_a_resumed_launch_goes_on_at_once_from_the_epoch_it_is_in(tmp_path):
         if first.poll() is None:
             first.kill()
             first.wait(timeout=DEADLINE)
-    second = subprocess.run(
-        _launch(runs, checkpoints), capture_output=True, text=True, timeout=DEADLINE
-    )
+    second = paramserver_run(*_launch(runs, checkpoints))
     assert second.returncode == 0, second.stderr[-3000:]
     summary = json.loads(second.stdout.strip().splitlines()[-1])
     run = Path(summary["run_dir"])

@@ -17,7 +17,7 @@ from paramserver.server.disk.export import export
 from paramserver.server.disk.reshard import reshard
 from paramserver.training import data
 from paramserver.training.trainer import run
-from tests.conftest import paramserver_cmd, wait_until
+from tests.conftest import paramserver_popen, wait_until
 
 MODEL, SEED, H, ROUNDS = "tests.integration.test_local_steps_state:dense", 0, 3, 4
 
@@ -142,7 +142,7 @@ def test_a_worker_killed_mid_h_loses_only_its_local_steps(serve, tmp_path, child
     total = epochs * data.batches_per_epoch(data.SYNTHETIC_TRAIN, batch)
     args = ["--server", server.address, "--device", "cpu", "--push-every", "4"]
     args += ["--inner-optimizer", "sgd", "--inner-lr", "0.05", "--step-delay", "0.1"]
-    doomed = _popen(tmp_path, paramserver_cmd("worker", *args, "--shm", "off"))
+    doomed = _popen(tmp_path, "worker", *args, "--shm", "off")
     children.append(doomed)
     # its first pseudo-gradient applied: it is in the middle of its next 4 batches
     wait_until(lambda: server.status()["pushes_applied"] >= 1, "the first push applied")
@@ -157,8 +157,8 @@ def test_a_worker_killed_mid_h_loses_only_its_local_steps(serve, tmp_path, child
     assert summary.samples < total * batch  # the killed worker's pushes count, once each
 
 
-def _popen(tmp_path, argv):
+def _popen(tmp_path, *args: str):
     import subprocess
 
     log = open(tmp_path / "doomed.log", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    return paramserver_popen(*args, stdout=log, stderr=subprocess.STDOUT)

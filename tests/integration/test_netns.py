@@ -90,10 +90,12 @@ def test_the_network_bench_removes_its_namespaces_when_terminated() -> None:
     import signal
     import subprocess
 
-    from tests.conftest import paramserver_cmd
+    from tests.conftest import paramserver_popen
 
-    bench = subprocess.Popen(
-        paramserver_cmd("bench", "network", "--quick"),
+    bench = paramserver_popen(
+        "bench",
+        "network",
+        "--quick",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,7 +8,6 @@ import os
 import re
 import resource
 import signal
-import subprocess
 import time
 import urllib.request
 from typing import Any
@@ -31,7 +30,7 @@ from tests.conftest import (
     WorkerThread,
     free_port,
     ones_step,
-    paramserver_cmd,
+    paramserver_run,
     tiny_model,
 )
 
@@ -192,20 +191,10 @@ def test_a_failed_checkpoint_write_never_ends_checkpointing(tmp_path):
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
         text = scraped.read().decode()
         assert re.search(r"^paramserver_checkpoint_failures_total [1-9]", text, re.M), text
-        shown = subprocess.run(
-            paramserver_cmd("status", "--server", address),
-            text=True,
-            capture_output=True,
-            timeout=DEADLINE,
-            check=True,
-        )
+        shown = paramserver_run("status", "--server", address)
+        assert shown.returncode == 0, shown.stderr
         assert "CHECKPOINTS FAILING" in shown.stdout, shown.stdout
-        probe = subprocess.run(
-            paramserver_cmd("health", "--server", address, "--service", CHECKPOINT_HEALTH),
-            text=True,
-            capture_output=True,
-            timeout=DEADLINE,
-        )
+        probe = paramserver_run("health", "--server", address, "--service", CHECKPOINT_HEALTH)
         assert probe.returncode != 0 and "NOT_SERVING" in probe.stderr, probe
         assert "retrying in" in server.log_path.read_text()
         stuck = _status(address)

@@ -7,7 +7,6 @@ weights of the 2-shard run going on. Bad inputs are refused by name, nothing wri
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from paramserver import models
 from paramserver.errors import ConfigError
 from paramserver.server.disk import checkpoint
 from paramserver.server.disk.reshard import reshard
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import paramserver_run
 from tests.integration.test_export import MODEL, SEED, mixed_server
 
 # MODEL: a table, BatchNorm, a frozen parameter
@@ -68,22 +67,16 @@ def test_a_two_shard_checkpoint_resumes_on_three_and_on_one_as_the_run_going_on(
     for name in ("two", "three", "one", "offline"):
         shutil.copytree(checkpointed, tmp_path / name)
     want = _after(serve, tmp_path / "two", 2)
-    result = subprocess.run(
-        [
-            *paramserver_cmd(),
-            "checkpoint",
-            "reshard",
-            str(tmp_path / "offline"),
-            "--model",
-            MODEL,
-            "--seed",
-            str(SEED),
-            "--shards",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
+    result = paramserver_run(
+        "checkpoint",
+        "reshard",
+        str(tmp_path / "offline"),
+        "--model",
+        MODEL,
+        "--seed",
+        str(SEED),
+        "--shards",
+        "3",
     )
     assert result.returncode == 0, result.stderr
     assert "re-partitioned for 3 shard(s), from the shards' last checkpoints" in result.stdout

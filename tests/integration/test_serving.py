@@ -6,7 +6,6 @@ file, and nothing is served."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from paramserver.server.disk.export import export
 from paramserver.serving import snapshot
 from paramserver.serving.served import ServedTable
 from paramserver.sparse.rows import shard_of
-from tests.conftest import DEADLINE, paramserver_cmd
+from tests.conftest import paramserver_run
 from tests.integration.test_export import MODEL, SEED, _train
 
 
@@ -102,20 +101,15 @@ def test_a_snapshot_whose_files_do_not_match_is_refused_naming_the_file(serve, t
 
 def test_export_writes_a_snapshot_from_the_command_line(serve, tmp_path):
     _train(serve, tmp_path / "run", 1)
-    out = subprocess.run(
-        paramserver_cmd(
-            "export",
-            str(tmp_path / "run"),
-            "--model",
-            MODEL,
-            "--seed",
-            str(SEED),
-            "--snapshot",
-            str(tmp_path / "snap"),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
+    out = paramserver_run(
+        "export",
+        str(tmp_path / "run"),
+        "--model",
+        MODEL,
+        "--seed",
+        str(SEED),
+        "--snapshot",
+        str(tmp_path / "snap"),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(f"{tmp_path / 'snap'}: a snapshot, version 12, from")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from paramserver import models
 from paramserver.bench.throughput import devices, scaling, step
 from paramserver.errors import ConfigError
+from tests.conftest import paramserver_run
 
 CPU = torch.device("cpu")
 CUDA_KEYS = ("cuda_mlp_64", "cuda_mlp_256", "cuda_resnet_256", "cuda_mlp_20m_1024")
@@ -102,12 +102,7 @@ def test_device_resolves_auto_cpu_and_refuses_cuda_without_a_gpu(
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "paramserver", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return paramserver_run("bench", *args, timeout=120)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: --device cuda runs")

@@ -9,6 +9,7 @@ import pytest
 
 from paramserver.cluster import torchx_roles as tx
 from paramserver.errors import ConfigError
+from tests.conftest import paramserver_run
 
 
 def test_the_setting_parses_and_refuses_what_is_not_it():
@@ -68,16 +69,7 @@ def test_a_host_named_once_serves_every_shard_only_on_this_host():
 
 
 def test_a_server_port_after_the_components_arguments_is_refused(tmp_path):
-    import subprocess
-    import sys
-
     env = {**os.environ, tx.ENV: "TORCHX_RANK0_HOST 2 50051", "PARAMSERVER_CONFIG": ""}
-    out = subprocess.run(
-        [sys.executable, "-m", "paramserver", "server", "--shard", "1/2", "--port", "6000"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = paramserver_run("server", "--shard", "1/2", "--port", "6000", env=env, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "shard 1/2 listens on 50053" in out.stderr and "--port 6000" in out.stderr

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from paramserver import models
 from paramserver.bench.ddp import run_ranks
+from paramserver.cluster import procs
 from paramserver.cluster.launch import launch_args, planned_optimizer_steps
 from paramserver.config import LaunchConfig, OptimizerConfig, ServerConfig
 from paramserver.server.bookkeeping.store import build_optimizer
@@ -143,7 +144,7 @@ def ps_curve(policy: str, dataset: str, epochs: int, logs: Path) -> list[tuple[f
     )
     cmd = [sys.executable, "-m", "paramserver", *launch_args(cfg), "--no-progress", "--json"]
     with open(logs / f"launch-{policy}.log", "wb") as err:
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, timeout=900)
+        done = procs.run(cmd, 900, capture=False, stdout=subprocess.DEVNULL, stderr=err)
     if done.returncode != 0:
         tail = (logs / f"launch-{policy}.log").read_text()[-800:]
         raise RuntimeError(f"launch under {policy} failed: {tail}")

@@ -35,7 +35,7 @@ import click
 from paramserver.bench.wire import network_training
 from paramserver.cluster import netns
 from paramserver.cluster.commands import CHILD_ENV, server_args
-from paramserver.cluster.procs import READY_MARKER
+from paramserver.cluster.procs import READY_MARKER, Forked
 from paramserver.config import OptimizerConfig, ServerConfig
 
 MIB = 1 << 20
@@ -145,7 +145,7 @@ def _start_server(net: netns.Network, env: dict[str, str], tmp: Path, nbytes: in
     return _wait_for(log, READY_MARKER + " ", proc, 120.0)
 
 
-def _wait_for(log: Path, marker: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
+def _wait_for(log: Path, marker: str, proc: subprocess.Popen | Forked, timeout: float) -> str:
     """The word after ``marker`` in ``log``, once ``proc`` wrote it (within ``timeout`` s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
