@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from paramserver.cluster import procs
-from paramserver.cluster.zygote import Zygote, ZygoteLost, fork
+from paramserver.cluster.zygote import Forked, Zygote, ZygoteLost, fork
 from tests.conftest import DEADLINE, paramserver_run, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -274,3 +274,31 @@ def test_communicate_goes_on_after_a_timeout_as_popen_s_does(tmp_path: Path) -> 
     _, err = server.communicate(timeout=DEADLINE)
     assert "server configuration" in err and "SIGTERM received" in err
     assert server.returncode == 0
+
+
+NETNS_PROBE = """
+import json, os, socket
+print(json.dumps({"peer": socket.gethostbyname("b"), "links": sorted(os.listdir("/sys/class/net"))}))
+"""
+
+
+@pytest.mark.xdist_group("netns")
+def test_a_child_forked_into_a_network_namespace_sees_what_ip_netns_exec_gives(
+    tmp_path: Path,
+) -> None:
+    """The namespace's hosts file (host names of the other hosts) and its own /sys."""
+    from paramserver.cluster import netns
+
+    if (why := netns.unavailable()) is not None:
+        pytest.skip(why)
+    (tmp_path / "nsprobe.py").write_text(NETNS_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    with netns.Network(["a", "b"]) as net:
+        argv = net.argv("a", [sys.executable, "-m", "nsprobe"])
+        execd = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=DEADLINE)
+        forked = procs.run(argv, DEADLINE, env=env)
+        with procs.start(argv, stdout=subprocess.DEVNULL, env=env) as child:
+            assert isinstance(child, Forked)  # it did fork
+    assert execd.returncode == 0 and forked.returncode == 0, (execd.stderr, forked.stderr)
+    assert json.loads(forked.stdout) == json.loads(execd.stdout)
+    assert json.loads(forked.stdout)["peer"] == net.addr["b"]

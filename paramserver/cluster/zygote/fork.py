@@ -31,7 +31,8 @@ from typing import Any
 
 PARENT_ENV = "PARAMSERVER_PARENT_PID"  # procs.die_with_parent_if_asked reads it
 MAX_MESSAGE = 1 << 20
-_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 4096, 16384, 1 << 19, 2
 # In a child: its connection to the zygote that forked it (None in any other process).
 INHERITED: socket.socket | None = None
 _BASE_PATH: list[str] = []  # the zygote's sys.path without its own folder and PYTHONPATH
@@ -188,15 +189,12 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if request["session"]:
         os.setsid()
-    if request["netns"]:
-        ns = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
-        if ctypes.CDLL(None, use_errno=True).setns(ns, _CLONE_NEWNET) != 0:
-            os.write(fds[2], f"setns {request['netns']}: errno {ctypes.get_errno()}\n".encode())
-            os._exit(1)
-        os.close(ns)
     for i, fd in enumerate(fds):
         os.dup2(fd, i)
         os.close(fd)
+    sys.stderr = _text_out(2, True)  # what goes wrong from here is the child's to say
+    if request["netns"]:
+        _enter_netns(request["netns"])
     env = request["env"]
     if PARENT_ENV in env:  # the zygote is the parent it can watch
         env[PARENT_ENV] = str(os.getppid())
@@ -214,6 +212,29 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     sys.argv = ["-m", *request["args"]]
     global _MODULE
     _MODULE = request["module"]
+
+
+def _enter_netns(name: str) -> None:
+    """What ``ip netns exec NAME`` does before it execs: join the network namespace and, in
+    a mount namespace of its own, bind /etc/netns/NAME/* over /etc (the hosts file that
+    names the other hosts) and mount the namespace's /sys."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), f"{what} for network namespace {name}")
+
+    ns = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    check(libc.setns(ns, _CLONE_NEWNET), "setns")
+    os.close(ns)
+    check(libc.unshare(_CLONE_NEWNS), "unshare")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    if libc.umount2(b"/sys", _MNT_DETACH) == 0:
+        check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount /sys")
+    etc = f"/etc/netns/{name}"
+    for entry in sorted(os.listdir(etc)) if os.path.isdir(etc) else []:
+        source, target = f"{etc}/{entry}".encode(), f"/etc/{entry}".encode()
+        check(libc.mount(source, target, b"none", _MS_BIND, None), f"bind {etc}/{entry}")
 
 
 def _text_out(fd: int, unbuffered: bool) -> io.TextIOWrapper:
