@@ -114,6 +114,15 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path):
     assert reached < 4 * BATCHES
     started = time.monotonic()
     cluster.run(["scontrol", "requeue", jid])
+    # Slurm holds a requeued batch job back for a while (Reason=BeginTime); an operator's
+    # "scontrol update StartTime=now" lets it run at once, which is all this test waits for.
+    pending = wait(
+        "the job requeued", lambda: (j := job(cluster, jid))["JobState"] == "PENDING" and j, 120
+    )
+    print(
+        f"slurm requeue: pending with Reason={pending.get('Reason')} until {pending.get('StartTime')}"
+    )
+    cluster.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"])
     state = wait(
         "the requeued job done",
         lambda: (
