@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import socket
 import subprocess
 import sys
@@ -228,29 +229,29 @@ def paramserver_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "paramserver", *args]
 
 
-def launch_clicks(runs_dir: Path, model: str) -> subprocess.CompletedProcess[str]:
-    """``paramserver launch --json`` of ``model`` on the click log: 1 epoch, batch 256, 2 CPU
-    workers, its run folder in ``runs_dir``."""
-    return paramserver_run(
+def launch_json(
+    runs_dir: Path, *args: str, timeout: float = 600
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """``paramserver launch ARGS --device cpu --json --no-progress --runs-dir RUNS_DIR``, which
+    must succeed: its summary line and the finished process."""
+    out = paramserver_run(
         "launch",
-        "--model",
-        model,
-        "--dataset",
-        "clicks",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "256",
-        "--lr",
-        "0.01",
-        "--workers",
-        "2",
-        "--device",
-        "cpu",
-        "--json",
-        "--no-progress",
-        "--runs-dir",
-        str(runs_dir),
+        *args,
+        *("--device", "cpu", "--json", "--no-progress", "--runs-dir", str(runs_dir)),
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out
+
+
+def launch_clicks(
+    runs_dir: Path, model: str
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """``launch_json`` of ``model`` on the click log: 1 epoch, batch 256, 2 workers."""
+    return launch_json(
+        runs_dir,
+        *("--model", model, "--dataset", "clicks", "--epochs", "1", "--batch-size", "256"),
+        *("--lr", "0.01", "--workers", "2"),
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from paramserver import models
 from paramserver.training import data
-from tests.conftest import paramserver_run
+from tests.conftest import launch_json
 
 
 @pytest.mark.slow
@@ -19,26 +19,10 @@ def test_one_epoch_of_fashion_mnist_reaches_84_percent(tmp_path):
         data.load_idx_folder()
     except data.DataUnavailable as exc:  # say exactly what is missing, do not skip silently
         pytest.fail(f"{exc} (`make install` installs it as root)")
-    out = paramserver_run(
-        "launch",
-        "--workers",
-        "2",
-        "--policy",
-        "delay-1",
-        "--model",
-        "mlp",
-        "--epochs",
-        "1",
-        "--device",
-        "cpu",
-        "--json",
-        "--no-progress",
-        "--runs-dir",
-        str(tmp_path),
-        timeout=600,
+    summary, _ = launch_json(
+        tmp_path,
+        *("--workers", "2", "--policy", "delay-1", "--model", "mlp", "--epochs", "1"),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(summary))
     assert summary["test_accuracy"] >= 0.84, summary
     assert summary["max_staleness"] <= 1

@@ -16,7 +16,7 @@ from paramserver.config import OptimizerConfig, ServerConfig
 from paramserver.server.build import build_coordinator
 from paramserver.server.disk import checkpoint
 from paramserver.server.disk.checkpoint_writer import Checkpointer
-from tests.conftest import DEADLINE, paramserver_popen, paramserver_run
+from tests.conftest import DEADLINE, launch_json, paramserver_popen, paramserver_run
 
 
 def run_cli(
@@ -169,8 +169,8 @@ def test_a_metrics_port_in_use_is_reported(serve):
 
 
 def test_launch_json_on_synthetic_data(tmp_path):
-    out = run_cli(
-        "launch",
+    summary, _ = launch_json(
+        tmp_path,
         "--dataset",
         "synthetic",
         "--workers",
@@ -179,19 +179,11 @@ def test_launch_json_on_synthetic_data(tmp_path):
         "2",
         "--policy",
         "sync",
-        "--device",
-        "cpu",
-        "--json",
-        "--no-progress",
-        "--runs-dir",
-        str(tmp_path),
         "--lr-schedule",
         "cosine",
         "--lr",
         "0.003",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in (
         "policy",
         "workers",
@@ -318,8 +310,8 @@ def test_launch_trains_the_resnet_with_its_buffers(tmp_path):
     """The BatchNorm model through launch: its own defaults (10 epochs) unless --epochs is
     given, an evaluation that uses the shared statistics, and a checkpoint that loads with
     strict=True."""
-    out = run_cli(
-        "launch",
+    summary, _ = launch_json(
+        tmp_path,
         "--model",
         "resnet",
         "--dataset",
@@ -328,15 +320,7 @@ def test_launch_trains_the_resnet_with_its_buffers(tmp_path):
         "2",
         "--epochs",
         "2",
-        "--device",
-        "cpu",
-        "--json",
-        "--no-progress",
-        "--runs-dir",
-        str(tmp_path),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == 2 and summary["test_accuracy"] > 0.5
     config = json.loads(
         (tmp_path / os.path.basename(summary["run_dir"]) / "config.json").read_text()
@@ -358,23 +342,15 @@ def test_a_users_data_set_that_cannot_load_is_one_line(tmp_path):
 def test_launch_trains_dlrm_on_the_click_log_and_reports_auc(tmp_path):
     """``--model dlrm`` alone brings ``--dataset clicks`` and its other defaults; launch
     reports the test AUC per epoch and in the summary."""
-    out = run_cli(
-        "launch",
+    summary, _ = launch_json(
+        tmp_path,
         "--model",
         "dlrm",
         "--workers",
         "2",
         "--epochs",
         "1",
-        "--device",
-        "cpu",
-        "--json",
-        "--no-progress",
-        "--runs-dir",
-        str(tmp_path),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["samples"] == (200_000 // 256) * 256  # every batch of the log, once
     assert summary["test_auc"] > 0.7  # an untrained model scores 0.5
     run_dir = tmp_path / os.path.basename(summary["run_dir"])

@@ -3,7 +3,6 @@ unsharded run's, element for element (to an ulp under Adam); what goes wrong say
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -16,7 +15,7 @@ import paramserver as ps
 from paramserver.codec import layout
 from paramserver.server.disk import checkpoint
 from paramserver.training import data
-from tests.conftest import DEADLINE, WorkerThread, replica, tiny_model
+from tests.conftest import DEADLINE, WorkerThread, launch_json, replica, tiny_model
 from tests.integration.test_cli import run_cli
 
 
@@ -97,8 +96,8 @@ def test_bad_shard_options_are_one_line_errors():
 
 
 def test_launch_with_two_server_shards(tmp_path):
-    out = run_cli(
-        "launch",
+    summary, _ = launch_json(
+        tmp_path,
         "--dataset",
         "synthetic",
         "--workers",
@@ -109,17 +108,9 @@ def test_launch_with_two_server_shards(tmp_path):
         "2",
         "--policy",
         "delay-1",
-        "--device",
-        "cpu",
-        "--json",
-        "--no-progress",
-        "--runs-dir",
-        str(tmp_path),
         "--lr",
         "0.003",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 2 * (4096 // 64) * 64
     assert summary["test_accuracy"] > 0.5
     run_dir = tmp_path / os.path.basename(summary["run_dir"])
