@@ -19,7 +19,7 @@ from paramserver.errors import ParamServerError, Timeout
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
-_PARENT_ENV = "PARAMSERVER_PARENT_PID"
+_PARENT_ENV = fork.PARENT_ENV  # the zygote rewrites it to itself in its children
 # What `paramserver server` prints on stdout, then its address, once it serves.
 READY_MARKER = "paramserver server listening on"
 _NETNS_EXEC = ["ip", "netns", "exec"]
