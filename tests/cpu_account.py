@@ -3,7 +3,8 @@
 ``PARAMSERVER_TEST_CPU=PREFIX pytest ...`` appends one tab-separated line per test to
 ``PREFIX.<xdist worker or "main">``: node id, wall s, CPU s of the test process, CPU s of
 the child processes it started and waited for (``RUSAGE_CHILDREN``: a child's own reaped
-children included; and the zygote's, with the children it forked and reaped). The suite's time budget is
+children included; and the zygote's, with the children it forked and reaped), and when it
+started (seconds since the epoch: where each process went idle at the end). The suite's time budget is
 mostly CPU on a 2-core machine, and a wall-time list alone cannot say which tests burn it.
 ``python -m tests.cpu_account PREFIX`` prints the totals and the heaviest tests.
 """
@@ -48,13 +49,14 @@ class CpuAccount:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        began = time.time()
         start = (time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN))
         yield
         wall = time.monotonic() - start[0]
         own = _cpu(resource.RUSAGE_SELF) - start[1]
         kids = _cpu(resource.RUSAGE_CHILDREN) - start[2]
         with self.path.open("a") as out:
-            out.write(f"{item.nodeid}\t{wall:.2f}\t{own:.2f}\t{kids:.2f}\n")
+            out.write(f"{item.nodeid}\t{wall:.2f}\t{own:.2f}\t{kids:.2f}\t{began:.2f}\n")
 
 
 def register(config: pytest.Config) -> None:
@@ -66,13 +68,21 @@ def register(config: pytest.Config) -> None:
 
 def main(prefix: str, top: int = 40) -> None:
     rows = []
+    spans: dict[str, tuple[float, float]] = {}  # each process's first start, last end
     for path in Path(prefix).parent.glob(Path(prefix).name + ".*"):
         for line in path.read_text().splitlines():
-            node, wall, own, kids = line.split("\t")
+            node, wall, own, kids, began = (line.split("\t") + ["0"])[:5]
             rows.append((node, float(wall), float(own), float(kids)))
+            lo, hi = spans.get(path.suffix, (float(began), 0.0))
+            spans[path.suffix] = (min(lo, float(began)), max(hi, float(began) + float(wall)))
     wall = sum(r[1] for r in rows)
     cpu = sum(r[2] + r[3] for r in rows)
     print(f"{len(rows)} tests: wall {wall:.0f} s, CPU {cpu:.0f} s")
+    if spans and all(lo > 0 for lo, _ in spans.values()):
+        first, last = min(lo for lo, _ in spans.values()), max(hi for _, hi in spans.values())
+        print(f"from the first test's start to the last one's end: {last - first:.0f} s")
+        for name, (_, hi) in sorted(spans.items()):
+            print(f"  {name[1:]}: done {hi - first:.0f} s in, idle for the last {last - hi:.0f} s")
     by_file: dict[str, list[float]] = {}
     for node, w, own, kids in rows:
         acc = by_file.setdefault(node.split("::")[0], [0.0, 0.0])

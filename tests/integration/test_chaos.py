@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,7 +55,24 @@ def _every_check_held(report: dict[str, Any], result: str) -> None:
     """Every invariant held, ``result`` the check of the run's result (which depends on
     the faults: the same weights, or the same accuracy within half a point)."""
     held = ["exactly_once", "workers_logs_agree", "recovered_within", "every_fault_injected"]
-    assert report["checks"] == dict.fromkeys([*held, "checkpoints_readable", result], True), report
+    if report["checks"] != dict.fromkeys([*held, "checkpoints_readable", result], True):
+        pytest.fail(_failure(report))
+
+
+def _failure(report: dict[str, Any]) -> str:
+    """What a failed soak says in full (its workdir is gone with CI's machine): the checks,
+    the shards' counts, the batches no worker logged, the faults, and the logs' warnings."""
+    keys = ["checks", "statuses", "unlogged_batches", "batches_logged_twice", "faults"]
+    said = [f"{k}: {report[k]}" for k in keys]
+    said += [f"largest_weight_difference: {report['largest_weight_difference']}"]
+    for log in sorted(Path(report["workdir"], "chaos").glob("*.log")):
+        lines = [
+            ln
+            for ln in log.read_text(errors="replace").splitlines()
+            if " WARNING " in ln or " ERROR " in ln
+        ]
+        said += [f"--- {log.name}: {len(lines)} warnings, the last 25:", *lines[-25:]]
+    return "\n".join(said)
 
 
 def test_a_short_seeded_soak_holds_every_invariant(tmp_path):
