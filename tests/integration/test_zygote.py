@@ -25,6 +25,7 @@ print(json.dumps({
     "cwd": os.getcwd(), "path": sys.path[:2], "argv": sys.argv[1:],
     "draw": int(numpy.random.randint(1 << 30)), "env": os.environ.get("PROBE_VALUE"),
     "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sighup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
     "ppid": os.getppid(),
 }))
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
@@ -85,6 +86,49 @@ def test_a_forked_child_has_what_an_exec_would_give_it(
         assert _probe(zygote, {**probe_env, "PROBE_EXIT": "3"}, tmp_path).returncode == 3
     finally:
         zygote.close()
+
+
+@pytest.mark.parametrize("ignored", [(), (signal.SIGHUP, signal.SIGINT)])
+def test_a_forked_child_ignores_the_signals_its_caller_ignores(
+    tmp_path: Path, probe_env: dict[str, str], ignored: tuple[int, ...]
+) -> None:
+    """As across an exec: a launcher under ``nohup`` (SIGHUP) or run as a background job
+    (SIGINT) has children that ignore them too; the forked ones did not."""
+    was = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    try:
+        command = [sys.executable, "-m", "probe"]
+        execd = json.loads(
+            subprocess.run(command, env=probe_env, cwd=tmp_path, capture_output=True).stdout
+        )
+        forked = json.loads(_probe(_zygote(), probe_env, tmp_path).stdout)
+    finally:
+        for sig, handler in was.items():
+            signal.signal(sig, handler)
+    assert execd["sighup_ignored"] == bool(ignored) and execd["sigint"] != bool(ignored)
+    assert (forked["sighup_ignored"], forked["sigint"]) == (
+        execd["sighup_ignored"],
+        execd["sigint"],
+    )
+
+
+def test_a_child_whose_zygote_died_before_it_looked_dies_too() -> None:
+    """The zygote killed between its fork and the child's start-up: the child's parent is
+    another process by then, and it must not take that one for the zygote it watches."""
+    null = os.open(os.devnull, os.O_RDWR)
+    request = {"module": "paramserver", "args": [], "env": {fork.PARENT_ENV: "1"},
+               "cwd": os.getcwd(), "session": False, "netns": None, "ignored": []}  # fmt: skip
+    gone = subprocess.Popen(["true"])  # a pid no longer running: the dead zygote's
+    gone.wait()
+    pid = os.fork()
+    if pid == 0:  # the child as the zygote forks it, its parent already someone else
+        try:
+            fork._become(request, [null, os.dup(null), os.dup(null)], gone.pid)
+            procs.die_with_parent_if_asked()
+        finally:
+            os._exit(0)
+    os.close(null)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGTERM
 
 
 def test_paramserver_commands_exit_and_print_as_after_an_exec(tmp_path: Path) -> None:

@@ -25,6 +25,26 @@ log = logging.getLogger(__name__)
 PRELOAD = ("torch", "numpy", "grpc", "paramserver.server.app", "paramserver.training.trainer")
 
 
+# subprocess sets these back to SIG_DFL before it execs (restore_signals); Python ignores
+# SIGPIPE and SIGXFSZ again at start-up, as the zygote's children already do
+_RESTORED = {getattr(signal, n) for n in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, n)}
+
+
+def ignored_signals() -> list[int]:
+    """The signals this process ignores that an exec'd child would ignore too (a ``nohup``
+    launcher's SIGHUP, a background job's SIGINT): a forked child ignores them as well."""
+    found = []
+    for sig in signal.valid_signals():
+        if sig in _RESTORED or sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                found.append(int(sig))
+        except (OSError, ValueError):  # a signal Python does not manage
+            continue
+    return found
+
+
 class ZygoteLost(ParamServerError):
     """The zygote exited: no new child can be started through it."""
 
@@ -187,6 +207,7 @@ class Zygote:
             "cwd": str(cwd or os.getcwd()),
             "session": start_new_session,
             "netns": netns,
+            "ignored": ignored_signals(),
         }
         try:
             with self._lock:

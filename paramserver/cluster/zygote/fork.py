@@ -100,6 +100,7 @@ class _Zygote:
         self, conn: socket.socket, request: dict[str, Any], fds: list[int]
     ) -> dict[str, Any] | None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        zygote = os.getpid()  # the parent the child watches, even if it dies before it looks
         try:
             pid = os.fork()
         except OSError as exc:
@@ -116,7 +117,7 @@ class _Zygote:
             mine.close()
             INHERITED = theirs
             try:
-                _become(request, fds)
+                _become(request, fds, zygote)
             except BaseException:  # noqa: BLE001 - the child must never serve as a zygote
                 traceback.print_exc()
                 os._exit(1)
@@ -167,6 +168,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "cwd": str,
     "session": bool,
     "netns": (str, type(None)),
+    "ignored": list,
 }
 
 
@@ -180,13 +182,20 @@ def _check(request: object, fds: list[int]) -> None:
         isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items()
     ):
         raise ValueError("args and env hold strings")
+    if not all(type(s) is int and 0 < s < signal.NSIG for s in request["ignored"]):
+        raise ValueError("ignored holds signal numbers")
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked child: the state a fresh ``python -m paramserver ARGS`` would have."""
+def _become(request: dict[str, Any], fds: list[int], zygote: int) -> None:
+    """In the forked child of ``zygote`` (its pid): the state a fresh ``python -m
+    paramserver ARGS`` exec'd by the caller would have, the signals the caller ignores
+    ignored."""
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in request["ignored"]:
+        with contextlib.suppress(OSError, ValueError):  # one this platform cannot set
+            signal.signal(sig, signal.SIG_IGN)
     if request["session"]:
         os.setsid()
     for i, fd in enumerate(fds):
@@ -196,8 +205,8 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     if request["netns"]:
         _enter_netns(request["netns"])
     env = request["env"]
-    if PARENT_ENV in env:  # the zygote is the parent it can watch
-        env[PARENT_ENV] = str(os.getppid())
+    if PARENT_ENV in env:  # the zygote is the parent it can watch (gone: it dies at once)
+        env[PARENT_ENV] = str(zygote)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
