@@ -117,19 +117,34 @@ class NormRelay:
         """
         asked = [(s.worker_id, s.incarnation) for s in self.sessions]
         answers: list[pb.StepNormResponse | None] = []
-        stale: RejoinRequired | None = None
-        for s, (who, inc) in zip(self.sessions, asked, strict=True):
+        stale: list[tuple[int, RejoinRequired]] = []
+        for i, (s, (who, inc)) in enumerate(zip(self.sessions, asked, strict=True)):
             try:
                 answers.append(self._ask(s, target, who=who, inc=inc))
             except RejoinRequired as exc:
                 answers.append(None)
-                stale = exc
-        if stale is not None:
-            self._free(answers, asked)
-            raise stale
+                stale.append((i, exc))
+        if stale:
+            if self._restart_unseen(stale, asked):
+                self._free(answers, asked)
+            raise stale[-1][1]
         if asked != [(s.worker_id, s.incarnation) for s in self.sessions]:
             return False  # joined again meanwhile: an answer may be of a state rewound since
         return self._give(target, [a for a in answers if a is not None], asked)
+
+    def _restart_unseen(
+        self, stale: list[tuple[int, RejoinRequired]], asked: list[tuple[str, str]]
+    ) -> bool:
+        """Whether a shard that refused this worker (it restarted or rewound since the
+        worker joined it, or the lease there ran out) still has the session the relay
+        asked with: only then may the main path wait, unknowing, on a round that never
+        applies. A StepNorm waits up to ten seconds on the shards before it, so by its
+        answer the main path may have joined that shard again (and pushed there, and
+        rewound the others): leaving the others then took a healthy shard's lease from
+        under a push it held, whose batch was never logged."""
+        return any(
+            (self.sessions[i].worker_id, self.sessions[i].incarnation) == asked[i] for i, _ in stale
+        )
 
     def _free(
         self, answers: list[pb.StepNormResponse | None], asked: list[tuple[str, str]]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paramserver._proto import paramserver_pb2 as pb
-from paramserver.errors import InvalidRequest, WrongIncarnation
+from paramserver.errors import InvalidRequest, RejoinRequired, UnknownWorker, WrongIncarnation
 from paramserver.server.bookkeeping import norm_round
 from paramserver.worker.norm_relay import NormRelay
 
@@ -170,6 +170,33 @@ def test_a_restarted_shard_makes_the_worker_leave_the_shards_whose_round_waits()
         relay.relay(3)
     assert getattr(shards[1], "left", False) and not getattr(shards[2], "left", False)
     assert relay.freed == 1 and shards[1].given == []
+
+
+class RejoinedMeanwhile(FakeSession):
+    """A shard that refused the worker (``refusal``), which its main path joined again
+    while this StepNorm waited: the answer is of the session the relay asked with."""
+
+    refusal: type[RejoinRequired] = WrongIncarnation
+
+    def step_norm(self, request, timeout=None):
+        self.incarnation = "rejoined"
+        raise self.refusal("restarted, or the lease ran out")
+
+
+class LeaseLostRejoined(RejoinedMeanwhile):
+    refusal = UnknownWorker
+
+
+@pytest.mark.parametrize("stale", [RejoinedMeanwhile, LeaseLostRejoined])
+def test_no_shard_is_left_for_a_refusal_the_worker_has_joined_again_since(stale):
+    """The relay asked the restarted shard 0 with the old session; by its answer the main
+    path had joined it again, pushed there, and rewinds the others itself. Leaving shard 1
+    then took a healthy lease from under a push it held (a batch no worker logged)."""
+    shards = [stale(-1, 0.0), FakeSession(3, 1.0)]
+    relay = _relay(shards)
+    with pytest.raises(RejoinRequired):
+        relay.relay(3)
+    assert not getattr(shards[1], "left", False) and relay.freed == 0
 
 
 def test_a_round_that_waits_is_held_by_a_checkpoint_as_a_complete_round():
