@@ -260,7 +260,10 @@ class ServerApp:
                 gap, last = now - last, now
                 # a look later than half a lease past its time: the process was not running
                 paused = gap - interval if gap > interval + lease / 2 else 0.0
-                for member in self.coordinator.expire_leases(paused):
+                # leases judged at the look: a process stopped between it and the lock
+                # (waiting on an apply) would find every lease run out when it went on,
+                # and no gap to say it was stopped (the gap is seen at the next look)
+                for member in self.coordinator.expire_leases(paused, at=now):
                     self.shared.detach(member.worker_id)
                 self.health.expire()
             except Exception:  # noqa: BLE001 - leases must keep expiring: say it, go on

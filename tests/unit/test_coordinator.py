@@ -155,6 +155,21 @@ def test_a_server_that_did_not_run_expires_no_lease_and_starts_them_again(clock:
     assert [m.worker_id for m in c.expire_leases()] == [b.worker_id]
 
 
+def test_leases_are_judged_at_the_reapers_look_not_when_it_got_the_lock(
+    clock: FakeClock,
+) -> None:
+    """The reaper looks (and sees no pause), then waits for the lock; a SIGSTOP there, and
+    on waking every lease had run out by the clock, with no gap seen to say the server was
+    stopped: the chaos soak's stop-shard could drop every worker of a shard."""
+    c = make("sync", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    looked = clock()
+    clock.advance(LEASE * 3)  # stopped between the look and the lock
+    assert c.expire_leases(paused=0.0, at=looked) == []
+    assert sorted(c.membership.live_ids()) == sorted([a.worker_id, b.worker_id])
+    assert len(c.expire_leases()) == 2  # without the look's time, both went
+
+
 def test_sync_leave_completes_round(clock: FakeClock) -> None:
     c = make("sync", 2, clock)
     a, b = c.join("a"), c.join("b")

@@ -121,10 +121,11 @@ class Membership:
         for m in self.members.values():
             m.last_seen = max(m.last_seen, now)
 
-    def expire(self) -> list[Member]:
-        """Remove every worker whose lease has run out; returns them."""
+    def expire(self, at: float | None = None) -> list[Member]:
+        """Remove every worker whose lease had run out at ``at`` (default: now); returns
+        them."""
         self.min_clock()
-        deadline = self.now() - self.lease_seconds
+        deadline = (self.now() if at is None else at) - self.lease_seconds
         dead = [m for m in self.members.values() if m.last_seen < deadline]
         for m in dead:
             del self.members[m.worker_id]

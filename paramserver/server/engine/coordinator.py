@@ -147,10 +147,10 @@ class Coordinator(StateInOut):
                 if end is not None:
                     self.saving.take(end, self._snapshot(end))
 
-    def expire_leases(self, paused: float = 0.0) -> list[Member]:
+    def expire_leases(self, paused: float = 0.0, at: float | None = None) -> list[Member]:
         """Drop workers whose lease ran out: no barrier waits on them (``Members.expire``)."""
         with self._cond:
-            dead = self.members.expire(paused)
+            dead = self.members.expire(paused, at)
             self._after_leaving(dead)
             return dead
 

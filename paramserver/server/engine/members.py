@@ -195,11 +195,11 @@ class Members:
         elif not self.owner:
             self.told_over = True
 
-    def expire(self, paused: float = 0.0) -> list[Member]:
-        """Drop the workers whose lease ran out; returns them. ``paused``: seconds this
-        server itself did not run (a SIGSTOP, a long pause of the host) since the last look;
-        then every lease starts again instead, for no worker could renew its lease while
-        the server could not answer."""
+    def expire(self, paused: float = 0.0, at: float | None = None) -> list[Member]:
+        """Drop the workers whose lease had run out at ``at``, when the caller looked (default:
+        now); returns them. ``paused``: seconds this server itself did not run (a SIGSTOP, a
+        long pause of the host) since the last look; then every lease starts again instead,
+        for no worker could renew its lease while the server could not answer."""
         if paused > 0:
             log.warning(
                 "this server did not run for %.1fs (paused, or starved); every worker's "
@@ -207,7 +207,7 @@ class Members:
                 paused,
             )
             self.membership.renew_all()
-        dead = self.membership.expire()
+        dead = self.membership.expire(at)
         for m in dead:
             log.warning(
                 "worker %s (%s, rank %d) missed its %.1fs lease at clock %d; it no "
