@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +35,10 @@ DEADLINE = 120.0  # seconds any single wait in a test may take before it fails
 
 def pytest_configure(config: pytest.Config) -> None:
     cpu_account.register(config)
+    # a suite started as a background job ignores SIGINT, and so would every child it
+    # starts (exec'd or forked): the tests that stop one with ^C would fail there alone
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from tests.conftest import DEADLINE, paramserver_cmd, paramserver_run
+from tests.conftest import DEADLINE, paramserver_popen, paramserver_run
 
 
 def _launch(runs: Path, checkpoints: Path) -> list[str]:
@@ -24,12 +24,10 @@ def _launch(runs: Path, checkpoints: Path) -> list[str]:
 
 def test_a_resumed_launch_goes_on_at_once_from_the_epoch_it_is_in(tmp_path):
     runs, checkpoints = tmp_path / "runs", tmp_path / "ckpt"
-    first = subprocess.Popen(  # an exec: preexec_fn
-        paramserver_cmd(*_launch(runs, checkpoints)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's
+    # SIGINT as a terminal's ^C: the suite does not ignore it (tests/conftest.py), so
+    # neither does the launch, nor its children
+    first = paramserver_popen(
+        *_launch(runs, checkpoints), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert first.stderr is not None

@@ -94,7 +94,12 @@ def test_a_forked_child_ignores_the_signals_its_caller_ignores(
 ) -> None:
     """As across an exec: a launcher under ``nohup`` (SIGHUP) or run as a background job
     (SIGINT) has children that ignore them too; the forked ones did not."""
-    was = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    # both set either way: a suite run under nohup, or as a background job, ignores them
+    handlers = {signal.SIGHUP: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    was = {
+        sig: signal.signal(sig, signal.SIG_IGN if sig in ignored else h)
+        for sig, h in handlers.items()
+    }
     try:
         command = [sys.executable, "-m", "probe"]
         execd = json.loads(
