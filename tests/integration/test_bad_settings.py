@@ -132,12 +132,12 @@ def test_a_failing_reaper_pass_is_logged_counted_and_retried(serve, caplog):
     real = server.coordinator.expire_leases
     twice = threading.Event()
 
-    def expire(paused: float) -> list:
+    def expire(paused: float, at: float | None = None) -> list:
         calls.append(paused)
         if len(calls) == 1:
             raise RuntimeError("a bug in one pass")
         twice.set()
-        return real(paused)
+        return real(paused, at)
 
     server.coordinator.expire_leases = expire  # type: ignore[method-assign]
     with caplog.at_level(logging.ERROR, logger="paramserver.server.app"):
