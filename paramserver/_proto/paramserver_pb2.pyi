@@ -395,14 +395,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id", "finished", "incarnation")
+    __slots__ = ("worker_id", "finished", "incarnation", "returning")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RETURNING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     finished: bool
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., finished: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    returning: bool
+    def __init__(self, worker_id: _Optional[str] = ..., finished: _Optional[bool] = ..., incarnation: _Optional[str] = ..., returning: _Optional[bool] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()

@@ -158,7 +158,9 @@ class NormRelay:
             if a is not None and a.closed and (s.worker_id, s.incarnation) == (who, inc):
                 log.warning("a shard restarted while the round at %s waits: leaving it", s.address)
                 self.freed += 1
-                request = pb.LeaveRequest(worker_id=who, incarnation=inc)
+                # returning: a shard rewound since (by another worker) keeps this
+                # worker's place from the cut, which its next join takes up
+                request = pb.LeaveRequest(worker_id=who, incarnation=inc, returning=True)
                 with contextlib.suppress(ParamServerError):
                     s.call("leave", s.channel.leave, request, ASK)
 

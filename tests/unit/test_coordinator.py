@@ -170,6 +170,20 @@ def test_leases_are_judged_at_the_reapers_look_not_when_it_got_the_lock(
     assert len(c.expire_leases()) == 2  # without the look's time, both went
 
 
+def test_a_returning_leave_leaves_only_the_incarnation_it_names(clock: FakeClock) -> None:
+    """A worker's norm relay leaves a shard whose round cannot finish, and joins it again;
+    its Leave may land after another worker rewound that shard, whose place for it is the
+    cut's: ignored then (it evicted the restored member, whose next join came in under a
+    new id at another clock). A plain Leave from before a restart still counts."""
+    c = make("sync", 2, clock)
+    a, b = c.join("a"), c.join("b")
+    assert not c.leave(a.worker_id, incarnation="rewound-since", returning=True)
+    assert a.worker_id in c.membership.live_ids()
+    assert c.leave(a.worker_id, incarnation=c.incarnation, returning=True)
+    assert c.leave(b.worker_id, incarnation="rewound-since")  # leaving for good
+    assert c.membership.live_ids() == []
+
+
 def test_sync_leave_completes_round(clock: FakeClock) -> None:
     c = make("sync", 2, clock)
     a, b = c.join("a"), c.join("b")

@@ -117,7 +117,7 @@ class FakeSession:
         return method(request, timeout=timeout)
 
     def leave(self, request: pb.LeaveRequest, timeout: float | None = None):
-        self.left = True
+        self.left = request.returning  # a Leave that stays in the incarnation it names
         return pb.LeaveResponse()
 
 

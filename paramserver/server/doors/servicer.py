@@ -185,8 +185,10 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
-        self.c.leave(request.worker_id, request.finished, request.incarnation)
-        self.shared.detach(request.worker_id)
+        if self.c.leave(
+            request.worker_id, request.finished, request.incarnation, request.returning
+        ):
+            self.shared.detach(request.worker_id)
         return pb.LeaveResponse()
 
     @_rpc

@@ -138,14 +138,21 @@ class Coordinator(StateInOut):
             self.membership.touch(worker_id)
             return self.store.version
 
-    def leave(self, worker_id: str, finished: bool = False, incarnation: str = "") -> None:
+    def leave(
+        self, worker_id: str, finished: bool = False, incarnation: str = "", returning: bool = False
+    ) -> bool:
+        """A worker leaves; whether it was let (``returning``, one that joins again under its
+        id, leaves only the incarnation it names: ``LeaveRequest.returning``)."""
         with self._cond:
             current = incarnation == self.incarnation  # ``finished`` counts then only
+            if returning and not current:
+                return False
             self._after_leaving(self.members.leave(worker_id, finished, current))
             if not self.membership.members and self.arrival.between_rounds:
                 end = self.cuts.at_end(self.rounds)  # the last one left: the run's end
                 if end is not None:
                     self.saving.take(end, self._snapshot(end))
+            return True
 
     def expire_leases(self, paused: float = 0.0, at: float | None = None) -> list[Member]:
         """Drop workers whose lease ran out: no barrier waits on them (``Members.expire``)."""
