@@ -183,8 +183,13 @@ class RejoinedMeanwhile(FakeSession):
         raise self.refusal("restarted, or the lease ran out")
 
 
-class LeaseLostRejoined(RejoinedMeanwhile):
-    refusal = UnknownWorker
+class LeaseLostRejoined(FakeSession):
+    """A shard that dropped the worker (its lease ran out), which the main path joined
+    again meanwhile: under a new id, in the same incarnation."""
+
+    def step_norm(self, request, timeout=None):
+        self.worker_id = "w-again"
+        raise UnknownWorker("its lease ran out")
 
 
 @pytest.mark.parametrize("stale", [RejoinedMeanwhile, LeaseLostRejoined])
