@@ -115,36 +115,35 @@ class NormRelay:
             RejoinRequired: a shard restarted (or rewound, or dropped this worker) since the
                 worker joined it: the shards whose round waits are left first (``_free``).
         """
-        asked = [(s.worker_id, s.incarnation) for s in self.sessions]
+        asked = self._ids()
         answers: list[pb.StepNormResponse | None] = []
-        stale: list[tuple[int, RejoinRequired]] = []
+        refused: list[int] = []
+        stale: RejoinRequired | None = None
         for i, (s, (who, inc)) in enumerate(zip(self.sessions, asked, strict=True)):
             try:
                 answers.append(self._ask(s, target, who=who, inc=inc))
             except RejoinRequired as exc:
                 answers.append(None)
-                stale.append((i, exc))
-        if stale:
-            if self._restart_unseen(stale, asked):
+                refused.append(i)
+                stale = exc
+        if stale is not None:
+            # the others are left only while a refusing shard (restarted, rewound, or its
+            # lease gone) has the session asked with: only then may the main path wait,
+            # unknowing, on a round that never applies. A StepNorm waits up to ten seconds,
+            # so by the answer the main path may have joined that shard again, pushed there
+            # and rewound the others: leaving them then took a healthy lease from under a
+            # push it held, whose batch no worker logged.
+            now = self._ids()
+            if any(now[i] == asked[i] for i in refused):
                 self._free(answers, asked)
-            raise stale[-1][1]
-        if asked != [(s.worker_id, s.incarnation) for s in self.sessions]:
+            raise stale
+        if asked != self._ids():
             return False  # joined again meanwhile: an answer may be of a state rewound since
         return self._give(target, [a for a in answers if a is not None], asked)
 
-    def _restart_unseen(
-        self, stale: list[tuple[int, RejoinRequired]], asked: list[tuple[str, str]]
-    ) -> bool:
-        """Whether a shard that refused this worker (it restarted or rewound since the
-        worker joined it, or the lease there ran out) still has the session the relay
-        asked with: only then may the main path wait, unknowing, on a round that never
-        applies. A StepNorm waits up to ten seconds on the shards before it, so by its
-        answer the main path may have joined that shard again (and pushed there, and
-        rewound the others): leaving the others then took a healthy shard's lease from
-        under a push it held, whose batch was never logged."""
-        return any(
-            (self.sessions[i].worker_id, self.sessions[i].incarnation) == asked[i] for i, _ in stale
-        )
+    def _ids(self) -> list[tuple[str, str]]:
+        """Each session's worker id and incarnation: who the worker is on each shard now."""
+        return [(s.worker_id, s.incarnation) for s in self.sessions]
 
     def _free(
         self, answers: list[pb.StepNormResponse | None], asked: list[tuple[str, str]]

@@ -35,7 +35,7 @@ def ignored_signals() -> list[int]:
     launcher's SIGHUP, a background job's SIGINT): a forked child ignores them as well."""
     found = []
     for sig in signal.valid_signals():
-        if sig in _RESTORED or sig in (signal.SIGKILL, signal.SIGSTOP):
+        if sig in _RESTORED:
             continue
         try:
             if signal.getsignal(sig) == signal.SIG_IGN:
