@@ -234,6 +234,13 @@ class Chaos:
         "H > 0: the workers take H local AdamW steps and push their pseudo-gradient (--push-every H --inner-optimizer adamw), the shards apply Nesterov's outer step (DiLoCo), and the model's table is dense; 0: gradients.",
         env="CHAOS_LOCAL_STEPS",
     )
+    overlap: str = setting(
+        "off",
+        "--overlap",
+        "With --local-steps: on puts each exchange behind the next H local steps (the workers' --overlap on), off waits for it.",
+        choices=("on", "off"),
+        env="CHAOS_OVERLAP",
+    )
     clip: float = setting(
         0.0,
         "--clip-grad-norm",
@@ -280,7 +287,7 @@ class Bench:
     only: str = setting(
         "",
         "--only",
-        "sparse: run this case alone; criteo: the Criteo-like recommender case (h)-(k); main: the 1M-row DLRM's tables under async, sync and delay-1 against one local process and DDP, and the CPU a step (a), (c), (d). network: only these training variants beside DDP, comma-separated (fp32, fp32_2shards, bf16, topk, topk_2shards, local32_int8, local32_int8_async), and no link figures [default: every case].",
+        "sparse: run this case alone; criteo: the Criteo-like recommender case (h)-(k); main: the 1M-row DLRM's tables under async, sync and delay-1 against one local process and DDP, and the CPU a step (a), (c), (d). network: only these training variants beside DDP, comma-separated (fp32, fp32_2shards, bf16, topk, topk_2shards, local32_int8, local32_int8_async, local32, local32_overlap, local32_int8_overlap), and no link figures [default: every case].",
         env="BENCH_ONLY",
     )
     device: str = setting(

@@ -245,6 +245,7 @@ def chaos(**kw: Any) -> None:
         recover_within=opts.recover_within,
         workdir=opts.workdir,
         local_steps=opts.local_steps,
+        overlap=opts.overlap == "on",
         clip=opts.clip,
     )
     if not soak.main(cfg, opts.json):

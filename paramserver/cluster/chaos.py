@@ -79,6 +79,7 @@ class ChaosConfig:
     start_timeout: float = 120.0
     workdir: str | None = None
     local_steps: int = 0  # H: workers push pseudo-gradients of H inner steps (0: gradients)
+    overlap: bool = False  # local steps: the exchange behind the next H steps (--overlap on)
     clip: float = 0.0  # the servers' --clip-grad-norm (under sync: relayed between shards)
 
     @property
@@ -158,7 +159,7 @@ def _args(cfg: ChaosConfig, root: Path) -> tuple[list[str], list[str]]:
         # outer lr 1 and momentum 0.5: this small model stayed near the majority class with
         # DiLoCo's 0.7 and 0.9 (0.64 against 0.70, H = 4, --faults 0)
         worker += ["--push-every", str(cfg.local_steps), "--inner-optimizer", "adamw"]
-        worker += ["--inner-lr", "0.01", "--overlap", "off"]
+        worker += ["--inner-lr", "0.01", "--overlap", "on" if cfg.overlap else "off"]
     return server, worker
 
 

@@ -69,7 +69,7 @@ class WorkerConfig:
     overlap: str = setting(
         "auto",
         "--overlap",
-        "Push in the background while the next step computes (ssp:K, async); with shared memory, also fetch the next weights meanwhile; for a model with tables that says its ids (table_ids), also the next batch's rows; auto: on for CUDA, off on CPU.",
+        "Push in the background while the next step computes (ssp:K, async); with --inner-optimizer, the local steps' exchange behind the next H steps (any policy); with shared memory, also fetch the next weights meanwhile; for a model with tables that says its ids (table_ids), also the next batch's rows; auto: on for CUDA, off on CPU.",
         choices=("auto", "on", "off"),
     )
     shm: str = setting(
@@ -102,7 +102,7 @@ class WorkerConfig:
     inner_optimizer: str = setting(
         "none",
         "--inner-optimizer",
-        "Local steps (DiLoCo): with sgd or adamw, each of the --push-every H batches a pull hands out is one step of this optimizer on the worker's own replica, and the push is the pseudo-gradient (the weights pulled minus the weights after the H steps) for the server's outer optimizer (DiLoCo's: --optimizer nesterov --lr 0.7 on the server). none: the H batches' gradients accumulate into one push. Needs --overlap off and --amp off or bf16.",
+        "Local steps (DiLoCo): with sgd or adamw, each of the --push-every H batches a pull hands out is one step of this optimizer on the worker's own replica, and the push is the pseudo-gradient (the weights pulled minus the weights after the H steps) for the server's outer optimizer (DiLoCo's: --optimizer nesterov --lr 0.7 on the server). With --overlap on, the push and the pull of the new global weights go on in the background while the next H steps train (on the batches the pull named ahead), and the weights are merged in as they land, keeping those steps (auto: off). none: the H batches' gradients accumulate into one push. Needs --amp off or bf16.",
         choices=INNER_OPTIMIZERS,
     )
     inner_lr: float = setting(
@@ -136,7 +136,7 @@ class WorkerConfig:
         _check_compress(self.compress)
         _check_push_every(self.push_every)
         _check_amp(self.amp)
-        _check_local(self.inner_optimizer, self.inner_lr, self.overlap, self.amp)
+        _check_local(self.inner_optimizer, self.inner_lr, self.amp)
         check_count("--cache-rows", self.cache_rows)  # rows allocated up front, per table
         check_seconds("--server-timeout", self.server_timeout)
 
@@ -189,17 +189,12 @@ def _check_shm(value: str) -> None:
         raise ConfigError(f"--shm must be one of {', '.join(SHM_CHOICES)}; got {value!r}.")
 
 
-def _check_local(inner: str, lr: float, overlap: str, amp: str) -> None:
+def _check_local(inner: str, lr: float, amp: str) -> None:
     if inner not in INNER_OPTIMIZERS:
         raise ConfigError(
             f"--inner-optimizer must be one of {', '.join(INNER_OPTIMIZERS)}; got {inner!r}."
         )
     _positive("--inner-lr", lr)
-    if inner != "none" and overlap == "on":
-        raise ConfigError(
-            "--inner-optimizer: local steps start from the weights just pulled; with "
-            "--overlap on they land a step late: use --overlap off (or auto)."
-        )
     if inner != "none" and amp == "fp16":
         raise ConfigError("--inner-optimizer with --amp fp16 is not supported: use bf16.")
 
@@ -264,7 +259,7 @@ class LaunchConfig:
         _check_compress(self.compress)
         _check_push_every(self.push_every)
         _check_amp(self.amp)
-        _check_local(self.inner_optimizer, self.inner_lr, self.overlap, self.amp)
+        _check_local(self.inner_optimizer, self.inner_lr, self.amp)
         check_count("--cache-rows", self.cache_rows)
         check_count("--servers", self.servers, 1, 64)  # processes on this one host
 

@@ -7,6 +7,7 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +196,13 @@ def _train(
         )
     local = _local_steps(cfg, worker)
     loss_fn = losses.resolve(plan.loss)  # the server's --loss (default: cross-entropy)
+    if local is not None and local.flight is not None:
+        overlapped = local
+
+        def compute(todo: list[int]) -> tuple[int, float]:
+            return _compute(worker, todo, order, device, None, precision, loss_fn, overlapped)
+
+        return _train_overlapped(cfg, worker, local, compute)
     if prefetch:
         worker.prefetch_next(prefetch)
     steps = samples = empty = 0
@@ -211,7 +219,8 @@ def _train(
                 local.anchored()
             empty += 1
             continue
-        taken, loss = _compute(worker, order, device, fetch_first, precision, loss_fn, local)
+        todo = worker.batches or [worker.batch]
+        taken, loss = _compute(worker, todo, order, device, fetch_first, precision, loss_fn, local)
         if not precision.unscaled(worker.model.parameters()):  # fp16 overflow: not pushed
             for p in worker.model.parameters():
                 if p.grad is not None:
@@ -237,6 +246,70 @@ def _train(
     return steps, samples, empty
 
 
+def _train_overlapped(
+    cfg: WorkerConfig,
+    worker: Worker,
+    local: LocalSteps,
+    compute: Callable[[list[int]], tuple[int, float]],
+) -> tuple[int, int, int]:
+    """``_train`` with overlapped local steps (``--overlap on``): while a round's exchange is
+    in flight, the replica trains the batches its pull named ahead (``PullHeader.next_batches``,
+    taken for this worker then). Once it lands, the round just trained is pushed as the
+    batches the worker holds, and only if they are the ones trained: otherwise (a rejoin, a
+    rewind, the end of the run) its progress is dropped and the worker's batches trained
+    anew, so each batch is still applied exactly once. (steps, samples, empty steps)"""
+    assert local.flight is not None
+    worker.name_next_batches()  # each pull from now on also names the next round's batches
+    steps = samples = empty = 0
+    todo: list[int] = []  # while a round is in flight: the batches trained meanwhile
+    if cfg.batch_log:
+        worker.landed_batches()
+    while True:
+        if cfg.batch_log:
+            _audit(cfg.batch_log, worker.landed_batches())
+        if cfg.max_steps is not None and steps >= cfg.max_steps:
+            local.land()
+            log.info("rank %d: --max-steps %d reached; leaving", worker.rank, cfg.max_steps)
+            break
+        if not todo:  # nothing in flight, or nothing named ahead (the first round, the end)
+            local.land()
+            if worker.finished:
+                break
+            todo = _held(worker)
+            if not todo:  # sync, and none left for this round: count in it, empty-handed
+                worker.step(empty=True)
+                local.anchored()
+                empty += 1
+                continue
+        taken, loss = compute(todo)
+        local.land()
+        if _held(worker) != todo:  # the worker holds other batches now: train those
+            log.info(
+                "rank %d: the steps on batches %s.. (trained ahead) are dropped: this worker "
+                "holds batches %s now (rejoined, rewound or finished)",
+                worker.rank,
+                todo[0],
+                _held(worker)[:1],
+            )
+            local.anchored()
+            todo = []
+            continue
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)  # injected straggler (--step-delay)
+        todo = list(worker.next_batches)  # the next round's, trained while this one flies
+        local.sync(samples=taken, loss=loss)
+        steps += 1
+        samples += taken
+    if cfg.batch_log:
+        _audit(cfg.batch_log, worker.landed_batches())
+    return steps, samples, empty
+
+
+def _held(worker: Worker) -> list[int]:
+    """The batches the worker holds for its clock (none: an empty round, or the end)."""
+    return list(worker.batches) or ([] if worker.batch is None else [worker.batch])
+
+
 def _audit(path: str, pushes: list[tuple[int, ...]]) -> None:
     """A line for each push whose batches shard 0 took (``--batch-log``; a push the server
     dropped, as after this worker was paused past its lease, has none: its batches went to
@@ -252,13 +325,15 @@ def _local_steps(cfg: WorkerConfig, worker: Worker) -> LocalSteps | None:
     if cfg.inner_optimizer == "none":
         return None
     kind = torch.optim.AdamW if cfg.inner_optimizer == "adamw" else torch.optim.SGD
-    params = [p for p in worker.model.parameters() if p.requires_grad]
     lazy_dynamo.install()  # the inner optimizer without torch._dynamo (2 s of CPU)
-    return LocalSteps(worker, kind(params, lr=cfg.inner_lr))
+    local = LocalSteps(worker, overlap=cfg.overlap == "on")  # --overlap on: the exchange behind
+    local.use(kind(local.params, lr=cfg.inner_lr))
+    return local
 
 
 def _compute(
     worker: Worker,
+    batches: list[int],
     order: _Order,
     device: torch.device,
     fetch_first: Any,
@@ -270,10 +345,9 @@ def _compute(
     accumulate, each weighted by its share, so the push is the mean gradient over all their
     samples; with ``local`` (--inner-optimizer) each is a step of the inner optimizer
     instead (``local.sync`` then pushes their pseudo-gradient). (samples, mean loss)."""
-    assert worker.batch is not None, "the caller steps empty-handed when there is no batch"
-    batches = worker.batches or [worker.batch]
     taken, losses = 0, 0.0
     inner_step = local.inner_step if local is not None else None
+    model = local.model if local is not None else worker.model
     for batch in batches:
         idx = order.rows(batch)
         x, y = order.dataset.batch(idx)
@@ -281,12 +355,13 @@ def _compute(
             worker.prefetch(fetch_first(x))
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with precision.autocast():  # --amp
-            loss = loss_fn(worker.model(x), y)
+            loss = loss_fn(model(x), y)
         if local is not None and local.inner is not None:  # one local step a batch
             precision.backward(loss)
             assert inner_step is not None
             inner_step()
             local.inner.zero_grad()
+            local.merge()  # overlapped: the new global weights, as soon as they land
         else:
             precision.backward(loss / len(batches))
         taken += len(idx)

@@ -46,6 +46,11 @@ class WorkerView:
         kept from the first call on): ``pushes.Landed``."""
         return self._pipe.landed.take()
 
+    def name_next_batches(self) -> None:
+        """From the next pull on, each pull also names the batches of the iteration after
+        it (``next_batches``), taken for this worker then (overlapped local steps)."""
+        self.sessions[0].ahead = True
+
     def status(self) -> pb.StatusResponse:
         """Shard 0's Status (its batches and samples are the run's)."""
         return self.sessions[0].status()

@@ -233,6 +233,11 @@ def test_bench_quick_json(name):
         # local steps: 32 batches a push of int8, pulls in bf16: a small share of DDP's bytes
         assert figures["local32_int8_bytes_vs_ddp_1gbit"] < 0.05
         assert math.isfinite(figures["local32_int8_accuracy_vs_ddp_1gbit"])  # a difference
+        # overlapped local steps (issue 58) learnt; every variant's busiest link per round
+        assert 0.3 < figures["local32_overlap_curve_1gbit"][-1][1] <= 1.0
+        assert figures["local32_overlap_samples_per_s_1gbit"] > 0
+        for name in ("ddp", "fp32", "local32_int8", "local32_overlap"):
+            assert figures[f"{name}_busiest_link_bytes_per_round_1gbit"] > 0, name
         assert _namespaces() <= namespaces_before, "the bench left namespaces behind"
     if name == "accuracy":
         # every contender reached the quick target (60% on the synthetic set) in 2 epochs

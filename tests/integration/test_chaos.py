@@ -114,13 +114,18 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
 
 
-def test_local_steps_recover_from_worker_and_shard_faults(tmp_path):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_local_steps_recover_from_worker_and_shard_faults(tmp_path, overlap):
     """``chaos --local-steps 4`` (issue 45): pseudo-gradients of 4 inner AdamW steps under
     Nesterov's outer step, through a worker killed and one paused in the middle of their
-    local steps, and a shard killed: every batch once still, the run learnt."""
+    local steps, and a shard killed: every batch once still, the run learnt. With
+    ``--overlap on`` (issue 58) each exchange flies behind the next 4 steps, and the steps
+    trained ahead on batches a rejoined worker no longer holds are dropped."""
     kinds = ["kill-worker", "stop-worker", "kill-shard"]
-    report = _soak(tmp_path, len(kinds), 1, ",".join(kinds), "--local-steps", "4")
+    more = ("--local-steps", "4", "--overlap", overlap)
+    report = _soak(tmp_path, len(kinds), 1, ",".join(kinds), *more)
     _every_check_held(report, "accuracy_within_three_points")
     assert report["config"]["local_steps"] == 4
+    assert report["config"]["overlap"] == (overlap == "on")
     assert report["accuracy_uninterrupted"] > 0.66  # it learnt: the majority class is 60%
     assert sorted(f["fault"].split(" ")[0] for f in report["faults"]) == sorted(kinds), report

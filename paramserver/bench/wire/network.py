@@ -11,7 +11,7 @@ GB/s, as a share of the link (bytes/s x 8 / rate: ``*_link_util_R``) and against
 ``pull_link_util``, and its push at 10 Gbit/s against raw TCP's ``push_link_vs_tcp_10g``
 (this machine's CPU caps raw Python TCP below 10 Gbit/s). Then training at the slowest
 rate: DDP against every variant (``network_training.VARIANTS``; ``--quick``: all but
-``topk_2shards``, whose two paths the others run).
+``topk_2shards``, ``local32`` and ``local32_int8_overlap``, whose paths the others run).
 
 The processes inside the namespaces run this module (``probe``): ``tcp-recv`` and
 ``tcp-send`` time raw TCP, ``push`` times a Worker against the server.
@@ -55,8 +55,9 @@ def run(
     for rate in rates:
         netns.rate_bits(rate)  # a bad one fails before anything is made
     variants = network_training.chosen(only)
-    if quick and not only:  # its two paths run in topk's and fp32_2shards': one launch less
-        variants.pop("topk_2shards")
+    if quick and not only:  # their paths run in the others' (topk's and fp32_2shards',
+        for name in ("topk_2shards", "local32", "local32_int8_overlap"):  # int8's, overlap's)
+            variants.pop(name)
     # SIGTERM (a job's timeout, kill) unwinds like Ctrl-C, so every namespace is removed
     signal.signal(signal.SIGTERM, _terminated)
     figures: dict[str, Any] = {"rates": list(rates), "delay": NO_DELAY, "reps": 3 if quick else 5}

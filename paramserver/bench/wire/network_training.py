@@ -55,6 +55,7 @@ class Variant:
     compress: str
     local_steps: int = 0
     policy: str = POLICY
+    overlap: bool = False  # local steps: the exchange behind the next H steps (issue 58)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -70,6 +71,11 @@ VARIANTS: dict[str, Variant] = {
     # (Nesterov's own diverged there: 10.6% after 3 epochs), its rate decaying by cosine
     "local32_int8": Variant(1, "int8", 32, "sync"),
     "local32_int8_async": Variant(1, "int8", 32, "async"),
+    # issue 58: sync local steps in fp32 (the baseline), and with each exchange behind the
+    # next 32 inner steps (--overlap on), in fp32 and int8
+    "local32": Variant(1, "none", 32, "sync"),
+    "local32_overlap": Variant(1, "none", 32, "sync", overlap=True),
+    "local32_int8_overlap": Variant(1, "int8", 32, "sync", overlap=True),
 }
 
 
@@ -122,10 +128,15 @@ def _bytes(net: netns.Network) -> dict[str, tuple[int, int]]:
 
 
 def _traffic(
-    net: netns.Network, before: dict[str, tuple[int, int]], seconds: float, batches: int
+    net: netns.Network,
+    before: dict[str, tuple[int, int]],
+    seconds: float,
+    batches: int,
+    rounds: int,
 ) -> dict[str, float]:
     """Bytes on the workers' links per batch, the share of them the workers sent (pushes;
-    the rest is pulls), and the busiest link's use of the rate."""
+    the rest is pulls), the busiest link's use of the rate, and its bytes (both ways) per
+    round (an optimizer step: DDP's all-reduce, a push's apply, an outer step)."""
     after = _bytes(net)
     moved = {h: [a - b for a, b in zip(after[h], before[h], strict=True)] for h in HOSTS}
     on_workers = sum(sum(moved[h]) for h in WORKERS)
@@ -133,6 +144,7 @@ def _traffic(
     busiest = max(max(moved[h]) for h in HOSTS)
     rate = netns.rate_bits(net.rate or "1gbit")
     return {
+        "busiest_link_bytes_per_round": max(sum(moved[h]) for h in HOSTS) / max(rounds, 1),
         "bytes_per_batch": on_workers / max(batches, 1),
         "push_share": sent / max(on_workers, 1),
         "link_util": busiest * 8 / max(seconds, 1e-9) / rate,
@@ -162,7 +174,7 @@ def _ddp(net: netns.Network, plan: Plan, logs: Path) -> dict[str, Any]:
     return {
         "curve": curve,
         "samples_per_s": batches * BATCH / seconds,
-        **_traffic(net, before, seconds, batches),
+        **_traffic(net, before, seconds, batches, batches // 2),  # a step: a batch a rank
     }
 
 
@@ -192,7 +204,7 @@ def _paramserver(
         "curve": curve,
         "samples_per_s": summary["samples_per_s"],
         "accuracy": summary["test_accuracy"],
-        **_traffic(net, before, summary["train_s"], batches),
+        **_traffic(net, before, summary["train_s"], batches, summary["version"]),
     }
 
 
@@ -212,7 +224,8 @@ def _report(
     ]
     for name, res in results.items():
         seconds = time_to(res["curve"], plan.target)
-        for key in ("samples_per_s", "bytes_per_batch", "push_share", "link_util"):
+        keys = ("samples_per_s", "bytes_per_batch", "push_share", "link_util")
+        for key in (*keys, "busiest_link_bytes_per_round"):
             figures[f"{name}_{key}_{r}"] = res[key]
         figures[f"{name}_time_to_target_s_{r}"] = seconds
         figures[f"{name}_curve_{r}"] = res["curve"]
@@ -275,6 +288,7 @@ def probe(spec: dict[str, Any]) -> None:
     if variant.local_steps:  # DiLoCo: (Delayed) Nesterov outside, AdamW inside
         optimizer = local_outer(variant.policy, steps)
         local = {"push_every": variant.local_steps, **LOCAL_INNER}
+        local["overlap"] = "on" if variant.overlap else "off"
     else:
         optimizer = OptimizerConfig("adam", 1e-3, schedule="cosine", total_steps=steps)
     cfg = LaunchConfig(
