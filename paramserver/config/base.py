@@ -31,7 +31,7 @@ SHM_CHOICES = ("on", "payloads", "off")
 WIRE_CHOICES = ("auto", "grpc")  # --wire: the data port when offered, or gRPC streams
 AMP_MODES = ("off", "bf16", "fp16")  # --amp (training/precision.py)
 INNER_OPTIMIZERS = ("none", "sgd", "adamw")  # --inner-optimizer (training/local_steps.py)
-DATASETS = ("fashion-mnist", "synthetic", "clicks")
+DATASETS = ("fashion-mnist", "synthetic", "clicks", "text")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # The most batches a worker computes per push (--push-every K); the server enforces it too.
 MAX_PUSH_EVERY = 1024
@@ -45,6 +45,9 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "dlrm": {"dataset": "clicks", "epochs": 2, "batch_size": 256, "lr": 1e-2},
 }
 MODEL_DEFAULTS["dlrm-sparse"] = MODEL_DEFAULTS["dlrm"]
+# a byte-level GPT on this Python's standard library (training/text.py): one epoch is
+# about 15,000 samples of 64 bytes
+MODEL_DEFAULTS["gpt-tiny"] = {"dataset": "text", "epochs": 1, "batch_size": 32}
 
 
 # The largest value of each kind of numeric setting: what the protocol's fields, the clocks

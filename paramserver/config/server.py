@@ -40,7 +40,7 @@ class ServerConfig:
     model: str = setting(
         "mlp",
         "--model",
-        "Model factory: mlp, cnn, resnet, dlrm (a click model for --dataset clicks), dlrm-sparse (dlrm with its tables held by the servers row by row) or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: 10 epochs at lr 0.002; dlrm and dlrm-sparse: the clicks data set, 2 epochs, batches of 256, lr 0.01).",
+        "Model factory: mlp, cnn, resnet, dlrm (a click model for --dataset clicks), dlrm-sparse (dlrm with its tables held by the servers row by row), gpt-tiny (a byte-level transformer language model, its head tied to the token embedding, for --dataset text) or module:function. On the command line a built-in model brings its own defaults for what is not given (resnet: 10 epochs at lr 0.002; dlrm and dlrm-sparse: the clicks data set, 2 epochs, batches of 256, lr 0.01; gpt-tiny: the text data set, 1 epoch, batches of 32).",
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     policy: str = setting(
@@ -57,7 +57,7 @@ class ServerConfig:
     dataset: str = setting(
         "fashion-mnist",
         "--dataset",
-        "Training data: fashion-mnist, synthetic, clicks (a synthetic click log, for --model dlrm), or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.",
+        "Training data: fashion-mnist, synthetic, clicks (a synthetic click log, for --model dlrm), text (this Python's standard library as 64-byte windows, for --model gpt-tiny), or module:function returning (train, test), map-style torch Datasets of (input, label) pairs, importable on the workers and by launch.",
     )
     loss: str = setting(
         "",

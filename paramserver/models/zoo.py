@@ -1,6 +1,7 @@
 """The built-in models: ``mlp`` and ``cnn`` (Fashion-MNIST), ``resnet``, ``mlp-20m`` (a
-wide MLP whose bytes dominate its compute), and ``dlrm`` / ``dlrm-sparse`` (the click log),
-each a function that builds a fresh module."""
+wide MLP whose bytes dominate its compute), ``dlrm`` / ``dlrm-sparse`` (the click log) and
+``gpt-tiny`` (a byte-level language model: ``models/gpt.py``), each a function that builds a
+fresh module."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from paramserver.models.gpt import gpt_tiny
 
 # The built-in click log's shape (``training/clicks.py``), which ``dlrm`` is sized for.
 CLICK_FIELDS = 8
@@ -159,4 +162,5 @@ FACTORIES: dict[str, Callable[[], nn.Module]] = {
     "dlrm": dlrm,
     "dlrm-sparse": dlrm_sparse,
     "mlp-20m": mlp_20m,
+    "gpt-tiny": gpt_tiny,
 }

@@ -16,7 +16,7 @@ from torch.utils.data import default_collate
 
 from paramserver import models
 from paramserver.errors import ConfigError, DataUnavailable
-from paramserver.training import clicks
+from paramserver.training import clicks, text
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 _FILES = {
@@ -31,8 +31,8 @@ _MEAN, _STD = 0.2860, 0.3530
 
 @dataclass(frozen=True)
 class Dataset:
-    """Inputs (images as float32 (N, 1, 28, 28); click logs' ids as int64 (N, fields)) and
-    labels as int64 (N,)."""
+    """Inputs (images as float32 (N, 1, 28, 28); click logs' ids as int64 (N, fields);
+    text as int64 bytes (N, T)) and labels as int64 (N,) (text: the next bytes, (N, T))."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -190,6 +190,8 @@ def train_size(name: str, data_dir: str | Path | None = None) -> int:
         return SYNTHETIC_TRAIN
     if name == "clicks":
         return clicks.TRAIN
+    if name == "text":
+        return text.train_size()
     if ":" in name:
         return load_user(name).train_size
     root = Path(data_dir) if data_dir else default_data_dir()
@@ -206,7 +208,7 @@ def train_size(name: str, data_dir: str | Path | None = None) -> int:
 
 
 def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Data:
-    """The data set named ``fashion-mnist``, ``synthetic``, ``clicks`` or
+    """The data set named ``fashion-mnist``, ``synthetic``, ``clicks``, ``text`` or
     ``module:function``."""
     if ":" in name:
         return load_user(name)
@@ -214,12 +216,14 @@ def load(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Data:
 
 
 def load_builtin(name: str, data_dir: str | Path | None = None, seed: int = 0) -> Dataset:
-    """``fashion-mnist`` (or MNIST from ``data_dir``), ``synthetic`` or ``clicks``, as
-    tensors."""
+    """``fashion-mnist`` (or MNIST from ``data_dir``), ``synthetic``, ``clicks`` or
+    ``text`` (``training/text.py``), as tensors."""
     if name == "synthetic":
         return synthetic(seed=seed)
     if name == "clicks":
         return Dataset(*clicks.make(seed=seed))
+    if name == "text":
+        return Dataset(*text.split(text.corpus()))
     return load_idx_folder(data_dir)
 
 

@@ -41,5 +41,7 @@ def test_a_bad_data_set_factory_is_named_in_one_sentence(spec, error, needle):
 
 def test_the_dataset_setting_takes_module_function():
     assert ServerConfig(dataset="tests.user_data:small").dataset == "tests.user_data:small"
-    with pytest.raises(ConfigError, match="fashion-mnist, synthetic, clicks, or module:function"):
+    with pytest.raises(
+        ConfigError, match="fashion-mnist, synthetic, clicks, text, or module:function"
+    ):
         ServerConfig(dataset="imagenet")

@@ -295,6 +295,21 @@ SECTIONS: dict[str, tuple[Figure, ...]] = {
     "network": _figures(
         "network",
         (
+            "local32_overlap_time_to_target_vs_local32_100mbit",
+            "local steps (H 32, fp32, `sync`), the exchange behind the next steps (`--overlap "
+            "on`) vs not, 100 Mbit/s: time to 88%",
+            " ×",
+            "target_local32_overlap_time_to_target_vs_local32_100mbit",
+        ),
+        ("local32_overlap_train_s_vs_local32_100mbit", "the same: training time", " ×"),
+        ("local32_overlap_accuracy_points_vs_local32_100mbit", "the same: accuracy", " points"),
+        (
+            "local32_int8_overlap_time_to_target_vs_local32_100mbit",
+            "overlapped local steps in int8 vs fp32 without overlap: time to 88%",
+            " ×",
+            "target_local32_int8_overlap_time_to_target_vs_local32_100mbit",
+        ),
+        (
             "local32_int8_time_to_88_vs_ddp_100mbit",
             "local steps (H 32, int8, `sync`) vs DDP at 100 Mbit/s: time to 88%",
             " ×",

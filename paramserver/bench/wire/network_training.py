@@ -253,7 +253,40 @@ def _report(
                 f", {time_ratio:.2f} x its time)" if time_ratio is not None else ")"
             )
         rows.append((f"{r}: {name}", text))
+    figures |= versus_baseline(figures, r)
     return rows, figures
+
+
+# issue 58's targets against sync local steps in fp32 (``local32``) in the same run
+BASELINE_TARGETS = {"local32_overlap": 0.65, "local32_int8_overlap": 0.3}
+
+
+def versus_baseline(figures: dict[str, Any], r: str) -> dict[str, float]:
+    """Each local-steps variant against ``local32`` of the same run (where both ran): time
+    to the target, the whole run's training time, and accuracy after the epochs in points;
+    with issue 58's targets for the overlapped ones."""
+    base_t = figures.get(f"local32_time_to_target_s_{r}")
+    base_curve = figures.get(f"local32_curve_{r}")
+    out: dict[str, float] = {}
+    if base_curve is None:
+        return out
+    for name in VARIANTS:
+        curve = figures.get(f"{name}_curve_{r}")
+        if name == "local32" or not name.startswith("local") or curve is None:
+            continue
+        t = figures.get(f"{name}_time_to_target_s_{r}")
+        if t is not None and base_t:
+            out[f"{name}_time_to_target_vs_local32_{r}"] = t / base_t
+        out[f"{name}_train_s_vs_local32_{r}"] = curve[-1][0] / base_curve[-1][0]
+        out[f"{name}_accuracy_points_vs_local32_{r}"] = 100 * (curve[-1][1] - base_curve[-1][1])
+        if name in BASELINE_TARGETS:
+            out[f"target_{name}_time_to_target_vs_local32_{r}"] = BASELINE_TARGETS[name]
+    if (
+        "local32_overlap" in figures.get("only", VARIANTS)
+        or f"local32_overlap_curve_{r}" in figures
+    ):
+        out[f"target_overlap_accuracy_points_vs_local32_{r}"] = -0.5
+    return out
 
 
 def _targets(rate: str) -> dict[str, float]:
