@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from paramserver.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -32,9 +34,9 @@ def trainable(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _rest(model: nn.Module) -> list[torch.Tensor]:
-    """What a pull sets and no inner step trains: frozen parameters, then buffers."""
-    return [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
+def _frozen(model: nn.Module) -> list[torch.Tensor]:
+    """What a pull sets and neither an inner step nor a forward pass changes."""
+    return [p for p in model.parameters() if not p.requires_grad]
 
 
 class _Call:
@@ -58,6 +60,9 @@ class _Call:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
 
     def result(self) -> None:
         self._done.wait()
@@ -85,7 +90,12 @@ class Flight:
         self.step = step
         self.params, self.anchor = trainable(model), list(anchor)
         self.sent = trainable(exchange)
-        self.rest = list(zip(_rest(model), _rest(exchange), strict=True))
+        self.frozen = list(zip(_frozen(model), _frozen(exchange), strict=True))
+        # buffers (BatchNorm's statistics) go out as values with the push, as the replica's:
+        # each is merged like a parameter (kept: what the replica's forward passes added)
+        self.buffers = list(model.buffers())
+        self.sent_buffers = list(exchange.buffers())
+        self.buffer_anchor = [b.detach().clone() for b in self.buffers]
         self._call: _Call | None = None
         self.rounds_merged = 0  # rounds whose pull landed while the replica trained on
 
@@ -104,6 +114,9 @@ class Flight:
                 else:
                     torch.sub(a, p, out=x.grad)
                 a.copy_(p)
+            for b, x, a in zip(self.buffers, self.sent_buffers, self.buffer_anchor, strict=True):
+                x.copy_(b)  # the push carries the replica's statistics
+                a.copy_(b)
         self._call = _Call(lambda: self.step(samples=samples, loss=loss))
 
     def merge(self) -> bool:
@@ -129,18 +142,40 @@ class Flight:
             for p, a, x in zip(self.params, self.anchor, self.sent, strict=True):
                 p.add_(x - a)  # keep the progress made since the push
                 a.copy_(x)
-            self._copy_rest()
+            for b, a, x in zip(self.buffers, self.buffer_anchor, self.sent_buffers, strict=True):
+                b.add_(x - a)
+                a.copy_(x)
+            self._copy_frozen()
         self.rounds_merged += 1
 
     def reset(self) -> None:
         """Drop the progress since the last push: the replica and its anchor := the
-        exchange replica's weights (the global ones last pulled)."""
+        exchange replica's weights (the global ones last pulled). Not while a round is in
+        flight (its pull writes them).
+
+        Raises:
+            ConfigError: a round is in flight: ``land()`` first.
+        """
+        if self._call is not None:
+            raise ConfigError("A round's exchange is in flight: land() it before anchoring.")
         with torch.no_grad():
-            for p, a, x in zip(self.params, self.anchor, self.sent, strict=True):
+            for p, a, x in zip(
+                [*self.params, *self.buffers],
+                [*self.anchor, *self.buffer_anchor],
+                [*self.sent, *self.sent_buffers],
+                strict=True,
+            ):
                 p.copy_(x)
                 a.copy_(x)
-            self._copy_rest()
+            self._copy_frozen()
 
-    def _copy_rest(self) -> None:
-        for mine, pulled in self.rest:
+    def settle(self, timeout: float) -> None:
+        """After a failure elsewhere: give the round in flight up to ``timeout`` seconds to
+        end before the worker is closed under it; its own outcome is not asked for."""
+        call, self._call = self._call, None
+        if call is not None and not call.wait(timeout):
+            log.warning("closing the worker with a round's exchange still in flight")
+
+    def _copy_frozen(self) -> None:
+        for mine, pulled in self.frozen:
             mine.copy_(pulled)

@@ -23,7 +23,8 @@ server hands out H batches a pull, each applied exactly once as a push of H batc
 inner steps (``inflight.py``): you train ``local.model``, a copy of the worker's model (build
 the inner optimizer on its parameters), ``sync`` returns at once, ``merge()`` takes the new
 global weights in as soon as they land (call it after inner steps; ``sync`` does in any case),
-and ``close()`` lands the last round and closes the worker.
+and ``close()`` lands the last round and closes the worker (or ``with ps.LocalSteps(...) as
+local:``, which does; close the worker through it, not on its own, while a round may fly).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from paramserver.training.inflight import Flight, trainable
 
 if TYPE_CHECKING:
     from paramserver.worker.worker import Worker
+
+
+SETTLE_SECONDS = 60.0  # a failed loop's wait for the round in flight before closing
 
 
 class LocalSteps:
@@ -131,3 +135,16 @@ class LocalSteps:
             self.land()
         finally:
             self.worker.close()
+
+    def __enter__(self) -> LocalSteps:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        """``close()``; after an exception, the round in flight (if any) gets up to a minute
+        to end before the worker is closed without waiting for its pushes."""
+        if kind is None:
+            self.close()
+            return
+        if self.flight is not None:
+            self.flight.settle(SETTLE_SECONDS)
+        self.worker.close_quietly()

@@ -260,10 +260,23 @@ def _train_overlapped(
     anew, so each batch is still applied exactly once. (steps, samples, empty steps)"""
     assert local.flight is not None
     worker.name_next_batches()  # each pull from now on also names the next round's batches
-    steps = samples = empty = 0
-    todo: list[int] = []  # while a round is in flight: the batches trained meanwhile
     if cfg.batch_log:
         worker.landed_batches()
+    try:
+        return _overlapped_rounds(cfg, worker, local, compute)
+    except BaseException:
+        local.flight.settle(cfg.rpc_timeout)  # not closed under its exchange (run's close)
+        raise
+
+
+def _overlapped_rounds(
+    cfg: WorkerConfig,
+    worker: Worker,
+    local: LocalSteps,
+    compute: Callable[[list[int]], tuple[int, float]],
+) -> tuple[int, int, int]:
+    steps = samples = empty = 0
+    todo: list[int] = []  # while a round is in flight: the batches trained meanwhile
     while True:
         if cfg.batch_log:
             _audit(cfg.batch_log, worker.landed_batches())

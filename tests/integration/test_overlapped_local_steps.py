@@ -5,6 +5,7 @@ keeping the steps taken meanwhile (``training/inflight.py``)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,46 @@ def test_every_inner_step_is_pushed_once_and_none_is_lost(serve, policy):
     assert status["version"] == status["pushes_applied"] == ROUNDS
 
 
+def test_batchnorm_statistics_go_out_with_the_push_and_stay_through_the_merge(serve):
+    """A model's buffers travel as the replica's values: with one worker and outer SGD at
+    lr 1, the server's and the replica's BatchNorm statistics end where the same steps end
+    with no server (before: the pulled buffers went back out, and came back as zeros)."""
+
+    def bn() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2)
+        )
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 4, generator=g) * 3 + 1, torch.randint(0, 2, (16,), generator=g))]
+    batches *= H * ROUNDS
+    server = serve(bn(), policy="sync", workers=1, optimizer="sgd", lr=1.0)
+    with ps.Worker(server.address, bn(), overlap=False) as worker:
+        local = ps.LocalSteps(worker, overlap=True)
+        inner = torch.optim.SGD(local.model.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(batches):
+            torch.nn.functional.cross_entropy(local.model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+            local.merge()
+            if (i + 1) % H == 0:
+                local.sync(samples=H * 16)
+        local.land()
+        mine = {k: v.clone() for k, v in local.model.state_dict().items()}
+    alone = bn()
+    inner = torch.optim.SGD(alone.parameters(), lr=0.1)
+    for x, y in batches:
+        torch.nn.functional.cross_entropy(alone(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+    served = server.model_state_dict()
+    for name, want in alone.state_dict().items():
+        torch.testing.assert_close(mine[name], want, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(served[name], want, rtol=1e-4, atol=1e-5, msg=name)
+    assert int(served["1.num_batches_tracked"]) == H * ROUNDS
+
+
 def test_two_sync_workers_end_on_the_global_weights_with_each_round_applied_once(serve):
     """Two workers under sync with Nesterov's outer step: a round's two pseudo-gradients
     make one outer step, each round once, and once the last has landed both replicas hold
@@ -125,6 +166,30 @@ def test_the_exchange_failing_is_raised_to_the_loop_and_the_replica_reset():
     assert calls == [5]  # the second round was not sent over a failed one
     for p, want in zip(local.model.parameters(), pulled, strict=True):
         assert torch.equal(p.detach(), want)
+
+
+def test_anchoring_while_a_round_flies_is_refused_and_a_failed_loop_settles_it():
+    from types import SimpleNamespace
+
+    released = threading.Event()
+    closed = []
+    fake = SimpleNamespace(
+        overlap=False,
+        tables=None,
+        model=torch.nn.Linear(2, 2),
+        step=lambda samples, loss: released.wait(30),
+        close_quietly=lambda: closed.append(released.is_set()),
+    )
+    with (
+        pytest.raises(RuntimeError, match="the loop failed"),
+        ps.LocalSteps(fake, overlap=True) as local,
+    ):
+        local.sync(samples=1)
+        with pytest.raises(ps.ConfigError, match="in flight"):
+            local.anchored()
+        threading.Timer(0.2, released.set).start()
+        raise RuntimeError("the loop failed")
+    assert closed == [True]  # the worker was closed only once its round had ended
 
 
 @pytest.mark.parametrize("policy", ["sync", "async"])

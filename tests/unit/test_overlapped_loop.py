@@ -62,7 +62,7 @@ def test_each_push_carries_the_progress_of_its_batches_and_a_stale_round_is_drop
         local.merge()
         return 64 * len(todo), 0.0
 
-    cfg = SimpleNamespace(batch_log=None, max_steps=None, step_delay=0.0)
+    cfg = SimpleNamespace(batch_log=None, max_steps=None, step_delay=0.0, rpc_timeout=5.0)
     steps, samples, empty = _train_overlapped(cfg, worker, local, compute)
     assert worker.ahead
     assert trained == [[0, 1], [2, 3], [4, 5], [6, 7], [9, 10]]
@@ -89,7 +89,7 @@ def test_an_empty_sync_round_counts_in_and_max_steps_ends_the_loop():
             local.model.weight.add_(sum(todo) + 1)
         return 64, 0.0
 
-    cfg = SimpleNamespace(batch_log=None, max_steps=3, step_delay=0.0)
+    cfg = SimpleNamespace(batch_log=None, max_steps=3, step_delay=0.0, rpc_timeout=5.0)
     steps, samples, empty = _train_overlapped(cfg, worker, local, compute)
     assert (steps, empty) == (3, 1)
     assert worker.pushed == [([0], -1.0), ([], None), ([1], -2.0), ([2], -3.0)]
