@@ -69,7 +69,7 @@ class WorkerConfig:
     overlap: str = setting(
         "auto",
         "--overlap",
-        "Push in the background while the next step computes (ssp:K, async); with --inner-optimizer, the local steps' exchange behind the next H steps (any policy); with shared memory, also fetch the next weights meanwhile; for a model with tables that says its ids (table_ids), also the next batch's rows; auto: on for CUDA, off on CPU.",
+        "Push in the background while the next step computes (ssp:K, async); with --inner-optimizer, the local steps' exchange behind the next H steps (any policy); with shared memory, also fetch the next weights meanwhile; for a model with tables that says its ids (table_ids), also the next batch's rows; auto: on for CUDA, off on CPU (with --inner-optimizer: off).",
         choices=("auto", "on", "off"),
     )
     shm: str = setting(
