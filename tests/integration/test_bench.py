@@ -238,6 +238,9 @@ def test_bench_quick_json(name):
         assert figures["local32_overlap_samples_per_s_1gbit"] > 0
         for name in ("ddp", "fp32", "local32_int8", "local32_overlap"):
             assert figures[f"{name}_busiest_link_bytes_per_round_1gbit"] > 0, name
+        for name in ("fp32", "local32_overlap"):  # the whole process against its training
+            whole = figures[f"{name}_whole_run_s_1gbit"]
+            assert figures[f"{name}_whole_vs_train_1gbit"] > 1.0 and whole > 0, name
         assert _namespaces() <= namespaces_before, "the bench left namespaces behind"
     if name == "accuracy":
         # every contender reached the quick target (60% on the synthetic set) in 2 epochs
