@@ -166,15 +166,15 @@ class Session:
 
     def join(self, request: pb.JoinRequest, retry: bool = False) -> pb.JoinResponse:
         """Join (or, with our id in ``request``, join again); LIVE once answered."""
+        if retry and self._stop.is_set():  # closing: no member left behind after its Leave
+            raise ServerUnavailable(f"Not joining {self.address} again: the worker is closing.")
         request.name = self.name
         request.worker_id = self.worker_id
         del request.past_ids[:]
         request.past_ids.extend(self.past_ids)
-        # one id for this attempt and its retries: a retry whose first reply was lost gets
-        # the member that reply named, not a second one
+        # one id for this attempt and its retries: a retry after a lost reply gets that member
         request.join_id = uuid.uuid4().hex
-        # A full cluster waits for a slot (a lease runs out, a requeued job meets its old
-        # workers); a join past its deadline is tried again: its join_id makes it the same.
+        # a full cluster waits for a slot; a join past its deadline is retried (same join_id)
         reply = self.retrying(
             "rejoin" if retry else "join",
             lambda: self.channel.join(request, timeout=self.rpc_timeout),
