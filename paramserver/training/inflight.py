@@ -96,8 +96,17 @@ class Flight:
         self.buffers = list(model.buffers())
         self.sent_buffers = list(exchange.buffers())
         self.buffer_anchor = [b.detach().clone() for b in self.buffers]
+        # (mine, its anchor, the exchange replica's): what a landing merges, a reset copies
+        self.merged = list(
+            zip(
+                [*self.params, *self.buffers],
+                [*self.anchor, *self.buffer_anchor],
+                [*self.sent, *self.sent_buffers],
+                strict=True,
+            )
+        )
         self._call: _Call | None = None
-        self.rounds_merged = 0  # rounds whose pull landed while the replica trained on
+        self.rounds_merged = 0  # rounds landed and merged
 
     @property
     def in_flight(self) -> bool:
@@ -139,11 +148,8 @@ class Flight:
             self.reset()
             raise
         with torch.no_grad():
-            for p, a, x in zip(self.params, self.anchor, self.sent, strict=True):
+            for p, a, x in self.merged:
                 p.add_(x - a)  # keep the progress made since the push
-                a.copy_(x)
-            for b, a, x in zip(self.buffers, self.buffer_anchor, self.sent_buffers, strict=True):
-                b.add_(x - a)
                 a.copy_(x)
             self._copy_frozen()
         self.rounds_merged += 1
@@ -159,12 +165,7 @@ class Flight:
         if self._call is not None:
             raise ConfigError("A round's exchange is in flight: land() it before anchoring.")
         with torch.no_grad():
-            for p, a, x in zip(
-                [*self.params, *self.buffers],
-                [*self.anchor, *self.buffer_anchor],
-                [*self.sent, *self.sent_buffers],
-                strict=True,
-            ):
+            for p, a, x in self.merged:
                 p.copy_(x)
                 a.copy_(x)
             self._copy_frozen()
